@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of protos/logprob/v1/logprob.proto (make proto)."""

@@ -1,0 +1,117 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Sequence(_message.Message):
+    __slots__ = ("prompt_ids", "completion_ids")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "model", "sequences", "temperature", "return_entropy")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
+    temperature: float
+    return_entropy: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ...) -> None: ...
+
+class SequenceScores(_message.Message):
+    __slots__ = ("logprobs", "entropies")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENTROPIES_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    entropies: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropies: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Metadata(_message.Message):
+    __slots__ = ("tokens", "queue_ns", "compute_ns", "total_ns")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    queue_ns: int
+    compute_ns: int
+    total_ns: int
+    def __init__(self, tokens: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("request_id", "model", "model_version", "scores", "metadata", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    model_version: int
+    scores: _containers.RepeatedCompositeFieldContainer[SequenceScores]
+    metadata: Metadata
+    error: Error
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[SequenceScores, _Mapping]]] = ..., metadata: _Optional[_Union[Metadata, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelLimits(_message.Message):
+    __slots__ = ("max_sequence_tokens", "max_sequences_per_request", "max_tokens_per_request")
+    MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    max_sequence_tokens: int
+    max_sequences_per_request: int
+    max_tokens_per_request: int
+    def __init__(self, max_sequence_tokens: _Optional[int] = ..., max_sequences_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    vocab_size: int
+    max_positions: int
+    dtype: str
+    version: int
+    fingerprint: str
+    limits: ModelLimits
+    source: str
+    device: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,317 @@
+"""``LogprobClient`` (blocking) and ``AsyncLogprobClient`` (asyncio): the same API.
+
+    from logprob_client import LogprobClient
+
+    with LogprobClient("localhost:50051") as client:
+        logprobs = client.score([[1, 2, 3]], [[4, 5]])   # [array([-8.1, -7.9], dtype=float32)]
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ._proto import logprob_pb2 as pb
+from ._proto import logprob_pb2_grpc as pb_grpc
+from .channel import channel_options
+from .errors import LogprobError, error_for_status, error_from_rpc
+from .inputs import Prepared, assemble, prepare
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_sequence_tokens: int
+    max_sequences_per_request: int
+    max_tokens_per_request: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    vocab_size: int
+    max_positions: int
+    dtype: str
+    version: int
+    fingerprint: str
+    limits: ModelLimits
+    source: str
+    device: str
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    """One batch for ``score_many``: the same arguments ``score`` takes."""
+
+    prompt_ids: Any
+    completion_ids: Any
+    prompt_mask: Any = None
+    completion_mask: Any = None
+
+
+def _model_info(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        name=m.name,
+        architecture=m.architecture,
+        vocab_size=m.vocab_size,
+        max_positions=m.max_positions,
+        dtype=m.dtype,
+        version=m.version,
+        fingerprint=m.fingerprint,
+        limits=ModelLimits(
+            max_sequence_tokens=m.limits.max_sequence_tokens,
+            max_sequences_per_request=m.limits.max_sequences_per_request,
+            max_tokens_per_request=m.limits.max_tokens_per_request,
+        ),
+        source=m.source,
+        device=m.device,
+    )
+
+
+def _request(prepared: Prepared, model: str, temperature: float, return_entropy: bool) -> pb.ScoreRequest:
+    return pb.ScoreRequest(
+        request_id=str(uuid.uuid4()),
+        model=model,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        sequences=[pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in prepared.sequences],
+    )
+
+
+def _result(prepared: Prepared, response: pb.ScoreResponse, return_entropy: bool) -> Any:
+    logprobs = assemble(prepared, [np.asarray(s.logprobs, dtype=np.float32) for s in response.scores])
+    if not return_entropy:
+        return logprobs
+    return logprobs, assemble(prepared, [np.asarray(s.entropies, dtype=np.float32) for s in response.scores])
+
+
+def _empty(prepared: Prepared, return_entropy: bool) -> Any:
+    """Nothing to score (every completion masked out): answer locally, the server would refuse."""
+    logprobs = assemble(prepared, [])
+    return (logprobs, assemble(prepared, [])) if return_entropy else logprobs
+
+
+class _Calls:
+    """What both clients share: defaults, request building, result unpacking."""
+
+    def __init__(self, *, model: str, timeout: float) -> None:
+        self.model = model
+        self.timeout = timeout
+
+    def prepare_call(
+        self, inp: ScoreInput, model: str | None, temperature: float, return_entropy: bool
+    ) -> tuple[Prepared, pb.ScoreRequest | None]:
+        if not (temperature > 0 and np.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        prepared = prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
+        if not prepared.sequences and prepared.dense_shape is not None:
+            return prepared, None
+        return prepared, _request(prepared, model or self.model, temperature, return_entropy)
+
+
+class LogprobClient(_Calls):
+    """Blocking client.
+
+    ``target``: a gRPC target ("host:port", "dns:///host:port"). ``timeout``: deadline of every
+    call, seconds (overridable per call). ``options``: extra gRPC channel options.
+    UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential backoff (gRPC's retry policy,
+    up to ``max_attempts`` tries) within the deadline; other failures raise at once.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        model: str = "default",
+        max_attempts: int = 5,
+        options: Sequence[tuple[str, Any]] | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        super().__init__(model=model, timeout=timeout)
+        self._channel = channel or grpc.insecure_channel(
+            target, options=channel_options(max_attempts=max_attempts, extra=list(options or []))
+        )
+        self._stub = pb_grpc.LogprobServiceStub(self._channel)
+
+    def score(
+        self,
+        prompt_ids: Any,
+        completion_ids: Any,
+        *,
+        model: str | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        prompt_mask: Any = None,
+        completion_mask: Any = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Log-probs of every completion token (and entropies, as a second value, when asked).
+
+        Lists in -> list of float32 arrays out; 2-D arrays/tensors in -> one (B, C) array/tensor
+        out (see ``logprob_client.inputs``).
+        """
+        inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
+        prepared, request = self.prepare_call(inp, model, temperature, return_entropy)
+        if request is None:
+            return _empty(prepared, return_entropy)
+        try:
+            response = self._stub.ScoreTokens(request, timeout=timeout or self.timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return _result(prepared, response, return_entropy)
+
+    def score_many(
+        self,
+        inputs: Iterable[ScoreInput],
+        *,
+        model: str | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Score several batches pipelined over one stream; results in input order.
+
+        A failed batch raises its typed error, or, with ``return_exceptions``, takes its place.
+        """
+        calls = [self.prepare_call(inp, model, temperature, return_entropy) for inp in inputs]
+        requests = {c[1].request_id: c[1] for c in calls if c[1] is not None}
+        responses: dict[str, pb.ScoreResponse] = {}
+        try:
+            for response in self._stub.ScoreTokensStream(iter(requests.values()), timeout=timeout or self.timeout):
+                responses[response.request_id] = response
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return _collect(calls, responses, return_entropy, return_exceptions)
+
+    def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        try:
+            response = self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return [_model_info(m) for m in response.models]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> LogprobClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncLogprobClient(_Calls):
+    """asyncio client with the same API as ``LogprobClient`` (methods are coroutines)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        model: str = "default",
+        max_attempts: int = 5,
+        options: Sequence[tuple[str, Any]] | None = None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        super().__init__(model=model, timeout=timeout)
+        self._channel = channel or grpc.aio.insecure_channel(
+            target, options=channel_options(max_attempts=max_attempts, extra=list(options or []))
+        )
+        self._stub = pb_grpc.LogprobServiceStub(self._channel)
+
+    async def score(
+        self,
+        prompt_ids: Any,
+        completion_ids: Any,
+        *,
+        model: str | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        prompt_mask: Any = None,
+        completion_mask: Any = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """See ``LogprobClient.score``."""
+        inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
+        prepared, request = self.prepare_call(inp, model, temperature, return_entropy)
+        if request is None:
+            return _empty(prepared, return_entropy)
+        try:
+            response = await self._stub.ScoreTokens(request, timeout=timeout or self.timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return _result(prepared, response, return_entropy)
+
+    async def score_many(
+        self,
+        inputs: Iterable[ScoreInput],
+        *,
+        model: str | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """See ``LogprobClient.score_many``."""
+        calls = [self.prepare_call(inp, model, temperature, return_entropy) for inp in inputs]
+        requests = {c[1].request_id: c[1] for c in calls if c[1] is not None}
+        responses: dict[str, pb.ScoreResponse] = {}
+        try:
+            call = self._stub.ScoreTokensStream(iter(requests.values()), timeout=timeout or self.timeout)
+            async for response in call:
+                responses[response.request_id] = response
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return _collect(calls, responses, return_entropy, return_exceptions)
+
+    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        try:
+            response = await self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return [_model_info(m) for m in response.models]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncLogprobClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _collect(
+    calls: list[tuple[Prepared, pb.ScoreRequest | None]],
+    responses: dict[str, pb.ScoreResponse],
+    return_entropy: bool,
+    return_exceptions: bool,
+) -> list[Any]:
+    results: list[Any] = []
+    for prepared, request in calls:
+        if request is None:
+            results.append(_empty(prepared, return_entropy))
+            continue
+        response = responses.get(request.request_id)
+        if response is None:
+            error: LogprobError | None = error_for_status(grpc.StatusCode.UNKNOWN, f"no response for {request.request_id}")
+        elif response.HasField("error"):
+            error = error_for_status(response.error.code, response.error.message)
+        else:
+            error = None
+        if error is not None:
+            if not return_exceptions:
+                raise error
+            results.append(error)
+        else:
+            results.append(_result(prepared, response, return_entropy))
+    return results

@@ -1,0 +1,81 @@
+"""Typed client exceptions, one per gRPC status the service answers with.
+
+Each carries the server's message (which names the field, index and limit at fault) and the
+status code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class LogprobError(Exception):
+    """Base of every error this client raises for a failed call."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+class InvalidRequest(LogprobError):
+    """INVALID_ARGUMENT: fix the request (the message says which field, index and limit)."""
+
+
+class ModelNotFound(LogprobError):
+    """NOT_FOUND: no model of that name is served."""
+
+
+class Overloaded(LogprobError):
+    """RESOURCE_EXHAUSTED: the server's queue is full; retried automatically, then raised."""
+
+
+class Unavailable(LogprobError):
+    """UNAVAILABLE: server starting, draining or unreachable; retried automatically, then raised."""
+
+
+class DeadlineExceeded(LogprobError):
+    """DEADLINE_EXCEEDED: the call's timeout passed."""
+
+
+class Unauthenticated(LogprobError):
+    """UNAUTHENTICATED: missing or wrong credentials."""
+
+
+class PermissionDenied(LogprobError):
+    """PERMISSION_DENIED: the credentials lack the scope for this call."""
+
+
+class Cancelled(LogprobError):
+    """CANCELLED: the call was cancelled."""
+
+
+class ServerError(LogprobError):
+    """INTERNAL or any other status: a server-side problem (the server log has the request id)."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[LogprobError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: ModelNotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
+_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def error_for_status(code: grpc.StatusCode | int, message: str) -> LogprobError:
+    """The typed exception for a status code (a grpc.StatusCode or its integer value)."""
+    if isinstance(code, int):
+        code = _CODE_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(code, ServerError)(message, code)
+
+
+def error_from_rpc(err: grpc.RpcError) -> LogprobError:
+    return error_for_status(err.code(), err.details() or "")

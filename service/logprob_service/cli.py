@@ -1,0 +1,84 @@
+"""``logprob-service serve``: the command line. Every setting is a flag (derived from config.Settings)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import typing
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from . import __version__
+from .config import Settings, load_settings
+
+_MODEL_FLAG_HELP = (
+    "NAME=SOURCE of a model to serve; repeat for several. A bare SOURCE is named 'default'. "
+    "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, or a hub id. "
+    "[env LOGPROB_MODELS; default: default=builtin:tiny-llama]"
+)
+
+
+def _flag_type(annotation: object) -> tuple[type, list[str] | None]:
+    """argparse type and choices for a Settings field's annotation."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, list(typing.get_args(annotation))
+    return (annotation if annotation in (int, float, str) else str), None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="logprob-service", description="Token log-prob scoring service.")
+    parser.add_argument("--version", action="version", version=f"logprob-service {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve models over gRPC",
+        description="Serve models over gRPC. Precedence: flags > LOGPROB_* environment > --config file > defaults.",
+        argument_default=argparse.SUPPRESS,  # only flags given on the command line override
+    )
+    serve.add_argument("--config", help="YAML file of settings (same names as the flags, with _) [env LOGPROB_CONFIG]")
+    serve.add_argument("--model", dest="models", action="append", metavar="NAME=SOURCE", help=_MODEL_FLAG_HELP)
+    for name, field in Settings.model_fields.items():
+        if name == "models":
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description} [env LOGPROB_{name.upper()}; default: {field.get_default(call_default_factory=True)}]"
+        if field.annotation is bool:
+            serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            kind, choices = _flag_type(field.annotation)
+            serve.add_argument(flag, dest=name, type=kind, choices=choices, help=help_text)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return load_settings(getattr(args, "config", None) or os.environ.get("LOGPROB_CONFIG"), **overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, FileNotFoundError, ValueError) as err:
+        print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from .models.loading import ModelLoadError
+    from .server import serve
+
+    try:
+        asyncio.run(serve(settings))
+    except ModelLoadError as err:
+        logging.getLogger("logprob_service").error("%s", err)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Server settings: one pydantic-settings model.
+
+Precedence, lowest first: defaults < YAML config file < environment (``LOGPROB_*``) < CLI flags.
+Every field is also a CLI flag (``cli.py`` derives the flags from this model), so the field's
+description is the one piece of documentation for both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+MiB = 1024**2
+DEFAULT_MODEL_SOURCE = "builtin:tiny-llama"
+
+
+def parse_model_specs(value: Any) -> dict[str, str]:
+    """Models as NAME=SOURCE specs: a mapping, a list of specs, JSON, or a comma-separated string.
+
+    A spec without ``NAME=`` is named ``default``.
+    """
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith(("{", "[")):
+            return parse_model_specs(json.loads(text))
+        value = [part for part in text.split(",") if part.strip()]
+    models: dict[str, str] = {}
+    for spec in value:
+        name, sep, source = str(spec).strip().partition("=")
+        if not sep:
+            name, source = "default", name
+        name, source = name.strip(), source.strip()
+        if not name or not source:
+            raise ValueError(f"model spec {spec!r} is not NAME=SOURCE")
+        if name in models:
+            raise ValueError(f"model name {name!r} is declared twice")
+        models[name] = source
+    return models
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOGPROB_", extra="forbid", validate_default=True)
+
+    # Where to listen.
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds to (0.0.0.0 for all).")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one).")
+    metrics_port: int = Field(
+        9481, ge=0, le=65535, description="Port of the Prometheus /metrics HTTP endpoint (0 disables it)."
+    )
+
+    # What to serve, where.
+    models: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=lambda: {"default": DEFAULT_MODEL_SOURCE},
+        description=(
+            "Models to serve as NAME=SOURCE (repeatable flag --model; env: comma-separated or JSON). "
+            "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, or a hub id. "
+            "A bare SOURCE is named 'default'."
+        ),
+    )
+    device: str = Field("auto", description="Torch device: auto (cuda if present, else cpu), cpu, cuda, cuda:N.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype: auto (bfloat16 on cuda, float32 on cpu)."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from checkpoints (transformers).")
+
+    # Scoring.
+    lm_head_chunk_bytes: int = Field(
+        256 * MiB,
+        ge=MiB,
+        description="Byte budget of one (rows, vocab) float32 logit slab of the chunked lm_head projection.",
+    )
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="Padded tokens (sequences x longest) in one forward pass of the model."
+    )
+    max_batch_sequences: int = Field(64, ge=1, description="Sequences in one forward pass of the model.")
+
+    # Limits and overload.
+    max_sequences_per_request: int = Field(4096, ge=1, description="Most sequences in one ScoreRequest.")
+    max_tokens_per_request: int = Field(
+        1_048_576, ge=1, description="Most prompt + completion tokens, summed over one ScoreRequest."
+    )
+    max_queued_tokens: int = Field(
+        4_194_304,
+        ge=1,
+        description="Tokens admitted but not yet scored; beyond it requests get RESOURCE_EXHAUSTED.",
+    )
+    max_message_bytes: int = Field(
+        256 * MiB, ge=4 * MiB, description="Largest gRPC message received or sent (gRPC's default is 4 MiB)."
+    )
+
+    # Lifecycle and logs.
+    grace_period_s: float = Field(
+        30.0, ge=0, description="On SIGTERM/SIGINT: how long in-flight RPCs may take to finish."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: Any) -> dict[str, str]:
+        models = parse_model_specs(value)
+        if not models:
+            raise ValueError("at least one model must be served")
+        return models
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Earlier sources win: flags (passed as init kwargs) > environment > YAML file.
+        # The YAML file is named by model_config["yaml_file"], set by load_settings.
+        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
+    """Settings from ``config_file`` (YAML), the environment and ``overrides`` (the CLI flags)."""
+    path = Path(config_file) if config_file else None
+    if path is not None and not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+
+    if path is None:
+        return Settings(**overrides)
+
+    class FileSettings(Settings):
+        model_config = SettingsConfigDict(yaml_file=path)
+
+    return FileSettings(**overrides)

@@ -1,0 +1,80 @@
+"""protobuf <-> domain objects. The only module of the server, with servicer.py, that sees protobuf."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+from logprob_client._proto import logprob_pb2 as pb
+
+from .errors import LogprobError
+from .jobs import ScoreJob, ScoreResult, TokenSequence
+from .models.registry import ModelInfo
+from .validation import RequestLimits, validate_temperature
+
+DEFAULT_MODEL = "default"
+
+
+def job_from_request(request: pb.ScoreRequest, deadline: float | None) -> ScoreJob:
+    return ScoreJob(
+        request_id=request.request_id or str(uuid.uuid4()),
+        model=request.model or DEFAULT_MODEL,
+        sequences=[
+            TokenSequence(
+                prompt_ids=np.asarray(seq.prompt_ids, dtype=np.int64),
+                completion_ids=np.asarray(seq.completion_ids, dtype=np.int64),
+            )
+            for seq in request.sequences
+        ],
+        temperature=validate_temperature(request.temperature),
+        return_entropy=request.return_entropy,
+        deadline=deadline,
+    )
+
+
+def response_from_result(result: ScoreResult) -> pb.ScoreResponse:
+    return pb.ScoreResponse(
+        request_id=result.request_id,
+        model=result.model,
+        model_version=result.model_version,
+        scores=[
+            pb.SequenceScores(
+                logprobs=s.logprobs, entropies=s.entropies if s.entropies is not None else ()
+            )
+            for s in result.scores
+        ],
+        metadata=pb.Metadata(
+            tokens=result.tokens,
+            queue_ns=result.timings.queue_ns,
+            compute_ns=result.timings.compute_ns,
+            total_ns=result.timings.total_ns,
+        ),
+    )
+
+
+def error_response(request: pb.ScoreRequest, error: LogprobError) -> pb.ScoreResponse:
+    """A stream response standing for a failed request."""
+    return pb.ScoreResponse(
+        request_id=request.request_id,
+        model=request.model or DEFAULT_MODEL,
+        error=pb.Error(code=error.status.value[0], message=error.message),
+    )
+
+
+def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=info.name,
+        source=info.source,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        max_positions=info.max_positions or 0,
+        dtype=info.dtype,
+        device=info.device,
+        version=info.version,
+        fingerprint=info.fingerprint,
+        limits=pb.ModelLimits(
+            max_sequence_tokens=info.max_positions or 0,
+            max_sequences_per_request=limits.max_sequences_per_request,
+            max_tokens_per_request=limits.max_tokens_per_request,
+        ),
+    )

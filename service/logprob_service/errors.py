@@ -1,0 +1,55 @@
+"""Domain errors, each with the gRPC status it is answered with.
+
+Raised anywhere below the servicer; ``interceptors.ExceptionToStatusInterceptor`` (unary RPCs)
+and the stream handler turn them into statuses. Messages name the field, the index, the bad
+value and the limit, so a caller can fix the request without reading server logs.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class LogprobError(Exception):
+    """Base of the errors a caller can act on."""
+
+    status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+class InvalidArgument(LogprobError):
+    status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ModelNotFound(LogprobError):
+    status = grpc.StatusCode.NOT_FOUND
+
+
+class Overloaded(LogprobError):
+    """The queue is over its token budget. Retryable: the hint is sent as gRPC's standard
+    ``grpc-retry-pushback-ms``, which clients with a retry policy honour."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(f"{message}; retry after {retry_after_s * 1000:.0f} ms")
+        self.retry_after_s = retry_after_s
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc-retry-pushback-ms", str(max(1, round(self.retry_after_s * 1000)))),)
+
+
+class DeadlineExceeded(LogprobError):
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(LogprobError):
+    """Not serving yet (loading, warming up) or any more (draining). Retryable elsewhere."""
+
+    status = grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,62 @@
+"""Plain domain objects passed between the RPC layer, the scheduler and the executor.
+
+Nothing here knows about protobuf or torch: the servicer converts protobuf to these, the
+executor converts these to tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TokenSequence:
+    """One sequence to score: log p(completion_ids[t] | prompt_ids, completion_ids[:t])."""
+
+    prompt_ids: np.ndarray  # [P] int64
+    completion_ids: np.ndarray  # [C] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """One ScoreTokens request, validated against its model."""
+
+    request_id: str
+    model: str
+    sequences: list[TokenSequence]
+    temperature: float = 1.0
+    return_entropy: bool = False
+    deadline: float | None = None  # time.monotonic() after which the work is useless
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class SequenceScores:
+    logprobs: np.ndarray  # [C] float32
+    entropies: np.ndarray | None = None  # [C] float32 when asked for
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_ns: int = 0
+    compute_ns: int = 0
+    total_ns: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    request_id: str
+    model: str
+    model_version: int
+    scores: list[SequenceScores]
+    tokens: int
+    timings: Timings = field(default_factory=Timings)

@@ -1,0 +1,1 @@
+"""Model loading, the served-model registry, and scoring with a loaded model."""

@@ -1,0 +1,87 @@
+"""Load a causal LM from a model SOURCE onto a device, in a dtype.
+
+SOURCE is ``builtin:<name>`` (embedded, made locally), a local Hugging Face checkpoint
+directory, or a hub id (downloaded by transformers; needs network or a warm HF cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from .builtin import BUILTIN_PREFIX, build_builtin
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model SOURCE could not be loaded; the message names the source and the cause."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available here")
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 on the CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}") from None
+
+
+def attention_implementation(config: PretrainedConfig) -> str:
+    """SDPA, except for models whose attention softcaps its logits (Gemma 2): SDPA cannot
+    express that, so they get the eager implementation, which is exact."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        log.warning(
+            "%s softcaps attention logits, which SDPA cannot do: using eager attention (exact, slower)",
+            type(config).__name__,
+        )
+        return "eager"
+    return "sdpa"
+
+
+def load_causal_lm(
+    source: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Load ``source`` in eval mode on ``device`` in ``dtype``."""
+    try:
+        if source.startswith(BUILTIN_PREFIX):
+            model = build_builtin(source.removeprefix(BUILTIN_PREFIX))
+        else:
+            local = Path(source).expanduser()
+            if local.exists() and not local.is_dir():
+                raise ModelLoadError(f"{source!r} is a file; a checkpoint directory is expected")
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                source,
+                config=config,
+                dtype=dtype,
+                attn_implementation=attention_implementation(config),
+                trust_remote_code=trust_remote_code,
+            )
+    except ModelLoadError:
+        raise
+    except Exception as err:  # transformers raises OSError/ValueError/... with useful text
+        raise ModelLoadError(f"could not load model from {source!r}: {err}") from err
+    return model.to(device=device, dtype=dtype).eval()

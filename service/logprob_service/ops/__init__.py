@@ -1,0 +1,1 @@
+"""Tensor ops of the scoring hot path: pure torch, no protobuf, no I/O."""

@@ -1,0 +1,161 @@
+"""Assembly: models + scheduler + servicer + health + reflection into a grpc.aio server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+
+from .config import Settings
+from .executor import DeviceExecutor
+from .interceptors import ExceptionToStatusInterceptor
+from .jobs import ScoreJob, TokenSequence
+from .models.loading import resolve_device, resolve_dtype
+from .models.registry import ModelRegistry, load_served_model
+from .scheduler import Scheduler
+from .servicer import LogprobServicer
+from .state import SERVICE_NAME, ServingState
+from .validation import RequestLimits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """Everything behind the RPC surface; owned by one event loop."""
+
+    settings: Settings
+    registry: ModelRegistry
+    executor: DeviceExecutor
+    scheduler: Scheduler
+    state: ServingState
+
+    @classmethod
+    def create(cls, settings: Settings, registry: ModelRegistry | None = None) -> Service:
+        registry = registry if registry is not None else ModelRegistry()
+        executor = DeviceExecutor()
+        scheduler = Scheduler(registry, executor, max_queued_tokens=settings.max_queued_tokens)
+        return cls(settings, registry, executor, scheduler, ServingState())
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_sequences_per_request=self.settings.max_sequences_per_request,
+            max_tokens_per_request=self.settings.max_tokens_per_request,
+        )
+
+    async def load_models(self) -> None:
+        """Load every configured model on the executor's thread (the loop stays responsive)."""
+        s = self.settings
+        device = resolve_device(s.device)
+        dtype = resolve_dtype(s.dtype, device)
+        loop = asyncio.get_running_loop()
+        for name, source in s.models.items():
+            served = await loop.run_in_executor(
+                None,
+                lambda name=name, source=source: load_served_model(
+                    name,
+                    source,
+                    device=device,
+                    dtype=dtype,
+                    chunk_bytes=s.lm_head_chunk_bytes,
+                    max_batch_tokens=s.max_batch_tokens,
+                    max_batch_sequences=s.max_batch_sequences,
+                    trust_remote_code=s.trust_remote_code,
+                ),
+            )
+            self.registry.add(served)
+
+    async def warm_up(self) -> None:
+        """Score one short random sequence with every model through the real path, then SERVE."""
+        rng = np.random.default_rng()
+        for served in self.registry:
+            vocab = served.info.vocab_size
+            job = ScoreJob(
+                request_id=f"warm-up-{served.info.name}",
+                model=served.info.name,
+                sequences=[TokenSequence(rng.integers(0, vocab, 8), rng.integers(0, vocab, 8))],
+            )
+            result = await self.scheduler.submit(job)
+            if not np.isfinite(result.scores[0].logprobs).all():
+                raise RuntimeError(f"warm-up of model {served.info.name!r} produced non-finite log-probs")
+            log.info("model %r warmed up in %.1f ms", served.info.name, result.timings.total_ns / 1e6)
+        await self.state.serving()
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+        self.executor.shutdown()
+
+
+async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server, int]:
+    """Build and start the gRPC server on ``address`` ("host:port"; port 0 picks one).
+
+    Health starts NOT_SERVING; ``service.warm_up()`` flips it to SERVING.
+    """
+    max_bytes = service.settings.max_message_bytes
+    server = grpc.aio.server(
+        interceptors=[ExceptionToStatusInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes),
+            # Matches the client's keepalive pings (logprob_client.channel).
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ],
+    )
+    pb_grpc.add_LogprobServiceServicer_to_server(
+        LogprobServicer(service.registry, service.scheduler, service.state, service.limits), server
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(service.state.health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the gRPC server to {address}")
+    await service.state.starting()
+    service.scheduler.start()
+    await server.start()
+    return server, port
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM/SIGINT: bind, load, warm up, serve; then drain within the grace period."""
+    service = Service.create(settings)
+    server, port = await create_server(service, f"{settings.host}:{settings.port}")
+    log.info("gRPC listening on %s:%d (health NOT_SERVING until models are warm)", settings.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    startup = asyncio.create_task(_start_models(service))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({startup, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if startup.done() and startup.exception() is not None:
+        stopper.cancel()
+        await server.stop(0)
+        await service.close()
+        raise startup.exception()  # type: ignore[misc]
+    await stopper
+    log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
+    startup.cancel()
+    await service.state.draining()
+    await server.stop(settings.grace_period_s)
+    await service.close()
+    log.info("stopped")
+
+
+async def _start_models(service: Service) -> None:
+    await service.load_models()
+    await service.warm_up()
+    log.info("SERVING models: %s", ", ".join(served.info.name for served in service.registry))
