@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -105,6 +105,15 @@ class Settings(BaseSettings):
         30.0, ge=0, description="On SIGTERM/SIGINT: how long in-flight RPCs may take to finish."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    @model_validator(mode="after")
+    def _request_fits_queue(self) -> Settings:
+        if self.max_tokens_per_request > self.max_queued_tokens:
+            raise ValueError(
+                f"max_tokens_per_request ({self.max_tokens_per_request}) must not exceed max_queued_tokens "
+                f"({self.max_queued_tokens}): a request larger than the queue could never be admitted"
+            )
+        return self
 
     @field_validator("models", mode="before")
     @classmethod

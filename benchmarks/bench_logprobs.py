@@ -1,0 +1,457 @@
+"""Completion log-probs of one batch, five ways, side by side: time and peak memory.
+
+Shape: Qwen2.5-0.5B (hidden 896, 24 layers, 14/2 heads, vocab 151936, tied embeddings), random
+weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x (512 prompt +
+1536 completion) random token ids. Methods, all on the same inputs:
+
+1. model body alone: ``model.base_model(...).last_hidden_state`` (the lower bound)
+2. full logits + log_softmax: ``model(ids).logits``, completion rows -> ``.float().log_softmax`` -> gather
+3. TRL-style: ``model(ids, logits_to_keep=C + 1)`` + TRL's row-looped ``selective_log_softmax``
+4. this service in-process: ``CausalLMScorer.score`` (body -> completion rows -> chunked fp32 lm_head)
+5. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
+
+Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchronized around each;
+the median wall time is reported. Peak memory: ``max_memory_allocated`` over the timed runs minus
+what was allocated before the method ran (weights + inputs). Error: max |log p - reference| over
+the first ``--ref-seqs`` sequences, the reference being float64 logits from the same bf16 hidden
+states (``h.double() @ W.double().T``, float64 log_softmax).
+
+On a GPU (the run that counts):
+
+    PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py
+
+Smoke test on a CPU (tiny shapes, float32, memory columns n/a):
+
+    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_logprobs.py --smoke
+
+The table is printed last, and also written to ``$OUT/bench_logprobs.md`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import transformers
+from logprob_client import LogprobClient, Overloaded
+from logprob_service.config import Settings
+from logprob_service.jobs import SequenceScores, TokenSequence
+from logprob_service.models.registry import ModelRegistry, serve_model
+from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
+from logprob_service.server import Service, create_server
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+GiB = 1024**3
+MODEL_NAME = "qwen2.5-0.5b-shape"
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    max_positions: int
+
+
+QWEN25_05B = ModelShape(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, max_positions=32768)
+TINY = ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=1000, max_positions=256)
+
+
+def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    """A Qwen2ForCausalLM of ``shape`` with seeded random weights, in eval mode, SDPA attention."""
+    config = Qwen2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.02,  # weights ~ normal(0, 0.02), as transformers initializes them
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    model = model.to(dtype).eval().requires_grad_(False)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "embeddings must be tied"
+    assert getattr(model.get_output_embeddings(), "bias", None) is None, "the fp64 reference assumes no lm_head bias"
+    return model
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of B sequences of P prompt + C completion tokens, on the device and on the host."""
+
+    input_ids: torch.Tensor  # [B, L] int64 on the device, L = P + C
+    position_ids: torch.Tensor  # [B, L] int64, 0..L-1 per row
+    prompt_len: int  # P
+    completion_len: int  # C
+    sequences: list[TokenSequence]  # the same B sequences as numpy int64 arrays, for the service
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_len :]  # [B, C]
+
+    @property
+    def completion_rows(self) -> slice:
+        """Positions whose hidden state predicts completion tokens 0..C-1 (P-1 .. P+C-2)."""
+        return slice(self.prompt_len - 1, self.prompt_len - 1 + self.completion_len)
+
+
+def make_batch(batch: int, prompt_len: int, completion_len: int, vocab: int, device: torch.device, seed: int) -> Batch:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(batch, prompt_len + completion_len), dtype=np.int64)  # [B, L]
+    sequences = [TokenSequence(prompt_ids=row[:prompt_len].copy(), completion_ids=row[prompt_len:].copy()) for row in ids]
+    input_ids = torch.from_numpy(ids).to(device)
+    position_ids = torch.arange(ids.shape[1], device=device).expand(batch, -1).contiguous()
+    return Batch(input_ids, position_ids, prompt_len, completion_len, sequences)
+
+
+# ----------------------------------------------------------------------------- the methods
+
+
+def body_alone(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """The decoder body's final hidden states: what every method must compute at least."""
+    out = model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    return out.last_hidden_state  # [B, L, H]
+
+
+def full_logits_log_softmax(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """The naive way: all logits, then float32 log_softmax of the completion rows, then gather."""
+    logits = model(input_ids=batch.input_ids, use_cache=False).logits  # [B, L, V] bf16
+    logprobs = logits[:, batch.completion_rows].float().log_softmax(-1)  # [B, C, V] fp32
+    return logprobs.gather(-1, batch.completion_ids[..., None]).squeeze(-1)  # [B, C] fp32
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """TRL's ``selective_log_softmax`` (huggingface/trl, trl/trainer/utils.py), reproduced as is.
+
+    logits: [B, C, V]; index: [B, C] -> [B, C] in the logits' dtype. For bf16/fp16 logits TRL
+    loops over rows and takes ``log_softmax`` in the logits' own dtype (its comment: the
+    logsumexp approach is unstable in bf16), so the log-probs are rounded to bf16.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        selected_logits = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+        logsumexp_values = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])  # loop: lower peak memory
+        return selected_logits - logsumexp_values
+    per_token_logps = []
+    for row_logits, row_labels in zip(logits, index):  # loop to reduce peak memory
+        row_logps = F.log_softmax(row_logits, dim=-1)  # [C, V] in bf16
+        per_token_logps.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(per_token_logps)
+
+
+def trl_style(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """TRL GRPOTrainer's per-token log-probs: logits of the last C + 1 positions only.
+
+    TRL also divides the logits by the sampling temperature (a further [B, C, V] copy, even at
+    T = 1); that step is left out here, so this is TRL's best case.
+    """
+    c = batch.completion_len
+    logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=c + 1).logits  # [B, C+1, V] bf16
+    logits = logits[:, :-1]  # [B, C, V]: the last position predicts past the sequence
+    return selective_log_softmax(logits, batch.completion_ids)  # [B, C] bf16
+
+
+def service_in_process(scorer: CausalLMScorer, batch: Batch) -> list[SequenceScores]:
+    """This service's scorer, called directly (includes the device -> host copy of the results)."""
+    return scorer.score(batch.sequences)  # B x [C] float32 numpy
+
+
+class LoopbackServer:
+    """The real grpc.aio server of this service, on an asyncio loop in a background thread.
+
+    The model and the device are shared with the rest of this process, so the device's memory
+    statistics cover the server's work too. ``with LoopbackServer(...) as target: ...``
+    """
+
+    def __init__(self, settings: Settings, registry: ModelRegistry) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bench-grpc-loop", daemon=True)
+        self._service: Service | None = None
+        self._server: Any = None
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _start(self) -> int:
+        self._service = Service.create(self._settings, self._registry)
+        self._server, port = await create_server(self._service, f"{self._settings.host}:0")
+        await self._service.warm_up()  # health SERVING only after a real scoring pass
+        return port
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
+        if self._service is not None:
+            await self._service.close()
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        port = self._call(self._start())
+        return f"{self._settings.host}:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self._call(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def service_grpc(client: LogprobClient, batch: Batch) -> list[np.ndarray]:
+    """One ScoreTokens call through gRPC on loopback, as a trainer would make it."""
+    prompts = [s.prompt_ids for s in batch.sequences]
+    completions = [s.completion_ids for s in batch.sequences]
+    return client.score(prompts, completions, model=MODEL_NAME)  # B x [C] float32 numpy
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    median_ms: float | None  # None: the method failed (out of memory)
+    peak_extra_gib: float | None  # None: not measured (CPU)
+    max_abs_err: float | None  # None: not applicable (body) or failed
+    note: str = ""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device) -> None:
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_method(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> tuple[float, float | None, Any]:
+    """Median ms over ``repeats`` runs after ``warmup`` runs, peak extra GiB, the last output."""
+    release(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    for _ in range(warmup):
+        out = fn()
+        del out
+    release(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times_ms: list[float] = []
+    out = None
+    for _ in range(repeats):
+        out = None  # free the previous output before the next run
+        synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        times_ms.append((time.perf_counter() - start) * 1e3)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / GiB if device.type == "cuda" else None
+    return statistics.median(times_ms), peak, out
+
+
+def completion_logprobs(out: Any, k: int) -> np.ndarray:
+    """The first ``k`` sequences' completion log-probs from any method's output, as [k, C] float64."""
+    if isinstance(out, torch.Tensor):
+        return out[:k].double().cpu().numpy()
+    if out and isinstance(out[0], SequenceScores):
+        out = [s.logprobs for s in out]
+    return np.stack([np.asarray(lp, dtype=np.float64) for lp in out[:k]])
+
+
+def reference_logprobs(model: PreTrainedModel, batch: Batch, k: int) -> np.ndarray:
+    """Float64 log-probs of the first ``k`` sequences' completion tokens: [k, C].
+
+    The hidden states come from the body on the whole batch (the same bf16 states every method
+    computes); only the lm_head and the log_softmax are float64.
+    """
+    hidden = body_alone(model, batch)[:k, batch.completion_rows]  # [k, C, H]
+    weight = model.get_output_embeddings().weight.double()  # [V, H]
+    targets = batch.completion_ids[:k]  # [k, C]
+    ref = []
+    for h, y in zip(hidden, targets):  # one sequence at a time: a [C, V] float64 slab
+        logprobs = (h.double() @ weight.T).log_softmax(-1)  # [C, V]
+        ref.append(logprobs.gather(-1, y[:, None]).squeeze(-1).cpu().numpy())
+    del hidden, weight
+    return np.stack(ref)
+
+
+def run_method(
+    name: str, fn: Callable[[], Any], ref: np.ndarray | None, device: torch.device, warmup: int, repeats: int
+) -> Row:
+    print(f"running: {name}", file=sys.stderr, flush=True)
+    try:
+        median_ms, peak, out = time_method(fn, device, warmup, repeats)
+    except (torch.OutOfMemoryError, Overloaded) as err:  # the service reports OOM as Overloaded
+        del err
+        release(device)
+        return Row(name, None, None, None, note="out of memory")
+    err_max = None if ref is None else float(np.abs(completion_logprobs(out, len(ref)) - ref).max())
+    del out
+    release(device)
+    return Row(name, median_ms, peak, err_max)
+
+
+def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
+    ref = reference_logprobs(model, batch, args.ref_seqs)
+    release(device)
+    scorer = CausalLMScorer(
+        model,
+        chunk_bytes=DEFAULT_CHUNK_BYTES,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_sequences=64,
+    )
+    common = {"device": device, "warmup": args.warmup, "repeats": args.repeats}
+    rows = [
+        run_method("model body alone (lower bound)", lambda: body_alone(model, batch), None, **common),
+        run_method("full logits + float log_softmax + gather", lambda: full_logits_log_softmax(model, batch), ref, **common),
+        run_method("TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common),
+        run_method("service in-process (CausalLMScorer.score)", lambda: service_in_process(scorer, batch), ref, **common),
+    ]
+    settings = Settings(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        models={MODEL_NAME: "random weights, built by benchmarks/bench_logprobs.py"},
+        device=str(device),
+        lm_head_chunk_bytes=DEFAULT_CHUNK_BYTES,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_sequences=64,
+    )
+    registry = ModelRegistry()
+    registry.add(serve_model(MODEL_NAME, "random", scorer))
+    with LoopbackServer(settings, registry) as target, LogprobClient(target, timeout=600.0) as client:
+        rows.append(run_method("service via gRPC (loopback)", lambda: service_grpc(client, batch), ref, **common))
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def format_table(rows: list[Row]) -> str:
+    body_ms = rows[0].median_ms
+
+    def num(value: float | None, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    lines = ["| method | median ms | x body | peak extra GiB | max abs err vs fp64 |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = r.median_ms / body_ms if r.median_ms is not None and body_ms else None
+        ms = r.note or num(r.median_ms, ".1f")
+        lines.append(
+            f"| {r.method} | {ms} | {num(ratio, '.2f')} | {num(r.peak_extra_gib, '.2f')} | {num(r.max_abs_err, '.1e')} |"
+        )
+    return "\n".join(lines)
+
+
+def describe_run(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> str:
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
+    cfg = model.config
+    command = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} {Path(sys.executable).name} {shlex.join(sys.argv)}"
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "\n".join(
+        [
+            f"device: {device_name}",
+            f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
+            f"date: {now}",
+            f"command: {command}",
+            f"model: Qwen2ForCausalLM, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
+            f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab {cfg.vocab_size}, tied, "
+            f"random weights, {str(model.dtype).removeprefix('torch.')}, sdpa; weights {weights_gib:.2f} GiB",
+            f"batch: {batch.input_ids.shape[0]} x ({batch.prompt_len} prompt + {batch.completion_len} completion) "
+            f"tokens; {args.warmup} warm-up + {args.repeats} timed runs, median; "
+            f"error over the first {args.ref_seqs} sequences; service: {DEFAULT_CHUNK_BYTES // 1024**2} MiB chunks, "
+            f"max_batch_tokens {args.max_batch_tokens}",
+        ]
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model and batch, cpu, float32: checks the script runs")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda, or cpu with --smoke)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on cuda")
+    parser.add_argument("--batch", type=int, default=None, help="sequences (default 16; 2 with --smoke)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; 16 with --smoke)")
+    parser.add_argument("--completion-len", type=int, default=None, help="completion tokens (default 1536; 32 --smoke)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default 5; 2 with --smoke)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per method first")
+    parser.add_argument("--ref-seqs", type=int, default=2, help="sequences checked against the float64 reference")
+    parser.add_argument("--max-batch-tokens", type=int, default=32768, help="the service's padded-token budget")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    defaults = {
+        "device": "cpu" if smoke else "cuda",
+        "batch": 2 if smoke else 16,
+        "prompt_len": 16 if smoke else 512,
+        "completion_len": 32 if smoke else 1536,
+        "repeats": 2 if smoke else 5,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    if min(args.batch, args.prompt_len, args.completion_len, args.repeats) < 1 or args.warmup < 0:
+        parser.error("--batch, --prompt-len, --completion-len and --repeats must be >= 1, --warmup >= 0")
+    args.ref_seqs = max(1, min(args.ref_seqs, args.batch))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    shape = TINY if args.smoke else QWEN25_05B
+    if args.prompt_len + args.completion_len > shape.max_positions:
+        raise SystemExit(f"prompt + completion ({args.prompt_len + args.completion_len}) > {shape.max_positions}")
+    model = build_model(shape, device, getattr(torch, args.dtype), args.seed)
+    batch = make_batch(args.batch, args.prompt_len, args.completion_len, shape.vocab, device, args.seed + 1)
+    with torch.inference_mode():
+        rows = run_all(model, batch, args, device)
+    report = f"{describe_run(model, batch, args, device)}\n\n{format_table(rows)}\n"
+    print(report)
+    if out_dir := os.environ.get("OUT"):
+        path = Path(out_dir) / "bench_logprobs.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report)
+        print(f"written: {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Every row of the error table: the status code and the message (field, index, value, limit).
+
+Raw stubs are used where the client's retries would hide what the server answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded, Unavailable
+from logprob_client._proto import logprob_pb2 as pb
+from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from tests.integration.conftest import start, stop, test_settings
+
+
+def request(*seqs, model="", temperature=0.0, request_id="") -> pb.ScoreRequest:
+    return pb.ScoreRequest(
+        request_id=request_id,
+        model=model,
+        temperature=temperature,
+        sequences=[pb.Sequence(prompt_ids=p, completion_ids=c) for p, c in seqs],
+    )
+
+
+async def call(target: str, req: pb.ScoreRequest, timeout: float = 30.0):
+    async with grpc.aio.insecure_channel(target) as channel:
+        return await pb_grpc.LogprobServiceStub(channel).ScoreTokens(req, timeout=timeout)
+
+
+async def expect(target, req, code, *fragments, timeout=30.0) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call(target, req, timeout)
+    err = info.value
+    assert err.code() == code, err.details()
+    for fragment in fragments:
+        assert fragment in err.details(), (fragment, err.details())
+    return err
+
+
+OK = ([1, 2, 3], [4, 5])
+
+
+@pytest.mark.parametrize(
+    "seqs,fragments",
+    [
+        ((OK, ([1, 2], [3, 4096, 5])), ["sequences[1].completion_ids[1]", "4096", "[0, 4096)", "'default'"]),
+        ((OK, ([7, -3], [3])), ["sequences[1].prompt_ids[1]", "-3", "[0, 4096)"]),
+        ((([], [3]),), ["sequences[0].prompt_ids", "empty"]),
+        ((OK, OK, ([3], [])), ["sequences[2].completion_ids", "empty"]),
+        ((), ["sequences", "no sequences"]),
+        ((OK,) * 17, ["17 sequences", "limit of 16"]),
+        ((([1] * 200, [2] * 50),) * 15 + (([1] * 700, [2] * 1),), ["4451 tokens", "limit of 4000"]),
+    ],
+    ids=["id-too-large", "id-negative", "empty-prompt", "empty-completion", "no-sequences", "too-many-seqs", "too-many-tokens"],
+)
+async def test_invalid_sequences(running, seqs, fragments):
+    await expect(running.target, request(*seqs), grpc.StatusCode.INVALID_ARGUMENT, *fragments)
+
+
+async def test_sequence_longer_than_model_positions(running):
+    # The gemma test model has 256 positions.
+    await expect(
+        running.target,
+        request(OK, ([1] * 200, [2] * 57), model="gemma"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sequences[1]",
+        "200 prompt + 57 completion = 257 tokens",
+        "256 positions",
+        "'gemma'",
+    )
+
+
+@pytest.mark.parametrize("temperature", [-1.0, float("nan"), float("inf")])
+async def test_bad_temperature(running, temperature):
+    await expect(running.target, request(OK, temperature=temperature), grpc.StatusCode.INVALID_ARGUMENT, "temperature")
+
+
+async def test_unknown_model(running):
+    await expect(
+        running.target, request(OK, model="nope"), grpc.StatusCode.NOT_FOUND, "'nope'", "default, gemma"
+    )
+    with LogprobClient(running.target) as client, pytest.raises(ModelNotFound):
+        await asyncio.to_thread(client.score, [[1]], [[2]], model="nope")
+
+
+async def test_client_raises_typed_invalid_request_with_server_message(running):
+    with LogprobClient(running.target) as client, pytest.raises(InvalidRequest) as info:
+        await asyncio.to_thread(client.score, [[1, 2]], [[5000]])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequences[0].completion_ids[0]: token id 5000" in info.value.message
+
+
+class Gate:
+    """Holds the scorer of a model until released, counting the sequences it was asked to score."""
+
+    def __init__(self, running, model="default"):
+        self.scorer = running.scorer(model)
+        self.original = self.scorer.score
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls: list[int] = []
+        self.scorer.score = self._score
+
+    def _score(self, sequences, **kwargs):
+        self.calls.append(len(sequences))
+        self.entered.set()
+        assert self.release.wait(30), "test never released the gate"
+        return self.original(sequences, **kwargs)
+
+    def restore(self):
+        self.release.set()
+        self.scorer.score = self.original
+
+
+async def test_queue_full_is_resource_exhausted_with_retry_hint(gemma_checkpoint):
+    running = await start(test_settings(gemma_checkpoint, max_queued_tokens=4000))
+    gate = Gate(running)
+    try:
+        big = ([1] * 100, [2] * 100)
+        blocker = asyncio.create_task(call(running.target, request(*[big] * 16)))  # 3200 tokens queued
+        await asyncio.to_thread(gate.entered.wait, 10)
+        err = await expect(
+            running.target,
+            request(*[big] * 5),  # 1000 more would pass 4000
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "3200 tokens",
+            "max_queued_tokens=4000",
+            "retry after",
+        )
+        pushback = dict(err.trailing_metadata())["grpc-retry-pushback-ms"]
+        assert int(pushback) > 0
+        # The client retries (honouring the hint) and then raises its typed error.
+        with LogprobClient(running.target, max_attempts=2, timeout=10) as client, pytest.raises(Overloaded):
+            await asyncio.to_thread(client.score, [big[0]] * 5, [big[1]] * 5)
+        gate.release.set()
+        assert len((await blocker).scores) == 16  # the admitted request is unharmed
+    finally:
+        gate.restore()
+        await stop(running)
+
+
+async def test_deadline_passed_while_queued_is_dropped_before_compute(running):
+    gate = Gate(running)
+    try:
+        blocker = asyncio.create_task(call(running.target, request(OK)))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        with LogprobClient(running.target) as client, pytest.raises(DeadlineExceeded):
+            await asyncio.to_thread(client.score, [[1, 2]], [[3]], timeout=0.3)
+        gate.release.set()
+        await blocker
+        await call(running.target, request(OK))  # the queue has moved past the expired job
+        assert gate.calls == [1, 1], "the expired request must never reach the model"
+    finally:
+        gate.restore()
+
+
+async def test_scheduler_reports_deadline_exceeded_for_expired_jobs(running):
+    import time
+
+    from logprob_service.errors import DeadlineExceeded as ServerDeadline
+    from logprob_service.jobs import ScoreJob, TokenSequence
+
+    job = ScoreJob(
+        request_id="late",
+        model="default",
+        sequences=[TokenSequence(np.array([1]), np.array([2]))],
+        deadline=time.monotonic() - 1,
+    )
+    with pytest.raises(ServerDeadline, match="late: deadline passed while queued"):
+        await running.service.scheduler.submit(job)
+    assert grpc.StatusCode.DEADLINE_EXCEEDED == ServerDeadline.status
+
+
+async def test_unavailable_until_warm_and_while_draining(gemma_checkpoint):
+    running = await start(test_settings(gemma_checkpoint), warm=False)
+    try:
+        await expect(running.target, request(OK), grpc.StatusCode.UNAVAILABLE, "starting")
+        with LogprobClient(running.target, max_attempts=2, timeout=5) as client, pytest.raises(Unavailable):
+            await asyncio.to_thread(client.score, [[1]], [[2]])
+        await running.service.warm_up()
+        await call(running.target, request(OK))
+        await running.service.state.draining()
+        await expect(running.target, request(OK), grpc.StatusCode.UNAVAILABLE, "draining")
+    finally:
+        await stop(running)
+
+
+async def test_a_bug_is_internal_logged_with_request_id_and_the_server_keeps_serving(running, caplog):
+    scorer = running.scorer("default")
+    original = scorer.score
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected bug")
+
+    scorer.score = broken
+    with caplog.at_level(logging.ERROR):
+        await expect(running.target, request(OK, request_id="bug-42"), grpc.StatusCode.INTERNAL, "bug-42")
+    assert any("bug-42" in r.getMessage() and r.exc_info for r in caplog.records)
+    scorer.score = original
+    response = await call(running.target, request(OK, request_id="after-bug"))
+    assert response.request_id == "after-bug" and len(response.scores[0].logprobs) == 2
+
+
+async def test_receive_limit_is_configurable(gemma_checkpoint):
+    # ~5.2 MB: over gRPC's 4 MiB default. The tiny limit refuses it; the default limit receives it
+    # (and validation then refuses it for its token count, which proves it arrived).
+    huge = request(*[(list(range(100_000, 104_000)), [1] * 320)] * 400)  # 3-byte varints
+    assert huge.ByteSize() > 5 * 1024**2
+    small = await start(test_settings(gemma_checkpoint, max_message_bytes=4 * 1024**2), warm=False)
+    try:
+        await expect(small.target, huge, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    finally:
+        await stop(small)
+    default = await start(test_settings(gemma_checkpoint))
+    try:
+        async with grpc.aio.insecure_channel(
+            default.target, options=[("grpc.max_send_message_length", 64 * 1024**2)]
+        ) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.LogprobServiceStub(channel).ScoreTokens(huge)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await stop(default)
