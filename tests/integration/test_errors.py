@@ -210,7 +210,7 @@ async def test_a_bug_is_internal_logged_with_request_id_and_the_server_keeps_ser
 async def test_receive_limit_is_configurable(gemma_checkpoint):
     # ~5.2 MB: over gRPC's 4 MiB default. The tiny limit refuses it; the default limit receives it
     # (and validation then refuses it for its token count, which proves it arrived).
-    huge = request(*[(list(range(100_000, 104_000)), [1] * 320)] * 400)  # 3-byte varints
+    huge = request(*[(list(range(100_000, 104_000)), [1] * 320)] * 450)  # 3-byte varints
     assert huge.ByteSize() > 5 * 1024**2
     small = await start(test_settings(gemma_checkpoint, max_message_bytes=4 * 1024**2), warm=False)
     try:
