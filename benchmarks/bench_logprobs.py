@@ -75,7 +75,9 @@ class ModelShape:
     max_positions: int
 
 
-QWEN25_05B = ModelShape(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, max_positions=32768)
+QWEN25_05B = ModelShape(
+    hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, max_positions=32768
+)
 TINY = ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=1000, max_positions=256)
 
 
@@ -127,7 +129,9 @@ class Batch:
 def make_batch(batch: int, prompt_len: int, completion_len: int, vocab: int, device: torch.device, seed: int) -> Batch:
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, size=(batch, prompt_len + completion_len), dtype=np.int64)  # [B, L]
-    sequences = [TokenSequence(prompt_ids=row[:prompt_len].copy(), completion_ids=row[prompt_len:].copy()) for row in ids]
+    sequences = [
+        TokenSequence(prompt_ids=row[:prompt_len].copy(), completion_ids=row[prompt_len:].copy()) for row in ids
+    ]
     input_ids = torch.from_numpy(ids).to(device)
     position_ids = torch.arange(ids.shape[1], device=device).expand(batch, -1).contiguous()
     return Batch(input_ids, position_ids, prompt_len, completion_len, sequences)
@@ -161,7 +165,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
         logsumexp_values = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])  # loop: lower peak memory
         return selected_logits - logsumexp_values
     per_token_logps = []
-    for row_logits, row_labels in zip(logits, index):  # loop to reduce peak memory
+    for row_logits, row_labels in zip(logits, index, strict=True):  # loop to reduce peak memory
         row_logps = F.log_softmax(row_logits, dim=-1)  # [C, V] in bf16
         per_token_logps.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
     return torch.stack(per_token_logps)
@@ -256,7 +260,9 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def time_method(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> tuple[float, float | None, Any]:
+def time_method(
+    fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
+) -> tuple[float, float | None, Any]:
     """Median ms over ``repeats`` runs after ``warmup`` runs, peak extra GiB, the last output."""
     release(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -298,7 +304,7 @@ def reference_logprobs(model: PreTrainedModel, batch: Batch, k: int) -> np.ndarr
     weight = model.get_output_embeddings().weight.double()  # [V, H]
     targets = batch.completion_ids[:k]  # [k, C]
     ref = []
-    for h, y in zip(hidden, targets):  # one sequence at a time: a [C, V] float64 slab
+    for h, y in zip(hidden, targets, strict=True):  # one sequence at a time: a [C, V] float64 slab
         logprobs = (h.double() @ weight.T).log_softmax(-1)  # [C, V]
         ref.append(logprobs.gather(-1, y[:, None]).squeeze(-1).cpu().numpy())
     del hidden, weight
@@ -311,8 +317,9 @@ def run_method(
     print(f"running: {name}", file=sys.stderr, flush=True)
     try:
         median_ms, peak, out = time_method(fn, device, warmup, repeats)
-    except (torch.OutOfMemoryError, Overloaded) as err:  # the service reports OOM as Overloaded
-        del err
+    except (torch.OutOfMemoryError, Overloaded):  # the service reports its OOM as Overloaded
+        out = None
+    if out is None:  # released outside the except block: its traceback holds the failed run's tensors
         release(device)
         return Row(name, None, None, None, note="out of memory")
     err_max = None if ref is None else float(np.abs(completion_logprobs(out, len(ref)) - ref).max())
@@ -333,9 +340,15 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
     common = {"device": device, "warmup": args.warmup, "repeats": args.repeats}
     rows = [
         run_method("model body alone (lower bound)", lambda: body_alone(model, batch), None, **common),
-        run_method("full logits + float log_softmax + gather", lambda: full_logits_log_softmax(model, batch), ref, **common),
-        run_method("TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common),
-        run_method("service in-process (CausalLMScorer.score)", lambda: service_in_process(scorer, batch), ref, **common),
+        run_method(
+            "full logits + float log_softmax + gather", lambda: full_logits_log_softmax(model, batch), ref, **common
+        ),
+        run_method(
+            "TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common
+        ),
+        run_method(
+            "service in-process (CausalLMScorer.score)", lambda: service_in_process(scorer, batch), ref, **common
+        ),
     ]
     settings = Settings(
         host="127.0.0.1",
@@ -366,10 +379,14 @@ def format_table(rows: list[Row]) -> str:
     lines = ["| method | median ms | x body | peak extra GiB | max abs err vs fp64 |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r.median_ms / body_ms if r.median_ms is not None and body_ms else None
-        ms = r.note or num(r.median_ms, ".1f")
-        lines.append(
-            f"| {r.method} | {ms} | {num(ratio, '.2f')} | {num(r.peak_extra_gib, '.2f')} | {num(r.max_abs_err, '.1e')} |"
-        )
+        cells = [
+            r.method,
+            r.note or num(r.median_ms, ".1f"),
+            num(ratio, ".2f"),
+            num(r.peak_extra_gib, ".2f"),
+            num(r.max_abs_err, ".1e"),
+        ]
+        lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -401,9 +418,13 @@ def describe_run(model: PreTrainedModel, batch: Batch, args: argparse.Namespace,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model and batch, cpu, float32: checks the script runs")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model and batch, cpu, float32: checks the script runs"
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda, or cpu with --smoke)")
-    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on cuda")
+    parser.add_argument(
+        "--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on cuda"
+    )
     parser.add_argument("--batch", type=int, default=None, help="sequences (default 16; 2 with --smoke)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; 16 with --smoke)")
     parser.add_argument("--completion-len", type=int, default=None, help="completion tokens (default 1536; 32 --smoke)")

@@ -55,9 +55,7 @@ def main() -> int:
         print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     init = args.out / "__init__.py"
     if not init.exists():
-        init.write_text(
-            '"""Generated gRPC stubs of protos/logprob/v1/logprob.proto (make proto)."""\n'
-        )
+        init.write_text('"""Generated gRPC stubs of protos/logprob/v1/logprob.proto (make proto)."""\n')
     return 0
 
 

@@ -26,7 +26,10 @@ def retry_service_config(max_attempts: int = 5, initial_backoff_s: float = 0.1, 
     return json.dumps(
         {
             "methodConfig": [
-                {"name": [{"service": SERVICE, "method": m} for m in ("ScoreTokens", "ListModels")], "retryPolicy": policy}
+                {
+                    "name": [{"service": SERVICE, "method": m} for m in ("ScoreTokens", "ListModels")],
+                    "retryPolicy": policy,
+                }
             ]
         }
     )

@@ -1,9 +1,9 @@
 """``LogprobClient`` (blocking) and ``AsyncLogprobClient`` (asyncio): the same API.
 
-    from logprob_client import LogprobClient
+from logprob_client import LogprobClient
 
-    with LogprobClient("localhost:50051") as client:
-        logprobs = client.score([[1, 2, 3]], [[4, 5]])   # [array([-8.1, -7.9], dtype=float32)]
+with LogprobClient("localhost:50051") as client:
+    logprobs = client.score([[1, 2, 3]], [[4, 5]])   # [array([-8.1, -7.9], dtype=float32)]
 """
 
 from __future__ import annotations
@@ -303,7 +303,9 @@ def _collect(
             continue
         response = responses.get(request.request_id)
         if response is None:
-            error: LogprobError | None = error_for_status(grpc.StatusCode.UNKNOWN, f"no response for {request.request_id}")
+            error: LogprobError | None = error_for_status(
+                grpc.StatusCode.UNKNOWN, f"no response for {request.request_id}"
+            )
         elif response.HasField("error"):
             error = error_for_status(response.error.code, response.error.message)
         else:

@@ -46,9 +46,7 @@ class Prepared:
     like: Any = None  # the torch tensor whose device the dense result goes to, if any
 
 
-def prepare(
-    prompt_ids: Any, completion_ids: Any, prompt_mask: Any = None, completion_mask: Any = None
-) -> Prepared:
+def prepare(prompt_ids: Any, completion_ids: Any, prompt_mask: Any = None, completion_mask: Any = None) -> Prepared:
     if _is_dense(prompt_ids) or _is_dense(completion_ids):
         return _prepare_dense(prompt_ids, completion_ids, prompt_mask, completion_mask)
     if prompt_mask is not None or completion_mask is not None:

@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "models":
             continue
         flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description} [env LOGPROB_{name.upper()}; default: {field.get_default(call_default_factory=True)}]"
+        help_text = (
+            f"{field.description} [env LOGPROB_{name.upper()}; default: {field.get_default(call_default_factory=True)}]"
+        )
         if field.annotation is bool:
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
         else:

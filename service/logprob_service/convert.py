@@ -38,9 +38,7 @@ def response_from_result(result: ScoreResult) -> pb.ScoreResponse:
         model=result.model,
         model_version=result.model_version,
         scores=[
-            pb.SequenceScores(
-                logprobs=s.logprobs, entropies=s.entropies if s.entropies is not None else ()
-            )
+            pb.SequenceScores(logprobs=s.logprobs, entropies=s.entropies if s.entropies is not None else ())
             for s in result.scores
         ],
         metadata=pb.Metadata(

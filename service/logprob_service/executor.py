@@ -41,14 +41,14 @@ def _compute(served: ServedModel, job: ScoreJob) -> Computed:
     start = time.perf_counter_ns()
     try:
         # score() copies results to host memory, which waits for the device: the time is real.
-        scores = served.scorer.score(
-            job.sequences, temperature=job.temperature, return_entropy=job.return_entropy
-        )
+        scores = served.scorer.score(job.sequences, temperature=job.temperature, return_entropy=job.return_entropy)
     except torch.OutOfMemoryError:
+        scores = None  # handled below, once the traceback no longer holds the failed batch's tensors
+    if scores is None:
         torch.cuda.empty_cache()  # hand the failed batch's blocks back before the next job
         raise Overloaded(
             f"request {job.request_id}: out of device memory scoring {job.num_tokens} tokens "
             f"in {len(job.sequences)} sequences; send fewer tokens per request",
             retry_after_s=1.0,
-        ) from None
+        )
     return Computed(scores=scores, model_version=served.info.version, compute_ns=time.perf_counter_ns() - start)

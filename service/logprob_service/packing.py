@@ -58,9 +58,7 @@ def pad_right(sequences: Sequence[TokenSequence], pad_id: int = 0) -> PaddedBatc
     )
 
 
-def plan_padded_batches(
-    lengths: Sequence[int], *, max_batch_tokens: int, max_batch_sequences: int
-) -> list[list[int]]:
+def plan_padded_batches(lengths: Sequence[int], *, max_batch_tokens: int, max_batch_sequences: int) -> list[list[int]]:
     """Group sequence indices into batches whose padded size (count x longest) stays within
     ``max_batch_tokens`` and whose count stays within ``max_batch_sequences``.
 

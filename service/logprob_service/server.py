@@ -89,6 +89,12 @@ class Service:
             log.info("model %r warmed up in %.1f ms", served.info.name, result.timings.total_ns / 1e6)
         await self.state.serving()
 
+    async def drain(self, server: grpc.aio.Server, grace_s: float) -> None:
+        """Health NOT_SERVING and new RPCs UNAVAILABLE at once; in-flight RPCs get ``grace_s`` to finish."""
+        await self.state.draining()
+        await server.stop(grace_s)
+        await self.close()
+
     async def close(self) -> None:
         await self.scheduler.close()
         self.executor.shutdown()
@@ -149,9 +155,7 @@ async def serve(settings: Settings) -> None:
     await stopper
     log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
     startup.cancel()
-    await service.state.draining()
-    await server.stop(settings.grace_period_s)
-    await service.close()
+    await service.drain(server, settings.grace_period_s)
     log.info("stopped")
 
 

@@ -41,7 +41,13 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         job = convert.job_from_request(request, deadline)
         validate_job(job, self._registry.get(job.model).info, self._limits)
         result = await self._scheduler.submit(job)
-        log.debug("scored request_id=%s model=%s tokens=%d timings=%s", job.request_id, job.model, result.tokens, result.timings)
+        log.debug(
+            "scored request_id=%s model=%s tokens=%d timings=%s",
+            job.request_id,
+            job.model,
+            result.tokens,
+            result.timings,
+        )
         return convert.response_from_result(result)
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
@@ -83,7 +89,9 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         finally:
             reader.cancel()
 
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(
             models=[convert.model_info_to_proto(served.info, self._limits) for served in self._registry]
         )

@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 import pytest
 import pytest_asyncio
-
 from logprob_service.config import Settings
 from logprob_service.server import Service, create_server
+
 from tests.models import make_model
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-
 from logprob_client import AsyncLogprobClient, LogprobClient, ScoreInput
 from logprob_service.jobs import TokenSequence
+
 from tests.integration.conftest import start, stop, test_settings
 from tests.models import reference_scores
 
@@ -96,9 +96,7 @@ async def test_dense_trainer_layout(running, as_torch, which):
     np.testing.assert_array_equal(out[np.asarray(completion_mask) == 0], 0.0)
     kept = [i for i in range(len(prompts)) if i != 2]
     per_row = [out[i, : len(completions[i])] for i in kept]
-    assert_matches_reference(
-        running, "default", [prompts[i] for i in kept], [completions[i] for i in kept], per_row
-    )
+    assert_matches_reference(running, "default", [prompts[i] for i in kept], [completions[i] for i in kept], per_row)
 
 
 @pytest.mark.parametrize("which", ["sync", "async"])

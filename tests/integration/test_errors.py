@@ -12,10 +12,10 @@ import threading
 import grpc
 import numpy as np
 import pytest
-
 from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded, Unavailable
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+
 from tests.integration.conftest import start, stop, test_settings
 
 
@@ -57,7 +57,15 @@ OK = ([1, 2, 3], [4, 5])
         ((OK,) * 17, ["17 sequences", "limit of 16"]),
         ((([1] * 200, [2] * 50),) * 15 + (([1] * 700, [2] * 1),), ["4451 tokens", "limit of 4000"]),
     ],
-    ids=["id-too-large", "id-negative", "empty-prompt", "empty-completion", "no-sequences", "too-many-seqs", "too-many-tokens"],
+    ids=[
+        "id-too-large",
+        "id-negative",
+        "empty-prompt",
+        "empty-completion",
+        "no-sequences",
+        "too-many-seqs",
+        "too-many-tokens",
+    ],
 )
 async def test_invalid_sequences(running, seqs, fragments):
     await expect(running.target, request(*seqs), grpc.StatusCode.INVALID_ARGUMENT, *fragments)
@@ -82,9 +90,7 @@ async def test_bad_temperature(running, temperature):
 
 
 async def test_unknown_model(running):
-    await expect(
-        running.target, request(OK, model="nope"), grpc.StatusCode.NOT_FOUND, "'nope'", "default, gemma"
-    )
+    await expect(running.target, request(OK, model="nope"), grpc.StatusCode.NOT_FOUND, "'nope'", "default, gemma")
     with LogprobClient(running.target) as client, pytest.raises(ModelNotFound):
         await asyncio.to_thread(client.score, [[1]], [[2]], model="nope")
 

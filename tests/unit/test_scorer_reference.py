@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from logprob_service.models.scorer import CausalLMScorer
+
 from tests.models import ARCHITECTURES, VOCAB, make_model, random_sequences, reference_scores
 
 ATOL_FP32 = 1e-5

@@ -93,9 +93,7 @@ class CausalLMScorer:
                 results[i] = scores
         return results  # type: ignore[return-value]  # every index is in exactly one batch
 
-    def _score_batch(
-        self, batch: PaddedBatch, transform: LogitTransform, return_entropy: bool
-    ) -> list[SequenceScores]:
+    def _score_batch(self, batch: PaddedBatch, transform: LogitTransform, return_entropy: bool) -> list[SequenceScores]:
         out = self.body(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
         hidden = out.last_hidden_state  # [B, L, H]
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.rows)  # [N, H]
@@ -112,9 +110,7 @@ class CausalLMScorer:
         return _split(token_scores.logprobs, token_scores.entropies, batch.completion_lengths)
 
 
-def _split(
-    logprobs: torch.Tensor, entropies: torch.Tensor | None, lengths: list[int]
-) -> list[SequenceScores]:
+def _split(logprobs: torch.Tensor, entropies: torch.Tensor | None, lengths: list[int]) -> list[SequenceScores]:
     logprobs_np = np.split(logprobs.cpu().numpy(), np.cumsum(lengths)[:-1])
     if entropies is None:
         return [SequenceScores(logprobs=lp) for lp in logprobs_np]

@@ -44,6 +44,9 @@ class LogitTransform:
         return logits
 
 
+IDENTITY = LogitTransform()
+
+
 @dataclass(frozen=True)
 class TokenScores:
     logprobs: torch.Tensor  # [N] float32
@@ -75,7 +78,7 @@ def chunked_token_logprobs(
     targets: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    transform: LogitTransform = LogitTransform(),
+    transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> TokenScores:

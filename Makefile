@@ -1,0 +1,49 @@
+# logprob-service developer commands. `make serve` and `make test` work on a fresh machine:
+# each creates .venv, installs the project into it, then serves / tests.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU build of torch by default; set TORCH_SPEC="torch" (or a CUDA index) on a GPU host.
+TORCH_SPEC ?= torch==2.13.0
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-gpu proto lint format bench clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/activate
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed  ## create .venv and install the server, client and dev tools
+
+serve: install  ## serve builtin:tiny-llama on 127.0.0.1:50051 (pass flags in SERVE_ARGS)
+	$(BIN)/logprob-service serve $(SERVE_ARGS)
+
+test: install  ## run the test suite (GPU tests are skipped without CUDA)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-gpu: install  ## only the GPU tests
+	$(BIN)/python -m pytest tests/gpu $(PYTEST_ARGS)
+
+proto: install  ## regenerate client/logprob_client/_proto from protos/
+	$(BIN)/python scripts/gen_proto.py
+
+lint: install  ## ruff lint + format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install  ## the log-prob benchmark (meant for a GPU host)
+	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprobs.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,128 @@
+"""The server as users start it: a subprocess through the CLI, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from logprob_client import LogprobClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"server exited early with {proc.returncode}"
+            try:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{target} never became SERVING")
+
+
+def launch(*args: str, env: dict | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "PYTHONPATH": f"{ROOT / 'service'}{os.pathsep}{ROOT / 'client'}", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "logprob_service.cli", "serve", *args],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.fixture
+def cli_server(tmp_path):
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    # File < env < flags: the file asks for port 1 and 2 sequences, env overrides the port, the flag the limit.
+    config.write_text("port: 1\nmax_sequences_per_request: 2\nmodels:\n  ref: builtin:tiny-llama\n")
+    proc = launch(
+        "--config",
+        str(config),
+        "--max-sequences-per-request",
+        "3",
+        "--device",
+        "cpu",
+        "--grace-period-s",
+        "20",
+        env={"LOGPROB_PORT": str(port), "LOGPROB_METRICS_PORT": "0"},
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, proc)
+        yield proc, target
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_cli_serves_scores_and_drains_on_sigterm(cli_server):
+    proc, target = cli_server
+    rng = np.random.default_rng()
+    with LogprobClient(target, model="ref") as client:
+        models = client.list_models()
+        assert [m.name for m in models] == ["ref"]
+        assert models[0].limits.max_sequences_per_request == 3  # the flag beat the file
+        prompts = [rng.integers(0, 4096, 12).tolist() for _ in range(3)]
+        completions = [rng.integers(0, 4096, 9).tolist() for _ in range(3)]
+        first = client.score(prompts, completions)
+        assert [len(x) for x in first] == [9, 9, 9] and all(np.isfinite(x).all() for x in first)
+
+        # A request in flight when SIGTERM arrives still completes; the process then exits 0.
+        results = {}
+
+        def long_call():
+            prompts = [rng.integers(0, 4096, 3000).tolist()] * 3
+            results["in_flight"] = client.score(prompts, [[1] * 1000] * 3)
+
+        worker = threading.Thread(target=long_call)
+        worker.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        worker.join(60)
+        assert [x.shape for x in results["in_flight"]] == [(1000,)] * 3
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert "draining" in output and "stopped" in output
+
+
+def test_cli_rejects_bad_settings_with_a_clear_message():
+    proc = launch("--max-batch-tokens", "0", "--metrics-port", "0")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "max_batch_tokens" in output and "greater than or equal to 1" in output
+
+
+def test_cli_exits_nonzero_when_a_model_cannot_load(tmp_path):
+    proc = launch(
+        "--model", f"bad={tmp_path / 'missing-checkpoint'}", "--port", str(free_port()), "--metrics-port", "0"
+    )
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "missing-checkpoint" in output

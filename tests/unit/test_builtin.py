@@ -1,0 +1,40 @@
+"""The embedded default model is the same everywhere: fixed config, seeded weights, pinned fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from logprob_service.models.builtin import build_builtin
+from logprob_service.models.scorer import weights_fingerprint
+
+# blake2b of the float32 weights; if this changes, every user's builtin model changed with it.
+TINY_LLAMA_FINGERPRINT = "1f544ae8e118fcd79b5d051d40449ec6"
+
+
+def test_builtin_is_deterministic_and_pinned():
+    a, b = build_builtin("tiny-llama"), build_builtin("tiny-llama")
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    fingerprint = weights_fingerprint(a)
+    assert fingerprint == TINY_LLAMA_FINGERPRINT
+
+
+def test_fingerprint_changes_with_any_weight():
+    model = build_builtin("tiny-llama")
+    before = weights_fingerprint(model)
+    with torch.no_grad():
+        model.model.layers[2].mlp.up_proj.weight[3, 5] += 1e-3
+    assert weights_fingerprint(model) != before
+
+
+def test_builtin_logits_are_spread_like_a_trained_model():
+    model = build_builtin("tiny-llama")
+    ids = torch.randint(0, 4096, (1, 64))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert 0.5 < logits.std().item() < 5  # neither near-uniform nor saturated
+
+
+def test_unknown_builtin():
+    with pytest.raises(ValueError, match=r"builtin:nope.*builtin:tiny-llama"):
+        build_builtin("nope")

@@ -1,0 +1,49 @@
+"""Client input layouts: lists, and dense (B, P)/(B, C) arrays or tensors with masks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from logprob_client.inputs import assemble, prepare
+
+
+def test_lists_round_trip():
+    prepared = prepare([[1, 2], np.array([3])], [[4, 5, 6], [7]])
+    assert [(p.tolist(), c.tolist()) for p, c in prepared.sequences] == [([1, 2], [4, 5, 6]), ([3], [7])]
+    out = assemble(prepared, [np.array([0.1, 0.2, 0.3], np.float32), np.array([0.4], np.float32)])
+    assert isinstance(out, list) and out[1].tolist() == pytest.approx([0.4])
+
+
+def test_dense_masks_select_tokens_and_scatter_back():
+    prompt_ids = np.array([[0, 0, 11, 12], [21, 22, 23, 24], [0, 0, 0, 31]])
+    prompt_mask = np.array([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])
+    completion_ids = np.array([[13, 14, 0], [25, 0, 0], [32, 33, 34]])
+    completion_mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # row 2: nothing to score
+    prepared = prepare(prompt_ids, completion_ids, prompt_mask, completion_mask)
+    assert [(p.tolist(), c.tolist()) for p, c in prepared.sequences] == [([11, 12], [13, 14]), ([21, 22, 23, 24], [25])]
+    out = assemble(prepared, [np.array([-1.0, -2.0], np.float32), np.array([-3.0], np.float32)])
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, [[-1, -2, 0], [-3, 0, 0], [0, 0, 0]])
+
+
+def test_dense_torch_in_torch_out_on_the_same_device():
+    completion_ids = torch.tensor([[5, 6]])
+    prepared = prepare(torch.tensor([[1, 2]]), completion_ids)
+    out = assemble(prepared, [np.array([-0.5, -0.25], np.float32)])
+    assert isinstance(out, torch.Tensor) and out.device == completion_ids.device and out.dtype == torch.float32
+    assert out.tolist() == [[-0.5, -0.25]]
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (([[1]], [[2], [3]]), "1 prompts but 2 completions"),
+        (([[1]], [[2]], [[1]]), "go with 2-D"),
+        ((np.ones((2, 3), int), np.ones((3, 2), int)), "same B"),
+        ((np.ones((2, 3), int), np.ones((2, 2), int), np.ones((2, 2))), "prompt_mask has shape"),
+    ],
+)
+def test_bad_layouts_are_value_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        prepare(*args)
