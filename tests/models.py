@@ -99,8 +99,8 @@ def reference_scores(
     model: PreTrainedModel, seq: TokenSequence, temperature: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Float64 log-probs and entropies from the model's own full logits, one unpadded sequence."""
-    ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None]
-    logits = model(input_ids=ids).logits[0].double() / temperature  # [L, V]
+    ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None].to(model.device)
+    logits = model(input_ids=ids).logits[0].double().cpu() / temperature  # [L, V]
     p = len(seq.prompt_ids)
     logp = logits[p - 1 : -1].log_softmax(-1)  # rows predicting the completion tokens
     target = torch.from_numpy(seq.completion_ids)

@@ -45,7 +45,8 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 120.0) ->
 
 
 def launch(*args: str, env: dict | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "PYTHONPATH": f"{ROOT / 'service'}{os.pathsep}{ROOT / 'client'}", **(env or {})}
+    path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "logprob_service.cli", "serve", *args],
         env=full_env,
