@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from . import metrics
 from .errors import DeadlineExceeded, Overloaded
 from .executor import DeviceExecutor
 from .jobs import ScoreJob, ScoreResult, Timings
@@ -66,6 +67,7 @@ class Scheduler:
             )
         pending = _Pending(job=job, arrived_ns=time.perf_counter_ns())
         self._queued_tokens += tokens
+        metrics.QUEUED_TOKENS.set(self._queued_tokens)
         self._queue.put_nowait(pending)
         try:
             return await pending.future
@@ -84,6 +86,7 @@ class Scheduler:
                 await self._process(pending)
             finally:
                 self._queued_tokens -= pending.job.num_tokens
+                metrics.QUEUED_TOKENS.set(self._queued_tokens)
 
     async def _process(self, pending: _Pending) -> None:
         job = pending.job
@@ -103,6 +106,7 @@ class Scheduler:
                 pending.future.set_exception(err)
             return
         self._observe_throughput(job.num_tokens, computed.compute_ns)
+        metrics.observe_scored(job.model, job.num_tokens, len(job.sequences))
         if pending.future.done():
             return
         now_ns = time.perf_counter_ns()

@@ -17,6 +17,7 @@ from .config import Settings
 from .executor import DeviceExecutor
 from .interceptors import ExceptionToStatusInterceptor
 from .jobs import ScoreJob, TokenSequence
+from .metrics import start_metrics_server
 from .models.loading import resolve_device, resolve_dtype
 from .models.registry import ModelRegistry, load_served_model
 from .scheduler import Scheduler
@@ -136,6 +137,7 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT: bind, load, warm up, serve; then drain within the grace period."""
     service = Service.create(settings)
+    start_metrics_server(settings.host, settings.metrics_port)
     server, port = await create_server(service, f"{settings.host}:{settings.port}")
     log.info("gRPC listening on %s:%d (health NOT_SERVING until models are warm)", settings.host, port)
 

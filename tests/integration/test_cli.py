@@ -9,13 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from logprob_client import LogprobClient
+from logprob_client import InvalidRequest, LogprobClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +59,7 @@ def launch(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 @pytest.fixture
 def cli_server(tmp_path):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     config = tmp_path / "config.yaml"
     # File < env < flags: the file asks for port 1 and 2 sequences, env overrides the port, the flag the limit.
     config.write_text("port: 1\nmax_sequences_per_request: 2\nmodels:\n  ref: builtin:tiny-llama\n")
@@ -71,12 +72,14 @@ def cli_server(tmp_path):
         "cpu",
         "--grace-period-s",
         "20",
-        env={"LOGPROB_PORT": str(port), "LOGPROB_METRICS_PORT": "0"},
+        "--metrics-port",
+        str(metrics_port),
+        env={"LOGPROB_PORT": str(port)},
     )
     target = f"127.0.0.1:{port}"
     try:
         wait_serving(target, proc)
-        yield proc, target
+        yield proc, target, metrics_port
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -84,7 +87,7 @@ def cli_server(tmp_path):
 
 
 def test_cli_serves_scores_and_drains_on_sigterm(cli_server):
-    proc, target = cli_server
+    proc, target, metrics_port = cli_server
     rng = np.random.default_rng()
     with LogprobClient(target, model="ref") as client:
         models = client.list_models()
@@ -94,6 +97,15 @@ def test_cli_serves_scores_and_drains_on_sigterm(cli_server):
         completions = [rng.integers(0, 4096, 9).tolist() for _ in range(3)]
         first = client.score(prompts, completions)
         assert [len(x) for x in first] == [9, 9, 9] and all(np.isfinite(x).all() for x in first)
+        with pytest.raises(InvalidRequest):
+            client.score([[1]], [[99999]])
+
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'logprob_requests_total{code="OK",rpc="ScoreTokens"} 1.0' in scraped
+        assert 'logprob_requests_total{code="INVALID_ARGUMENT",rpc="ScoreTokens"} 1.0' in scraped
+        # 3 x 21 tokens, plus the warm-up's 16.
+        assert 'logprob_tokens_scored_total{model="ref"} 79.0' in scraped
+        assert 'logprob_request_duration_seconds_count{rpc="ScoreTokens"} 2.0' in scraped
 
         # A request in flight when SIGTERM arrives still completes; the process then exits 0.
         results = {}
