@@ -115,6 +115,13 @@ class _Calls:
             return prepared, None
         return prepared, _request(prepared, model or self.model, temperature, return_entropy)
 
+    def prepare_many(
+        self, inputs: Iterable[ScoreInput], model: str | None, temperature: float, return_entropy: bool
+    ) -> tuple[list[tuple[Prepared, pb.ScoreRequest | None]], list[pb.ScoreRequest]]:
+        """Every batch's prepared call, and the requests to stream (batches with something to score)."""
+        calls = [self.prepare_call(inp, model, temperature, return_entropy) for inp in inputs]
+        return calls, [request for _, request in calls if request is not None]
+
 
 class LogprobClient(_Calls):
     """Blocking client.
@@ -182,11 +189,10 @@ class LogprobClient(_Calls):
 
         A failed batch raises its typed error, or, with ``return_exceptions``, takes its place.
         """
-        calls = [self.prepare_call(inp, model, temperature, return_entropy) for inp in inputs]
-        requests = {c[1].request_id: c[1] for c in calls if c[1] is not None}
+        calls, requests = self.prepare_many(inputs, model, temperature, return_entropy)
         responses: dict[str, pb.ScoreResponse] = {}
         try:
-            for response in self._stub.ScoreTokensStream(iter(requests.values()), timeout=timeout or self.timeout):
+            for response in self._stub.ScoreTokensStream(iter(requests), timeout=timeout or self.timeout):
                 responses[response.request_id] = response
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
@@ -262,11 +268,10 @@ class AsyncLogprobClient(_Calls):
         return_exceptions: bool = False,
     ) -> list[Any]:
         """See ``LogprobClient.score_many``."""
-        calls = [self.prepare_call(inp, model, temperature, return_entropy) for inp in inputs]
-        requests = {c[1].request_id: c[1] for c in calls if c[1] is not None}
+        calls, requests = self.prepare_many(inputs, model, temperature, return_entropy)
         responses: dict[str, pb.ScoreResponse] = {}
         try:
-            call = self._stub.ScoreTokensStream(iter(requests.values()), timeout=timeout or self.timeout)
+            call = self._stub.ScoreTokensStream(iter(requests), timeout=timeout or self.timeout)
             async for response in call:
                 responses[response.request_id] = response
         except grpc.RpcError as err:
