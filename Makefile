@@ -13,7 +13,6 @@ PYTEST_ARGS ?=
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"

@@ -42,10 +42,6 @@ class Scheduler:
         self._worker: asyncio.Task[None] | None = None
         self._tokens_per_s = 0.0  # moving average of measured device throughput
 
-    @property
-    def queued_tokens(self) -> int:
-        return self._queued_tokens
-
     def start(self) -> None:
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name="logprob-scheduler")

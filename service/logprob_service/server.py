@@ -53,7 +53,7 @@ class Service:
         )
 
     async def load_models(self) -> None:
-        """Load every configured model on the executor's thread (the loop stays responsive)."""
+        """Load every configured model in a worker thread (the loop keeps answering health checks)."""
         s = self.settings
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
