@@ -41,10 +41,15 @@ def channel_options(
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", retry_service_config(max_attempts=max_attempts)),
-        # A retried call must keep its request: let the buffer hold a large scoring request.
-        ("grpc.per_rpc_retry_buffer_size", max_message_bytes),
-        ("grpc.retry_buffer_size", 4 * max_message_bytes),
     ]
+    if max_attempts >= 2:  # gRPC's retry policy needs at least 2 attempts; 1 means no retries
+        options += [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", retry_service_config(max_attempts=max_attempts)),
+            # A retried call must keep its request: let the buffer hold a large scoring request.
+            ("grpc.per_rpc_retry_buffer_size", max_message_bytes),
+            ("grpc.retry_buffer_size", 4 * max_message_bytes),
+        ]
+    else:
+        options.append(("grpc.enable_retries", 0))
     return options + list(extra or [])

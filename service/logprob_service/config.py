@@ -82,9 +82,17 @@ class Settings(BaseSettings):
         description="Byte budget of one (rows, vocab) float32 logit slab of the chunked lm_head projection.",
     )
     max_batch_tokens: int = Field(
-        16384, ge=1, description="Padded tokens (sequences x longest) in one forward pass of the model."
+        32768,
+        ge=1,
+        description=(
+            "Real tokens (prompt + completion, no padding) in one packed micro-batch; "
+            "a longer sequence is scored alone."
+        ),
     )
-    max_batch_sequences: int = Field(64, ge=1, description="Sequences in one forward pass of the model.")
+    max_batch_sequences: int = Field(256, ge=1, description="Sequences in one packed micro-batch.")
+    max_wait_ms: float = Field(
+        2.0, ge=0, description="When the device is idle: how long to wait for more work to fill a micro-batch."
+    )
 
     # Limits and overload.
     max_sequences_per_request: int = Field(4096, ge=1, description="Most sequences in one ScoreRequest.")

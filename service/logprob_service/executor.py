@@ -1,54 +1,105 @@
-"""The device worker: one thread per device runs every torch call, so the asyncio loop never does.
+"""The device worker: every torch call runs on one device thread, so the asyncio loop never does.
 
-CUDA work is serialized on that thread: concurrent forwards would only contend for the same
-GPU and multiply peak memory.
+``launch`` packs a micro-batch and enqueues its scoring on the device thread; it returns as soon
+as the kernels are queued, so the thread is free to pack and enqueue the next micro-batch while
+the device computes this one. ``fetch`` waits for the results on a second thread.
+
+A CUDA out-of-memory error while launching splits the micro-batch in half and retries each half,
+down to a single sequence; only a sequence that cannot fit alone fails (RESOURCE_EXHAUSTED,
+naming its length). The failed attempt's memory is handed back before the retry.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from .errors import Overloaded
-from .jobs import ScoreJob, SequenceScores
-from .models.registry import ServedModel
+from .errors import LogprobError, Overloaded
+from .jobs import SequenceScores, TokenSequence
+from .models.scorer import CausalLMScorer, Launched
+from .packing import pack
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Computed:
-    scores: list[SequenceScores]
-    model_version: int
-    compute_ns: int
+class Part:
+    """Some sequences of a micro-batch (by position), launched together or failed together."""
+
+    indices: list[int]
+    launched: Launched | None = None
+    error: LogprobError | None = None
+
+
+def launch_splitting_on_oom(
+    scorer: CausalLMScorer,
+    sequences: Sequence[TokenSequence],
+    indices: list[int],
+    *,
+    temperature: float,
+    return_entropy: bool,
+) -> list[Part]:
+    """Launch ``sequences[indices]`` as one packed batch, halving it on out-of-memory."""
+    try:
+        batch = pack([sequences[i] for i in indices])
+        return [Part(indices, launched=scorer.launch(batch, temperature=temperature, return_entropy=return_entropy))]
+    except torch.OutOfMemoryError:
+        pass  # handled below, once the traceback no longer holds the failed attempt's tensors
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if len(indices) == 1:
+        seq = sequences[indices[0]]
+        return [
+            Part(
+                indices,
+                error=Overloaded(
+                    f"a sequence of {seq.num_tokens} tokens ({len(seq.prompt_ids)} prompt + "
+                    f"{len(seq.completion_ids)} completion) does not fit in device memory even alone",
+                    retry_after_s=5.0,
+                ),
+            )
+        ]
+    half = len(indices) // 2
+    log.warning("out of device memory on %d sequences: retrying as two halves", len(indices))
+    kwargs = {"temperature": temperature, "return_entropy": return_entropy}
+    return launch_splitting_on_oom(scorer, sequences, indices[:half], **kwargs) + launch_splitting_on_oom(
+        scorer, sequences, indices[half:], **kwargs
+    )
 
 
 class DeviceExecutor:
-    def __init__(self, name: str = "device") -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"logprob-{name}")
+    def __init__(self) -> None:
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-device")
+        self._fetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-fetch")
 
-    async def run(self, served: ServedModel, job: ScoreJob) -> Computed:
+    async def launch(
+        self,
+        scorer: CausalLMScorer,
+        sequences: Sequence[TokenSequence],
+        *,
+        temperature: float,
+        return_entropy: bool,
+    ) -> list[Part]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _compute, served, job)
+        return await loop.run_in_executor(
+            self._device,
+            lambda: launch_splitting_on_oom(
+                scorer,
+                sequences,
+                list(range(len(sequences))),
+                temperature=temperature,
+                return_entropy=return_entropy,
+            ),
+        )
+
+    async def fetch(self, launched: Launched) -> list[SequenceScores]:
+        return await asyncio.get_running_loop().run_in_executor(self._fetch, launched.fetch)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _compute(served: ServedModel, job: ScoreJob) -> Computed:
-    start = time.perf_counter_ns()
-    try:
-        # score() copies results to host memory, which waits for the device: the time is real.
-        scores = served.scorer.score(job.sequences, temperature=job.temperature, return_entropy=job.return_entropy)
-    except torch.OutOfMemoryError:
-        scores = None  # handled below, once the traceback no longer holds the failed batch's tensors
-    if scores is None:
-        torch.cuda.empty_cache()  # hand the failed batch's blocks back before the next job
-        raise Overloaded(
-            f"request {job.request_id}: out of device memory scoring {job.num_tokens} tokens "
-            f"in {len(job.sequences)} sequences; send fewer tokens per request",
-            retry_after_s=1.0,
-        )
-    return Computed(scores=scores, model_version=served.info.version, compute_ns=time.perf_counter_ns() - start)
+        self._device.shutdown(wait=True, cancel_futures=True)
+        self._fetch.shutdown(wait=True, cancel_futures=True)

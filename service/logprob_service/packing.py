@@ -1,9 +1,16 @@
-"""Turn a list of sequences into model inputs.
+"""Turn a micro-batch of sequences into one packed, padding-free model input.
 
-Today: right-padded batches, planned under a padded-token budget. A sequence's real tokens come
-first and its padding after, so under causal attention no real token ever attends to padding:
-no attention mask is needed (which keeps SDPA on its fused causal kernels), position ids are
-simply 0..L-1, and the padded rows are never read.
+The sequences are concatenated into a single row of T tokens; position ids restart at 0 for
+each sequence, and ``cu_seqlens`` (cumulative lengths, int32, [n + 1]) tells the attention op
+(``ops.attention``) where each sequence starts, so attention stays within a sequence. No token
+is padding, so no compute is spent on padding.
+
+For a sequence starting at offset o with prompt length P and completion length C, the row that
+predicts completion token t (0-based) is o + P - 1 + t: the last prompt token predicts the first
+completion token. Only these rows reach the log-prob op.
+
+Everything here is numpy: it runs on whichever thread prepares the next micro-batch, and the
+executor turns the arrays into (pinned) tensors.
 """
 
 from __future__ import annotations
@@ -12,70 +19,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .jobs import TokenSequence
 
 
 @dataclass(frozen=True)
-class PaddedBatch:
-    input_ids: torch.Tensor  # [B, L] int64, right-padded
-    position_ids: torch.Tensor  # [B, L] int64, 0..L-1 per row
-    rows: torch.Tensor  # [N] int64: flat indices into [B*L] of the rows that predict completion tokens
-    targets: torch.Tensor  # [N] int64: the completion tokens those rows predict
+class PackedBatch:
+    input_ids: np.ndarray  # [T] int64: all sequences back to back
+    position_ids: np.ndarray  # [T] int64: 0..len-1 within each sequence
+    cu_seqlens: np.ndarray  # [n + 1] int32: sequence b is tokens cu_seqlens[b]:cu_seqlens[b + 1]
+    max_seqlen: int  # longest sequence, for the attention kernel's launch
+    rows: np.ndarray  # [N] int64: indices into [T] of the rows that predict completion tokens
+    targets: np.ndarray  # [N] int64: the completion tokens those rows predict
     completion_lengths: list[int]  # to split the N results back per sequence
 
-    def to(self, device: torch.device) -> PaddedBatch:
-        move = {"device": device, "non_blocking": True}
-        return PaddedBatch(
-            input_ids=self.input_ids.to(**move),
-            position_ids=self.position_ids.to(**move),
-            rows=self.rows.to(**move),
-            targets=self.targets.to(**move),
-            completion_lengths=self.completion_lengths,
-        )
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
 
 
-def pad_right(sequences: Sequence[TokenSequence], pad_id: int = 0) -> PaddedBatch:
-    """Build a right-padded batch; the row predicting completion token t of a sequence with
-    prompt length P sits at position P - 1 + t (the last prompt token predicts the first)."""
-    lengths = [s.num_tokens for s in sequences]
-    width = max(lengths)
-    input_ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
-    rows, targets = [], []
-    for b, seq in enumerate(sequences):
-        p, c = len(seq.prompt_ids), len(seq.completion_ids)
-        input_ids[b, :p] = seq.prompt_ids
-        input_ids[b, p : p + c] = seq.completion_ids
-        rows.append(b * width + np.arange(p - 1, p - 1 + c))
-        targets.append(seq.completion_ids)
-    return PaddedBatch(
-        input_ids=torch.from_numpy(input_ids),
-        position_ids=torch.arange(width).expand(len(sequences), width).contiguous(),
-        rows=torch.from_numpy(np.concatenate(rows).astype(np.int64)),
-        targets=torch.from_numpy(np.concatenate(targets).astype(np.int64)),
+def pack(sequences: Sequence[TokenSequence]) -> PackedBatch:
+    lengths = np.array([s.num_tokens for s in sequences], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])  # [n + 1]
+    input_ids = np.concatenate([np.concatenate([s.prompt_ids, s.completion_ids]) for s in sequences])
+    # Position of token i within its sequence: i - start of its sequence.
+    position_ids = np.arange(starts[-1]) - np.repeat(starts[:-1], lengths)
+    rows = np.concatenate(
+        [start + len(s.prompt_ids) - 1 + np.arange(len(s.completion_ids)) for start, s in zip(starts, sequences)]
+    )
+    return PackedBatch(
+        input_ids=input_ids.astype(np.int64),
+        position_ids=position_ids,
+        cu_seqlens=starts.astype(np.int32),
+        max_seqlen=int(lengths.max()),
+        rows=rows.astype(np.int64),
+        targets=np.concatenate([s.completion_ids for s in sequences]).astype(np.int64),
         completion_lengths=[len(s.completion_ids) for s in sequences],
     )
-
-
-def plan_padded_batches(lengths: Sequence[int], *, max_batch_tokens: int, max_batch_sequences: int) -> list[list[int]]:
-    """Group sequence indices into batches whose padded size (count x longest) stays within
-    ``max_batch_tokens`` and whose count stays within ``max_batch_sequences``.
-
-    Sequences are taken longest first, so each batch holds similar lengths and little padding.
-    A sequence longer than the budget forms a batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        current = batches[-1] if batches else None
-        # Longest first: the batch's first sequence is its widest, so its width bounds the padding.
-        if (
-            current is not None
-            and len(current) < max_batch_sequences
-            and (len(current) + 1) * lengths[current[0]] <= max_batch_tokens
-        ):
-            current.append(i)
-        else:
-            batches.append([i])
-    return batches

@@ -1,10 +1,18 @@
-"""Admission and ordering of scoring work (asyncio side; never runs torch).
+"""Admission, micro-batching and ordering of scoring work (asyncio side; never runs torch).
 
-Every request enters one FIFO queue bounded by tokens (``max_queued_tokens``): past it, the
-request is refused at once with RESOURCE_EXHAUSTED and a retry hint derived from the measured
-throughput. A worker coroutine hands jobs to the device executor one at a time, dropping those
-whose caller went away (cancelled) or whose deadline passed (DEADLINE_EXCEEDED) before they
-reach the device.
+Every request's sequences enter one queue, bounded by tokens (``max_queued_tokens``): past it a
+request is refused at once with RESOURCE_EXHAUSTED and a retry hint from the measured
+throughput. A request larger than one micro-batch is split into balanced parts
+(``partition.plan_micro_batches``, Karmarkar-Karp) up front; each part is a work unit.
+
+The batching loop forms micro-batches of units that share a model, temperature and entropy
+flag, first-fit in arrival order, under ``max_batch_tokens`` real tokens (no padding: the batch
+is packed) and ``max_batch_sequences``. When the device is idle it waits up to ``max_wait_ms``
+after the oldest unit's arrival for more work to fill the batch. Two micro-batches are kept in
+flight, so the next one is packed and enqueued while the device computes the current one.
+Units whose caller went away or whose deadline passed are dropped before they reach the device.
+Results are scattered back by sequence index, so every response is in request order however
+its sequences were batched.
 """
 
 from __future__ import annotations
@@ -16,44 +24,112 @@ from dataclasses import dataclass, field
 
 from . import metrics
 from .errors import DeadlineExceeded, Overloaded
-from .executor import DeviceExecutor
-from .jobs import ScoreJob, ScoreResult, Timings
+from .executor import DeviceExecutor, Part
+from .jobs import ScoreJob, ScoreResult, SequenceScores, Timings
 from .models.registry import ModelRegistry
+from .partition import plan_micro_batches
 
 log = logging.getLogger(__name__)
 
 _MIN_RETRY_S, _MAX_RETRY_S = 0.05, 30.0
+PIPELINE_DEPTH = 2  # micro-batches in flight: one computing, one being packed and enqueued
 
 
-@dataclass
-class _Pending:
+@dataclass(frozen=True)
+class BatchKey:
+    """Work batches together only when all of these match."""
+
+    model: str
+    temperature: float
+    return_entropy: bool
+
+
+@dataclass(eq=False)
+class _Request:
     job: ScoreJob
-    arrived_ns: int
-    future: asyncio.Future[ScoreResult] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    future: asyncio.Future[ScoreResult]
+    arrived_ns: int = field(default_factory=time.perf_counter_ns)
+    first_launch_ns: int | None = None
+    compute_ns: int = 0
+    model_version: int = 0
+    scores: list[SequenceScores | None] = field(init=False)
+    remaining: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scores = [None] * len(self.job.sequences)
+        self.remaining = len(self.job.sequences)
+
+    @property
+    def key(self) -> BatchKey:
+        return BatchKey(self.job.model, self.job.temperature, self.job.return_entropy)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+@dataclass(eq=False)
+class _Unit:
+    """Some sequences of one request, always scored in the same micro-batch."""
+
+    request: _Request
+    indices: list[int]
+    tokens: int
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A micro-batch handed to the device: who owns each of its sequences, and its parts."""
+
+    units: list[_Unit]
+    owners: list[tuple[_Request, int]]  # (request, sequence index) of each position in the batch
+    start_ns: int = field(default_factory=time.perf_counter_ns)
+    model_version: int = 0
+    parts: list[Part] = field(default_factory=list)
+    error: Exception | None = None
+
+    @property
+    def requests(self) -> list[_Request]:
+        return list(dict.fromkeys(request for request, _ in self.owners))
 
 
 class Scheduler:
-    def __init__(self, registry: ModelRegistry, executor: DeviceExecutor, *, max_queued_tokens: int) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        executor: DeviceExecutor,
+        *,
+        max_queued_tokens: int,
+        max_batch_tokens: int,
+        max_batch_sequences: int,
+        max_wait_ms: float,
+    ) -> None:
         self._registry = registry
         self._executor = executor
         self._max_queued_tokens = max_queued_tokens
-        self._queued_tokens = 0
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self._worker: asyncio.Task[None] | None = None
-        self._tokens_per_s = 0.0  # moving average of measured device throughput
+        self._max_batch_tokens = max_batch_tokens
+        self._max_batch_sequences = max_batch_sequences
+        self._max_wait_s = max_wait_ms / 1000
+        self._queued_tokens = 0  # admitted, not yet scored or dropped
+        self._units: list[_Unit] = []  # waiting, in arrival order
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._tokens_per_s = 0.0  # moving average of measured throughput
 
     def start(self) -> None:
-        if self._worker is None:
-            self._worker = asyncio.create_task(self._run(), name="logprob-scheduler")
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name="logprob-scheduler")
 
     async def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-            self._worker = None
+        tasks = [t for t in (self._loop_task, *self._in_flight) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop_task = None
 
     async def submit(self, job: ScoreJob) -> ScoreResult:
-        """Queue ``job`` and wait for its result. Cancelling the caller removes the job."""
+        """Queue ``job`` and wait for its result. Cancelling the caller drops its queued work."""
         tokens = job.num_tokens
         if self._queued_tokens + tokens > self._max_queued_tokens:
             raise Overloaded(
@@ -61,66 +137,179 @@ class Scheduler:
                 f"max_queued_tokens={self._max_queued_tokens}",
                 retry_after_s=self._retry_after_s(self._queued_tokens + tokens - self._max_queued_tokens),
             )
-        pending = _Pending(job=job, arrived_ns=time.perf_counter_ns())
+        request = _Request(job, asyncio.get_running_loop().create_future())
+        for indices in self._split(job):
+            self._units.append(_Unit(request, indices, sum(job.sequences[i].num_tokens for i in indices)))
+        self._account(tokens)
+        self._wake.set()
+        try:
+            return await request.future
+        finally:
+            # A cancelled caller (its task's cancellation also cancels the future): its queued work goes at once.
+            if request.future.cancelled() or not request.future.done():
+                request.future.cancel()
+                self._drop_dead()
+
+    def _split(self, job: ScoreJob) -> list[list[int]]:
+        if job.num_tokens <= self._max_batch_tokens and len(job.sequences) <= self._max_batch_sequences:
+            return [list(range(len(job.sequences)))]
+        return plan_micro_batches(
+            [s.num_tokens for s in job.sequences],
+            max_tokens=self._max_batch_tokens,
+            max_sequences=self._max_batch_sequences,
+        )
+
+    def _account(self, tokens: int) -> None:
         self._queued_tokens += tokens
         metrics.QUEUED_TOKENS.set(self._queued_tokens)
-        self._queue.put_nowait(pending)
-        try:
-            return await pending.future
-        finally:
-            pending.future.cancel()  # no-op when done; marks a cancelled caller's job as dead
 
     def _retry_after_s(self, excess_tokens: int) -> float:
         if self._tokens_per_s <= 0:
             return 1.0
         return min(_MAX_RETRY_S, max(_MIN_RETRY_S, excess_tokens / self._tokens_per_s))
 
+    # The batching loop.
+
     async def _run(self) -> None:
         while True:
-            pending = await self._queue.get()
-            try:
-                await self._process(pending)
-            finally:
-                self._queued_tokens -= pending.job.num_tokens
-                metrics.QUEUED_TOKENS.set(self._queued_tokens)
+            while len(self._in_flight) >= PIPELINE_DEPTH:
+                await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+            # The next batch is formed only once the previous launch has returned (its kernels are
+            # queued), so deadlines and cancellations are checked right before each launch.
+            batch = await self._launch(await self._next_batch())
+            task = asyncio.create_task(self._finish(batch))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
 
-    async def _process(self, pending: _Pending) -> None:
-        job = pending.job
-        if pending.future.done():  # the caller went away while the job was queued
-            return
-        if job.deadline is not None and time.monotonic() >= job.deadline:
-            pending.future.set_exception(
-                DeadlineExceeded(f"request {job.request_id}: deadline passed while queued; nothing was computed")
+    async def _next_batch(self) -> list[_Unit]:
+        while True:
+            self._drop_dead()
+            timeout = None
+            if self._units:
+                waited = (time.perf_counter_ns() - self._units[0].request.arrived_ns) / 1e9
+                device_idle = not self._in_flight
+                if not device_idle or waited >= self._max_wait_s or self._fills_a_batch():
+                    return self._take()
+                timeout = self._max_wait_s - waited
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _drop_dead(self) -> None:
+        """Drop units whose caller went away; fail and drop those whose deadline passed."""
+        now = time.monotonic()
+        alive = []
+        for unit in self._units:
+            request = unit.request
+            deadline = request.job.deadline
+            if not request.future.done() and deadline is not None and now >= deadline:
+                request.fail(
+                    DeadlineExceeded(
+                        f"request {request.job.request_id}: deadline passed while queued; nothing was computed"
+                    )
+                )
+            if request.future.done():
+                self._account(-unit.tokens)
+            else:
+                alive.append(unit)
+        self._units = alive
+
+    def _fills_a_batch(self) -> bool:
+        key = self._units[0].request.key
+        tokens = sum(u.tokens for u in self._units if u.request.key == key)
+        return tokens >= self._max_batch_tokens
+
+    def _take(self) -> list[_Unit]:
+        """First fit, in arrival order, among units sharing the oldest unit's key."""
+        key = self._units[0].request.key
+        chosen: list[_Unit] = []
+        rest: list[_Unit] = []
+        tokens = sequences = 0
+        for unit in self._units:
+            fits = (
+                tokens + unit.tokens <= self._max_batch_tokens
+                and sequences + len(unit.indices) <= self._max_batch_sequences
             )
-            return
-        started_ns = time.perf_counter_ns()
+            if unit.request.key == key and (fits or not chosen):  # an over-long unit goes alone
+                chosen.append(unit)
+                tokens += unit.tokens
+                sequences += len(unit.indices)
+            else:
+                rest.append(unit)
+        self._units = rest
+        return chosen
+
+    async def _launch(self, units: list[_Unit]) -> _Launched:
+        """Hand one micro-batch to the device thread; returns once its work is enqueued."""
+        batch = _Launched(units=units, owners=[(unit.request, i) for unit in units for i in unit.indices])
+        key = units[0].request.key
+        for request in batch.requests:
+            request.first_launch_ns = request.first_launch_ns or batch.start_ns
         try:
-            served = self._registry.get(job.model)
-            computed = await self._executor.run(served, job)
-        except Exception as err:  # delivered to the caller; the worker goes on with the next job
-            if not pending.future.done():
-                pending.future.set_exception(err)
+            served = self._registry.get(key.model)
+            batch.model_version = served.info.version
+            batch.parts = await self._executor.launch(
+                served.scorer,
+                [request.job.sequences[i] for request, i in batch.owners],
+                temperature=key.temperature,
+                return_entropy=key.return_entropy,
+            )
+        except Exception as err:
+            batch.error = err
+        return batch
+
+    async def _finish(self, batch: _Launched) -> None:
+        """Wait for a launched micro-batch's results and scatter them back to their requests."""
+        try:
+            if batch.error is not None:
+                raise batch.error
+            for part in batch.parts:
+                if part.error is not None:
+                    for position in part.indices:
+                        batch.owners[position][0].fail(part.error)
+                    continue
+                for position, scores in zip(part.indices, await self._executor.fetch(part.launched)):
+                    request, i = batch.owners[position]
+                    request.scores[i] = scores
+                    request.remaining -= 1
+        except Exception as err:  # a bug or a device fault: this batch's requests fail, the loop goes on
+            log.exception("micro-batch of %d sequences failed", len(batch.owners), exc_info=err)
+            for request in batch.requests:
+                request.fail(err)
+        finally:
+            elapsed_ns = time.perf_counter_ns() - batch.start_ns
+            tokens = sum(unit.tokens for unit in batch.units)
+            self._account(-tokens)
+            self._observe_throughput(tokens, elapsed_ns)
+            for request in batch.requests:
+                request.compute_ns += elapsed_ns
+                request.model_version = batch.model_version
+                if request.remaining == 0:
+                    self._complete(request)
+
+    def _complete(self, request: _Request) -> None:
+        if request.future.done():
             return
-        self._observe_throughput(job.num_tokens, computed.compute_ns)
+        job = request.job
+        now = time.perf_counter_ns()
         metrics.observe_scored(job.model, job.num_tokens, len(job.sequences))
-        if pending.future.done():
-            return
-        now_ns = time.perf_counter_ns()
-        pending.future.set_result(
+        request.future.set_result(
             ScoreResult(
                 request_id=job.request_id,
                 model=job.model,
-                model_version=computed.model_version,
-                scores=computed.scores,
+                model_version=request.model_version,
+                scores=request.scores,  # type: ignore[arg-type]  # all filled: remaining == 0
                 tokens=job.num_tokens,
                 timings=Timings(
-                    queue_ns=started_ns - pending.arrived_ns,
-                    compute_ns=computed.compute_ns,
-                    total_ns=now_ns - pending.arrived_ns,
+                    queue_ns=(request.first_launch_ns or now) - request.arrived_ns,
+                    compute_ns=request.compute_ns,
+                    total_ns=now - request.arrived_ns,
                 ),
             )
         )
 
-    def _observe_throughput(self, tokens: int, compute_ns: int) -> None:
-        rate = tokens / max(compute_ns, 1) * 1e9
+    def _observe_throughput(self, tokens: int, elapsed_ns: int) -> None:
+        rate = tokens / max(elapsed_ns, 1) * 1e9
         self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.8 * self._tokens_per_s + 0.2 * rate

@@ -42,7 +42,14 @@ class Service:
     def create(cls, settings: Settings, registry: ModelRegistry | None = None) -> Service:
         registry = registry if registry is not None else ModelRegistry()
         executor = DeviceExecutor()
-        scheduler = Scheduler(registry, executor, max_queued_tokens=settings.max_queued_tokens)
+        scheduler = Scheduler(
+            registry,
+            executor,
+            max_queued_tokens=settings.max_queued_tokens,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_sequences=settings.max_batch_sequences,
+            max_wait_ms=settings.max_wait_ms,
+        )
         return cls(settings, registry, executor, scheduler, ServingState())
 
     @property

@@ -103,25 +103,25 @@ async def test_client_raises_typed_invalid_request_with_server_message(running):
 
 
 class Gate:
-    """Holds the scorer of a model until released, counting the sequences it was asked to score."""
+    """Holds the scorer of a model until released, counting the sequences of each micro-batch."""
 
     def __init__(self, running, model="default"):
         self.scorer = running.scorer(model)
-        self.original = self.scorer.score
+        self.original = self.scorer.launch
         self.entered = threading.Event()
         self.release = threading.Event()
         self.calls: list[int] = []
-        self.scorer.score = self._score
+        self.scorer.launch = self._launch
 
-    def _score(self, sequences, **kwargs):
-        self.calls.append(len(sequences))
+    def _launch(self, batch, **kwargs):
+        self.calls.append(len(batch.completion_lengths))
         self.entered.set()
         assert self.release.wait(30), "test never released the gate"
-        return self.original(sequences, **kwargs)
+        return self.original(batch, **kwargs)
 
     def restore(self):
         self.release.set()
-        self.scorer.score = self.original
+        self.scorer.launch = self.original
 
 
 async def test_queue_full_is_resource_exhausted_with_retry_hint(gemma_checkpoint):
@@ -199,16 +199,16 @@ async def test_unavailable_until_warm_and_while_draining(gemma_checkpoint):
 
 async def test_a_bug_is_internal_logged_with_request_id_and_the_server_keeps_serving(running, caplog):
     scorer = running.scorer("default")
-    original = scorer.score
+    original = scorer.launch
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected bug")
 
-    scorer.score = broken
+    scorer.launch = broken
     with caplog.at_level(logging.ERROR):
         await expect(running.target, request(OK, request_id="bug-42"), grpc.StatusCode.INTERNAL, "bug-42")
     assert any("bug-42" in r.getMessage() and r.exc_info for r in caplog.records)
-    scorer.score = original
+    scorer.launch = original
     response = await call(running.target, request(OK, request_id="after-bug"))
     assert response.request_id == "after-bug" and len(response.scores[0].logprobs) == 2
 

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from logprob_client import InvalidRequest, LogprobClient, Overloaded
+from logprob_client import InvalidRequest, LogprobClient, Overloaded, Unavailable
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
@@ -62,6 +62,17 @@ async def test_invalid_argument_is_not_retried():
     server, target = await serve(servicer)
     try:
         with LogprobClient(target, timeout=10) as client, pytest.raises(InvalidRequest):
+            await asyncio.to_thread(client.score, [[1]], [[2]])
+        assert servicer.calls == 1
+    finally:
+        await server.stop(None)
+
+
+async def test_one_attempt_means_no_retries():
+    servicer = Flaky(grpc.StatusCode.UNAVAILABLE, failures=100)
+    server, target = await serve(servicer)
+    try:
+        with LogprobClient(target, timeout=10, max_attempts=1) as client, pytest.raises(Unavailable):
             await asyncio.to_thread(client.score, [[1]], [[2]])
         assert servicer.calls == 1
     finally:

@@ -1,35 +1,39 @@
-"""Right-padded batches and the padded-token batch planner."""
+"""Packed, padding-free micro-batches."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from logprob_service.jobs import TokenSequence
-from logprob_service.packing import pad_right, plan_padded_batches
+from logprob_service.packing import pack
 
 
-def test_pad_right_rows_predict_the_completion_tokens():
+def test_pack_concatenates_restarts_positions_and_selects_completion_rows():
     seqs = [
         TokenSequence(np.array([5, 6, 7]), np.array([8, 9])),
         TokenSequence(np.array([1]), np.array([2])),
+        TokenSequence(np.array([3, 4]), np.array([10, 11, 12])),
     ]
-    batch = pad_right(seqs, pad_id=0)
-    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, 0, 0, 0]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4]] * 2
-    # Row of token 7 (flat 2) predicts 8; row of 8 (flat 3) predicts 9; row of 1 (flat 5) predicts 2.
-    assert batch.rows.tolist() == [2, 3, 5]
-    assert batch.targets.tolist() == [8, 9, 2]
-    assert batch.completion_lengths == [2, 1]
+    batch = pack(seqs)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, 1, 2, 3, 4, 10, 11, 12]
+    assert batch.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4]
+    assert batch.cu_seqlens.tolist() == [0, 5, 7, 12] and batch.cu_seqlens.dtype == np.int32
+    assert batch.max_seqlen == 5 and batch.num_tokens == 12
+    # Rows of 7, 8 predict 8, 9; the row of 1 predicts 2; rows of 4, 10, 11 predict 10, 11, 12.
+    assert batch.rows.tolist() == [2, 3, 5, 8, 9, 10]
+    assert batch.targets.tolist() == [8, 9, 2, 10, 11, 12]
+    assert batch.completion_lengths == [2, 1, 3]
 
 
-@pytest.mark.parametrize("trial", range(20))
-def test_plan_respects_budgets_and_covers_every_sequence_once(trial):
+def test_pack_random_rows_always_point_one_before_their_target():
     rng = np.random.default_rng()
-    lengths = rng.integers(1, 300, int(rng.integers(1, 60))).tolist()
-    budget, max_seqs = int(rng.integers(50, 1200)), int(rng.integers(1, 9))
-    plan = plan_padded_batches(lengths, max_batch_tokens=budget, max_batch_sequences=max_seqs)
-    assert sorted(i for batch in plan for i in batch) == list(range(len(lengths)))
-    for batch in plan:
-        assert len(batch) <= max_seqs
-        padded = len(batch) * max(lengths[i] for i in batch)
-        assert padded <= budget or len(batch) == 1  # only a lone over-budget sequence may exceed it
+    seqs = [
+        TokenSequence(rng.integers(0, 1000, int(rng.integers(1, 20))), rng.integers(0, 1000, int(rng.integers(1, 20))))
+        for _ in range(int(rng.integers(1, 30)))
+    ]
+    batch = pack(seqs)
+    assert batch.num_tokens == sum(s.num_tokens for s in seqs)
+    np.testing.assert_array_equal(batch.input_ids[batch.rows + 1], batch.targets)
+    # Every predicting row lies inside its own sequence.
+    seq_of_row = np.searchsorted(batch.cu_seqlens, batch.rows, side="right") - 1
+    seq_of_target = np.searchsorted(batch.cu_seqlens, batch.rows + 1, side="right") - 1
+    np.testing.assert_array_equal(seq_of_row, seq_of_target)

@@ -1,22 +1,30 @@
 """Score completion tokens with a loaded causal LM, without computing full logits.
 
-The model body (``model.base_model``: embeddings, decoder layers, final norm) runs to hidden
-states; only the rows that predict completion tokens are kept and sent through the lm_head by
-the chunked log-prob op. ``.logits`` of the whole model is never computed.
+The model body (``model.base_model``: embeddings, decoder layers, final norm) runs on one packed,
+padding-free row of sequences (``packing.pack``, attention confined to each sequence by
+``ops.attention``); only the rows that predict completion tokens are kept and sent through the
+lm_head by the chunked log-prob op. ``.logits`` of the whole model is never computed.
+
+Scoring is split in two so a device thread can keep the GPU busy: ``launch`` enqueues the work
+and an asynchronous copy of the results to host memory and returns at once; ``Launched.fetch``
+waits for that copy. The thread can launch the next micro-batch before fetching this one.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from ..jobs import SequenceScores, TokenSequence
+from ..ops.attention import PACKED_ATTENTION, packed_forward_kwargs, register_packed_attention
 from ..ops.logprobs import DEFAULT_CHUNK_BYTES, LogitTransform, chunked_token_logprobs
-from ..packing import PaddedBatch, pad_right, plan_padded_batches
+from ..packing import PackedBatch, pack
+from ..partition import plan_micro_batches
 
 
 def config_logit_transform(config: object) -> LogitTransform:
@@ -46,17 +54,39 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+@dataclass
+class Launched:
+    """Scores of one micro-batch, copying to host memory; ``fetch`` waits for them."""
+
+    logprobs: torch.Tensor  # [N] float32, host (pinned on CUDA)
+    entropies: torch.Tensor | None
+    completion_lengths: list[int]
+    ready: torch.cuda.Event | None  # recorded after the copies; None on the CPU (already done)
+
+    def fetch(self) -> list[SequenceScores]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        split_at = np.cumsum(self.completion_lengths)[:-1]
+        logprobs = np.split(self.logprobs.numpy(), split_at)
+        if self.entropies is None:
+            return [SequenceScores(logprobs=lp) for lp in logprobs]
+        entropies = np.split(self.entropies.numpy(), split_at)
+        return [SequenceScores(logprobs=lp, entropies=e) for lp, e in zip(logprobs, entropies)]
+
+
 class CausalLMScorer:
-    """Scores sequences with one model; called from the executor's worker thread only."""
+    """Scores packed micro-batches with one model; used from the executor's device thread only."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        max_batch_tokens: int = 16384,
-        max_batch_sequences: int = 64,
+        max_batch_tokens: int = 32768,
+        max_batch_sequences: int = 256,
     ) -> None:
+        register_packed_attention()
+        model.set_attn_implementation(PACKED_ATTENTION)
         self.model = model
         self.body = model.base_model
         head = model.get_output_embeddings()
@@ -71,7 +101,56 @@ class CausalLMScorer:
     def device(self) -> torch.device:
         return self.head_weight.device
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":  # pinned host memory: the copy runs asynchronously
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
+
     @torch.inference_mode()
+    def launch(self, batch: PackedBatch, *, temperature: float = 1.0, return_entropy: bool = False) -> Launched:
+        """Enqueue the scoring of one packed micro-batch; returns before the device is done."""
+        input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
+        position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
+        cu_seqlens = self._to_device(batch.cu_seqlens)  # [n + 1]
+        out = self.body(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            **packed_forward_kwargs(cu_seqlens, batch.max_seqlen),
+        )
+        rows = out.last_hidden_state[0].index_select(0, self._to_device(batch.rows))  # [N, H]
+        del out  # free the [T, H] states before the lm_head slabs are allocated
+        transform = LogitTransform(self.transform.scale, self.transform.softcap, temperature)
+        scores = chunked_token_logprobs(
+            rows,
+            self.head_weight,
+            self._to_device(batch.targets),
+            bias=self.head_bias,
+            transform=transform,
+            return_entropy=return_entropy,
+            chunk_bytes=self.chunk_bytes,
+        )
+        return Launched(
+            logprobs=self._to_host(scores.logprobs),
+            entropies=self._to_host(scores.entropies) if scores.entropies is not None else None,
+            completion_lengths=batch.completion_lengths,
+            ready=self._record_event(),
+        )
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def _record_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def score(
         self,
         sequences: Sequence[TokenSequence],
@@ -79,40 +158,16 @@ class CausalLMScorer:
         temperature: float = 1.0,
         return_entropy: bool = False,
     ) -> list[SequenceScores]:
-        """Per-sequence float32 log-probs (and entropies) of every completion token, in order."""
-        transform = LogitTransform(self.transform.scale, self.transform.softcap, temperature)
+        """Score any number of sequences: balanced micro-batches under the token budget, in order."""
         results: list[SequenceScores | None] = [None] * len(sequences)
-        plan = plan_padded_batches(
+        plan = plan_micro_batches(
             [s.num_tokens for s in sequences],
-            max_batch_tokens=self.max_batch_tokens,
-            max_batch_sequences=self.max_batch_sequences,
+            max_tokens=self.max_batch_tokens,
+            max_sequences=self.max_batch_sequences,
         )
         for indices in plan:
-            batch = pad_right([sequences[i] for i in indices]).to(self.device)
-            for i, scores in zip(indices, self._score_batch(batch, transform, return_entropy)):
+            batch = pack([sequences[i] for i in indices])
+            launched = self.launch(batch, temperature=temperature, return_entropy=return_entropy)
+            for i, scores in zip(indices, launched.fetch()):
                 results[i] = scores
-        return results  # type: ignore[return-value]  # every index is in exactly one batch
-
-    def _score_batch(self, batch: PaddedBatch, transform: LogitTransform, return_entropy: bool) -> list[SequenceScores]:
-        out = self.body(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-        hidden = out.last_hidden_state  # [B, L, H]
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.rows)  # [N, H]
-        del out, hidden  # free the [B, L, H] states before the lm_head slabs are allocated
-        token_scores = chunked_token_logprobs(
-            rows,
-            self.head_weight,
-            batch.targets,
-            bias=self.head_bias,
-            transform=transform,
-            return_entropy=return_entropy,
-            chunk_bytes=self.chunk_bytes,
-        )
-        return _split(token_scores.logprobs, token_scores.entropies, batch.completion_lengths)
-
-
-def _split(logprobs: torch.Tensor, entropies: torch.Tensor | None, lengths: list[int]) -> list[SequenceScores]:
-    logprobs_np = np.split(logprobs.cpu().numpy(), np.cumsum(lengths)[:-1])
-    if entropies is None:
-        return [SequenceScores(logprobs=lp) for lp in logprobs_np]
-    entropies_np = np.split(entropies.cpu().numpy(), np.cumsum(lengths)[:-1])
-    return [SequenceScores(logprobs=lp, entropies=e) for lp, e in zip(logprobs_np, entropies_np)]
+        return results  # type: ignore[return-value]  # every index is in exactly one micro-batch

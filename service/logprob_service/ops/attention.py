@@ -1,0 +1,419 @@
+"""Attention over one packed row of several sequences, for Hugging Face transformers models.
+
+Padding-free packing puts a micro-batch of n sequences in ONE row: ``input_ids`` [1, T] is the
+sequences concatenated, ``position_ids`` [1, T] restarts at 0 for each, and ``cu_seqlens``
+(int32 [n+1], 0 = c_0 < c_1 < ... < c_n = T) delimits them. Sequence s owns rows [c_s, c_{s+1}).
+
+For a query row i and a key row j of the same sequence (only), attention is exactly what the
+model's eager implementation computes on that sequence alone::
+
+    x_ij = (q_i . k_j) * scaling                  # scaling: the module's (1/sqrt(d), Granite's multiplier, ...)
+    x_ij = c * tanh(x_ij / c)                     # attention-logit softcapping (Gemma 2), when c is set
+    allowed(i, j) = j <= i                        # causal, within the sequence
+                    and j > i - w                 # sliding window w: the last w positions, self included
+    p_i = softmax_j(x_ij over allowed j)          # in float32, then cast back to the model dtype
+    o_i = sum_j p_ij v_j                          # with GQA, query head h reads key/value head h // (H / KV)
+
+Conventions, checked against transformers 5 (5.17 and 5.23 agree):
+
+* Sliding window: ``masking_utils.sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``,
+  i.e. a token sees at most ``w`` positions *including itself*. Flash attention's window is
+  inclusive on both sides (key j is seen iff ``i - left <= j <= i + right``), so ``w`` becomes
+  ``window_size=(w - 1, 0)``, exactly as transformers' own flash integration passes
+  ``(sliding_window - 1, ...)`` (``modeling_flash_attention_utils._process_flash_attention_kwargs``).
+  Models pass the window per layer as the ``sliding_window`` argument (``None`` on full layers).
+* Sequence boundaries travel as the flash-attention varlen kwargs ``cu_seq_lens_q``,
+  ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k`` (``TransformersKwargs``): the model's
+  ``forward(**kwargs)`` hands them through each decoder layer to the attention function.
+* No [T, T] mask: no mask function is registered for our implementation, so transformers'
+  ``create_causal_mask`` / ``create_sliding_window_causal_mask`` return None at once, with no
+  host sync (``_preprocess_mask_arguments``' early exit for implementations without one), and
+  the attention function gets ``attention_mask=None``. The price: a 2-D padding mask given to the
+  model is dropped by transformers before it reaches us. Nothing here pads, and a packed row has
+  no padding to mask.
+* An unpacked call (no ``cu_seq_lens_*``, e.g. ``model(input_ids)`` for a reference) treats each
+  batch row as one whole sequence, so a model switched to this implementation still answers
+  ordinary unpadded calls exactly.
+
+Two ways to compute it:
+
+* Fast path (CUDA, fp16/bf16, no softcap): ``torch.nn.attention.varlen.varlen_attn`` (flash
+  attention varlen) over the whole row: no padding, no mask, O(T) memory.
+* Exact fallback (CPU; CUDA when the fast path cannot express the semantics): a loop over the
+  sequences that computes each one as the eager implementation does, in blocks of query rows so
+  that one block's scores stay under ``FALLBACK_SCORE_BYTES`` (memory O(block x L), not O(L^2)).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PACKED_ATTENTION = "logprob_packed"
+"""Name of the attention implementation: ``model.set_attn_implementation(PACKED_ATTENTION)``."""
+
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+FALLBACK_SCORE_BYTES = 256 * 1024**2
+"""Budget for one block of float32 attention scores in the exact fallback."""
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+
+_warned_reasons: set[str] = set()
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def register_packed_attention() -> None:
+    """Register ``PACKED_ATTENTION`` with transformers' ``AttentionInterface`` (class-wide, idempotent).
+
+    Deliberately no mask function (see the module docstring): with one, transformers would scan
+    ``position_ids`` for packed sequences before every forward, a host sync per mask kind.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+
+
+def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
+    """Keyword arguments for ``model.base_model(input_ids=..., position_ids=..., use_cache=False, **kwargs)``
+    on a packed row.
+
+    ``cu_seqlens``: [n+1] cumulative sequence lengths (0 first, T last), on the model's device;
+    ``max_len``: the longest sequence's length. Self-attention without a cache: queries and keys
+    share the boundaries.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
+    max_len = int(max_len)
+    if max_len < 1:
+        raise ValueError(f"max_len must be at least 1, got {max_len}")
+    cu = cu_seqlens.to(torch.int32)  # flash attention's varlen kernels index with int32
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+
+
+# --------------------------------------------------------------------------- attention function
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function for one packed row.
+
+    query: [1, H, T, D]; key, value: [1, KV, T, D] (H a multiple of KV). Returns
+    (attn_output [1, T, H, D], None): no attention weights are ever materialized.
+    Without the varlen kwargs, query is [B, H, T, D] and each row is one sequence.
+    """
+    if all(kwargs.get(name) is None for name in VARLEN_KWARGS):
+        return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
+    _check_supported(module, query, key, attention_mask, dropout, kwargs)
+    cu_q, cu_k, max_q, max_k = _varlen_kwargs(kwargs, query.device)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    # Models pass the window per layer as an argument (None on full-attention layers); the module
+    # attribute only stands in for a model that does not pass the argument at all.
+    sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+
+    reason = fast_path_blocker(query, key, value, softcap=softcap)
+    if reason is None:
+        out = varlen_attention(
+            _to_thd(query), _to_thd(key), _to_thd(value), cu_q, cu_k, max_q, max_k,
+            scale=scale, window_size=varlen_window_size(sliding_window),
+        )  # fmt: skip
+        return out.unsqueeze(0), None  # [1, T, H, D]
+
+    if query.device.type == "cuda":
+        _warn_once(reason)
+    bounds = cu_q.tolist()  # one host sync per layer: the slow path loops on the host anyway
+    if cu_k is not cu_q and cu_k.tolist() != bounds:
+        raise ValueError("packed self-attention needs cu_seq_lens_k == cu_seq_lens_q (no cache)")
+    out = exact_packed_attention(
+        query[0], key[0], value[0], bounds, scale=scale, sliding_window=sliding_window, softcap=softcap
+    )  # [T, H, D]
+    return out.unsqueeze(0), None
+
+
+def _unpacked_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    softcap: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """B rows of T tokens, each row one sequence: the same as a packed row of B sequences."""
+    b, h, t, _ = query.shape
+
+    def one_row(x: torch.Tensor) -> torch.Tensor:  # [B, heads, T, d] -> [1, heads, B*T, d]
+        return x.transpose(0, 1).reshape(x.shape[1], b * t, x.shape[-1])[None]
+
+    cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device)
+    out, _ = packed_attention_forward(
+        module, one_row(query), one_row(key), one_row(value), attention_mask, scaling, dropout, softcap,
+        **kwargs, **packed_forward_kwargs(cu_seqlens, t),
+    )  # fmt: skip
+    return out.reshape(b, t, h, value.shape[-1]), None
+
+
+def _check_supported(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> None:
+    """Refuse what this implementation would otherwise compute wrongly, naming it."""
+    if attention_mask is not None:
+        raise ValueError(
+            f"{PACKED_ATTENTION!r} attention got an attention_mask of shape {tuple(attention_mask.shape)}; "
+            "packed rows carry none (sequence boundaries come from cu_seq_lens_q/cu_seq_lens_k)"
+        )
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(
+            f"{PACKED_ATTENTION!r} attention expects one packed row [1, H, T, D], got {tuple(query.shape)}"
+        )
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{PACKED_ATTENTION!r} attention is self-attention without a cache: "
+            f"{query.shape[2]} query rows but {key.shape[2]} key rows (pass use_cache=False)"
+        )
+    if query.shape[1] % key.shape[1] != 0:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if not is_causal:
+        raise NotImplementedError(f"{PACKED_ATTENTION!r} attention is causal only; this layer is bidirectional")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{PACKED_ATTENTION!r} attention does not support attention sinks (s_aux)")
+    if dropout and module.training:
+        raise NotImplementedError(f"{PACKED_ATTENTION!r} attention is for inference: attention dropout is not applied")
+
+
+def _varlen_kwargs(kwargs: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The sequence boundaries, as int32 tensors on ``device`` and host ints."""
+    missing = [name for name in VARLEN_KWARGS if kwargs.get(name) is None]
+    if missing:
+        raise ValueError(
+            f"{PACKED_ATTENTION!r} attention needs the sequence boundaries of the packed row, but "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: call the model with "
+            "**packed_forward_kwargs(cu_seqlens, max_len)"
+        )
+    cu_q = kwargs["cu_seq_lens_q"].to(device=device, dtype=torch.int32)  # no-op when already so
+    cu_k = kwargs["cu_seq_lens_k"]
+    cu_k = cu_q if cu_k is kwargs["cu_seq_lens_q"] else cu_k.to(device=device, dtype=torch.int32)
+    return cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+
+
+def _to_thd(x: torch.Tensor) -> torch.Tensor:
+    """[1, heads, T, D] -> [T, heads, D], the layout varlen kernels index.
+
+    Made contiguous: HF hands over a transposed view (row stride D, head stride T*D), and only
+    a contiguous last dim is documented as enough for flash attention; the copy (one [T, heads, D]
+    per tensor per layer) is cheap next to the layer's GEMMs.
+    """
+    return x[0].transpose(0, 1).contiguous()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        log.warning("packed attention on CUDA falls back to the exact per-sequence loop (slower) because of %s", reason)
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+def varlen_window_size(sliding_window: int | None) -> tuple[int, int]:
+    """transformers' causal window of ``w`` positions (self included) as flash attention's
+    inclusive (left, right) window: (w - 1, 0); plain causal is (-1, 0)."""
+    if sliding_window is None:
+        return (-1, 0)
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    return (int(sliding_window) - 1, 0)
+
+
+@functools.cache
+def _varlen_attn() -> Callable[..., torch.Tensor] | None:
+    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch has none (imported
+    lazily: CPU builds and older torch lack it)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _accepts_enable_gqa(fn: Callable[..., torch.Tensor]) -> bool:
+    """Whether ``fn`` takes ``enable_gqa`` (torch 2.13's varlen_attn does; older ones may not)."""
+    try:
+        return "enable_gqa" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@functools.cache
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def fast_path_blocker(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, softcap: float | None
+) -> str | None:
+    """None when ``varlen_attention`` computes this layer exactly as the model means it, else the
+    reason it cannot (named in the slow-path warning). query: [1, H, T, D]."""
+    if query.device.type != "cuda":
+        return "a device other than CUDA"
+    if softcap is not None:
+        return "attention softcapping"  # flash attention through torch has no softcap argument
+    if _varlen_attn() is None:
+        return f"torch {torch.__version__} lacking torch.nn.attention.varlen"
+    if query.dtype not in _FLASH_DTYPES:
+        return f"dtype {query.dtype} (varlen flash attention runs float16/bfloat16 only)"
+    head_dim = query.shape[-1]
+    if value.shape[-1] != head_dim or key.shape[-1] != head_dim:
+        return "value/key head dims differing from the query's"
+    if head_dim > _FLASH_MAX_HEAD_DIM or head_dim % 8 != 0:
+        return f"head dim {head_dim} (flash attention needs a multiple of 8, at most {_FLASH_MAX_HEAD_DIM})"
+    if _compute_capability(query.device) < (8, 0):
+        return "a GPU older than compute capability 8.0"
+    return None
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float,
+    window_size: tuple[int, int],
+) -> torch.Tensor:
+    """Flash-attention varlen over the packed row. q: [T, H, D]; k, v: [T, KV, D] -> [T, H, D]."""
+    fn = _varlen_attn()
+    assert fn is not None, "fast_path_blocker lets no call through without varlen_attn"
+    groups = q.shape[1] // k.shape[1]
+    extra: dict[str, Any] = {}
+    if groups > 1:
+        if _accepts_enable_gqa(fn):
+            extra["enable_gqa"] = True
+        else:
+            # An older varlen_attn without enable_gqa (2.11's, by its documented signature): give
+            # it H key/value heads, head j of KV serving query heads j*G .. j*G+G-1 as in
+            # transformers' repeat_kv. Costs 2 * (G-1) * T * KV * D extra elements per layer,
+            # transient (freed after the call).
+            k = k.repeat_interleave(groups, dim=1)  # [T, H, D]
+            v = v.repeat_interleave(groups, dim=1)  # [T, H, D]
+    return fn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, **extra)
+
+
+# --------------------------------------------------------------------------- exact fallback
+
+
+def exact_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: list[int],
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    score_bytes: int | None = None,
+) -> torch.Tensor:
+    """Eager-exact attention of each sequence of a packed row, on its own.
+
+    q: [H, T, D]; k: [KV, T, D]; v: [KV, T, Dv]; ``cu_seqlens``: host list [n+1] -> [T, H, Dv].
+    """
+    heads, total, _ = q.shape
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != total or any(a > b for a, b in itertools.pairwise(cu_seqlens)):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={total}, got {cu_seqlens[:4]}...{cu_seqlens[-2:]}")
+    out = q.new_empty(total, heads, v.shape[-1])  # [T, H, Dv]
+    for start, end in itertools.pairwise(cu_seqlens):
+        if end > start:
+            out[start:end] = sequence_attention(
+                q[:, start:end], k[:, start:end], v[:, start:end],
+                scale=scale, sliding_window=sliding_window, softcap=softcap, score_bytes=score_bytes,
+            )  # fmt: skip
+    return out
+
+
+def sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    score_bytes: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence, as transformers' eager implementation computes it.
+
+    q: [H, L, D]; k: [KV, L, D]; v: [KV, L, Dv] -> [L, H, Dv]. Query rows go in blocks whose
+    float32 scores fit ``score_bytes`` (default ``FALLBACK_SCORE_BYTES``); each block reads only
+    the keys it can see (causal, and the window), so a row's result does not depend on the blocking.
+    """
+    heads, length, _ = q.shape
+    kv_heads = k.shape[0]
+    groups = heads // kv_heads
+    qg = q.unflatten(0, (kv_heads, groups))  # [KV, G, L, D]: query head h reads kv head h // G
+    budget = FALLBACK_SCORE_BYTES if score_bytes is None else score_bytes  # read at call time
+    rows = max(1, budget // (4 * heads * length))  # float32 scores of one query row: heads x <= L keys
+    out = q.new_empty(length, heads, v.shape[-1])  # [L, H, Dv]
+    for q0 in range(0, length, rows):
+        q1 = min(length, q0 + rows)
+        k0 = 0 if sliding_window is None else max(0, q0 - sliding_window + 1)  # first key the block's rows see
+        scores = qg[:, :, q0:q1] @ k[:, None, k0:q1].transpose(-1, -2)  # [KV, G, Lq, Lk], model dtype
+        scores = scores * scale  # after the matmul, as eager does
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        allowed = _allowed(q0, q1, k0, sliding_window, q.device)  # [Lq, Lk]
+        # -inf instead of eager's additive finfo.min: both give exactly 0 after the softmax, and
+        # every row keeps at least itself, so no row is all -inf.
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = probs @ v[:, None, k0:q1]  # [KV, G, Lq, Dv]
+        out[q0:q1] = o.flatten(0, 1).transpose(0, 1)  # [Lq, H, Dv]
+    return out
+
+
+def _allowed(q0: int, q1: int, k0: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[Lq, Lk] bool: query i in [q0, q1) may see key j in [k0, q1) (positions within the sequence).
+
+    Same predicate as transformers' ``causal_mask_function`` and ``sliding_window_overlay``:
+    j <= i, and j > i - w when a window w is set.
+    """
+    i = torch.arange(q0, q1, device=device)[:, None]
+    j = torch.arange(k0, q1, device=device)[None, :]
+    allowed = j <= i
+    if sliding_window is not None:
+        allowed &= j > i - sliding_window
+    return allowed
