@@ -53,6 +53,7 @@ from logprob_service.config import Settings
 from logprob_service.jobs import SequenceScores, TokenSequence
 from logprob_service.models.registry import ModelRegistry, serve_model
 from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.ops.attention import PACKED_ATTENTION
 from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
 from logprob_service.server import Service, create_server
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
@@ -335,9 +336,11 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         model,
         chunk_bytes=DEFAULT_CHUNK_BYTES,
         max_batch_tokens=args.max_batch_tokens,
-        max_batch_sequences=64,
+        max_batch_sequences=256,
     )
     common = {"device": device, "warmup": args.warmup, "repeats": args.repeats}
+    # The scorer switched the model to packed attention; the baselines run as HF users run them.
+    model.set_attn_implementation("sdpa")
     rows = [
         run_method("model body alone (lower bound)", lambda: body_alone(model, batch), None, **common),
         run_method(
@@ -346,10 +349,13 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         run_method(
             "TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common
         ),
+    ]
+    model.set_attn_implementation(PACKED_ATTENTION)
+    rows.append(
         run_method(
             "service in-process (CausalLMScorer.score)", lambda: service_in_process(scorer, batch), ref, **common
-        ),
-    ]
+        )
+    )
     settings = Settings(
         host="127.0.0.1",
         port=0,
@@ -358,7 +364,7 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         device=str(device),
         lm_head_chunk_bytes=DEFAULT_CHUNK_BYTES,
         max_batch_tokens=args.max_batch_tokens,
-        max_batch_sequences=64,
+        max_batch_sequences=256,
     )
     registry = ModelRegistry()
     registry.add(serve_model(MODEL_NAME, "random", scorer))
