@@ -6,15 +6,12 @@ directory, or a hub id (downloaded by transformers; needs network or a warm HF c
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .builtin import BUILTIN_PREFIX, build_builtin
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,15 +43,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def attention_implementation(config: PretrainedConfig) -> str:
-    """SDPA, except for models whose attention softcaps its logits (Gemma 2): SDPA cannot
-    express that, so they get the eager implementation, which is exact."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        log.warning(
-            "%s softcaps attention logits, which SDPA cannot do: using eager attention (exact, slower)",
-            type(config).__name__,
-        )
-        return "eager"
-    return "sdpa"
+    """The exact stock implementation for direct calls of the model: SDPA, except for models whose
+    attention softcaps its logits (Gemma 2), which SDPA cannot express. Scoring replaces it with
+    the packed implementation (``ops.attention``) either way."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
 
 
 def load_causal_lm(
