@@ -5,12 +5,11 @@ Tolerances:
   it must match each sequence's own forward (sdpa, or eager for gemma2) to 1e-4 (TF32 off).
 * bf16 models: packed and reference forwards each round every intermediate to bf16 (8 bits of
   mantissa: an ulp is 1.6e-2 at the final norm's largest outputs, ~4), and different kernels
-  (varlen flash vs sdpa's) accumulate in different orders, so the two may differ by an ulp or
-  two after the two layers: 2e-2 absolute + 2e-2 relative. That bound alone would not see a
-  small semantic slip, so each bf16 test also measures both against a float32 forward of the
-  same (bf16-rounded) weights: the packed path's mean error must stay within 1.25x the model's
-  own bf16 forward's (+1e-3). A wrong window or head mapping moves whole attention rows and
-  fails that by orders of magnitude.
+  (varlen flash vs sdpa's) accumulate in different orders, so the two differ element-wise by a
+  few ulps (0.04-0.055 measured on an H200). So each bf16 test measures both against a float32
+  forward of the same (bf16-rounded) weights: the packed path's mean error must stay within
+  1.25x the model's own bf16 forward's (+1e-3), and its max error within 2x (+2e-2). A wrong
+  window or head mapping moves whole attention rows and fails that by orders of magnitude.
 """
 
 from __future__ import annotations
@@ -140,11 +139,15 @@ def compare_bf16(arch: str, seed: int, monkeypatch: pytest.MonkeyPatch, **count_
     err_packed, err_own = [], []
     for s, ids in enumerate(seqs):
         got, own, exact = hidden[cu[s] : cu[s + 1]], own_hidden(reference, ids), own_hidden(exact32, ids)
-        torch.testing.assert_close(got, own, atol=2e-2, rtol=2e-2, msg=lambda m, s=s: f"seed {seed} seq {s}: {m}")
         err_packed.append((got.float() - exact).abs().flatten())
         err_own.append((own.float() - exact).abs().flatten())
-    mean_packed, mean_own = torch.cat(err_packed).mean().item(), torch.cat(err_own).mean().item()
+    packed_err, own_err = torch.cat(err_packed), torch.cat(err_own)
+    # As accurate as the model's own bf16 forward, against the same float32 truth: on average,
+    # and at worst (a few bf16 ulps either way; measured 0.04-0.055 apart element-wise at |x|~4).
+    mean_packed, mean_own = packed_err.mean().item(), own_err.mean().item()
     assert mean_packed <= 1.25 * mean_own + 1e-3, f"seed {seed}: packed {mean_packed:.2e} vs own bf16 {mean_own:.2e}"
+    max_packed, max_own = packed_err.max().item(), own_err.max().item()
+    assert max_packed <= 2 * max_own + 2e-2, f"seed {seed}: packed max {max_packed:.2e} vs own bf16 {max_own:.2e}"
     return calls, packed_model.config.num_hidden_layers
 
 

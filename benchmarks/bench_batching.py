@@ -1,0 +1,937 @@
+"""A GRPO-like scoring workload, three ways side by side: tokens/s, peak memory, latency, GPU busy.
+
+Workload: 256 sequences, prompt lengths ~ U[256, 1024] and completion lengths ~ U[64, 4096] tokens
+(uniform, inclusive), random token ids in [1, vocab) (seeded numpy rng; 0 is only ever padding).
+Models: Qwen2ForCausalLM with the Qwen2.5-0.5B and Qwen2.5-1.5B shapes, random weights
+(transformers' init, seeded), bf16, eval mode. Tokens/s always counts real tokens only:
+sum(prompt + completion) over the 256 sequences, whatever padding a method computes.
+
+Methods, on the same sequences:
+
+(a) trainer baseline (TRL GRPOTrainer style): groups of 8 sequences in workload order; each group
+    is padded to its longest prompt (left) + longest completion (right), run through
+    ``model(input_ids, attention_mask=mask, logits_to_keep=C_max + 1)`` (SDPA), then
+    ``logits[:, :-1]`` and TRL's row-looped ``selective_log_softmax`` (bf16 log-probs).
+(b) the service in-process: ``CausalLMScorer.score`` over all 256 sequences (Karmarkar-Karp
+    balanced micro-batches under ``--max-batch-tokens``, packed without padding, varlen attention,
+    chunked float32 lm_head), results copied to host memory.
+(c) the service through gRPC: the real ``grpc.aio`` server in this process (a background asyncio
+    thread), 8 client threads, each with its own ``LogprobClient`` (own connection), pulling the
+    256 sequences as 32 requests of 8 from a shared queue.
+
+Each method: ``--warmup`` untimed passes over the whole workload, then ``--repeats`` timed passes
+(device synchronized around each); tokens/s uses the median pass. Reported per method:
+
+* peak extra GiB: ``max_memory_allocated`` over the timed passes minus what was allocated before
+  the method ran (weights and inputs); for (c) it covers the server, which shares this process.
+* p50/p99 ms over all timed passes: (a) one 8-sequence micro-batch (device time, CUDA events);
+  (b) one packed micro-batch of ``scorer.score`` (host time from its launch to the next launch);
+  (c) one 8-sequence ScoreTokens round trip as its client sees it, 8 requests in flight, so
+  queueing behind the other clients' requests is included.
+* GPU busy %: the GPU's utilization sampled every ``--sample-ms`` in a background thread
+  (``torch.cuda.utilization``, i.e. NVML, when pynvml is installed, else ``nvidia-smi``), averaged
+  over the samples taken during the timed passes.
+* max |log p - (a)| over the first 8 sequences' completion tokens, for (b) and (c): a sanity check;
+  (a) rounds log-probs to bf16 (spacing 1/16 near -12), so differences up to a few 1e-2 are noise.
+
+On a GPU (about 3-4 minutes for both shapes on an H200):
+
+    PYTHONPATH=service:client python3 benchmarks/bench_batching.py
+
+Smoke test on a CPU (tiny Qwen2, float32, 16 short sequences, 2 clients; memory and busy n/a):
+
+    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_batching.py --smoke
+
+The tables are printed last, and also written to ``$OUT/bench_batching.md`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import gc
+import os
+import platform
+import queue
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import transformers
+from logprob_client import LogprobClient, Overloaded
+from logprob_service.config import Settings
+from logprob_service.jobs import TokenSequence
+from logprob_service.models.registry import ModelRegistry, serve_model
+from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.ops.attention import PACKED_ATTENTION, register_packed_attention
+from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
+from logprob_service.server import Service, create_server
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+GiB = 1024**3
+MODEL_NAME = "bench"
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    max_positions: int
+
+
+SHAPES = {
+    "0.5b": ModelShape("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, 32768),
+    "1.5b": ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072),
+}
+TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)
+
+
+def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    """A Qwen2ForCausalLM of ``shape`` with seeded random weights, eval mode, SDPA attention."""
+    config = Qwen2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    model = model.to(dtype).eval().requires_grad_(False)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "embeddings must be tied"
+    return model
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    sequences: list[TokenSequence]
+    group_size: int  # sequences per baseline micro-batch and per gRPC request
+
+    @property
+    def groups(self) -> list[list[TokenSequence]]:
+        """Consecutive groups of ``group_size`` sequences, in workload order."""
+        n = self.group_size
+        return [self.sequences[i : i + n] for i in range(0, len(self.sequences), n)]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.sequences)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Token positions the baseline runs the body on: each group padded to P_max + C_max."""
+        return sum(len(g) * (_longest_prompt(g) + _longest_completion(g)) for g in self.groups)
+
+    @property
+    def baseline_logit_rows(self) -> int:
+        """lm_head rows the baseline computes: C_max + 1 per sequence of each group."""
+        return sum(len(g) * (_longest_completion(g) + 1) for g in self.groups)
+
+
+def _longest_prompt(group: Sequence[TokenSequence]) -> int:
+    return max(len(s.prompt_ids) for s in group)
+
+
+def _longest_completion(group: Sequence[TokenSequence]) -> int:
+    return max(len(s.completion_ids) for s in group)
+
+
+def make_workload(
+    n: int, prompt_range: tuple[int, int], completion_range: tuple[int, int], vocab: int, group_size: int, seed: int
+) -> Workload:
+    """``n`` sequences with uniform lengths and random ids in [1, vocab). Lengths are drawn
+    first, so they do not depend on ``vocab``."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, size=n)  # [n]
+    completion_lens = rng.integers(completion_range[0], completion_range[1] + 1, size=n)  # [n]
+    sequences = [
+        TokenSequence(
+            prompt_ids=rng.integers(1, vocab, size=p, dtype=np.int64),
+            completion_ids=rng.integers(1, vocab, size=c, dtype=np.int64),
+        )
+        for p, c in zip(prompt_lens, completion_lens)
+    ]
+    return Workload(sequences, group_size)
+
+
+# ----------------------------------------------------------------------------- (a) trainer baseline
+
+
+@dataclass(frozen=True)
+class PaddedGroup:
+    """A trainer's micro-batch: prompts left-padded, completions right-padded (TRL's layout)."""
+
+    input_ids: torch.Tensor  # [B, P_max + C_max] int64, 0 on padding
+    attention_mask: torch.Tensor  # [B, P_max + C_max] int64, 1 on real tokens
+    completion_ids: torch.Tensor  # [B, C_max] int64, 0 on padding
+    completion_lengths: list[int]
+
+
+def pad_group(group: Sequence[TokenSequence], device: torch.device) -> PaddedGroup:
+    p_max, c_max = _longest_prompt(group), _longest_completion(group)
+    ids = np.zeros((len(group), p_max + c_max), dtype=np.int64)  # [B, L]
+    mask = np.zeros_like(ids)  # [B, L]
+    for row, s in enumerate(group):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[row, p_max - p : p_max] = s.prompt_ids
+        ids[row, p_max : p_max + c] = s.completion_ids
+        mask[row, p_max - p : p_max + c] = 1
+    input_ids = torch.from_numpy(ids).to(device)
+    return PaddedGroup(
+        input_ids=input_ids,
+        attention_mask=torch.from_numpy(mask).to(device),
+        completion_ids=input_ids[:, p_max:],
+        completion_lengths=[len(s.completion_ids) for s in group],
+    )
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """TRL's ``selective_log_softmax`` (huggingface/trl, trl/trainer/utils.py), reproduced as is
+    (the same copy as in benchmarks/bench_logprobs.py).
+
+    logits: [B, C, V]; index: [B, C] -> [B, C] in the logits' dtype. For bf16/fp16 logits TRL
+    loops over rows and takes ``log_softmax`` in the logits' own dtype (its comment: the
+    logsumexp approach is unstable in bf16), so the log-probs are rounded to bf16.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        selected_logits = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+        logsumexp_values = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])  # loop: lower peak memory
+        return selected_logits - logsumexp_values
+    per_token_logps = []
+    for row_logits, row_labels in zip(logits, index, strict=True):  # loop to reduce peak memory
+        row_logps = F.log_softmax(row_logits, dim=-1)  # [C, V] in bf16
+        per_token_logps.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(per_token_logps)
+
+
+def trl_logprobs(model: PreTrainedModel, group: PaddedGroup) -> torch.Tensor:
+    """TRL GRPOTrainer's per-token log-probs of one micro-batch: [B, C_max], bf16.
+
+    TRL also divides the logits by the sampling temperature (one more [B, C, V] copy, even at
+    T = 1); left out here, so this is TRL's best case. No position_ids, as in TRL: HF numbers
+    positions 0..L-1 over the left padding, which RoPE's relative form makes harmless.
+    """
+    c_max = group.completion_ids.shape[1]
+    out = model(
+        input_ids=group.input_ids, attention_mask=group.attention_mask, use_cache=False, logits_to_keep=c_max + 1
+    )
+    logits = out.logits[:, :-1]  # [B, C_max, V]: the last position predicts past the sequence
+    return selective_log_softmax(logits, group.completion_ids)  # [B, C_max]
+
+
+class IntervalTimer:
+    """Times intervals of device work: CUDA events on CUDA (no host sync), wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[tuple[Any, Any]] = []
+        self._start: Any = None
+
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self) -> None:
+        self._marks.append((self._start, self._now()))
+
+    def elapsed_ms(self) -> list[float]:
+        """Every interval's duration; waits for the device."""
+        if not self._cuda:
+            return [(end - start) * 1e3 for start, end in self._marks]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in self._marks]
+
+
+@dataclass
+class PassResult:
+    """One pass over the whole workload."""
+
+    latencies_ms: list[float]  # one per micro-batch or request
+    first: list[np.ndarray]  # the first group's completion log-probs, float64, one per sequence
+
+
+@torch.inference_mode()
+def baseline_pass(model: PreTrainedModel, groups: list[PaddedGroup], device: torch.device) -> PassResult:
+    timer = IntervalTimer(device)
+    first: torch.Tensor | None = None
+    for group in groups:
+        timer.start()
+        logprobs = trl_logprobs(model, group)  # [B, C_max] bf16, kept by a trainer as old log-probs
+        timer.stop()
+        first = logprobs if first is None else first
+    assert first is not None
+    latencies = timer.elapsed_ms()
+    rows = first.double().cpu().numpy()  # [B, C_max]
+    return PassResult(latencies, [rows[i, :c] for i, c in enumerate(groups[0].completion_lengths)])
+
+
+# ----------------------------------------------------------------------------- (b) service in-process
+
+
+@contextlib.contextmanager
+def launch_times(scorer: CausalLMScorer) -> Iterator[list[float]]:
+    """Record the host time at which ``scorer`` launches each micro-batch (this instance only)."""
+    starts: list[float] = []
+    launch = scorer.launch
+
+    def timed_launch(*args: Any, **kwargs: Any) -> Any:
+        starts.append(time.perf_counter())
+        return launch(*args, **kwargs)
+
+    scorer.launch = timed_launch  # type: ignore[method-assign]  # shadows the method on the instance
+    try:
+        yield starts
+    finally:
+        del scorer.launch
+
+
+def service_pass(scorer: CausalLMScorer, workload: Workload) -> PassResult:
+    """``scorer.score`` over the whole workload; micro-batches run one after another."""
+    with launch_times(scorer) as starts:
+        scores = scorer.score(workload.sequences)
+    ends = [*starts[1:], time.perf_counter()]
+    first = [s.logprobs.astype(np.float64) for s in scores[: workload.group_size]]
+    return PassResult([(end - start) * 1e3 for start, end in zip(starts, ends)], first)
+
+
+# ----------------------------------------------------------------------------- (c) service via gRPC
+
+
+class LoopbackServer:
+    """The real grpc.aio server of this service, on an asyncio loop in a background thread.
+
+    The model and the device are shared with the rest of this process, so the device's memory
+    statistics cover the server's work too. ``with LoopbackServer(...) as target: ...``
+    """
+
+    def __init__(self, settings: Settings, registry: ModelRegistry) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bench-grpc-loop", daemon=True)
+        self._service: Service | None = None
+        self._server: Any = None
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _start(self) -> int:
+        self._service = Service.create(self._settings, self._registry)
+        self._server, port = await create_server(self._service, f"{self._settings.host}:0")
+        await self._service.warm_up()  # health SERVING only after a real scoring pass
+        return port
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
+        if self._service is not None:
+            await self._service.close()
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        port = self._call(self._start())
+        return f"{self._settings.host}:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self._call(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def server_settings(args: argparse.Namespace, device: torch.device) -> Settings:
+    return Settings(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        models={MODEL_NAME: "random weights, built by benchmarks/bench_batching.py"},
+        device=str(device),
+        lm_head_chunk_bytes=DEFAULT_CHUNK_BYTES,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_sequences=args.max_batch_sequences,
+    )
+
+
+def open_clients(target: str, n: int) -> list[LogprobClient]:
+    # A local subchannel pool gives each client its own connection, as separate trainer
+    # processes would have (gRPC otherwise shares one subchannel between identical channels).
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    return [LogprobClient(target, model=MODEL_NAME, timeout=600.0, options=options) for _ in range(n)]
+
+
+def grpc_pass(clients: list[LogprobClient], workload: Workload) -> PassResult:
+    """Every client thread pulls requests of ``group_size`` sequences from one shared queue."""
+    work: queue.SimpleQueue[tuple[int, list[TokenSequence]]] = queue.SimpleQueue()
+    for item in enumerate(workload.groups):
+        work.put(item)
+    latencies: list[float] = []
+    results: dict[int, list[np.ndarray]] = {}
+
+    def drain(client: LogprobClient) -> None:
+        while True:
+            try:
+                index, group = work.get_nowait()
+            except queue.Empty:
+                return
+            start = time.perf_counter()
+            logprobs = client.score([s.prompt_ids for s in group], [s.completion_ids for s in group])
+            latencies.append((time.perf_counter() - start) * 1e3)
+            results[index] = logprobs
+
+    with ThreadPoolExecutor(len(clients), thread_name_prefix="bench-client") as pool:
+        for future in [pool.submit(drain, client) for client in clients]:
+            future.result()
+    return PassResult(latencies, [lp.astype(np.float64) for lp in results[0]])
+
+
+# ----------------------------------------------------------------------------- GPU busy
+
+
+def nvml_query(device: torch.device) -> Callable[[], float] | None:
+    """``torch.cuda.utilization`` (NVML through pynvml / nvidia-ml-py), if it works here."""
+    try:
+        torch.cuda.utilization(device)
+    except Exception:  # pynvml missing, or NVML unusable
+        return None
+    return lambda: float(torch.cuda.utilization(device))
+
+
+def nvidia_smi_ids(device: torch.device) -> list[str]:
+    """Ways to name ``device`` to ``nvidia-smi -i``, most exact first: its UUID, then its index
+    as CUDA_VISIBLE_DEVICES maps it (nvidia-smi numbers GPUs in PCI order, ignoring that variable)."""
+    ids = []
+    with contextlib.suppress(Exception):
+        ids.append(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+    index = device.index or 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    ids.append(visible[index] if index < len(visible) else str(index))
+    return ids
+
+
+def nvidia_smi_query(device: torch.device) -> Callable[[], float] | None:
+    """One ``nvidia-smi`` call per sample, for the first way of naming the GPU that answers."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    for gpu_id in nvidia_smi_ids(device):
+        cmd = [exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", gpu_id]
+
+        def query(cmd: list[str] = cmd) -> float:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+            return float(out.split()[0])
+
+        try:
+            query()
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            continue
+        return query
+    return None
+
+
+class BusySampler:
+    """Samples the GPU's utilization in a background thread; averages it over time windows.
+
+    NVML's ``utilization.gpu`` (what nvidia-smi shows, and what ``torch.cuda.utilization`` reads)
+    is the percent of time, over the driver's last sample period (1/6 s to 1 s depending on the
+    GPU), during which at least one kernel was running. It says how often the GPU had work, not
+    how well that work used the SMs. A sample taken just after a window opens partly covers the
+    time before it, so short windows read a little low.
+    """
+
+    def __init__(self, query: Callable[[], float], source: str, interval_s: float) -> None:
+        self.source = source
+        self._query = query
+        self._interval_s = interval_s
+        self._samples: list[tuple[float, float]] = []  # (time.perf_counter() when read, percent)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-gpu-busy", daemon=True)
+
+    @classmethod
+    def for_device(cls, device: torch.device, interval_s: float) -> BusySampler | None:
+        if device.type != "cuda":
+            return None
+        if (query := nvml_query(device)) is not None:
+            return cls(query, "torch.cuda.utilization (NVML)", interval_s)
+        if (query := nvidia_smi_query(device)) is not None:
+            return cls(query, "nvidia-smi --query-gpu=utilization.gpu", interval_s)
+        print("GPU busy: neither pynvml nor nvidia-smi works here; reported as n/a", file=sys.stderr)
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            with contextlib.suppress(Exception):
+                value = self._query()
+                self._samples.append((time.perf_counter(), value))
+            self._stop.wait(max(0.0, self._interval_s - (time.perf_counter() - started)))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mean(self, windows: Sequence[tuple[float, float]]) -> tuple[float | None, int]:
+        """Mean percent of the samples read inside any of ``windows``, and how many there were."""
+        inside = [v for t, v in list(self._samples) if any(start <= t <= end for start, end in windows)]
+        return (statistics.fmean(inside) if inside else None), len(inside)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Measured:
+    method: str
+    seconds: float | None = None  # median wall time of one pass; None: failed
+    peak_extra_gib: float | None = None  # None: not measured (CPU) or failed
+    latencies_ms: list[float] = field(default_factory=list)
+    busy_percent: float | None = None
+    busy_samples: int = 0
+    units_per_pass: int = 0  # micro-batches or requests in one pass
+    first: list[np.ndarray] | None = None
+    note: str = ""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device) -> None:
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Harness:
+    """How every method is run and measured."""
+
+    device: torch.device
+    sampler: BusySampler | None
+    warmup: int
+    repeats: int
+
+    def measure(self, method: str, run_pass: Callable[[], PassResult]) -> Measured:
+        """Warm-up passes, then timed passes; out of memory (or another failure) becomes a note."""
+        log(f"  {method}")
+        try:
+            return self._timed_passes(method, run_pass)
+        except (torch.OutOfMemoryError, Overloaded):  # through gRPC the service reports its OOM as Overloaded
+            note = "OOM"
+        except Exception as err:
+            traceback.print_exc()
+            note = f"failed ({type(err).__name__})"
+        # Released here, outside the except blocks: their tracebacks held the failed pass's tensors.
+        release(self.device)
+        log(f"    {note}")
+        return Measured(method=method, note=note)
+
+    def _timed_passes(self, method: str, run_pass: Callable[[], PassResult]) -> Measured:
+        device, cuda = self.device, self.device.type == "cuda"
+        release(device)
+        base = torch.cuda.memory_allocated(device) if cuda else 0
+        for i in range(self.warmup):
+            started = time.perf_counter()
+            run_pass()
+            log(f"    warm-up {i + 1}/{self.warmup}: {time.perf_counter() - started:.2f} s")
+        release(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        windows: list[tuple[float, float]] = []
+        latencies: list[float] = []
+        result: PassResult | None = None
+        for i in range(self.repeats):
+            result = None  # the previous pass's outputs go before the next pass runs
+            synchronize(device)
+            start = time.perf_counter()
+            result = run_pass()
+            synchronize(device)
+            windows.append((start, time.perf_counter()))
+            latencies += result.latencies_ms
+            log(f"    pass {i + 1}/{self.repeats}: {windows[-1][1] - start:.2f} s")
+        assert result is not None
+        peak = (torch.cuda.max_memory_allocated(device) - base) / GiB if cuda else None
+        busy, samples = self.sampler.mean(windows) if self.sampler is not None else (None, 0)
+        return Measured(
+            method=method,
+            seconds=statistics.median(end - start for start, end in windows),
+            peak_extra_gib=peak,
+            latencies_ms=latencies,
+            busy_percent=busy,
+            busy_samples=samples,
+            units_per_pass=len(result.latencies_ms),
+            first=result.first,
+        )
+
+
+def max_abs_diff(measured: Measured, reference: Measured) -> float | None:
+    if measured.first is None or reference.first is None:
+        return None
+    return max(float(np.abs(a - b).max()) for a, b in zip(measured.first, reference.first, strict=True))
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- one shape
+
+
+@dataclass
+class ShapeReport:
+    model_line: str
+    rows: list[Measured]  # (a), (b), (c)
+    sweep: list[tuple[int, Measured]]  # (max_batch_tokens, (b) with it)
+
+
+def run_service_in_process(
+    harness: Harness, model: PreTrainedModel, workload: Workload, max_batch_tokens: int, max_batch_sequences: int
+) -> Measured:
+    """(b): constructing the scorer switches the model to the packed attention implementation."""
+    scorer = CausalLMScorer(model, max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences)
+    method = f"(b) service in-process: CausalLMScorer.score, max_batch_tokens {max_batch_tokens}"
+    return harness.measure(method, lambda: service_pass(scorer, workload))
+
+
+def run_grpc(harness: Harness, scorer: CausalLMScorer, workload: Workload, args: argparse.Namespace) -> Measured:
+    """(c): the real server in this process, serving ``scorer``'s model; clients in threads."""
+    registry = ModelRegistry()
+    registry.add(serve_model(MODEL_NAME, "random", scorer))
+    method = (
+        f"(c) service via gRPC: {args.clients} clients, requests of {workload.group_size} sequences, "
+        f"max_batch_tokens {args.max_batch_tokens}"
+    )
+    log("  starting the gRPC server (weights fingerprint, warm-up)")
+    with LoopbackServer(server_settings(args, harness.device), registry) as target:
+        clients = open_clients(target, args.clients)
+        try:
+            return harness.measure(method, lambda: grpc_pass(clients, workload))
+        finally:
+            for client in clients:
+                client.close()
+
+
+def run_baseline(harness: Harness, model: PreTrainedModel, workload: Workload) -> Measured:
+    """(a): the model switched back to SDPA, as trainers run HF models; inputs padded up front."""
+    model.set_attn_implementation("sdpa")
+    groups = [pad_group(g, harness.device) for g in workload.groups]
+    method = (
+        f"(a) trainer baseline: pad, sdpa, logits_to_keep, selective_log_softmax, "
+        f"micro-batches of {workload.group_size}"
+    )
+    return harness.measure(method, lambda: baseline_pass(model, groups, harness.device))
+
+
+def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dtype: torch.dtype) -> ShapeReport:
+    log(f"{shape.name} shape: building the model")
+    model = build_model(shape, harness.device, dtype, args.seed)
+    workload = workload_for(args, shape.vocab)
+    baseline = run_baseline(harness, model, workload)
+
+    register_packed_attention()
+    model.set_attn_implementation(PACKED_ATTENTION)  # for (b) and (c); constructing a scorer also does this
+    scorer = CausalLMScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences)
+    method = f"(b) service in-process: CausalLMScorer.score, max_batch_tokens {args.max_batch_tokens}"
+    in_process = harness.measure(method, lambda: service_pass(scorer, workload))
+    via_grpc = run_grpc(harness, scorer, workload, args)
+    sweep = [
+        (v, run_service_in_process(harness, model, workload, v, args.max_batch_sequences))
+        for v in args.sweep_batch_tokens
+    ]
+    return ShapeReport(describe_model(shape, model), [baseline, in_process, via_grpc], sweep)
+
+
+def workload_for(args: argparse.Namespace, vocab: int) -> Workload:
+    return make_workload(
+        args.sequences, args.prompt_range, args.completion_range, vocab, args.group_size, args.seed + 1
+    )
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def tokens_per_s(m: Measured, workload: Workload) -> float | None:
+    return workload.real_tokens / m.seconds if m.seconds else None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def format_table(rows: list[Measured], workload: Workload) -> str:
+    base = tokens_per_s(rows[0], workload)
+    lines = [
+        "| method | tokens/s | x baseline | peak extra GiB | p50 ms | p99 ms | GPU busy % |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in rows:
+        rate = tokens_per_s(m, workload)
+        cells = [
+            m.method,
+            m.note or _num(rate, ",.0f"),
+            _num(rate / base if rate and base else None, ".2f"),
+            m.note or _num(m.peak_extra_gib, ".2f"),
+            _num(percentile(m.latencies_ms, 50), ".1f"),
+            _num(percentile(m.latencies_ms, 99), ".1f"),
+            _num(m.busy_percent, ".1f"),
+        ]
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def format_sweep(sweep: list[tuple[int, Measured]], workload: Workload) -> str:
+    lines = [
+        "(b) by max_batch_tokens:",
+        "",
+        "| max_batch_tokens | micro-batches | tokens/s | peak extra GiB | p50 ms | p99 ms | GPU busy % |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for value, m in sweep:
+        cells = [
+            str(value),
+            str(m.units_per_pass or "n/a"),
+            m.note or _num(tokens_per_s(m, workload), ",.0f"),
+            m.note or _num(m.peak_extra_gib, ".2f"),
+            _num(percentile(m.latencies_ms, 50), ".1f"),
+            _num(percentile(m.latencies_ms, 99), ".1f"),
+            _num(m.busy_percent, ".1f"),
+        ]
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def format_checks(rows: list[Measured], workload: Workload) -> str:
+    """The sanity check against (a) and the issue's goals, as plain lines."""
+    baseline, in_process, via_grpc = rows
+    n = workload.group_size
+    diffs = ", ".join(f"{m.method[:3]} {_num(max_abs_diff(m, baseline), '.3g')}" for m in (in_process, via_grpc))
+    lines = [
+        f"max |log p - (a)| over the first {n} sequences: {diffs}",
+        f"per pass: (a) {baseline.units_per_pass} micro-batches, (b) {in_process.units_per_pass} packed "
+        f"micro-batches, (c) {via_grpc.units_per_pass} requests; GPU busy samples during timed passes: "
+        f"{', '.join(f'{m.method[:3]} {m.busy_samples}' for m in rows)}",
+    ]
+    base, grpc_rate = tokens_per_s(baseline, workload), tokens_per_s(via_grpc, workload)
+    if base and grpc_rate:
+        speedup = grpc_rate / base
+        busy = via_grpc.busy_percent
+        memory = (
+            f"{via_grpc.peak_extra_gib:.2f} vs {baseline.peak_extra_gib:.2f} GiB"
+            if via_grpc.peak_extra_gib is not None and baseline.peak_extra_gib is not None
+            else "n/a"
+        )
+        lines.append(
+            f"goals: (c) >= 1.8x (a) tokens/s: {speedup:.2f}x ({'met' if speedup >= 1.8 else 'NOT met'}); "
+            f"(c) GPU busy >= 90%: {_num(busy, '.1f')}"
+            f"{'' if busy is None else (' (met)' if busy >= 90 else ' (NOT met)')}; "
+            f"peak memory (c) vs (a): {memory}"
+        )
+    return "\n".join(lines)
+
+
+def describe_model(shape: ModelShape, model: PreTrainedModel) -> str:
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
+    return (
+        f"{shape.name} shape: Qwen2ForCausalLM, hidden {shape.hidden}, intermediate {shape.intermediate}, "
+        f"{shape.layers} layers, {shape.heads}/{shape.kv_heads} heads, vocab {shape.vocab}, tied; random weights, "
+        f"{str(model.dtype).removeprefix('torch.')}; weights {weights_gib:.2f} GiB"
+    )
+
+
+def describe_run(args: argparse.Namespace, device: torch.device, workload: Workload, busy_source: str) -> str:
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    command = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} {Path(sys.executable).name} {shlex.join(sys.argv)}"
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    real, completion = workload.real_tokens, workload.completion_tokens
+    n = args.group_size
+    return "\n".join(
+        [
+            "# GRPO-like scoring: trainer baseline vs the service",
+            "",
+            f"device: {device_name}",
+            f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
+            f"date: {now}",
+            f"command: {command}",
+            f"workload: {len(workload.sequences)} sequences, prompt U[{args.prompt_range[0]}, "
+            f"{args.prompt_range[1]}] + completion U[{args.completion_range[0]}, {args.completion_range[1]}] "
+            f"tokens, random ids (seed "
+            f"{args.seed + 1}); real tokens {real:,} ({real - completion:,} prompt + {completion:,} completion)",
+            f"baseline (a) in groups of {n} padded to P_max + C_max: {workload.padded_tokens:,} token positions "
+            f"({workload.padded_tokens / real:.2f}x the real tokens) and {workload.baseline_logit_rows:,} lm_head rows "
+            f"({workload.baseline_logit_rows / completion:.2f}x the completion tokens)",
+            f"service: max_batch_tokens {args.max_batch_tokens}, max_batch_sequences {args.max_batch_sequences}, "
+            f"{DEFAULT_CHUNK_BYTES // 1024**2} MiB lm_head chunks; (c): {args.clients} client threads, "
+            f"{len(workload.groups)} requests of {n} sequences, server in this process",
+            f"each method: {args.warmup} warm-up + {args.repeats} timed passes over the whole workload; tokens/s = "
+            "real tokens / median pass; p50/p99 over all timed passes: (a) one micro-batch (CUDA events), "
+            "(b) one packed micro-batch (launch to next launch), (c) one request's round trip with "
+            f"{args.clients} in flight",
+            f"GPU busy: {busy_source}, every {args.sample_ms:g} ms, mean over the timed passes "
+            "(percent of time a kernel was running)",
+        ]
+    )
+
+
+def format_report(header: str, reports: list[ShapeReport], workload: Workload) -> str:
+    sections = [header]
+    for r in reports:
+        section = [f"## {r.model_line}", "", format_table(r.rows, workload), "", format_checks(r.rows, workload)]
+        if r.sweep:
+            section += ["", format_sweep(r.sweep, workload)]
+        sections.append("\n".join(section))
+    return "\n\n".join(sections) + "\n"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def int_pair(text: str) -> tuple[int, int]:
+    low, high = (int(v) for v in text.split(","))
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return low, high
+
+
+def int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--smoke", action="store_true", help="tiny model, 16 short sequences, cpu, float32: checks the script runs")
+    add("--shapes", default="0.5b,1.5b", help=f"comma-separated, of: {', '.join(SHAPES)} (ignored with --smoke)")
+    add("--device", default=None, help="torch device (default: cuda, or cpu with --smoke)")
+    add("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on cuda, else fp32")
+    add("--sequences", type=int, default=None, help="sequences in the workload (default 256; 16 with --smoke)")
+    add("--prompt-range", type=int_pair, default=None, help="LOW,HIGH prompt tokens (default 256,1024; 4,16 smoke)")
+    add("--completion-range", type=int_pair, default=None, help="LOW,HIGH completion tokens (default 64,4096; 2,24)")
+    add("--group-size", type=int, default=8, help="sequences per baseline micro-batch and per gRPC request")
+    add("--clients", type=int, default=None, help="concurrent gRPC clients (default 8; 2 with --smoke)")
+    add("--max-batch-tokens", type=int, default=None, help="the service's budget of real tokens per micro-batch")
+    add("--max-batch-sequences", type=int, default=256, help="the service's sequences per micro-batch")
+    add("--sweep-batch-tokens", type=int_list, default=[], help="also run (b) with each, e.g. 16384,32768,65536")
+    add("--warmup", type=int, default=1, help="untimed passes per method first")
+    add("--repeats", type=int, default=None, help="timed passes per method (default 3; 2 with --smoke)")
+    add("--sample-ms", type=float, default=100.0, help="GPU utilization sampling interval")
+    add("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    defaults = {
+        "device": "cpu" if smoke else "cuda",
+        "sequences": 16 if smoke else 256,
+        "prompt_range": (4, 16) if smoke else (256, 1024),
+        "completion_range": (2, 24) if smoke else (64, 4096),
+        "clients": 2 if smoke else 8,
+        "max_batch_tokens": 128 if smoke else 32768,
+        "repeats": 2 if smoke else 3,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    args.shape_list = [TINY] if smoke else [SHAPES[s.strip()] for s in args.shapes.split(",") if s.strip()]
+    if min(args.sequences, args.group_size, args.clients, args.max_batch_tokens, args.repeats) < 1:
+        parser.error("--sequences, --group-size, --clients, --max-batch-tokens and --repeats must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    return args
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    longest = args.prompt_range[1] + args.completion_range[1]
+    for shape in args.shape_list:
+        if longest > shape.max_positions:
+            raise SystemExit(f"longest sequence ({longest} tokens) > {shape.name}'s {shape.max_positions} positions")
+    sampler = BusySampler.for_device(device, args.sample_ms / 1e3)
+    if sampler is not None:
+        sampler.start()
+    harness = Harness(device, sampler, args.warmup, args.repeats)
+    try:
+        reports = []
+        for shape in args.shape_list:
+            reports.append(run_shape(shape, args, harness, dtype))
+            gc.collect()  # the shape's model, scorers and server go before the next model is built
+            release(device)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    # Token counts do not depend on the vocabulary: lengths are drawn before ids.
+    workload = workload_for(args, args.shape_list[0].vocab)
+    busy_source = sampler.source if sampler is not None else "n/a (no CUDA GPU, or no way to read its utilization)"
+    report = format_report(describe_run(args, device, workload, busy_source), reports, workload)
+    print(report)
+    if out_dir := os.environ.get("OUT"):
+        path = Path(out_dir) / "bench_batching.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report)
+        log(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()
