@@ -817,11 +817,11 @@ def describe_run(args: argparse.Namespace, device: torch.device, workload: Workl
             f"{DEFAULT_CHUNK_BYTES // 1024**2} MiB lm_head chunks; (c): {args.clients} client threads, "
             f"{len(workload.groups)} requests of {n} sequences, server in this process",
             f"each method: {args.warmup} warm-up + {args.repeats} timed passes over the whole workload; tokens/s = "
-            "real tokens / median pass; p50/p99 over all timed passes: (a) one micro-batch (CUDA events), "
+            "real tokens / median pass; p50/p99 over all timed passes: (a) one micro-batch "
+            f"({'device time, CUDA events' if device.type == 'cuda' else 'wall time'}), "
             "(b) one packed micro-batch (launch to next launch), (c) one request's round trip with "
             f"{args.clients} in flight",
-            f"GPU busy: {busy_source}, every {args.sample_ms:g} ms, mean over the timed passes "
-            "(percent of time a kernel was running)",
+            f"GPU busy: {busy_source}",
         ]
     )
 
@@ -923,7 +923,12 @@ def main(argv: list[str] | None = None) -> None:
             sampler.stop()
     # Token counts do not depend on the vocabulary: lengths are drawn before ids.
     workload = workload_for(args, args.shape_list[0].vocab)
-    busy_source = sampler.source if sampler is not None else "n/a (no CUDA GPU, or no way to read its utilization)"
+    busy_source = (
+        f"{sampler.source}, every {args.sample_ms:g} ms, mean over the timed passes "
+        "(percent of time a kernel was running)"
+        if sampler is not None
+        else "n/a (no CUDA device, or no way to read its utilization)"
+    )
     report = format_report(describe_run(args, device, workload, busy_source), reports, workload)
     print(report)
     if out_dir := os.environ.get("OUT"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from logprob_service.jobs import TokenSequence
 from logprob_service.models.scorer import CausalLMScorer
 
 from tests.models import ARCHITECTURES, VOCAB, make_model, random_sequences, reference_scores
@@ -58,3 +59,22 @@ def test_softcap_and_scale_are_read_from_config():
     assert config_logit_transform(make_model("cohere", tied=False, seed=0).config).scale == 0.5
     assert config_logit_transform(make_model("granite", tied=False, seed=0).config).scale == 0.25
     assert config_logit_transform(make_model("llama", tied=False, seed=0).config).scale == 1.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_packed_micro_batches_at_the_exact_token_budget(arch):
+    """Packed scoring equals each sequence scored alone, unpadded: with a sequence of exactly the
+    budget, length-1 completions, and batches that the budget cuts in several."""
+    rng = np.random.default_rng()
+    model = make_model(arch, tied=arch == "gemma2", seed=int(rng.integers(1 << 30)))
+    budget = 64
+    sequences = random_sequences(rng, 10, max_len=30)
+    sequences.append(
+        TokenSequence(rng.integers(0, VOCAB, 63, dtype=np.int64), rng.integers(0, VOCAB, 1, dtype=np.int64))
+    )  # exactly the budget, one completion token
+    scorer = CausalLMScorer(model, max_batch_tokens=budget, max_batch_sequences=5)
+    out = scorer.score(sequences, return_entropy=True)
+    for seq, scores in zip(sequences, out):
+        ref_logprobs, ref_entropy = reference_scores(model, seq)
+        np.testing.assert_allclose(scores.logprobs, ref_logprobs, atol=ATOL_FP32, rtol=0)
+        np.testing.assert_allclose(scores.entropies, ref_entropy, atol=ATOL_FP32, rtol=0)
