@@ -34,7 +34,8 @@ Each method: ``--warmup`` untimed passes over the whole workload, then ``--repea
 * max |log p - (a)| over the first 8 sequences' completion tokens, for (b) and (c): a sanity check;
   (a) rounds log-probs to bf16 (spacing 1/16 near -12), so differences up to a few 1e-2 are noise.
 
-On a GPU (about 3-4 minutes for both shapes on an H200):
+On a GPU (both shapes; by a FLOP estimate, not yet timed, a few minutes on an H200, more with
+``--sweep-batch-tokens 16384,32768,65536``):
 
     PYTHONPATH=service:client python3 benchmarks/bench_batching.py
 
@@ -631,12 +632,9 @@ class ShapeReport:
     sweep: list[tuple[int, Measured]]  # (max_batch_tokens, (b) with it)
 
 
-def run_service_in_process(
-    harness: Harness, model: PreTrainedModel, workload: Workload, max_batch_tokens: int, max_batch_sequences: int
-) -> Measured:
-    """(b): constructing the scorer switches the model to the packed attention implementation."""
-    scorer = CausalLMScorer(model, max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences)
-    method = f"(b) service in-process: CausalLMScorer.score, max_batch_tokens {max_batch_tokens}"
+def run_in_process(harness: Harness, scorer: CausalLMScorer, workload: Workload) -> Measured:
+    """(b): ``scorer.score`` over the whole workload."""
+    method = f"(b) service in-process: CausalLMScorer.score, max_batch_tokens {scorer.max_batch_tokens}"
     return harness.measure(method, lambda: service_pass(scorer, workload))
 
 
@@ -678,13 +676,12 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
     register_packed_attention()
     model.set_attn_implementation(PACKED_ATTENTION)  # for (b) and (c); constructing a scorer also does this
     scorer = CausalLMScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences)
-    method = f"(b) service in-process: CausalLMScorer.score, max_batch_tokens {args.max_batch_tokens}"
-    in_process = harness.measure(method, lambda: service_pass(scorer, workload))
+    in_process = run_in_process(harness, scorer, workload)
     via_grpc = run_grpc(harness, scorer, workload, args)
-    sweep = [
-        (v, run_service_in_process(harness, model, workload, v, args.max_batch_sequences))
-        for v in args.sweep_batch_tokens
-    ]
+    sweep = []
+    for value in args.sweep_batch_tokens:
+        sweep_scorer = CausalLMScorer(model, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences)
+        sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
     return ShapeReport(describe_model(shape, model), [baseline, in_process, via_grpc], sweep)
 
 

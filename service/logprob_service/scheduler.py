@@ -222,24 +222,47 @@ class Scheduler:
         return tokens >= self._max_batch_tokens
 
     def _take(self) -> list[_Unit]:
-        """First fit, in arrival order, among units sharing the oldest unit's key."""
-        key = self._units[0].request.key
+        """First fit, in arrival order, among units sharing the oldest unit's key. A unit too big
+        for the room left gives the sequences that fit and keeps its place with the rest, so
+        micro-batches fill up to the budget. (Units never mix an over-long sequence with others:
+        ``plan_micro_batches`` puts each alone, and it is then scored alone.)"""
+        first = self._units[0]
+        if first.tokens > self._max_batch_tokens:
+            self._units.pop(0)
+            return [first]
         chosen: list[_Unit] = []
         rest: list[_Unit] = []
         tokens = sequences = 0
         for unit in self._units:
-            fits = (
-                tokens + unit.tokens <= self._max_batch_tokens
-                and sequences + len(unit.indices) <= self._max_batch_sequences
-            )
-            if unit.request.key == key and (fits or not chosen):  # an over-long unit goes alone
-                chosen.append(unit)
-                tokens += unit.tokens
-                sequences += len(unit.indices)
-            else:
-                rest.append(unit)
+            left: _Unit | None = unit
+            if unit.request.key == first.request.key:
+                taken, left = self._fit(unit, self._max_batch_tokens - tokens, self._max_batch_sequences - sequences)
+                if taken is not None:
+                    chosen.append(taken)
+                    tokens += taken.tokens
+                    sequences += len(taken.indices)
+            if left is not None:
+                rest.append(left)
         self._units = rest
         return chosen
+
+    @staticmethod
+    def _fit(unit: _Unit, room_tokens: int, room_sequences: int) -> tuple[_Unit | None, _Unit | None]:
+        """Split ``unit`` into the sequences that fit the room (in order) and the rest."""
+        if unit.tokens <= room_tokens and len(unit.indices) <= room_sequences:
+            return unit, None
+        sequences = unit.request.job.sequences
+        taken: list[int] = []
+        used = 0
+        for i in unit.indices:
+            if len(taken) == room_sequences or used + sequences[i].num_tokens > room_tokens:
+                break
+            taken.append(i)
+            used += sequences[i].num_tokens
+        if not taken:
+            return None, unit
+        left = unit.indices[len(taken) :]
+        return _Unit(unit.request, taken, used), _Unit(unit.request, left, unit.tokens - used)
 
     async def _launch(self, units: list[_Unit]) -> _Launched:
         """Hand one micro-batch to the device thread; returns once its work is enqueued."""

@@ -158,16 +158,28 @@ class CausalLMScorer:
         temperature: float = 1.0,
         return_entropy: bool = False,
     ) -> list[SequenceScores]:
-        """Score any number of sequences: balanced micro-batches under the token budget, in order."""
+        """Score any number of sequences: balanced micro-batches under the token budget, in order.
+
+        Each micro-batch is launched before the previous one's results are fetched, so packing
+        and enqueueing the next overlaps the device's work on the current one.
+        """
         results: list[SequenceScores | None] = [None] * len(sequences)
         plan = plan_micro_batches(
             [s.num_tokens for s in sequences],
             max_tokens=self.max_batch_tokens,
             max_sequences=self.max_batch_sequences,
         )
+        in_flight: list[tuple[list[int], Launched]] = []
         for indices in plan:
             batch = pack([sequences[i] for i in indices])
-            launched = self.launch(batch, temperature=temperature, return_entropy=return_entropy)
-            for i, scores in zip(indices, launched.fetch()):
-                results[i] = scores
+            in_flight.append((indices, self.launch(batch, temperature=temperature, return_entropy=return_entropy)))
+            if len(in_flight) == 2:
+                _store(results, *in_flight.pop(0))
+        for indices, launched in in_flight:
+            _store(results, indices, launched)
         return results  # type: ignore[return-value]  # every index is in exactly one micro-batch
+
+
+def _store(results: list[SequenceScores | None], indices: list[int], launched: Launched) -> None:
+    for i, scores in zip(indices, launched.fetch()):
+        results[i] = scores
