@@ -41,8 +41,9 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-bench: install  ## the log-prob benchmark (meant for a GPU host)
+bench: install  ## the benchmarks (meant for a GPU host)
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprobs.py
+	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_batching.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

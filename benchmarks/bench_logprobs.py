@@ -448,7 +448,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default 5; 2 with --smoke)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per method first")
     parser.add_argument("--ref-seqs", type=int, default=2, help="sequences checked against the float64 reference")
-    parser.add_argument("--max-batch-tokens", type=int, default=32768, help="the service's padded-token budget")
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=32768, help="the service's token budget per packed micro-batch"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     smoke = args.smoke
