@@ -32,6 +32,7 @@ from logprob_service.ops.attention import (
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from tests.models import ARCHITECTURES, COMMON, VOCAB, make_model
+from tests.unit.test_packed_attention import own_hidden, packed_hidden
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,22 +79,6 @@ def packed_row(rng: np.random.Generator, lengths: list[int]) -> tuple[list[torch
         "cu_seqlens": cu.cuda(),
     }
     return seqs, row
-
-
-@torch.no_grad()
-def packed_hidden(model: PreTrainedModel, row: dict[str, torch.Tensor], max_len: int) -> torch.Tensor:
-    out = model.base_model(
-        input_ids=row["input_ids"],
-        position_ids=row["position_ids"],
-        use_cache=False,
-        **packed_forward_kwargs(row["cu_seqlens"], max_len),
-    )
-    return out.last_hidden_state[0]  # [T, H]
-
-
-@torch.no_grad()
-def own_hidden(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
-    return model.base_model(input_ids=ids[None], use_cache=False).last_hidden_state[0]  # [L, H]
 
 
 def count_varlen_calls(monkeypatch: pytest.MonkeyPatch, *, hide_enable_gqa: bool = False) -> list[int]:
