@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -26,54 +27,47 @@ class Flaky(pb_grpc.LogprobServiceServicer):
         return pb.ScoreResponse(request_id=request.request_id, scores=[pb.SequenceScores(logprobs=[-1.5])])
 
 
-async def serve(servicer):
+@contextlib.asynccontextmanager
+async def serving(servicer):
+    """A bare server for ``servicer`` on loopback; yields its target."""
     server = grpc.aio.server()
     pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, f"127.0.0.1:{port}"
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
 async def test_retryable_statuses_are_retried_until_success(code):
     servicer = Flaky(code, failures=2)
-    server, target = await serve(servicer)
-    try:
+    async with serving(servicer) as target:
         with LogprobClient(target, timeout=10) as client:
             out = await asyncio.to_thread(client.score, [[1]], [[2]])
         assert out[0].tolist() == [-1.5] and servicer.calls == 3
-    finally:
-        await server.stop(None)
 
 
 async def test_retries_stop_after_max_attempts():
     servicer = Flaky(grpc.StatusCode.RESOURCE_EXHAUSTED, failures=100)
-    server, target = await serve(servicer)
-    try:
+    async with serving(servicer) as target:
         with LogprobClient(target, timeout=10, max_attempts=3) as client, pytest.raises(Overloaded, match="failure 3"):
             await asyncio.to_thread(client.score, [[1]], [[2]])
         assert servicer.calls == 3
-    finally:
-        await server.stop(None)
 
 
 async def test_invalid_argument_is_not_retried():
     servicer = Flaky(grpc.StatusCode.INVALID_ARGUMENT, failures=100)
-    server, target = await serve(servicer)
-    try:
+    async with serving(servicer) as target:
         with LogprobClient(target, timeout=10) as client, pytest.raises(InvalidRequest):
             await asyncio.to_thread(client.score, [[1]], [[2]])
         assert servicer.calls == 1
-    finally:
-        await server.stop(None)
 
 
 async def test_one_attempt_means_no_retries():
     servicer = Flaky(grpc.StatusCode.UNAVAILABLE, failures=100)
-    server, target = await serve(servicer)
-    try:
+    async with serving(servicer) as target:
         with LogprobClient(target, timeout=10, max_attempts=1) as client, pytest.raises(Unavailable):
             await asyncio.to_thread(client.score, [[1]], [[2]])
         assert servicer.calls == 1
-    finally:
-        await server.stop(None)
