@@ -50,12 +50,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import os
-import platform
 import queue
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -71,8 +68,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
-from common import LoopbackServer, ModelShape, build_model, release, selective_log_softmax, synchronize
+from common import LoopbackServer, ModelShape, build_model, release, run_environment, selective_log_softmax, synchronize
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.jobs import TokenSequence
@@ -677,22 +673,13 @@ def describe_model(shape: ModelShape, model: PreTrainedModel) -> str:
 
 
 def describe_run(args: argparse.Namespace, device: torch.device, workload: Workload, busy_source: str) -> str:
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    command = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} {Path(sys.executable).name} {shlex.join(sys.argv)}"
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     real, completion = workload.real_tokens, workload.completion_tokens
     n = args.group_size
     return "\n".join(
         [
             "# GRPO-like scoring: trainer baseline vs the service",
             "",
-            f"device: {device_name}",
-            f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-            f"date: {now}",
-            f"command: {command}",
+            *run_environment(device),
             f"workload: {len(workload.sequences)} sequences, prompt U[{args.prompt_range[0]}, "
             f"{args.prompt_range[1]}] + completion U[{args.completion_range[0]}, {args.completion_range[1]}] "
             f"tokens, random ids (seed "

@@ -30,10 +30,7 @@ The table is printed last, and also written to ``$OUT/bench_logprobs.md`` when `
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -44,8 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
-from common import LoopbackServer, ModelShape, build_model, release, selective_log_softmax, synchronize
+from common import LoopbackServer, ModelShape, build_model, release, run_environment, selective_log_softmax, synchronize
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.jobs import SequenceScores, TokenSequence
@@ -307,20 +303,11 @@ def format_table(rows: list[Row]) -> str:
 
 
 def describe_run(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> str:
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
     cfg = model.config
-    command = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} {Path(sys.executable).name} {shlex.join(sys.argv)}"
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return "\n".join(
         [
-            f"device: {device_name}",
-            f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-            f"date: {now}",
-            f"command: {command}",
+            *run_environment(device),
             f"model: Qwen2ForCausalLM, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
             f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab {cfg.vocab_size}, tied, "
             f"random weights, {str(model.dtype).removeprefix('torch.')}, sdpa; weights {weights_gib:.2f} GiB",

@@ -9,27 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from logprob_service.ops.logprobs import IDENTITY, LogitTransform, chunked_token_logprobs, rows_per_chunk
+from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, rows_per_chunk
 
-
-def reference(hidden, weight, targets, bias=None, transform=IDENTITY):
-    x = hidden.double() @ weight.double().T
-    if bias is not None:
-        x = x + bias.double()
-    x = x * transform.scale
-    if transform.softcap is not None:
-        x = transform.softcap * torch.tanh(x / transform.softcap)
-    logp = (x / transform.temperature).log_softmax(-1)
-    return logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
-
-
-def random_case(n, h, v, dtype=torch.float32, bias=False, seed=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    hidden = torch.randn(n, h, generator=g).to(dtype)
-    weight = (torch.randn(v, h, generator=g) * 3 / h**0.5).to(dtype)  # logits std ~3
-    targets = torch.randint(0, v, (n,), generator=g)
-    b = torch.randn(v, generator=g).to(dtype) if bias else None
-    return hidden, weight, targets, b
+from tests.op_reference import random_case, reference
 
 
 @pytest.mark.parametrize("n,h,v", [(1, 7, 11), (37, 33, 1001), (64, 64, 4099)])

@@ -1,0 +1,261 @@
+"""The log-prob stage alone: hidden rows [N, H] x lm_head [V, H] -> one log-prob per row.
+
+Methods, side by side on the same bf16 inputs in one run:
+
+* matmul limit: ``torch.mm(h, W.T)`` in bf16 (cuBLAS), nothing else. Its measured rate is the
+  limit; every other time is reported as a multiple of it.
+* full logits + log_softmax: ``(h @ W.T).float().log_softmax(-1).gather(...)``.
+* eager 256 MiB chunks: this service's CPU path (``chunked_token_logprobs``), fp32 logits per chunk.
+* Liger fused linear cross entropy, ``reduction="none"`` (log p = -loss), liger-kernel 0.8.5.
+* fused Triton kernel: this service's GPU path (``fused_token_logprobs``), without and with entropy.
+
+Timing: ``triton.testing.do_bench`` (median; it flushes the L2 cache before each run). Peak extra
+memory: ``max_memory_allocated`` during one more run, minus what was allocated before it (inputs).
+Error: max |log p - reference| over the first ``--ref-rows`` rows, the reference being float64
+logits from the same bf16 inputs (float64 log_softmax).
+
+On a GPU (the run that counts; liger-kernel installed):
+
+    PYTHONPATH=service:client python3 benchmarks/bench_logprob_op.py
+
+``--sweep`` also times a grid of kernel tile configurations at every shape (how the defaults in
+``ops/fused_logprobs.py`` were picked). The table is printed last, and also written to
+``$OUT/bench_logprob_op.md`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from common import release, run_environment
+from logprob_service.ops.fused_logprobs import KernelConfig, default_config, fused_token_logprobs
+from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES, chunked_token_logprobs
+
+GiB = 1024**3
+SHAPES = [(24576, 896, 151936), (16384, 3584, 152064), (65536, 4096, 128256)]
+GOAL_X_LIMIT = 1.15
+GOAL_PEAK_GIB = 0.25
+GOAL_ERR = 1e-4
+
+
+@dataclass(frozen=True)
+class Result:
+    method: str
+    ms: float | None  # None: failed (the note says why)
+    peak_gib: float | None
+    err: float | None
+    note: str = ""
+
+
+def make_inputs(n: int, h: int, v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()  # [N, H]
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 3 / h**0.5).bfloat16()  # [V, H]: logits std ~3
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)  # [N]
+    return hidden, weight, targets
+
+
+def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Float64 log-probs of the first ``rows`` rows: [rows]."""
+    out = []
+    for start in range(0, rows, 128):  # [128, V] float64 slabs
+        x = hidden[start : start + 128].double() @ weight.double().T
+        out.append(x.log_softmax(-1).gather(1, targets[start : start + 128, None]).squeeze(1))
+    return torch.cat(out)
+
+
+def full_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (hidden @ weight.T).float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+
+
+def liger_method() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
+    return lambda hidden, weight, targets: -loss(weight, hidden, targets)
+
+
+def measure(
+    name: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor | None, *, warmup_ms: int, rep_ms: int
+) -> Result:
+    print(f"  {name}", file=sys.stderr, flush=True)
+    try:
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        release(torch.device("cuda"))
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+    except torch.OutOfMemoryError:
+        release(torch.device("cuda"))
+        return Result(name, None, None, None, note="out of memory")
+    except Exception as exc:  # a peer's kernel failing at a shape is a result, not a crash of the run
+        release(torch.device("cuda"))
+        return Result(name, None, None, None, note=f"failed: {type(exc).__name__}: {str(exc)[:80]}")
+    err = None if ref is None else (out[: len(ref)].double() - ref).abs().max().item()
+    del out
+    release(torch.device("cuda"))
+    return Result(name, ms, peak, err)
+
+
+def run_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
+    hidden, weight, targets = make_inputs(n, h, v, args.seed)
+    ref = reference(hidden, weight, targets, min(args.ref_rows, n))
+    timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
+    results = [
+        measure("matmul limit (bf16 torch.mm)", lambda: hidden @ weight.T, None, **timing),
+        measure("full logits + log_softmax", lambda: full_logits(hidden, weight, targets), ref, **timing),
+        measure(
+            "eager 256 MiB chunks (fp32 logits)",
+            lambda: chunked_token_logprobs(hidden, weight, targets, chunk_bytes=DEFAULT_CHUNK_BYTES).logprobs,
+            ref,
+            **timing,
+        ),
+    ]
+    liger = liger_method()
+    if liger is None:
+        results.append(Result("Liger fused linear CE", None, None, None, note="liger-kernel not installed"))
+    else:
+        results.append(measure("Liger fused linear CE", lambda: liger(hidden, weight, targets), ref, **timing))
+    results += [
+        measure("fused Triton kernel", lambda: fused_token_logprobs(hidden, weight, targets).logprobs, ref, **timing),
+        measure(
+            "fused Triton kernel + entropy",
+            lambda: fused_token_logprobs(hidden, weight, targets, return_entropy=True).logprobs,
+            ref,
+            **timing,
+        ),
+    ]
+    return results
+
+
+def sweep_configs() -> list[KernelConfig]:
+    grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
+    configs = [KernelConfig(bn, bv, bk, w, s) for bn, bv, bk, w, s in grid if not (bn == 128 and bv == 256 and w == 4)]
+    return configs
+
+
+def run_sweep(n: int, h: int, v: int, args: argparse.Namespace) -> list[str]:
+    hidden, weight, targets = make_inputs(n, h, v, args.seed)
+    limit = triton.testing.do_bench(lambda: hidden @ weight.T, warmup=args.warmup_ms, rep=args.rep_ms)
+    timed = []
+    for cfg in sweep_configs():
+        try:
+            ms = triton.testing.do_bench(
+                lambda cfg=cfg: fused_token_logprobs(hidden, weight, targets, config=cfg),
+                warmup=args.warmup_ms,
+                rep=args.rep_ms,
+            )
+        except Exception as exc:  # out of shared memory / registers: skip that config
+            print(f"  {cfg}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        timed.append((ms, cfg))
+    timed.sort(key=lambda item: item[0])
+    lines = [f"sweep at N={n}, H={h}, V={v} (limit {limit:.2f} ms); best first:"]
+    lines += [f"  {ms / limit:.3f}x  {ms:.2f} ms  {cfg}" for ms, cfg in timed[:8]]
+    return lines
+
+
+def format_shape(n: int, h: int, v: int, results: list[Result]) -> str:
+    limit = results[0].ms
+    tflops = 2 * n * h * v / (limit * 1e-3) / 1e12 if limit else float("nan")
+    lines = [
+        f"### N={n}, H={h}, V={v}: limit {limit:.2f} ms ({tflops:.0f} TFLOP/s bf16)",
+        "",
+        "| method | ms | x limit | peak extra GiB | max abs err vs fp64 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r.ms is None:
+            lines.append(f"| {r.method} | {r.note} | | | |")
+            continue
+        err = "n/a" if r.err is None else f"{r.err:.1e}"
+        lines.append(f"| {r.method} | {r.ms:.2f} | {r.ms / limit:.3f} | {r.peak_gib:.3f} | {err} |")
+    return "\n".join(lines)
+
+
+def goal_lines(per_shape: list[tuple[tuple[int, int, int], list[Result]]]) -> list[str]:
+    lines = []
+    for (n, h, v), results in per_shape:
+        by_name = {r.method: r for r in results}
+        ours, limit = by_name["fused Triton kernel"], results[0].ms
+        liger = by_name["Liger fused linear CE"]
+        if ours.ms is None or limit is None:
+            lines.append(f"N={n}: fused kernel did not run ({ours.note})")
+            continue
+        x = ours.ms / limit
+        vs_liger = "n/a (Liger did not run)" if liger.ms is None else f"{liger.ms / ours.ms:.2f}x faster than Liger"
+        checks = [
+            f"{x:.3f}x limit ({'met' if x <= GOAL_X_LIMIT else 'NOT met'})",
+            vs_liger + ("" if liger.ms is None or liger.ms > ours.ms else " (NOT met)"),
+            f"peak {ours.peak_gib:.3f} GiB ({'met' if ours.peak_gib <= GOAL_PEAK_GIB else 'NOT met'})",
+            f"err {ours.err:.1e} ({'met' if ours.err <= GOAL_ERR else 'NOT met'})",
+        ]
+        lines.append(f"N={n}, H={h}, V={v}: " + "; ".join(checks))
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=None, help="N,H,V;N,H,V;... (default: the three issue shapes)")
+    parser.add_argument("--ref-rows", type=int, default=512, help="rows checked against the float64 reference")
+    parser.add_argument("--warmup-ms", type=int, default=100)
+    parser.add_argument("--rep-ms", type=int, default=500)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of kernel tile configurations")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.shapes:
+        args.shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    else:
+        args.shapes = SHAPES
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_logprob_op.py measures GPU kernels: it needs a CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device())
+    per_shape = []
+    sweeps: list[str] = []
+    with torch.inference_mode():
+        for n, h, v in args.shapes:
+            print(f"shape N={n}, H={h}, V={v}", file=sys.stderr, flush=True)
+            per_shape.append(((n, h, v), run_shape(n, h, v, args)))
+            if args.sweep:
+                sweeps += run_sweep(n, h, v, args)
+    cfg16 = default_config(torch.bfloat16)
+    header = [
+        "# The log-prob stage alone (bf16 inputs)",
+        "",
+        *run_environment(device),
+        f"timing: triton.testing.do_bench median (warm-up {args.warmup_ms} ms, {args.rep_ms} ms of runs, L2 flushed); "
+        f"error over the first {args.ref_rows} rows; fused kernel tiles {cfg16}",
+    ]
+    sections = ["\n".join(header)] + [format_shape(*shape, results) for shape, results in per_shape]
+    goals = "goals (<= 1.15x limit, faster than Liger, <= 0.25 GiB, <= 1e-4):"
+    sections.append("\n".join([goals, *goal_lines(per_shape)]))
+    if sweeps:
+        sections.append("\n".join(sweeps))
+    report = "\n\n".join(sections) + "\n"
+    print(report)
+    if out_dir := os.environ.get("OUT"):
+        path = Path(out_dir) / "bench_logprob_op.md"
+        path.write_text(report)
+        print(f"written: {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

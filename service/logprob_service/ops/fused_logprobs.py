@@ -1,0 +1,311 @@
+"""Fused Triton kernel: lm_head projection + online log-sum-exp, logits never leave registers.
+
+For each row i (hidden state h_i predicting token y_i), with the model's transform folded in:
+
+    x_iv  = h_i . W_v (+ b_v)                              fp32 accumulators (tensor cores)
+    x'_iv = c tanh(scale x_iv / c) / T   or   scale x_iv / T      (softcap only when c is set)
+    log p(y_i) = x'_iy - logsumexp_v x'_iv
+    H_i   = logsumexp_v x'_iv - sum_v p_iv x'_iv
+
+The kernel works in base 2, z = x' log2(e), because exp2/log2 are the GPU's native
+instructions: logsumexp(x') = ln(2) log2(sum_v 2^z_v), and sum_v p_v x'_v = ln(2) sum_v p_v z_v.
+
+Stage 1 (``_partials_kernel``), grid (row blocks, vocabulary splits). A program owns BLOCK_N
+rows and one contiguous range of the vocabulary, which it streams in [BLOCK_N, BLOCK_V] tiles:
+each tile is a K-loop of tensor-core dots into fp32 registers, then the online softmax update
+
+    m' = max(m, max_v z_v)      s' = s 2^(m - m') + sum_v 2^(z_v - m')
+    t' = t 2^(m - m') + sum_v 2^(z_v - m') z_v                       (entropy only)
+
+so after its range, s = sum 2^(z - m) and t = sum 2^(z - m) z over that range. It writes only
+(m, s, t) per row: three floats. Splitting the vocabulary gives a small N enough programs to
+fill the GPU (and a last wave that is not mostly idle); the rows' programs of one split run side
+by side and read the same W tiles, so W is streamed from HBM once per wave, not once per row block.
+
+Stage 2 (``_combine_kernel``), grid (row blocks): merges the splits,
+
+    M = max_j m_j    S = sum_j s_j 2^(m_j - M)    T = sum_j t_j 2^(m_j - M)    lse2 = M + log2 S
+
+computes the target logit as one fp32 dot h_i . W_{y_i} (a gathered row; N*H work, not N*V*H),
+applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse2 - T / S).
+
+Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
+partials, 12 bytes per row per split. Offsets are int64, and rows sit on grid axis 0 (2^31 - 1
+blocks), so N has no practical limit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprobs import IDENTITY, LogitTransform, TokenScores
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch shape of the partials kernel."""
+
+    block_n: int = 128
+    block_v: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# Hand-picked on an H200 with benchmarks/bench_logprob_op.py --sweep (the table is in
+# benchmarks/RESULTS.md). fp32 operands take twice the shared memory per element.
+HOPPER_16BIT = KernelConfig()
+HOPPER_FP32 = KernelConfig(block_n=128, block_v=128, block_k=32, num_warps=8, num_stages=3)
+
+
+def default_config(dtype: torch.dtype) -> KernelConfig:
+    return HOPPER_FP32 if dtype == torch.float32 else HOPPER_16BIT
+
+
+@triton.jit
+def _to_log2_units(x, pre, post, SOFTCAP: tl.constexpr):
+    """z = x' log2(e). With softcap, pre = scale / c and post = c log2(e) / T; else pre = scale log2(e) / T."""
+    if SOFTCAP:
+        u = x * pre
+        # tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|) <= 1: never overflows.
+        e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(u))
+        th = (1.0 - e) / (1.0 + e)
+        return tl.where(u < 0, -th, th) * post
+    return x * pre
+
+
+@triton.jit
+def _partials_kernel(
+    h_ptr,  # [N, H]
+    w_ptr,  # [V, H]
+    b_ptr,  # [V] fp32, or a dummy when HAS_BIAS is false
+    m_ptr,  # [S, N] fp32 out: max of z over the split
+    s_ptr,  # [S, N] fp32 out: sum 2^(z - m)
+    t_ptr,  # [S, N] fp32 out: sum 2^(z - m) z (only when ENTROPY)
+    N,
+    V,
+    H,
+    stride_h,
+    stride_w,
+    tiles_per_split,
+    pre,
+    post,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 operands: exact fp32 dot, not TF32
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h  # [BLOCK_N, 1]
+    ks = tl.arange(0, BLOCK_K)
+
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    t = tl.zeros([BLOCK_N], tl.float32)
+    v_begin = pid_s * tiles_per_split * BLOCK_V
+    v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w  # [1, BLOCK_V]
+        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = (k0 + ks) < H
+            a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        z = _to_log2_units(acc, pre, post, SOFTCAP)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
+        s = s * alpha + tl.sum(p, axis=1)
+        if ENTROPY:
+            t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
+        m = m_new
+
+    out = pid_s.to(tl.int64) * N + rows
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    if ENTROPY:
+        tl.store(t_ptr + out, t, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    h_ptr,  # [N, H]
+    w_ptr,  # [V, H]
+    b_ptr,  # [V] fp32 or dummy
+    y_ptr,  # [N] int64 targets
+    m_ptr,  # [S, N]
+    s_ptr,
+    t_ptr,
+    logp_ptr,  # [N] fp32 out
+    ent_ptr,  # [N] fp32 out (only when ENTROPY)
+    N,
+    H,
+    stride_h,
+    stride_w,
+    n_splits,
+    pre,
+    post,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+
+    # Partials of split j for these rows sit at offset j * N + rows (pointer steps: 64-bit).
+    big_m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    m_at = m_ptr + rows
+    for _ in range(n_splits):
+        big_m = tl.maximum(big_m, tl.load(m_at, mask=row_ok, other=0.0))
+        m_at += N
+    big_s = tl.zeros([BLOCK_R], tl.float32)
+    big_t = tl.zeros([BLOCK_R], tl.float32)
+    m_at, s_at, t_at = m_ptr + rows, s_ptr + rows, t_ptr + rows
+    for _ in range(n_splits):
+        scale = tl.exp2(tl.load(m_at, mask=row_ok, other=0.0) - big_m)
+        big_s += scale * tl.load(s_at, mask=row_ok, other=1.0)
+        if ENTROPY:
+            big_t += scale * tl.load(t_at, mask=row_ok, other=0.0)
+        m_at += N
+        s_at += N
+        t_at += N
+    lse2 = big_m + tl.log2(big_s)
+
+    # Target logit x_y = h . W_y, accumulated in fp32 from the same operands the dots used.
+    y = tl.load(y_ptr + rows, mask=row_ok, other=0)
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + y.to(tl.int64)[:, None] * stride_w
+    ks = tl.arange(0, BLOCK_K)
+    x_y = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mask = row_ok[:, None] & ((k0 + ks) < H)[None, :]
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(w_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_y += tl.sum(a * b, axis=1)
+    if HAS_BIAS:
+        x_y += tl.load(b_ptr + y, mask=row_ok, other=0.0)
+    z_y = _to_log2_units(x_y, pre, post, SOFTCAP)
+
+    tl.store(logp_ptr + rows, (z_y - lse2) * 0.6931471805599453, mask=row_ok)
+    if ENTROPY:
+        tl.store(ent_ptr + rows, (lse2 - big_t / big_s) * 0.6931471805599453, mask=row_ok)
+
+
+def transform_constants(transform: LogitTransform) -> tuple[float, float]:
+    """(pre, post) of ``_to_log2_units`` for a transform."""
+    if transform.softcap is not None:
+        return transform.scale / transform.softcap, transform.softcap * LOG2E / transform.temperature
+    return transform.scale * LOG2E / transform.temperature, 1.0
+
+
+def vocab_splits(n_rows: int, vocab: int, config: KernelConfig, num_sms: int) -> int:
+    """How many ways to split the vocabulary so the partials grid fills the GPU.
+
+    With P programs on ``num_sms`` SMs the last wave runs P mod num_sms of them, so the grid's
+    efficiency is P / (ceil(P / num_sms) num_sms). Take the fewest splits that reach 95% (each
+    split re-reads its rows' hidden states once per tile it owns, which is cheap, but adds
+    partials), else the best found.
+    """
+    row_blocks = triton.cdiv(n_rows, config.block_n)
+    max_splits = min(triton.cdiv(vocab, config.block_v), 4 * num_sms)
+    best, best_eff = 1, 0.0
+    for splits in range(1, max_splits + 1):
+        programs = row_blocks * splits
+        eff = programs / (math.ceil(programs / num_sms) * num_sms)
+        if eff >= 0.95:
+            return splits
+        if eff > best_eff + 1e-9:
+            best, best_eff = splits, eff
+    return best
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number exercises the split path
+
+
+def fused_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
+    return_entropy: bool = False,
+    config: KernelConfig | None = None,
+    n_splits: int | None = None,
+) -> TokenScores:
+    """Log-prob of ``targets`` under ``hidden @ weight.T`` with the fused kernel; see the module doc.
+
+    hidden: [N, H] and weight: [V, H], both bf16, fp16 or fp32 (hidden is cast to weight's dtype);
+    targets: [N] integer in [0, V); bias: [V] or None. Returns float32 [N] log-probs (and
+    entropies when asked). ``config`` and ``n_splits`` override the tiles and the vocabulary
+    split (tests use them to exercise several tiles and splits at small shapes).
+    """
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"fused log-probs support {SUPPORTED_DTYPES} weights, not {weight.dtype}")
+    n, hdim = hidden.shape
+    vocab = weight.shape[0]
+    hidden = hidden.to(weight.dtype).contiguous()
+    weight = weight.contiguous()
+    targets = targets.to(torch.int64).contiguous()
+    config = config or default_config(weight.dtype)
+    logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    entropies = torch.empty_like(logprobs) if return_entropy else None
+    if n == 0:
+        return TokenScores(logprobs=logprobs, entropies=entropies)
+    splits = n_splits or vocab_splits(n, vocab, config, _num_sms(hidden.device))
+    tiles_per_split = triton.cdiv(triton.cdiv(vocab, config.block_v), splits)
+    splits = triton.cdiv(triton.cdiv(vocab, config.block_v), tiles_per_split)  # none left empty
+    partial_m = torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
+    partial_s = torch.empty_like(partial_m)
+    partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
+    bias32 = bias.float().contiguous() if bias is not None else partial_m  # dummy pointer when absent
+    pre, post = transform_constants(transform)
+    flags = {"HAS_BIAS": bias is not None, "SOFTCAP": transform.softcap is not None, "ENTROPY": return_entropy}
+
+    _partials_kernel[(triton.cdiv(n, config.block_n), splits)](
+        hidden, weight, bias32, partial_m, partial_s, partial_t,
+        n, vocab, hdim, hidden.stride(0), weight.stride(0), tiles_per_split, pre, post,
+        IEEE=weight.dtype == torch.float32,
+        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **flags,
+    )  # fmt: skip
+    block_r = 32
+    _combine_kernel[(triton.cdiv(n, block_r),)](
+        hidden, weight, bias32, targets, partial_m, partial_s, partial_t,
+        logprobs, entropies if entropies is not None else logprobs,
+        n, hdim, hidden.stride(0), weight.stride(0), splits, pre, post,
+        BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), num_warps=4,
+        **flags,
+    )  # fmt: skip
+    return TokenScores(logprobs=logprobs, entropies=entropies)

@@ -1,0 +1,42 @@
+"""Float64 reference for the log-prob ops, and random inputs for them (shared by CPU and GPU tests)."""
+
+from __future__ import annotations
+
+import torch
+from logprob_service.ops.logprobs import IDENTITY, LogitTransform
+
+
+def reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 (log-probs, entropies) of ``targets`` from the full logits of the same inputs."""
+    x = hidden.double() @ weight.double().T
+    if bias is not None:
+        x = x + bias.double()
+    x = x * transform.scale
+    if transform.softcap is not None:
+        x = transform.softcap * torch.tanh(x / transform.softcap)
+    logp = (x / transform.temperature).log_softmax(-1)
+    return logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
+
+def random_case(
+    n: int,
+    h: int,
+    v: int,
+    dtype: torch.dtype = torch.float32,
+    bias: bool = False,
+    seed: int | None = None,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """hidden [n, h], weight [v, h] (logits std ~3), targets [n], bias [v] or None; fresh seed by default."""
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    hidden = torch.randn(n, h, generator=g).to(device, dtype)
+    weight = (torch.randn(v, h, generator=g) * 3 / h**0.5).to(device, dtype)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    b = torch.randn(v, generator=g).to(device, dtype) if bias else None
+    return hidden, weight, targets, b
