@@ -37,7 +37,14 @@ import torch
 import triton
 import triton.testing
 from common import release, run_environment
-from logprob_service.ops.fused_logprobs import KernelConfig, default_config, fused_token_logprobs
+from logprob_service.ops.fused_logprobs import (
+    KernelConfig,
+    LaunchPlan,
+    default_config,
+    device_info,
+    fused_token_logprobs,
+    plan_launch,
+)
 from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES, chunked_token_logprobs
 
 GiB = 1024**3
@@ -142,29 +149,36 @@ def run_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
 
 
 def sweep_configs() -> list[KernelConfig]:
-    grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
-    configs = [KernelConfig(bn, bv, bk, w, s) for bn, bv, bk, w, s in grid if not (bn == 128 and bv == 256 and w == 4)]
-    return configs
+    grid = itertools.product((64, 128), (128, 256), (64,), (8,), (3, 4))
+    return [KernelConfig(bn, bv, bk, w, s) for bn, bv, bk, w, s in grid]
 
 
 def run_sweep(n: int, h: int, v: int, args: argparse.Namespace) -> list[str]:
+    """Time tile configurations with the default plan, then the default tiles with other plans."""
     hidden, weight, targets = make_inputs(n, h, v, args.seed)
     limit = triton.testing.do_bench(lambda: hidden @ weight.T, warmup=args.warmup_ms, rep=args.rep_ms)
+    dev = device_info(hidden.device)
+    base_cfg = default_config(hidden.dtype)
+    base = plan_launch(n, h, v, hidden.element_size(), base_cfg, dev)
+    candidates = [(cfg, None) for cfg in sweep_configs()]
+    for group in sorted({1, base.group_rows // 2, base.group_rows * 2, triton.cdiv(n, base_cfg.block_n)} - {0}):
+        for splits in sorted({base.splits, max(1, triton.cdiv(dev.num_sms, group))}):
+            candidates.append((base_cfg, LaunchPlan(splits=splits, group_rows=group)))
     timed = []
-    for cfg in sweep_configs():
+    for cfg, plan in candidates:
         try:
             ms = triton.testing.do_bench(
-                lambda cfg=cfg: fused_token_logprobs(hidden, weight, targets, config=cfg),
+                lambda cfg=cfg, plan=plan: fused_token_logprobs(hidden, weight, targets, config=cfg, plan=plan),
                 warmup=args.warmup_ms,
                 rep=args.rep_ms,
             )
         except Exception as exc:  # out of shared memory / registers: skip that config
-            print(f"  {cfg}: {type(exc).__name__}", file=sys.stderr)
+            print(f"  {cfg} {plan}: {type(exc).__name__}", file=sys.stderr)
             continue
-        timed.append((ms, cfg))
+        timed.append((ms, cfg, plan or base))
     timed.sort(key=lambda item: item[0])
-    lines = [f"sweep at N={n}, H={h}, V={v} (limit {limit:.2f} ms); best first:"]
-    lines += [f"  {ms / limit:.3f}x  {ms:.2f} ms  {cfg}" for ms, cfg in timed[:8]]
+    lines = [f"sweep at N={n}, H={h}, V={v} (limit {limit:.2f} ms; default plan {base}); best first:"]
+    lines += [f"  {ms / limit:.3f}x  {ms:.2f} ms  {cfg}  {plan}" for ms, cfg, plan in timed[:10]]
     return lines
 
 

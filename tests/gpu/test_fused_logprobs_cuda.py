@@ -1,8 +1,10 @@
 """The fused Triton log-prob kernel on the GPU, at real vocabulary sizes. Skipped without CUDA.
 
-Tolerances (nats, absolute, against float64 logits of the same rounded inputs): 1e-4 for every
-dtype. The kernel accumulates in fp32 and never rounds a logit to 16 bits, so bf16/fp16 inputs
-cost nothing beyond fp32 summation order; fp32 inputs use exact fp32 dots (no TF32).
+Tolerances (nats, absolute, against float64 logits of the same rounded inputs): log-probs 1e-4,
+entropies 2e-4, for every dtype. The kernel accumulates in fp32 and never rounds a logit to 16
+bits, so the error is fp32 summation over H terms (~sqrt(H) 2^-24 |x| per logit: 5e-5 at
+H = 4096, as the eager cuBLAS path); the entropy adds a sum over V of p x. fp32 inputs use exact
+fp32 dots (no TF32, which would cost ~1e-2).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from logprob_service.ops.fused_logprobs import KernelConfig, fused_token_logprobs
+from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs
 
 from tests.op_reference import reference
+
+ENTROPY_TOL = 2e-4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +47,7 @@ def test_matches_float64_at_real_shapes(dtype, n, h, v):
     hidden, weight, targets, _ = cuda_case(n, h, v, dtype)
     out = fused_token_logprobs(hidden, weight, targets, return_entropy=True)
     err_lp, err_ent = max_errors(out, hidden, weight, targets, None, LogitTransform())
-    assert err_lp < 1e-4 and err_ent < 1e-4, (err_lp, err_ent)
+    assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
 
 
 @pytest.mark.parametrize(
@@ -55,7 +59,7 @@ def test_transforms_and_bias(transform):
     hidden, weight, targets, b = cuda_case(1000, 2304, 256000, torch.bfloat16, bias=True)  # Gemma 2's vocabulary
     out = fused_token_logprobs(hidden, weight, targets, bias=b, transform=transform, return_entropy=True)
     err_lp, err_ent = max_errors(out, hidden, weight, targets, b, transform)
-    assert err_lp < 1e-4 and err_ent < 1e-4, (err_lp, err_ent)
+    assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
 
 
 def test_more_rows_than_one_grid_dimension_of_old_kernels():
@@ -70,16 +74,18 @@ def test_more_rows_than_one_grid_dimension_of_old_kernels():
     assert (out.logprobs[tail].double() - ref_lp).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("splits", [1, 7, 64])
-def test_vocabulary_splits_agree(splits):
+@pytest.mark.parametrize("splits,group_rows", [(1, 1), (7, 2), (64, 5)])
+def test_grid_plans_agree(splits, group_rows):
     hidden, weight, targets, _ = cuda_case(513, 1024, 50_257, torch.bfloat16)
-    out = fused_token_logprobs(hidden, weight, targets, return_entropy=True, n_splits=splits)
+    plan = LaunchPlan(splits=splits, group_rows=group_rows)
+    out = fused_token_logprobs(hidden, weight, targets, return_entropy=True, plan=plan)
     err_lp, err_ent = max_errors(out, hidden, weight, targets, None, LogitTransform(), rows=513)
-    assert err_lp < 1e-4 and err_ent < 1e-4, (err_lp, err_ent)
+    assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
 
 
-def test_other_tiles_agree():
-    hidden, weight, targets, _ = cuda_case(1025, 896, 151936, torch.bfloat16)
+@pytest.mark.parametrize("h", [896, 901])  # 901: rows not 16-byte aligned, so pointer loads instead of TMA
+def test_other_tiles_agree(h):
+    hidden, weight, targets, _ = cuda_case(1025, h, 151936, torch.bfloat16)
     cfg = KernelConfig(block_n=64, block_v=128, block_k=32, num_warps=4, num_stages=2)
     out = fused_token_logprobs(hidden, weight, targets, config=cfg)
     err_lp, _ = max_errors(out, hidden, weight, targets, None, LogitTransform())

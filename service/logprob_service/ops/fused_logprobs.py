@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .logprobs import IDENTITY, LogitTransform, TokenScores
 
@@ -86,8 +87,8 @@ def _to_log2_units(x, pre, post, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _partials_kernel(
-    h_ptr,  # [N, H]
-    w_ptr,  # [V, H]
+    h_in,  # [N, H]: a TMA descriptor with [BLOCK_N, BLOCK_K] blocks when USE_TMA, else the tensor
+    w_in,  # [V, H]: a TMA descriptor with [BLOCK_V, BLOCK_K] blocks when USE_TMA, else the tensor
     b_ptr,  # [V] fp32, or a dummy when HAS_BIAS is false
     m_ptr,  # [S, N] fp32 out: max of z over the split
     s_ptr,  # [S, N] fp32 out: sum 2^(z - m)
@@ -97,53 +98,81 @@ def _partials_kernel(
     H,
     stride_h,
     stride_w,
+    n_splits,
     tiles_per_split,
+    group_rows,  # row blocks per group: their hidden states stay in L2 while the group runs
     pre,
     post,
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 operands: exact fp32 dot, not TF32
+    USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Program order: a group of `group_rows` row blocks x every split. Programs that run at the
+    # same time then share a few W tiles and a few row blocks, both of which fit in L2, instead
+    # of all reading different hidden states (which would stream from HBM once per W tile).
+    pid = tl.program_id(0)
+    row_blocks = tl.cdiv(N, BLOCK_N)
+    group = pid // (group_rows * n_splits)
+    first = group * group_rows
+    rows_here = tl.minimum(row_blocks - first, group_rows)
+    local = pid % (group_rows * n_splits)
+    pid_n = first + local % rows_here
+    pid_s = local // rows_here
+
+    row0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h  # [BLOCK_N, 1]
     ks = tl.arange(0, BLOCK_K)
+    v_begin = pid_s * tiles_per_split * BLOCK_V
+    n_tiles = tl.cdiv(tl.minimum(v_begin + tiles_per_split * BLOCK_V, V) - v_begin, BLOCK_V)
+    k_steps = tl.cdiv(H, BLOCK_K)
 
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
-    v_begin = pid_s * tiles_per_split * BLOCK_V
-    v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_V, V)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
-        w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w  # [1, BLOCK_V]
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    # One flat loop over (tile, k) rather than two nested loops: the software pipeline keeps
+    # loading the next tile's operands while this tile's softmax update runs.
+    v0 = v_begin
+    ki = -1
+    for _ in range(0, n_tiles * k_steps):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        k0 = ki * BLOCK_K
+        if USE_TMA:  # out-of-bounds rows, columns and k are zero-filled by the TMA unit
+            a = h_in.load([row0, k0])
+            b = w_in.load([v0, k0]).T
+        else:
             k_ok = (k0 + ks) < H
-            a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
-        z = _to_log2_units(acc, pre, post, SOFTCAP)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
-        s = s * alpha + tl.sum(p, axis=1)
-        if ENTROPY:
-            t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
-        m = m_new
+            cols = v0 + tl.arange(0, BLOCK_V)
+            a_ptrs = h_in + rows.to(tl.int64)[:, None] * stride_h + (k0 + ks)[None, :]
+            b_ptrs = w_in + cols.to(tl.int64)[None, :] * stride_w + (k0 + ks)[:, None]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < V)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if ki == k_steps - 1:  # the tile's logits are complete: online softmax update
+            cols = v0 + tl.arange(0, BLOCK_V)
+            col_ok = cols < V
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+            z = _to_log2_units(acc, pre, post, SOFTCAP)
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
+            s = s * alpha + tl.sum(p, axis=1)
+            if ENTROPY:
+                t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
+            m = m_new
+            acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+            v0 += BLOCK_V
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
@@ -225,31 +254,53 @@ def transform_constants(transform: LogitTransform) -> tuple[float, float]:
     return transform.scale * LOG2E / transform.temperature, 1.0
 
 
-def vocab_splits(n_rows: int, vocab: int, config: KernelConfig, num_sms: int) -> int:
-    """How many ways to split the vocabulary so the partials grid fills the GPU.
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How the partials grid covers (row blocks x vocabulary): ``splits`` ranges of the vocabulary,
+    programs ordered in groups of ``group_rows`` row blocks."""
 
-    With P programs on ``num_sms`` SMs the last wave runs P mod num_sms of them, so the grid's
-    efficiency is P / (ceil(P / num_sms) num_sms). Take the fewest splits that reach 95% (each
-    split re-reads its rows' hidden states once per tile it owns, which is cheap, but adds
-    partials), else the best found.
+    splits: int
+    group_rows: int
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    num_sms: int
+    l2_bytes: int
+
+
+# The interpreter has no device: small figures so that small test shapes get several groups.
+INTERPRETER_DEVICE = DeviceInfo(num_sms=4, l2_bytes=64 * 1024)
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    if device.type != "cuda":
+        return INTERPRETER_DEVICE
+    props = torch.cuda.get_device_properties(device)
+    return DeviceInfo(num_sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)
+
+
+def plan_launch(n_rows: int, hdim: int, vocab: int, itemsize: int, config: KernelConfig, dev: DeviceInfo) -> LaunchPlan:
+    """Group and split sizes that keep operands in L2 and fill the GPU's last wave.
+
+    * A group's hidden states (group_rows x BLOCK_N x H) take a third of L2, leaving room for
+      the W tiles the group streams.
+    * The programs running at once (one per SM) should be one group's: at least
+      num_sms / group_rows splits, so together they read only that many W tiles at a time.
+    * With P programs, the last wave runs P mod num_sms of them: efficiency P / (ceil(P / num_sms)
+      num_sms). Add splits until it reaches 95% (a split costs 12 bytes per row of partials).
     """
     row_blocks = triton.cdiv(n_rows, config.block_n)
-    max_splits = min(triton.cdiv(vocab, config.block_v), 4 * num_sms)
-    best, best_eff = 1, 0.0
-    for splits in range(1, max_splits + 1):
+    v_tiles = triton.cdiv(vocab, config.block_v)
+    block_bytes = config.block_n * hdim * itemsize
+    group_rows = max(1, min(row_blocks, dev.l2_bytes // 3 // block_bytes))
+    splits = min(v_tiles, triton.cdiv(dev.num_sms, group_rows))
+    while splits < v_tiles:
         programs = row_blocks * splits
-        eff = programs / (math.ceil(programs / num_sms) * num_sms)
-        if eff >= 0.95:
-            return splits
-        if eff > best_eff + 1e-9:
-            best, best_eff = splits, eff
-    return best
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: any small number exercises the split path
+        if programs / (math.ceil(programs / dev.num_sms) * dev.num_sms) >= 0.95:
+            break
+        splits += 1
+    return LaunchPlan(splits=splits, group_rows=group_rows)
 
 
 def fused_token_logprobs(
@@ -261,14 +312,14 @@ def fused_token_logprobs(
     transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
     config: KernelConfig | None = None,
-    n_splits: int | None = None,
+    plan: LaunchPlan | None = None,
 ) -> TokenScores:
     """Log-prob of ``targets`` under ``hidden @ weight.T`` with the fused kernel; see the module doc.
 
     hidden: [N, H] and weight: [V, H], both bf16, fp16 or fp32 (hidden is cast to weight's dtype);
     targets: [N] integer in [0, V); bias: [V] or None. Returns float32 [N] log-probs (and
-    entropies when asked). ``config`` and ``n_splits`` override the tiles and the vocabulary
-    split (tests use them to exercise several tiles and splits at small shapes).
+    entropies when asked). ``config`` and ``plan`` override the tiles and the grid (tests use them
+    to exercise several tiles, groups and splits at small shapes).
     """
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused log-probs support {SUPPORTED_DTYPES} weights, not {weight.dtype}")
@@ -282,9 +333,10 @@ def fused_token_logprobs(
     entropies = torch.empty_like(logprobs) if return_entropy else None
     if n == 0:
         return TokenScores(logprobs=logprobs, entropies=entropies)
-    splits = n_splits or vocab_splits(n, vocab, config, _num_sms(hidden.device))
-    tiles_per_split = triton.cdiv(triton.cdiv(vocab, config.block_v), splits)
-    splits = triton.cdiv(triton.cdiv(vocab, config.block_v), tiles_per_split)  # none left empty
+    plan = plan or plan_launch(n, hdim, vocab, weight.element_size(), config, device_info(hidden.device))
+    v_tiles = triton.cdiv(vocab, config.block_v)
+    tiles_per_split = triton.cdiv(v_tiles, plan.splits)
+    splits = triton.cdiv(v_tiles, tiles_per_split)  # none left empty
     partial_m = torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
     partial_s = torch.empty_like(partial_m)
     partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
@@ -292,10 +344,18 @@ def fused_token_logprobs(
     pre, post = transform_constants(transform)
     flags = {"HAS_BIAS": bias is not None, "SOFTCAP": transform.softcap is not None, "ENTROPY": return_entropy}
 
-    _partials_kernel[(triton.cdiv(n, config.block_n), splits)](
-        hidden, weight, bias32, partial_m, partial_s, partial_t,
-        n, vocab, hdim, hidden.stride(0), weight.stride(0), tiles_per_split, pre, post,
-        IEEE=weight.dtype == torch.float32,
+    # TMA needs 16-byte aligned rows (H a multiple of 8 in 16 bits); every real model has them.
+    use_tma = (hdim * weight.element_size()) % 16 == 0 and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    h_in, w_in = hidden, weight
+    if use_tma:
+        h_in = TensorDescriptor.from_tensor(hidden, [config.block_n, config.block_k])
+        w_in = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_k])
+    row_blocks = triton.cdiv(n, config.block_n)
+    _partials_kernel[(row_blocks * splits,)](
+        h_in, w_in, bias32, partial_m, partial_s, partial_t,
+        n, vocab, hdim, hidden.stride(0), weight.stride(0),
+        splits, tiles_per_split, min(plan.group_rows, row_blocks), pre, post,
+        IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **flags,
