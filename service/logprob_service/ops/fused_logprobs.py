@@ -135,44 +135,40 @@ def _partials_kernel(
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    # One flat loop over (tile, k) rather than two nested loops: the software pipeline keeps
-    # loading the next tile's operands while this tile's softmax update runs.
-    v0 = v_begin
-    ki = -1
-    for _ in range(0, n_tiles * k_steps):
-        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
-        k0 = ki * BLOCK_K
-        if USE_TMA:  # out-of-bounds rows, columns and k are zero-filled by the TMA unit
-            a = h_in.load([row0, k0])
-            b = w_in.load([v0, k0]).T
-        else:
-            k_ok = (k0 + ks) < H
-            cols = v0 + tl.arange(0, BLOCK_V)
-            a_ptrs = h_in + rows.to(tl.int64)[:, None] * stride_h + (k0 + ks)[None, :]
-            b_ptrs = w_in + cols.to(tl.int64)[None, :] * stride_w + (k0 + ks)[:, None]
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < V)[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        if ki == k_steps - 1:  # the tile's logits are complete: online softmax update
-            cols = v0 + tl.arange(0, BLOCK_V)
-            col_ok = cols < V
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
-            z = _to_log2_units(acc, pre, post, SOFTCAP)
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
-            s = s * alpha + tl.sum(p, axis=1)
-            if ENTROPY:
-                t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
-            m = m_new
-            acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-            v0 += BLOCK_V
+    # Two nested loops (tiles, then k). Flattening them into one (tile, k) loop, so the pipeline
+    # would prefetch across the softmax update, measured 25-30% slower on an H200.
+    for v0 in range(v_begin, v_begin + n_tiles * BLOCK_V, BLOCK_V):
+        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        for ki in range(0, k_steps):
+            k0 = ki * BLOCK_K
+            if USE_TMA:  # out-of-bounds rows, columns and k are zero-filled by the TMA unit
+                a = h_in.load([row0, k0])
+                b = w_in.load([v0, k0]).T
+            else:
+                k_ok = (k0 + ks) < H
+                cols = v0 + tl.arange(0, BLOCK_V)
+                a_ptrs = h_in + rows.to(tl.int64)[:, None] * stride_h + (k0 + ks)[None, :]
+                b_ptrs = w_in + cols.to(tl.int64)[None, :] * stride_w + (k0 + ks)[:, None]
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < V)[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        # The tile's logits are complete, in fp32 registers: online softmax update.
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        z = _to_log2_units(acc, pre, post, SOFTCAP)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
+        s = s * alpha + tl.sum(p, axis=1)
+        if ENTROPY:
+            t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
+        m = m_new
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
