@@ -7,7 +7,8 @@ weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x
 1. model body alone: ``model.base_model(...).last_hidden_state`` (the lower bound)
 2. full logits + log_softmax: ``model(ids).logits``, completion rows -> ``.float().log_softmax`` -> gather
 3. TRL-style: ``model(ids, logits_to_keep=C + 1)`` + TRL's row-looped ``selective_log_softmax``
-4. this service in-process: ``CausalLMScorer.score`` (body -> completion rows -> chunked fp32 lm_head)
+4. this service in-process: ``CausalLMScorer.score`` (body -> completion rows -> lm_head log-prob op:
+   the fused Triton kernel on CUDA; also with the eager fp32 chunks, for comparison)
 5. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
 
 Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchronized around each;
@@ -48,6 +49,7 @@ from logprob_service.jobs import SequenceScores, TokenSequence
 from logprob_service.models.registry import ModelRegistry, serve_model
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.ops.attention import PACKED_ATTENTION
+from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
 from transformers import PreTrainedModel
 
@@ -228,9 +230,10 @@ def run_method(
 def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
     ref = reference_logprobs(model, batch, args.ref_seqs)
     release(device)
-    scorer = CausalLMScorer(
+    scorer = CausalLMScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=256)  # auto kernel
+    eager = CausalLMScorer(
         model,
-        chunk_bytes=DEFAULT_CHUNK_BYTES,
+        logprob_op=LogprobOp("eager", DEFAULT_CHUNK_BYTES),
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sequences=256,
     )
@@ -254,19 +257,27 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
     model.set_attn_implementation(PACKED_ATTENTION)
     rows.append(
         run_method(
-            "service in-process (CausalLMScorer.score)",
+            f"service in-process (CausalLMScorer.score), {scorer.logprob_op.kernel} lm_head",
             lambda: service_in_process(scorer, batch),
             ref_packed,
             **common,
         )
     )
+    if scorer.logprob_op.kernel != "eager":
+        rows.append(
+            run_method(
+                "service in-process, eager 256 MiB chunks lm_head",
+                lambda: service_in_process(eager, batch),
+                ref_packed,
+                **common,
+            )
+        )
     settings = Settings(
         host="127.0.0.1",
         port=0,
         metrics_port=0,
         models={MODEL_NAME: "random weights, built by benchmarks/bench_logprobs.py"},
         device=str(device),
-        lm_head_chunk_bytes=DEFAULT_CHUNK_BYTES,
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sequences=256,
     )
@@ -313,7 +324,7 @@ def describe_run(model: PreTrainedModel, batch: Batch, args: argparse.Namespace,
             f"random weights, {str(model.dtype).removeprefix('torch.')}, sdpa; weights {weights_gib:.2f} GiB",
             f"batch: {batch.input_ids.shape[0]} x ({batch.prompt_len} prompt + {batch.completion_len} completion) "
             f"tokens; {args.warmup} warm-up + {args.repeats} timed runs, median; "
-            f"error over the first {args.ref_seqs} sequences; service: {DEFAULT_CHUNK_BYTES // 1024**2} MiB chunks, "
+            f"error over the first {args.ref_seqs} sequences; service: default (auto) lm_head kernel, "
             f"max_batch_tokens {args.max_batch_tokens}",
         ]
     )

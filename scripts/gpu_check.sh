@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, in one call: the whole test suite (GPU tests included), then the
-# benchmark. Run on the lent GPU from the repo root, after installing the wheels .whl/ carries
+# benchmarks. Run on the lent GPU from the repo root, after installing the wheels .whl/ carries
 # (see ../shared/device/README.md). Logs go to $OUT when set.
 set -uo pipefail
 out=${OUT:-/tmp}
@@ -9,3 +9,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/pytest.log" | tail -25
 python3 benchmarks/bench_logprobs.py 2>&1 | tee "$out/bench.log"
 python3 benchmarks/bench_batching.py 2>&1 | tee "$out/bench_batching.log"
+python3 benchmarks/bench_logprob_op.py 2>&1 | tee "$out/bench_logprob_op.log"

@@ -76,10 +76,17 @@ class Settings(BaseSettings):
     trust_remote_code: bool = Field(False, description="Allow model code from checkpoints (transformers).")
 
     # Scoring.
+    logprob_kernel: Literal["auto", "triton", "eager"] = Field(
+        "auto",
+        description=(
+            "lm_head + log-sum-exp implementation: auto (the fused Triton kernel on cuda, eager chunks on cpu), "
+            "triton (force the kernel; cuda only), eager (force fp32 chunks)."
+        ),
+    )
     lm_head_chunk_bytes: int = Field(
         256 * MiB,
         ge=MiB,
-        description="Byte budget of one (rows, vocab) float32 logit slab of the chunked lm_head projection.",
+        description="Eager lm_head path: byte budget of one (rows, vocab) float32 logit slab.",
     )
     max_batch_tokens: int = Field(
         32768,

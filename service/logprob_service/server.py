@@ -18,8 +18,9 @@ from .executor import DeviceExecutor
 from .interceptors import ExceptionToStatusInterceptor
 from .jobs import ScoreJob, TokenSequence
 from .metrics import start_metrics_server
-from .models.loading import resolve_device, resolve_dtype
+from .models.loading import ModelLoadError, resolve_device, resolve_dtype
 from .models.registry import ModelRegistry, load_served_model
+from .ops.dispatch import select_logprob_op
 from .scheduler import Scheduler
 from .servicer import LogprobServicer
 from .state import SERVICE_NAME, ServingState
@@ -64,6 +65,10 @@ class Service:
         s = self.settings
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
+        try:
+            logprob_op = select_logprob_op(s.logprob_kernel, device, s.lm_head_chunk_bytes)
+        except ValueError as err:  # a forced kernel this host cannot run: fail before loading weights
+            raise ModelLoadError(str(err)) from None
         loop = asyncio.get_running_loop()
         for name, source in s.models.items():
             served = await loop.run_in_executor(
@@ -73,7 +78,7 @@ class Service:
                     source,
                     device=device,
                     dtype=dtype,
-                    chunk_bytes=s.lm_head_chunk_bytes,
+                    logprob_op=logprob_op,
                     max_batch_tokens=s.max_batch_tokens,
                     max_batch_sequences=s.max_batch_sequences,
                     trust_remote_code=s.trust_remote_code,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import chunked_token_logprobs
 
 from tests.models import ARCHITECTURES, make_model, random_sequences, reference_scores
@@ -24,10 +25,11 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_float32_model_on_cuda_matches_full_logits_reference(arch):
+@pytest.mark.parametrize("kernel", ["triton", "eager"])
+def test_float32_model_on_cuda_matches_full_logits_reference(arch, kernel):
     rng = np.random.default_rng()
     model = make_model(arch, tied=arch in ("gemma2", "qwen2"), seed=int(rng.integers(1 << 30))).cuda()
-    scorer = CausalLMScorer(model, chunk_bytes=5 * model.config.vocab_size * 4, max_batch_tokens=200)
+    scorer = CausalLMScorer(model, logprob_op=LogprobOp(kernel), max_batch_tokens=200)
     sequences = random_sequences(rng, 8)
     out = scorer.score(sequences, temperature=0.9, return_entropy=True)
     for seq, scores in zip(sequences, out):
@@ -55,6 +57,7 @@ def test_bf16_model_end_to_end_against_its_own_logits():
     rng = np.random.default_rng()
     model = make_model("qwen2", tied=True, seed=int(rng.integers(1 << 30)), dtype=torch.bfloat16).cuda()
     scorer = CausalLMScorer(model)
+    assert scorer.logprob_op.kernel == "triton"  # the default on CUDA
     sequences = random_sequences(rng, 6)
     out = scorer.score(sequences)
     for seq, scores in zip(sequences, out):

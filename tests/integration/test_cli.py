@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from logprob_client import InvalidRequest, LogprobClient
 
@@ -139,3 +140,15 @@ def test_cli_exits_nonzero_when_a_model_cannot_load(tmp_path):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "missing-checkpoint" in output
+
+
+def test_cli_refuses_a_forced_kernel_this_host_cannot_run():
+    if torch.cuda.is_available():
+        pytest.skip("this host can run the Triton kernel")
+    pytest.importorskip("triton")
+    proc = launch(
+        "--logprob-kernel", "triton", "--port", str(free_port()), "--metrics-port", "0", env={"TRITON_INTERPRET": "0"}
+    )
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "logprob_kernel: 'triton' needs a CUDA device" in output

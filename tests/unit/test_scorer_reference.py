@@ -1,33 +1,49 @@
 """Service log-probs equal a float64 reference from the model's own full logits.
 
 Reference: ``model(ids).logits.double() / T`` then ``log_softmax``, one unpadded sequence at a
-time. The service path: batched, right-padded forward of the body, completion rows only,
-chunked lm_head. Tolerance: 1e-5 nats for float32 models (both sides round the logits to
-float32 once; the logits have std ~2).
+time. The service path: packed forward of the body, completion rows only, then each lm_head
+implementation: eager fp32 chunks, and the fused Triton kernel (in Triton's interpreter on a
+CPU, tests/conftest.py). Tolerance: 1e-5 nats for float32 models (both sides round the logits
+to float32 once; the logits have std ~2).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from logprob_service.jobs import TokenSequence
 from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.ops.dispatch import LogprobOp
 
 from tests.models import ARCHITECTURES, VOCAB, make_model, random_sequences, reference_scores
 
 ATOL_FP32 = 1e-5
 
+OPS = {
+    "eager": LogprobOp("eager", chunk_bytes=3 * VOCAB * 4),  # 3 rows per chunk: many chunks
+    "triton": LogprobOp("triton"),
+}
+
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.9])
-def test_logprobs_and_entropy_match_full_logits_reference(arch, tied, temperature):
+@pytest.mark.parametrize(
+    "kernel,temperature",
+    # The interpreter is slow: one temperature for the kernel (the op tests vary the transform).
+    [("eager", 1.0), ("eager", 0.7), ("eager", 1.9), ("triton", 0.7)],
+)
+def test_logprobs_and_entropy_match_full_logits_reference(arch, tied, temperature, kernel):
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("with a GPU, the kernel is checked on it (tests/gpu/test_cuda_scoring.py)")
     rng = np.random.default_rng()
     model = make_model(arch, tied=tied, seed=int(rng.integers(1 << 30)))
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     scorer = CausalLMScorer(
         model,
-        chunk_bytes=3 * VOCAB * 4,  # 3 rows per chunk: many chunks
+        logprob_op=OPS[kernel],
         max_batch_tokens=120,  # several padded forward batches per call
         max_batch_sequences=4,
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelNotFound
+from ..ops.dispatch import LogprobOp
 from .loading import load_causal_lm
 from .scorer import CausalLMScorer, weights_fingerprint
 
@@ -59,7 +60,7 @@ def load_served_model(
     *,
     device: torch.device,
     dtype: torch.dtype,
-    chunk_bytes: int,
+    logprob_op: LogprobOp,
     max_batch_tokens: int,
     max_batch_sequences: int,
     trust_remote_code: bool = False,
@@ -68,12 +69,12 @@ def load_served_model(
     model = load_causal_lm(source, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     scorer = CausalLMScorer(
         model,
-        chunk_bytes=chunk_bytes,
+        logprob_op=logprob_op,
         max_batch_tokens=max_batch_tokens,
         max_batch_sequences=max_batch_sequences,
     )
     served = serve_model(name, source, scorer)
-    log.info("model %r ready: %s", name, served.info)
+    log.info("model %r ready (lm_head: %s): %s", name, logprob_op.kernel, served.info)
     return served
 
 

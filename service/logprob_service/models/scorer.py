@@ -3,7 +3,8 @@
 The model body (``model.base_model``: embeddings, decoder layers, final norm) runs on one packed,
 padding-free row of sequences (``packing.pack``, attention confined to each sequence by
 ``ops.attention``); only the rows that predict completion tokens are kept and sent through the
-lm_head by the chunked log-prob op. ``.logits`` of the whole model is never computed.
+lm_head by the log-prob op (``ops.dispatch``: the fused Triton kernel on CUDA, eager chunks
+elsewhere). ``.logits`` of the whole model is never computed.
 
 Scoring is split in two so a device thread can keep the GPU busy: ``launch`` enqueues the work
 and an asynchronous copy of the results to host memory and returns at once; ``Launched.fetch``
@@ -22,7 +23,8 @@ from transformers import PreTrainedModel
 
 from ..jobs import SequenceScores, TokenSequence
 from ..ops.attention import PACKED_ATTENTION, packed_forward_kwargs, register_packed_attention
-from ..ops.logprobs import DEFAULT_CHUNK_BYTES, LogitTransform, chunked_token_logprobs
+from ..ops.dispatch import LogprobOp, select_logprob_op
+from ..ops.logprobs import LogitTransform
 from ..packing import PackedBatch, pack
 from ..partition import plan_micro_batches
 
@@ -81,7 +83,7 @@ class CausalLMScorer:
         self,
         model: PreTrainedModel,
         *,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        logprob_op: LogprobOp | None = None,
         max_batch_tokens: int = 32768,
         max_batch_sequences: int = 256,
     ) -> None:
@@ -93,7 +95,7 @@ class CausalLMScorer:
         self.head_weight: torch.Tensor = head.weight  # [V, H]; the input embedding when tied
         self.head_bias: torch.Tensor | None = getattr(head, "bias", None)
         self.transform = config_logit_transform(model.config)
-        self.chunk_bytes = chunk_bytes
+        self.logprob_op = logprob_op or select_logprob_op("auto", self.head_weight.device)
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_sequences = max_batch_sequences
 
@@ -122,14 +124,13 @@ class CausalLMScorer:
         rows = out.last_hidden_state[0].index_select(0, self._to_device(batch.rows))  # [N, H]
         del out  # free the [T, H] states before the lm_head slabs are allocated
         transform = LogitTransform(self.transform.scale, self.transform.softcap, temperature)
-        scores = chunked_token_logprobs(
+        scores = self.logprob_op(
             rows,
             self.head_weight,
             self._to_device(batch.targets),
             bias=self.head_bias,
             transform=transform,
             return_entropy=return_entropy,
-            chunk_bytes=self.chunk_bytes,
         )
         return Launched(
             logprobs=self._to_host(scores.logprobs),

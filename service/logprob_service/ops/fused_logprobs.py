@@ -319,6 +319,9 @@ def fused_token_logprobs(
     """
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused log-probs support {SUPPORTED_DTYPES} weights, not {weight.dtype}")
+    if not weight.is_cuda and weight.dtype == torch.bfloat16:
+        # Triton's CPU interpreter runs dots in numpy, which has no bfloat16: the results are wrong.
+        raise NotImplementedError("the fused kernel on the CPU (Triton's interpreter) supports float16 and float32")
     n, hdim = hidden.shape
     vocab = weight.shape[0]
     hidden = hidden.to(weight.dtype).contiguous()

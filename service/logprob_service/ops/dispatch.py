@@ -1,0 +1,83 @@
+"""Which implementation runs the log-prob stage, chosen once per model at load time.
+
+* ``triton``: the fused kernel (``fused_logprobs``): logits stay in registers; CUDA only (or
+  Triton's CPU interpreter, ``TRITON_INTERPRET=1``, which tests use).
+* ``eager``: fp32 logit slabs in row chunks under ``chunk_bytes`` (``logprobs``); any device.
+* ``auto``: ``triton`` on CUDA when the triton package imports, else ``eager``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .logprobs import DEFAULT_CHUNK_BYTES, IDENTITY, LogitTransform, TokenScores, chunked_token_logprobs
+
+log = logging.getLogger(__name__)
+
+LogprobKernel = Literal["auto", "triton", "eager"]
+
+
+@dataclass(frozen=True)
+class LogprobOp:
+    """The log-prob stage with its implementation fixed: ``op(hidden, weight, targets, ...)``."""
+
+    kernel: Literal["triton", "eager"]
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # eager only
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        transform: LogitTransform = IDENTITY,
+        return_entropy: bool = False,
+    ) -> TokenScores:
+        """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs (and entropies)."""
+        if self.kernel == "triton":
+            from .fused_logprobs import fused_token_logprobs
+
+            return fused_token_logprobs(
+                hidden, weight, targets, bias=bias, transform=transform, return_entropy=return_entropy
+            )
+        return chunked_token_logprobs(
+            hidden,
+            weight,
+            targets,
+            bias=bias,
+            transform=transform,
+            return_entropy=return_entropy,
+            chunk_bytes=self.chunk_bytes,
+        )
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_logprob_op(kernel: LogprobKernel, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LogprobOp:
+    """Resolve ``kernel`` for ``device``; a forced ``triton`` that cannot run raises ValueError."""
+    if kernel == "auto":
+        if device.type == "cuda" and not _triton_importable():
+            log.warning("the triton package does not import: the lm_head runs in eager chunks (slower)")
+        use_triton = device.type == "cuda" and _triton_importable()
+        return LogprobOp("triton" if use_triton else "eager", chunk_bytes)
+    if kernel == "triton":
+        if not _triton_importable():
+            raise ValueError("logprob_kernel: 'triton' needs the triton package (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"logprob_kernel: 'triton' needs a CUDA device, and the device is {device}; "
+                "use 'auto' or 'eager' (or set TRITON_INTERPRET=1 to run the kernel in Triton's slow interpreter)"
+            )
+    return LogprobOp(kernel, chunk_bytes)

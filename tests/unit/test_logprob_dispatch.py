@@ -1,0 +1,49 @@
+"""Choosing the log-prob implementation: auto, forced, and what cannot run here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
+from logprob_service.ops.logprobs import LogitTransform
+
+from tests.op_reference import random_case, reference
+
+
+def test_auto_is_eager_on_the_cpu():
+    assert select_logprob_op("auto", torch.device("cpu")).kernel == "eager"
+
+
+def test_eager_can_be_forced_and_keeps_its_chunk_budget():
+    op = select_logprob_op("eager", torch.device("cpu"), chunk_bytes=12345)
+    assert op == LogprobOp("eager", chunk_bytes=12345)
+
+
+def test_forcing_triton_on_the_cpu_without_the_interpreter_fails_clearly(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"logprob_kernel: 'triton' needs a CUDA device, and the device is cpu"):
+        select_logprob_op("triton", torch.device("cpu"))
+
+
+def test_forcing_triton_without_the_package_fails_clearly(monkeypatch):
+    monkeypatch.setattr("logprob_service.ops.dispatch._triton_importable", lambda: False)
+    with pytest.raises(ValueError, match="needs the triton package"):
+        select_logprob_op("triton", torch.device("cuda"))
+    assert select_logprob_op("auto", torch.device("cuda")).kernel == "eager"  # auto falls back
+
+
+@pytest.mark.parametrize("kernel", ["eager", "triton"])
+def test_both_implementations_answer_the_same(kernel, monkeypatch):
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    op = select_logprob_op(kernel, torch.device(device))
+    assert op.kernel == kernel
+    hidden, weight, targets, b = random_case(21, 40, 333, bias=True, device=device)
+    transform = LogitTransform(scale=0.5, softcap=8.0, temperature=0.8)
+    out = op(hidden, weight, targets, bias=b, transform=transform, return_entropy=True)
+    ref_lp, ref_ent = reference(hidden, weight, targets, b, transform)
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.entropies.double(), ref_ent, atol=2e-5, rtol=0)
