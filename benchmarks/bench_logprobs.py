@@ -1,4 +1,4 @@
-"""Completion log-probs of one batch, five ways, side by side: time and peak memory.
+"""Completion log-probs of one batch, several ways, side by side: time and peak memory.
 
 Shape: Qwen2.5-0.5B (hidden 896, 24 layers, 14/2 heads, vocab 151936, tied embeddings), random
 weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x (512 prompt +
@@ -7,9 +7,10 @@ weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x
 1. model body alone: ``model.base_model(...).last_hidden_state`` (the lower bound)
 2. full logits + log_softmax: ``model(ids).logits``, completion rows -> ``.float().log_softmax`` -> gather
 3. TRL-style: ``model(ids, logits_to_keep=C + 1)`` + TRL's row-looped ``selective_log_softmax``
-4. this service in-process: ``CausalLMScorer.score`` (body -> completion rows -> lm_head log-prob op:
+4. this service's own body pass alone (packed, padding-free attention; inputs already on the device)
+5. this service in-process: ``CausalLMScorer.score`` (body -> completion rows -> lm_head log-prob op:
    the fused Triton kernel on CUDA; also with the eager fp32 chunks, for comparison)
-5. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
+6. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
 
 Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchronized around each;
 the median wall time is reported. Peak memory: ``max_memory_allocated`` over the timed runs minus
@@ -48,9 +49,10 @@ from logprob_service.config import Settings
 from logprob_service.jobs import SequenceScores, TokenSequence
 from logprob_service.models.registry import ModelRegistry, serve_model
 from logprob_service.models.scorer import CausalLMScorer
-from logprob_service.ops.attention import PACKED_ATTENTION
+from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
+from logprob_service.packing import pack
 from transformers import PreTrainedModel
 
 GiB = 1024**3
@@ -132,6 +134,21 @@ def trl_style(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
     logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=c + 1).logits  # [B, C+1, V] bf16
     logits = logits[:, :-1]  # [B, C, V]: the last position predicts past the sequence
     return selective_log_softmax(logits, batch.completion_ids)  # [B, C] bf16
+
+
+def packed_body_alone(scorer: CausalLMScorer, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The service's own body pass (packed, padding-free attention) on inputs already on the device."""
+    return scorer.body(use_cache=False, **inputs).last_hidden_state  # [1, T, H]
+
+
+def packed_inputs(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
+    packed = pack(batch.sequences)
+    cu_seqlens = torch.from_numpy(packed.cu_seqlens).to(device)
+    return {
+        "input_ids": torch.from_numpy(packed.input_ids).to(device)[None],
+        "position_ids": torch.from_numpy(packed.position_ids).to(device)[None],
+        **packed_forward_kwargs(cu_seqlens, packed.max_seqlen),
+    }
 
 
 def service_in_process(scorer: CausalLMScorer, batch: Batch) -> list[SequenceScores]:
@@ -255,6 +272,12 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         ),
     ]
     model.set_attn_implementation(PACKED_ATTENTION)
+    inputs = packed_inputs(batch, device)
+    rows.append(
+        run_method(
+            "service's packed body alone (no lm_head)", lambda: packed_body_alone(scorer, inputs), None, **common
+        )
+    )
     rows.append(
         run_method(
             f"service in-process (CausalLMScorer.score), {scorer.logprob_op.kernel} lm_head",
