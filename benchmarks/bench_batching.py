@@ -688,7 +688,7 @@ def describe_run(args: argparse.Namespace, device: torch.device, workload: Workl
             f"({workload.padded_tokens / real:.2f}x the real tokens) and {workload.baseline_logit_rows:,} lm_head rows "
             f"({workload.baseline_logit_rows / completion:.2f}x the completion tokens)",
             f"service: max_batch_tokens {args.max_batch_tokens}, max_batch_sequences {args.max_batch_sequences}, "
-            f"{DEFAULT_CHUNK_BYTES // 1024**2} MiB lm_head chunks; (c): {args.clients} client threads, "
+            f"default (auto) lm_head kernel; (c): {args.clients} client threads, "
             f"{len(workload.groups)} requests of {n} sequences, server in this process",
             f"each method: {args.warmup} warm-up + {args.repeats} timed passes over the whole workload; tokens/s = "
             "real tokens / median pass; p50/p99 over all timed passes: (a) one micro-batch "
