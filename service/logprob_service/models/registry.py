@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import metrics
 from ..errors import ModelNotFound
 from .loading import load_causal_lm
 from .scorer import CausalLMScorer, weights_fingerprint
@@ -85,6 +86,7 @@ class ModelRegistry:
 
     def add(self, served: ServedModel) -> None:
         self._models[served.info.name] = served
+        metrics.observe_model(served.info)
 
     def get(self, name: str) -> ServedModel:
         try:
