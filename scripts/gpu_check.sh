@@ -9,3 +9,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/pytest.log" | tail -25
 python3 benchmarks/bench_logprobs.py 2>&1 | tee "$out/bench.log"
 python3 benchmarks/bench_batching.py 2>&1 | tee "$out/bench_batching.log"
+python3 benchmarks/bench_metrics.py 2>&1 | tee "$out/bench_metrics.log"
