@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from logprob_service.metrics import LATENCY_BUCKETS
 from prometheus_client import REGISTRY, generate_latest
 
 from tests.deploy import NO_PROMETHEUS, ROOT, dashboard, dashboard_queries, which
@@ -33,7 +32,10 @@ import promstats
 PROMETHEUS = which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS.format("prometheus"))
 JOB = "logprob-service"
-TIMEOUT_S = 30.0  # for Prometheus to start, and to scrape what the test did
+TIMEOUT_S = 30.0
+# The overview's p99 latency and tokens/s panels.
+OVERVIEW_P99 = "histogram_quantile(0.99, sum by (le) (rate(logprob_request_duration_seconds_bucket"
+OVERVIEW_TOKENS = "sum(rate(logprob_tokens_scored_total"  # for Prometheus to start, and to scrape what the test did
 
 
 def free_port() -> int:
@@ -127,15 +129,13 @@ async def test_prometheus_scrapes_the_service_and_answers_the_counter_and_a_late
     # Prometheus' first scrape of the warm server, then the requests this test sends.
     await asyncio.to_thread(prometheus.wait_for, f'up{{job="{JOB}"}}', 1.0)
     rng = np.random.default_rng()
-    seconds = []  # each request's time in the server, as its response reports it
     for _ in range(3):
-        responses = await asyncio.gather(
+        await asyncio.gather(
             *(
                 call(running.target, request((rng.integers(0, 4096, n).tolist(), rng.integers(0, 4096, n).tolist())))
                 for n in rng.integers(1, 120, 4)
             )
         )
-        seconds += [r.metadata.total_ns / 1e9 for r in responses]
     now = registry_now()  # the server is idle: what Prometheus scrapes next
 
     # The request counter, exactly as the service counts it.
@@ -155,24 +155,20 @@ async def test_prometheus_scrapes_the_service_and_answers_the_counter_and_a_late
     got = await asyncio.to_thread(prometheus.scalar, quantile)
     assert got == pytest.approx(promstats.histogram_quantile(0.9, buckets), rel=1e-12)
 
-    # The dashboard's own p99 (over a rate window, which holds exactly this test's requests: the
-    # earlier ones were observed before Prometheus started) lies within the buckets they filled.
-    dashboard_p99 = next(
-        q
-        for q in dashboard_queries(dashboard())
-        if q.startswith("histogram_quantile(0.99, sum by (le) (rate(logprob_request_duration")
-    )
-    p99 = await asyncio.to_thread(prometheus.scalar, substitute(dashboard_p99))
-    bounds = (0.0, *LATENCY_BUCKETS, math.inf)
-    lowest = max(b for b in bounds if b < min(seconds))
-    highest = min(b for b in bounds if b >= max(seconds))
-    assert p99 is not None and lowest <= p99 <= highest, (p99, sorted(seconds))
+    # The dashboard's own p99, a quantile of rates: a value within the observed buckets. (Not
+    # compared with the requests above: Prometheus extrapolates each bucket's rate on its own,
+    # and while Prometheus is younger than the window the extrapolations differ between
+    # buckets, which moves the quantile; bench_metrics.py compares over a window of scrapes.)
+    queries = dashboard_queries(dashboard())
+    p99 = await asyncio.to_thread(prometheus.scalar, substitute(next(q for q in queries if q.startswith(OVERVIEW_P99))))
+    filled = [le for le, count in buckets if count > 0 and not math.isinf(le)]
+    assert p99 is not None and 0 < p99 <= max(filled), (p99, buckets)
     tokens_per_s = await asyncio.to_thread(
-        prometheus.scalar, f'sum(rate(logprob_tokens_scored_total{{job="{JOB}"}}[1m]))'
+        prometheus.scalar, substitute(next(q for q in queries if q.startswith(OVERVIEW_TOKENS)))
     )
     assert tokens_per_s is not None and tokens_per_s > 0
 
     # Every query of the dashboard is valid PromQL for a real Prometheus.
-    for expr in dashboard_queries(dashboard()):
+    for expr in queries:
         if not expr.startswith("label_values("):  # Grafana's own variable function
             await asyncio.to_thread(prometheus.query, substitute(expr))
