@@ -35,12 +35,8 @@ The report is printed last, and written to ``$OUT/bench_metrics.md`` when ``OUT`
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
-import platform
-import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +53,7 @@ from bench_batching import (
     server_settings,
     workload_for,
 )
-from common import LoopbackServer, ModelShape, build_model, release, synchronize
+from common import LoopbackServer, ModelShape, build_model, release, run_environment, synchronize
 from logprob_service.metrics import start_metrics_server
 from logprob_service.models.registry import ModelRegistry, serve_model
 from logprob_service.models.scorer import CausalLMScorer
@@ -146,18 +142,11 @@ def memory_figures(scrape: promstats.Scrape, device: torch.device) -> list[Compa
 
 
 def describe(args: argparse.Namespace, device: torch.device) -> str:
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    command = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} {Path(sys.executable).name} {shlex.join(sys.argv)}"
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return "\n".join(
         [
             "# The dashboard's figures against the benchmark's own",
             "",
-            f"device: {device_name}; torch {torch.__version__}; {now}",
-            f"command: {command}",
+            *run_environment(device),
             f"load per shape: {args.warmup} warm-up + {args.repeats} timed passes of {args.sequences} sequences "
             f"(prompt U{list(args.prompt_range)} + completion U{list(args.completion_range)} tokens), as requests "
             f"of {args.group_size} from {args.clients} client threads; max_batch_tokens {args.max_batch_tokens}",

@@ -7,13 +7,20 @@ The scripts run as ``PYTHONPATH=service:client python3 benchmarks/bench_X.py``, 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import os
+import platform
+import shlex
+import sys
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 from logprob_service import gpu_memory
 from logprob_service.config import Settings
 from logprob_service.models.registry import ModelRegistry
@@ -154,3 +161,19 @@ def reset_peak(device: torch.device) -> None:
 def peak_allocated(device: torch.device) -> int:
     """Highest bytes allocated on ``device`` since ``reset_peak``, across the server's own resets."""
     return gpu_memory.peak_allocated(device)
+
+
+def run_environment(device: torch.device) -> list[str]:
+    """Report lines: the device, the library versions, the date (UTC) and the command that ran."""
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    command = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} {Path(sys.executable).name} {shlex.join(sys.argv)}"
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return [
+        f"device: {device_name}",
+        f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
+        f"date: {now}",
+        f"command: {command}",
+    ]
