@@ -39,27 +39,28 @@ async def _abort(context: grpc.aio.ServicerContext, request_id: str, err: Except
 
 @contextlib.asynccontextmanager
 async def _guarded(context: grpc.aio.ServicerContext, rpc: str, request: Any) -> AsyncIterator[_Answer]:
-    """Map what the handler raises to a status, and account for the RPC (``request`` None: a stream)."""
-    start, code, error, answer = time.perf_counter_ns(), grpc.StatusCode.OK, None, _Answer()
+    """Map what the handler raises to a status, and account for the RPC (``request`` None: a stream).
+
+    The outcome is accounted for before the answer leaves, so a caller that has its answer
+    finds it counted."""
+    start, answer = time.perf_counter_ns(), _Answer()
+
+    def account(code: grpc.StatusCode, error: BaseException | None = None) -> None:
+        elapsed_ns = time.perf_counter_ns() - start
+        accounting.record(rpc, request, code, elapsed_ns=elapsed_ns, response=answer.response, error=error)
+
     try:
         yield answer
     except grpc.aio.AbortError:
         raise
     except BaseException as err:
-        code, error = status_of(err), err
+        account(status_of(err), err)
         if not isinstance(err, Exception):  # cancellation and exits pass through untouched
             raise
         await _abort(context, getattr(request, "request_id", ""), err)
-    finally:
-        if request is not None or code is not grpc.StatusCode.OK:
-            accounting.record(
-                rpc,
-                request,
-                code,
-                elapsed_ns=time.perf_counter_ns() - start,
-                response=answer.response,
-                error=error,
-            )
+    else:
+        if request is not None:  # a stream's requests were accounted for one by one
+            account(grpc.StatusCode.OK)
 
 
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
