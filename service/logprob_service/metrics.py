@@ -148,7 +148,8 @@ class GpuMemoryCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = self._families()
-        for device in sorted({info.device for info in _served.values() if info.device.startswith("cuda")}):
+        served = tuple(_served.values())  # one atomic copy: models may be added while Prometheus scrapes
+        for device in sorted({info.device for info in served if info.device.startswith("cuda")}):
             memory = gpu_memory.snapshot(torch.device(device))
             for name, value in (
                 ("logprob_gpu_memory_allocated_bytes", memory.allocated),
