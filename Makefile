@@ -45,6 +45,7 @@ bench: install  ## the benchmarks (meant for a GPU host)
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprobs.py
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_batching.py
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprob_op.py
+	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_metrics.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

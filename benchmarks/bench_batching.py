@@ -22,7 +22,7 @@ Methods, on the same sequences:
 Each method: ``--warmup`` untimed passes over the whole workload, then ``--repeats`` timed passes
 (device synchronized around each); tokens/s uses the median pass. Reported per method:
 
-* peak extra GiB: ``max_memory_allocated`` over the timed passes minus what was allocated before
+* peak extra GiB: peak allocated bytes over the timed passes (``common.peak_allocated``) minus what was allocated before
   the method ran (weights and inputs); for (c) it covers the server, which shares this process.
 * p50/p99 ms over all timed passes: (a) one 8-sequence micro-batch (device time, CUDA events);
   (b) one packed micro-batch of ``scorer.score`` (host time from its launch to the next launch);
@@ -68,7 +68,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import LoopbackServer, ModelShape, build_model, release, run_environment, selective_log_softmax, synchronize
+from common import (
+    LoopbackServer,
+    ModelShape,
+    build_model,
+    peak_allocated,
+    release,
+    reset_peak,
+    run_environment,
+    selective_log_softmax,
+    synchronize,
+)
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.jobs import TokenSequence
@@ -469,8 +479,7 @@ class Harness:
             run_pass()
             log(f"    warm-up {i + 1}/{self.warmup}: {time.perf_counter() - started:.2f} s")
         release(device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak(device)
         windows: list[tuple[float, float]] = []
         latencies: list[float] = []
         result: PassResult | None = None
@@ -484,7 +493,7 @@ class Harness:
             latencies += result.latencies_ms
             log(f"    pass {i + 1}/{self.repeats}: {windows[-1][1] - start:.2f} s")
         assert result is not None
-        peak = (torch.cuda.max_memory_allocated(device) - base) / GiB if cuda else None
+        peak = (peak_allocated(device) - base) / GiB if cuda else None
         busy, samples = self.sampler.mean(windows) if self.sampler is not None else (None, 0)
         return Measured(
             method=method,

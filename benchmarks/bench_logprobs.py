@@ -13,10 +13,10 @@ weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x
 6. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
 
 Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchronized around each;
-the median wall time is reported. Peak memory: ``max_memory_allocated`` over the timed runs minus
-what was allocated before the method ran (weights + inputs). Error: max |log p - reference| over
-the first ``--ref-seqs`` sequences, the reference being float64 logits from the same bf16 hidden
-states (``h.double() @ W.double().T``, float64 log_softmax).
+the median wall time is reported. Peak memory: peak allocated bytes over the timed runs
+(``common.peak_allocated``) minus what was allocated before the method ran (weights + inputs).
+Error: max |log p - reference| over the first ``--ref-seqs`` sequences, the reference being
+float64 logits from the same bf16 hidden states (``h.double() @ W.double().T``, float64 log_softmax).
 
 On a GPU (the run that counts):
 
@@ -43,7 +43,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import LoopbackServer, ModelShape, build_model, release, run_environment, selective_log_softmax, synchronize
+from common import (
+    LoopbackServer,
+    ModelShape,
+    build_model,
+    peak_allocated,
+    release,
+    reset_peak,
+    run_environment,
+    selective_log_softmax,
+    synchronize,
+)
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.jobs import SequenceScores, TokenSequence
@@ -185,8 +195,7 @@ def time_method(
         out = fn()
         del out
     release(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     times_ms: list[float] = []
     out = None
     for _ in range(repeats):
@@ -196,7 +205,7 @@ def time_method(
         out = fn()
         synchronize(device)
         times_ms.append((time.perf_counter() - start) * 1e3)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / GiB if device.type == "cuda" else None
+    peak = (peak_allocated(device) - base) / GiB if device.type == "cuda" else None
     return statistics.median(times_ms), peak, out
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from logprob_service import gpu_memory
 from logprob_service.config import Settings
 from logprob_service.models.registry import ModelRegistry
 from logprob_service.server import Service, create_server
@@ -148,6 +149,18 @@ def release(device: torch.device) -> None:
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a peak-memory measurement (CUDA only). Through ``gpu_memory``, not torch directly: a
+    server in this process resets torch's peak counter at every micro-batch to measure each one."""
+    if device.type == "cuda":
+        gpu_memory.reset_peak(device)
+
+
+def peak_allocated(device: torch.device) -> int:
+    """Highest bytes allocated on ``device`` since ``reset_peak``, across the server's own resets."""
+    return gpu_memory.peak_allocated(device)
 
 
 def run_environment(device: torch.device) -> list[str]:

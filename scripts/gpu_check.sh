@@ -10,3 +10,4 @@ python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/pytest.log" |
 python3 benchmarks/bench_logprobs.py 2>&1 | tee "$out/bench.log"
 python3 benchmarks/bench_batching.py 2>&1 | tee "$out/bench_batching.log"
 python3 benchmarks/bench_logprob_op.py 2>&1 | tee "$out/bench_logprob_op.log"
+python3 benchmarks/bench_metrics.py 2>&1 | tee "$out/bench_metrics.log"

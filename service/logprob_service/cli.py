@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from . import __version__
 from .config import Settings, load_settings
+from .logs import configure_logging
 
 _MODEL_FLAG_HELP = (
     "NAME=SOURCE of a model to serve; repeat for several. A bare SOURCE is named 'default'. "
@@ -68,9 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValidationError, FileNotFoundError, ValueError) as err:
         print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    configure_logging(settings.log_level, settings.log_format)
     from .models.loading import ModelLoadError
     from .server import serve
 

@@ -120,6 +120,9 @@ class Settings(BaseSettings):
         30.0, ge=0, description="On SIGTERM/SIGINT: how long in-flight RPCs may take to finish."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or json: one JSON object per line, request fields as keys."
+    )
 
     @model_validator(mode="after")
     def _request_fits_queue(self) -> Settings:

@@ -15,10 +15,19 @@ from .validation import RequestLimits, validate_temperature
 DEFAULT_MODEL = "default"
 
 
+def model_name(request: pb.ScoreRequest) -> str:
+    return request.model or DEFAULT_MODEL
+
+
+def ensure_request_id(request: pb.ScoreRequest) -> None:
+    """Give a request without an id one, before anything logs or answers it."""
+    request.request_id = request.request_id or str(uuid.uuid4())
+
+
 def job_from_request(request: pb.ScoreRequest, deadline: float | None) -> ScoreJob:
     return ScoreJob(
-        request_id=request.request_id or str(uuid.uuid4()),
-        model=request.model or DEFAULT_MODEL,
+        request_id=request.request_id,
+        model=model_name(request),
         sequences=[
             TokenSequence(
                 prompt_ids=np.asarray(seq.prompt_ids, dtype=np.int64),
@@ -54,7 +63,7 @@ def error_response(request: pb.ScoreRequest, error: LogprobError) -> pb.ScoreRes
     """A stream response standing for a failed request."""
     return pb.ScoreResponse(
         request_id=request.request_id,
-        model=request.model or DEFAULT_MODEL,
+        model=model_name(request),
         error=pb.Error(code=error.status.value[0], message=error.message),
     )
 

@@ -7,6 +7,8 @@ value and the limit, so a caller can fix the request without reading server logs
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 
@@ -53,3 +55,12 @@ class Unavailable(LogprobError):
     """Not serving yet (loading, warming up) or any more (draining). Retryable elsewhere."""
 
     status = grpc.StatusCode.UNAVAILABLE
+
+
+def status_of(err: BaseException) -> grpc.StatusCode:
+    """The status a request that raised ``err`` is answered with (anything unforeseen is a bug)."""
+    if isinstance(err, LogprobError):
+        return err.status
+    if isinstance(err, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.INTERNAL

@@ -7,6 +7,9 @@ the device computes this one. ``fetch`` waits for the results on a second thread
 A CUDA out-of-memory error while launching splits the micro-batch in half and retries each half,
 down to a single sequence; only a sequence that cannot fit alone fails (RESOURCE_EXHAUSTED,
 naming its length). The failed attempt's memory is handed back before the retry.
+
+On CUDA, the peak memory allocated while each micro-batch is launched goes to ``metrics``
+(``gpu_memory.micro_batch_peak``; the allocator counts allocations as work is enqueued).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import gpu_memory, metrics
 from .errors import LogprobError, Overloaded
 from .jobs import SequenceScores, TokenSequence
 from .models.scorer import CausalLMScorer, Launched
@@ -72,6 +76,23 @@ def launch_splitting_on_oom(
     )
 
 
+def launch_measured(
+    scorer: CausalLMScorer,
+    sequences: Sequence[TokenSequence],
+    *,
+    temperature: float,
+    return_entropy: bool,
+) -> list[Part]:
+    """``launch_splitting_on_oom`` over all of ``sequences``, observing its peak device memory."""
+    with gpu_memory.micro_batch_peak(scorer.device) as peak:
+        parts = launch_splitting_on_oom(
+            scorer, sequences, list(range(len(sequences))), temperature=temperature, return_entropy=return_entropy
+        )
+    if peak.bytes is not None:
+        metrics.observe_batch_peak_memory(scorer.device, peak.bytes)
+    return parts
+
+
 class DeviceExecutor:
     def __init__(self) -> None:
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-device")
@@ -88,13 +109,7 @@ class DeviceExecutor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._device,
-            lambda: launch_splitting_on_oom(
-                scorer,
-                sequences,
-                list(range(len(sequences))),
-                temperature=temperature,
-                return_entropy=return_entropy,
-            ),
+            lambda: launch_measured(scorer, sequences, temperature=temperature, return_entropy=return_entropy),
         )
 
     async def fetch(self, launched: Launched) -> list[SequenceScores]:

@@ -1,60 +1,66 @@
-"""One interceptor that turns exceptions into precise gRPC statuses, and counts every RPC.
+"""One interceptor that turns exceptions into precise gRPC statuses, and accounts for every RPC.
 
 Domain errors (``errors.LogprobError``) carry their status and a message for the caller.
-Anything else is a bug: logged with the request id and answered INTERNAL, and the server keeps
-serving the other requests. Each RPC's final status and duration go to ``metrics``.
+Anything else is a bug: answered INTERNAL (``accounting`` logs it with the request id and the
+traceback), and the server keeps serving the other requests. Each unary RPC's outcome goes to
+``accounting`` once; a stream's requests are accounted for one by one by the stream handler,
+so here a stream counts only when it fails as a whole.
+
+Only this service's RPCs are intercepted: health probes and reflection are not its requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from . import metrics
-from .errors import LogprobError
+from . import accounting
+from .errors import LogprobError, status_of
+from .state import SERVICE_NAME
 
-log = logging.getLogger(__name__)
+
+@dataclass
+class _Answer:
+    response: Any = None
 
 
-def _status_of(err: BaseException) -> grpc.StatusCode:
+async def _abort(context: grpc.aio.ServicerContext, request_id: str, err: Exception) -> None:
     if isinstance(err, LogprobError):
-        return err.status
-    if isinstance(err, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.INTERNAL
-
-
-async def _abort(context: grpc.aio.ServicerContext, method: str, request_id: str, err: Exception) -> None:
-    if isinstance(err, LogprobError):
-        log.warning("%s request_id=%s -> %s: %s", method, request_id, err.status.name, err.message)
         await context.abort(err.status, err.message, trailing_metadata=err.trailing_metadata())
-    log.exception("%s request_id=%s failed with an internal error", method, request_id, exc_info=err)
     await context.abort(
         grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); request_id={request_id} is in the server log"
     )
 
 
 @contextlib.asynccontextmanager
-async def _guarded(context: grpc.aio.ServicerContext, method: str, request_id: str) -> AsyncIterator[None]:
-    """Map what the handler raises to a status, and record the RPC's status and duration."""
-    start, code = time.perf_counter(), grpc.StatusCode.OK
+async def _guarded(context: grpc.aio.ServicerContext, rpc: str, request: Any) -> AsyncIterator[_Answer]:
+    """Map what the handler raises to a status, and account for the RPC (``request`` None: a stream).
+
+    The outcome is accounted for before the answer leaves, so a caller that has its answer
+    finds it counted."""
+    start, answer = time.perf_counter_ns(), _Answer()
+
+    def account(code: grpc.StatusCode, error: BaseException | None = None) -> None:
+        elapsed_ns = time.perf_counter_ns() - start
+        accounting.record(rpc, request, code, elapsed_ns=elapsed_ns, response=answer.response, error=error)
+
     try:
-        yield
+        yield answer
     except grpc.aio.AbortError:
         raise
     except BaseException as err:
-        code = _status_of(err)
+        account(status_of(err), err)
         if not isinstance(err, Exception):  # cancellation and exits pass through untouched
             raise
-        await _abort(context, method, request_id, err)
-    finally:
-        metrics.observe_rpc(method.rsplit("/", 1)[-1], code, time.perf_counter() - start)
+        await _abort(context, getattr(request, "request_id", ""), err)
+    else:
+        if request is not None:  # a stream's requests were accounted for one by one
+            account(grpc.StatusCode.OK)
 
 
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
@@ -64,15 +70,16 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None:
+        service, _, rpc = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != SERVICE_NAME:
             return handler
         if handler.unary_unary is not None:
             inner_unary = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with _guarded(context, method, getattr(request, "request_id", "")):
-                    return await inner_unary(request, context)
+                async with _guarded(context, rpc, request) as answer:
+                    answer.response = await inner_unary(request, context)
+                    return answer.response
 
             return grpc.unary_unary_rpc_method_handler(
                 unary,
@@ -83,7 +90,7 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.stream_stream
 
             async def stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async with _guarded(context, method, ""):
+                async with _guarded(context, rpc, None):
                     async for response in inner_stream(request_iterator, context):
                         yield response
 

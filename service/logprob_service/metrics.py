@@ -1,47 +1,229 @@
 """Prometheus series (prefix ``logprob_``) and the /metrics HTTP endpoint.
 
-The core request series live here; the observability issue extends this module with queue,
-batch and GPU-memory series and the dashboards.
+Names and shapes follow what operators already scrape from text-embeddings-inference, Triton
+and vLLM: requests by status, latency histograms in seconds, batch-size histograms, queue
+gauges, GPU memory gauges per device. The process's host memory, CPU time and open files are
+prometheus-client's own process collector (``process_resident_memory_bytes`` and kin, on Linux),
+which the default registry already holds; nothing here re-counts them.
+
+Series labelled ``model`` carry only names of served models: a request for an unknown name is
+counted with ``model=""``, so callers cannot create series at will.
 """
 
 from __future__ import annotations
 
 import logging
+import platform
+from collections.abc import Iterator
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import TYPE_CHECKING, ClassVar
+from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
+import torch
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from . import __version__
+from . import __version__, gpu_memory
+from .jobs import Timings
+
+if TYPE_CHECKING:
+    from .models.registry import ModelInfo
 
 log = logging.getLogger(__name__)
 
-# 1 ms .. 5 min, roughly x2.5 per bucket.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300)
+# 1 ms .. 5 min, at most x1.67 apart, so a quantile interpolated inside a bucket stays close to
+# the true one (Prometheus assumes observations spread evenly within a bucket).
+LATENCY_BUCKETS = (
+    0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300,
+)  # fmt: skip
+TOKEN_BUCKETS = tuple(2**k for k in range(4, 21))  # 16 .. 1M tokens
+SEQUENCE_BUCKETS = tuple(2**k for k in range(13))  # 1 .. 4096 sequences
+MEMORY_BUCKETS = (*(int(m * 2**k) for k in range(26, 38) for m in (1, 1.5)), 2**38)  # 64 MiB .. 256 GiB
 
-REQUESTS = Counter("logprob_requests", "RPCs answered, by method and final status code.", ["rpc", "code"])
+# Requests and their latency.
+REQUESTS = Counter(
+    "logprob_requests",
+    "Requests answered, by model, RPC and final gRPC status code.",
+    ["model", "rpc", "code"],
+)
 REQUEST_DURATION = Histogram(
-    "logprob_request_duration_seconds", "RPC wall time, arrival to answer.", ["rpc"], buckets=LATENCY_BUCKETS
+    "logprob_request_duration_seconds",
+    "Scored requests: arrival at the scheduler to result (the response's metadata.total_ns).",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+)
+QUEUE_DURATION = Histogram(
+    "logprob_request_queue_duration_seconds",
+    "Scored requests: arrival to the first micro-batch holding them (metadata.queue_ns).",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+)
+COMPUTE_DURATION = Histogram(
+    "logprob_request_compute_duration_seconds",
+    "Scored requests: device time of the micro-batches holding them, launch to results (metadata.compute_ns).",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
 )
 TOKENS_SCORED = Counter("logprob_tokens_scored", "Prompt + completion tokens scored.", ["model"])
 SEQUENCES_SCORED = Counter("logprob_sequences_scored", "Sequences scored.", ["model"])
-QUEUED_TOKENS = Gauge("logprob_queue_tokens", "Tokens admitted and not yet scored.")
-BUILD = Info("logprob_build", "Version of the running service.")
-BUILD.info({"version": __version__})
+
+# Micro-batches and the queue.
+BATCH_TOKENS = Histogram(
+    "logprob_batch_tokens", "Real tokens in each packed micro-batch launched.", ["model"], buckets=TOKEN_BUCKETS
+)
+BATCH_SEQUENCES = Histogram(
+    "logprob_batch_sequences", "Sequences in each packed micro-batch launched.", ["model"], buckets=SEQUENCE_BUCKETS
+)
+QUEUE_REQUESTS = Gauge("logprob_queue_requests", "Requests admitted and not yet answered.", ["model"])
+QUEUE_TOKENS = Gauge(
+    "logprob_queue_tokens", "Tokens admitted and not yet scored (waiting or on the device).", ["model"]
+)
+BATCH_TOKENS_LIMIT = Gauge("logprob_batch_tokens_limit", "The max_batch_tokens setting.")
+BATCH_SEQUENCES_LIMIT = Gauge("logprob_batch_sequences_limit", "The max_batch_sequences setting.")
+QUEUE_TOKENS_LIMIT = Gauge("logprob_queue_tokens_limit", "The max_queued_tokens setting.")
+
+# GPU memory of each micro-batch (the current figures are read at scrape time, below).
+BATCH_PEAK_MEMORY = Histogram(
+    "logprob_gpu_memory_batch_peak_bytes",
+    "Peak bytes allocated on the device while each micro-batch was launched, weights included.",
+    ["device"],
+    buckets=MEMORY_BUCKETS,
+)
+
+# What is running.
+BUILD = Info("logprob_build", "Versions of the running service and its main libraries.")
+MODEL_INFO = Gauge(
+    "logprob_model_info",
+    "Served models (value 1), described by labels.",
+    ["model", "architecture", "source", "dtype", "device", "version", "fingerprint"],
+)
+MODEL_VERSION = Gauge("logprob_model_version", "Version of the weights each served model scores with.", ["model"])
+
+_served: dict[str, ModelInfo] = {}  # name -> info of the models served by this process
 
 
-def observe_rpc(rpc: str, code: grpc.StatusCode, seconds: float) -> None:
-    REQUESTS.labels(rpc=rpc, code=code.name).inc()
-    REQUEST_DURATION.labels(rpc=rpc).observe(seconds)
+def _library_version(name: str) -> str:
+    try:
+        return package_version(name)
+    except PackageNotFoundError:
+        return "unknown"
 
 
-def observe_scored(model: str, tokens: int, sequences: int) -> None:
-    TOKENS_SCORED.labels(model=model).inc(tokens)
-    SEQUENCES_SCORED.labels(model=model).inc(sequences)
+BUILD.info(
+    {
+        "version": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "transformers": _library_version("transformers"),
+        "grpcio": _library_version("grpcio"),
+    }
+)
 
 
-def start_metrics_server(host: str, port: int) -> None:
-    """Serve /metrics on its own port (0 disables it)."""
-    if port == 0:
-        return
-    start_http_server(port, addr=host)
-    log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+class GpuMemoryCollector(Collector):
+    """Per-device memory of the devices that hold served models, read from torch at scrape time.
+
+    Off CUDA the families are still declared (with no samples), so dashboards and alert rules
+    name series that every server exports.
+    """
+
+    FAMILIES: ClassVar[dict[str, str]] = {
+        "logprob_gpu_memory_allocated_bytes": "Bytes held by live tensors (torch.cuda.memory_allocated).",
+        "logprob_gpu_memory_reserved_bytes": "Bytes held by torch's caching allocator (torch.cuda.memory_reserved).",
+        "logprob_gpu_memory_free_bytes": "Free bytes on the device, for every process (torch.cuda.mem_get_info).",
+        "logprob_gpu_memory_total_bytes": "The device's memory (torch.cuda.mem_get_info).",
+        "logprob_gpu_memory_peak_allocated_bytes": "Highest allocated bytes since the server started.",
+    }
+
+    def _families(self) -> dict[str, GaugeMetricFamily]:
+        return {name: GaugeMetricFamily(name, doc, labels=["device"]) for name, doc in self.FAMILIES.items()}
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families().values()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = self._families()
+        served = tuple(_served.values())  # one atomic copy: models may be added while Prometheus scrapes
+        for device in sorted({info.device for info in served if info.device.startswith("cuda")}):
+            memory = gpu_memory.snapshot(torch.device(device))
+            for name, value in (
+                ("logprob_gpu_memory_allocated_bytes", memory.allocated),
+                ("logprob_gpu_memory_reserved_bytes", memory.reserved),
+                ("logprob_gpu_memory_free_bytes", memory.free),
+                ("logprob_gpu_memory_total_bytes", memory.total),
+                ("logprob_gpu_memory_peak_allocated_bytes", memory.peak_allocated),
+            ):
+                families[name].add_metric([device], value)
+        yield from families.values()
+
+
+REGISTRY.register(GpuMemoryCollector())
+
+
+# ----------------------------------------------------------------------------- observations
+
+
+def model_label(name: str) -> str:
+    """``name`` if this process serves a model of that name, else "" (bounded label values)."""
+    return name if name in _served else ""
+
+
+def observe_model(info: ModelInfo) -> None:
+    """A model is served (or its weights changed): publish its description and version."""
+    previous = _served.get(info.name)
+    if previous is not None:
+        MODEL_INFO.remove(*_info_labels(previous))
+    _served[info.name] = info
+    MODEL_INFO.labels(*_info_labels(info)).set(1)
+    MODEL_VERSION.labels(info.name).set(info.version)
+
+
+def _info_labels(info: ModelInfo) -> tuple[str, ...]:
+    return (info.name, info.architecture, info.source, info.dtype, info.device, str(info.version), info.fingerprint)
+
+
+def observe_limits(*, max_batch_tokens: int, max_batch_sequences: int, max_queued_tokens: int) -> None:
+    BATCH_TOKENS_LIMIT.set(max_batch_tokens)
+    BATCH_SEQUENCES_LIMIT.set(max_batch_sequences)
+    QUEUE_TOKENS_LIMIT.set(max_queued_tokens)
+
+
+def observe_request(model: str, rpc: str, code: grpc.StatusCode) -> None:
+    REQUESTS.labels(model=model_label(model), rpc=rpc, code=code.name).inc()
+
+
+def observe_scored(model: str, tokens: int, sequences: int, timings: Timings) -> None:
+    """One request scored; ``timings`` are the very figures its response's metadata carries."""
+    TOKENS_SCORED.labels(model).inc(tokens)
+    SEQUENCES_SCORED.labels(model).inc(sequences)
+    REQUEST_DURATION.labels(model).observe(timings.total_ns / 1e9)
+    QUEUE_DURATION.labels(model).observe(timings.queue_ns / 1e9)
+    COMPUTE_DURATION.labels(model).observe(timings.compute_ns / 1e9)
+
+
+def observe_batch(model: str, tokens: int, sequences: int) -> None:
+    BATCH_TOKENS.labels(model).observe(tokens)
+    BATCH_SEQUENCES.labels(model).observe(sequences)
+
+
+def observe_batch_peak_memory(device: torch.device, peak_bytes: int) -> None:
+    BATCH_PEAK_MEMORY.labels(str(device)).observe(peak_bytes)
+
+
+def queue_changed(model: str, *, requests: int = 0, tokens: int = 0) -> None:
+    if requests:
+        QUEUE_REQUESTS.labels(model).inc(requests)
+    if tokens:
+        QUEUE_TOKENS.labels(model).inc(tokens)
+
+
+def start_metrics_server(host: str, port: int) -> WSGIServer:
+    """Serve /metrics on its own port (0 picks a free one: see the returned server's ``server_port``)."""
+    server, _ = start_http_server(port, addr=host)
+    log.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_port)
+    return server

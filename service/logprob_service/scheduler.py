@@ -116,6 +116,11 @@ class Scheduler:
         self._loop_task: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
         self._tokens_per_s = 0.0  # moving average of measured throughput
+        metrics.observe_limits(
+            max_batch_tokens=max_batch_tokens,
+            max_batch_sequences=max_batch_sequences,
+            max_queued_tokens=max_queued_tokens,
+        )
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -140,11 +145,13 @@ class Scheduler:
         request = _Request(job, asyncio.get_running_loop().create_future())
         for indices in self._split(job):
             self._units.append(_Unit(request, indices, sum(job.sequences[i].num_tokens for i in indices)))
-        self._account(tokens)
+        self._account(job.model, tokens)
+        metrics.queue_changed(job.model, requests=1)
         self._wake.set()
         try:
             return await request.future
         finally:
+            metrics.queue_changed(job.model, requests=-1)
             # A cancelled caller (its task's cancellation also cancels the future): its queued work goes at once.
             if request.future.cancelled() or not request.future.done():
                 request.future.cancel()
@@ -159,9 +166,9 @@ class Scheduler:
             max_sequences=self._max_batch_sequences,
         )
 
-    def _account(self, tokens: int) -> None:
+    def _account(self, model: str, tokens: int) -> None:
         self._queued_tokens += tokens
-        metrics.QUEUED_TOKENS.set(self._queued_tokens)
+        metrics.queue_changed(model, tokens=tokens)
 
     def _retry_after_s(self, excess_tokens: int) -> float:
         if self._tokens_per_s <= 0:
@@ -211,7 +218,7 @@ class Scheduler:
                     )
                 )
             if request.future.done():
-                self._account(-unit.tokens)
+                self._account(request.job.model, -unit.tokens)
             else:
                 alive.append(unit)
         self._units = alive
@@ -268,6 +275,7 @@ class Scheduler:
         """Hand one micro-batch to the device thread; returns once its work is enqueued."""
         batch = _Launched(units=units, owners=[(unit.request, i) for unit in units for i in unit.indices])
         key = units[0].request.key
+        metrics.observe_batch(key.model, tokens=sum(unit.tokens for unit in units), sequences=len(batch.owners))
         for request in batch.requests:
             request.first_launch_ns = request.first_launch_ns or batch.start_ns
         try:
@@ -304,7 +312,7 @@ class Scheduler:
         finally:
             elapsed_ns = time.perf_counter_ns() - batch.start_ns
             tokens = sum(unit.tokens for unit in batch.units)
-            self._account(-tokens)
+            self._account(batch.units[0].request.job.model, -tokens)
             self._observe_throughput(tokens, elapsed_ns)
             for request in batch.requests:
                 request.compute_ns += elapsed_ns
@@ -317,7 +325,12 @@ class Scheduler:
             return
         job = request.job
         now = time.perf_counter_ns()
-        metrics.observe_scored(job.model, job.num_tokens, len(job.sequences))
+        timings = Timings(
+            queue_ns=(request.first_launch_ns or now) - request.arrived_ns,
+            compute_ns=request.compute_ns,
+            total_ns=now - request.arrived_ns,
+        )
+        metrics.observe_scored(job.model, job.num_tokens, len(job.sequences), timings)
         request.future.set_result(
             ScoreResult(
                 request_id=job.request_id,
@@ -325,11 +338,7 @@ class Scheduler:
                 model_version=request.model_version,
                 scores=request.scores,  # type: ignore[arg-type]  # all filled: remaining == 0
                 tokens=job.num_tokens,
-                timings=Timings(
-                    queue_ns=(request.first_launch_ns or now) - request.arrived_ns,
-                    compute_ns=request.compute_ns,
-                    total_ns=now - request.arrived_ns,
-                ),
+                timings=timings,
             )
         )
 

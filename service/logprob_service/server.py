@@ -149,7 +149,16 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT: bind, load, warm up, serve; then drain within the grace period."""
     service = Service.create(settings)
-    start_metrics_server(settings.host, settings.metrics_port)
+    metrics_server = start_metrics_server(settings.host, settings.metrics_port) if settings.metrics_port else None
+    try:
+        await _serve(service, settings)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+
+
+async def _serve(service: Service, settings: Settings) -> None:
     server, port = await create_server(service, f"{settings.host}:{settings.port}")
     log.info("gRPC listening on %s:%d (health NOT_SERVING until models are warm)", settings.host, port)
 

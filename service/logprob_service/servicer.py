@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
-from . import convert
-from .errors import LogprobError
+from . import accounting, convert
+from .errors import LogprobError, status_of
 from .models.registry import ModelRegistry
 from .scheduler import Scheduler
 from .state import ServingState
 from .validation import RequestLimits, validate_job
-
-log = logging.getLogger(__name__)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -40,18 +36,28 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self._state.check_accepting()
         job = convert.job_from_request(request, deadline)
         validate_job(job, self._registry.get(job.model).info, self._limits)
-        result = await self._scheduler.submit(job)
-        log.debug(
-            "scored request_id=%s model=%s tokens=%d timings=%s",
-            job.request_id,
-            job.model,
-            result.tokens,
-            result.timings,
-        )
-        return convert.response_from_result(result)
+        return convert.response_from_result(await self._scheduler.submit(job))
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        convert.ensure_request_id(request)
         return await self._score(request, _deadline(context))
+
+    async def _answer_in_stream(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
+        """One request of a stream: its response, or one with ``error`` set; accounted for here,
+        since the stream's own status says nothing about it."""
+        start, scored, error = time.perf_counter_ns(), None, None
+        try:
+            scored = await self._score(request, deadline)
+        except Exception as err:
+            error = err
+        code = grpc.StatusCode.OK if error is None else status_of(error)
+        elapsed_ns = time.perf_counter_ns() - start
+        accounting.record("ScoreTokensStream", request, code, elapsed_ns=elapsed_ns, response=scored, error=error)
+        if scored is not None:
+            return scored
+        if not isinstance(error, LogprobError):
+            error = LogprobError(f"internal error ({type(error).__name__})")
+        return convert.error_response(request, error)
 
     async def ScoreTokensStream(
         self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
@@ -63,20 +69,13 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         responses: asyncio.Queue[pb.ScoreResponse | None] = asyncio.Queue()
 
         async def answer(request: pb.ScoreRequest) -> None:
-            try:
-                response = await self._score(request, deadline)
-            except LogprobError as err:
-                response = convert.error_response(request, err)
-            except Exception as err:
-                log.exception("ScoreTokensStream request_id=%s failed with an internal error", request.request_id)
-                response = convert.error_response(request, LogprobError(f"internal error ({type(err).__name__})"))
-            await responses.put(response)
+            await responses.put(await self._answer_in_stream(request, deadline))
 
         async def read_all() -> None:
             try:
                 async with asyncio.TaskGroup() as tasks:
                     async for request in request_iterator:
-                        request.request_id = request.request_id or str(uuid.uuid4())
+                        convert.ensure_request_id(request)
                         tasks.create_task(answer(request))
             finally:
                 responses.put_nowait(None)  # every request answered, or the request stream broke

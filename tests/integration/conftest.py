@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from logprob_service.config import Settings
+from logprob_service.metrics import start_metrics_server
 from logprob_service.server import Service, create_server
 
 from tests.models import make_model
@@ -76,3 +77,12 @@ async def running(gemma_checkpoint: Path):
     server = await start(test_settings(gemma_checkpoint))
     yield server
     await stop(server)
+
+
+@pytest.fixture(scope="session")
+def metrics_url():
+    """/metrics of this process (the series are process-wide), on a free port, as a server serves it."""
+    server = start_metrics_server("127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.server_port}/metrics"
+    server.shutdown()
+    server.server_close()

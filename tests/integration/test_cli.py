@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -75,6 +76,10 @@ def cli_server(tmp_path):
         "20",
         "--metrics-port",
         str(metrics_port),
+        "--log-level",
+        "DEBUG",
+        "--log-format",
+        "json",
         env={"LOGPROB_PORT": str(port)},
     )
     target = f"127.0.0.1:{port}"
@@ -102,11 +107,11 @@ def test_cli_serves_scores_and_drains_on_sigterm(cli_server):
             client.score([[1]], [[99999]])
 
         scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        assert 'logprob_requests_total{code="OK",rpc="ScoreTokens"} 1.0' in scraped
-        assert 'logprob_requests_total{code="INVALID_ARGUMENT",rpc="ScoreTokens"} 1.0' in scraped
+        assert 'logprob_requests_total{code="OK",model="ref",rpc="ScoreTokens"} 1.0' in scraped
+        assert 'logprob_requests_total{code="INVALID_ARGUMENT",model="ref",rpc="ScoreTokens"} 1.0' in scraped
         # 3 x 21 tokens, plus the warm-up's 16.
         assert 'logprob_tokens_scored_total{model="ref"} 79.0' in scraped
-        assert 'logprob_request_duration_seconds_count{rpc="ScoreTokens"} 2.0' in scraped
+        assert 'logprob_request_duration_seconds_count{model="ref"} 2.0' in scraped  # warm-up + one scored
 
         # A request in flight when SIGTERM arrives still completes; the process then exits 0.
         results = {}
@@ -123,7 +128,17 @@ def test_cli_serves_scores_and_drains_on_sigterm(cli_server):
         assert [x.shape for x in results["in_flight"]] == [(1000,)] * 3
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
-    assert "draining" in output and "stopped" in output
+    lines = [json.loads(line) for line in output.splitlines()]  # --log-format json: every line is JSON
+    messages = [line["message"] for line in lines]
+    assert any("draining" in m for m in messages) and "stopped" in messages
+    requests = [line for line in lines if line["logger"] == "logprob_service.requests"]
+    ok = [r for r in requests if r["status"] == "OK" and r["rpc"] == "ScoreTokens"]
+    bad = [r for r in requests if r["status"] == "INVALID_ARGUMENT"]
+    assert len(ok) == 2 and len(bad) == 1, requests  # the first call, the in-flight one; the invalid one
+    assert {r["level"] for r in ok} == {"DEBUG"} and bad[0]["level"] == "WARNING"
+    assert ok[0]["model"] == "ref" and ok[0]["sequences"] == 3 and ok[0]["tokens"] == 63
+    assert ok[0]["total_ms"] >= ok[0]["compute_ms"] > 0 and ok[0]["queue_ms"] >= 0 and ok[0]["request_id"]
+    assert "99999" in bad[0]["error"] and bad[0]["tokens"] == 2
 
 
 def test_cli_rejects_bad_settings_with_a_clear_message():

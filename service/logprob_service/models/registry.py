@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import metrics
 from ..errors import ModelNotFound
 from ..ops.dispatch import LogprobOp
 from .loading import load_causal_lm
@@ -86,6 +87,7 @@ class ModelRegistry:
 
     def add(self, served: ServedModel) -> None:
         self._models[served.info.name] = served
+        metrics.observe_model(served.info)
 
     def get(self, name: str) -> ServedModel:
         try:

@@ -1,0 +1,76 @@
+"""Every answered request is accounted for once: counted in ``logprob_requests_total`` and logged.
+
+``record`` is called where a request's outcome becomes final: by the interceptor for each unary
+RPC and for a stream that fails as a whole, and by the stream handler for each request answered
+on a stream. One log line per request, on the ``logprob_service.requests`` logger: DEBUG when it
+succeeded, WARNING when it failed, ERROR with the traceback when the failure is a bug
+(INTERNAL). Each line carries the RPC, request id, model, sequences, tokens, timings (the
+response's metadata when scored, else the time the handler took) and status as structured
+fields (see ``logs``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf.message import Message
+from logprob_client._proto import logprob_pb2 as pb
+
+from . import convert, metrics
+from .errors import LogprobError
+
+log = logging.getLogger("logprob_service.requests")
+
+
+def _level(code: grpc.StatusCode) -> int:
+    if code is grpc.StatusCode.OK:
+        return logging.DEBUG
+    return logging.ERROR if code is grpc.StatusCode.INTERNAL else logging.WARNING
+
+
+def _error_text(error: BaseException) -> str:
+    return error.message if isinstance(error, LogprobError) else f"{type(error).__name__}: {error}"
+
+
+def record(
+    rpc: str,
+    request: Message | None,
+    code: grpc.StatusCode,
+    *,
+    elapsed_ns: int,
+    response: Message | None = None,
+    error: BaseException | None = None,
+) -> None:
+    """Account for one answer: ``request`` is None for a stream's own final status."""
+    scoring = request if isinstance(request, pb.ScoreRequest) else None
+    model = convert.model_name(scoring) if scoring is not None else ""
+    metrics.observe_request(model, rpc, code)
+    level = _level(code)
+    if not log.isEnabledFor(level):
+        return
+    fields: dict[str, object] = {"rpc": rpc, "status": code.name}
+    if scoring is not None:
+        fields |= {
+            "request_id": scoring.request_id,
+            "model": model,
+            "sequences": len(scoring.sequences),
+            "tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in scoring.sequences),
+        }
+    if isinstance(response, pb.ScoreResponse) and response.HasField("metadata"):
+        meta = response.metadata
+        fields |= {
+            "queue_ms": round(meta.queue_ns / 1e6, 3),
+            "compute_ms": round(meta.compute_ns / 1e6, 3),
+            "total_ms": round(meta.total_ns / 1e6, 3),
+        }
+    else:
+        fields["total_ms"] = round(elapsed_ns / 1e6, 3)
+    if error is not None:
+        fields["error"] = _error_text(error)
+    log.log(
+        level,
+        "answered" if error is None else "failed",
+        extra={"fields": fields},
+        exc_info=error if code is grpc.StatusCode.INTERNAL else None,
+    )

@@ -1,0 +1,201 @@
+"""Every series moves as it should after scoring, errors and overload; the request log lines.
+
+The series are process-wide (one registry per process), and earlier tests have moved them, so
+each test compares values before and after what it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from logprob_client._proto import logprob_pb2 as pb
+from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_service import __version__
+from prometheus_client import REGISTRY
+
+from tests.integration.conftest import start, stop, test_settings
+from tests.integration.test_errors import Gate, call, expect, request
+
+
+def value(name: str, **labels: str) -> float:
+    """A sample's value; 0 for a series that does not exist yet."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def snapshot(*names: str, **labels: str) -> dict[str, float]:
+    return {name: value(name, **labels) for name in names}
+
+
+def moved(before: dict[str, float], **labels: str) -> dict[str, float]:
+    return {name: value(name, **labels) - was for name, was in before.items()}
+
+
+def random_sequences(n: int) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng()
+    return [
+        (
+            rng.integers(0, 4096, int(rng.integers(1, 40))).tolist(),
+            rng.integers(0, 4096, int(rng.integers(1, 40))).tolist(),
+        )
+        for _ in range(n)
+    ]
+
+
+HISTOGRAMS = (
+    "logprob_request_duration_seconds",
+    "logprob_request_queue_duration_seconds",
+    "logprob_request_compute_duration_seconds",
+)
+
+
+async def test_a_scored_request_moves_its_series_by_its_own_figures(running):
+    seqs = random_sequences(3)
+    tokens = sum(len(p) + len(c) for p, c in seqs)  # < max_batch_tokens: one micro-batch
+    model = {"model": "default"}
+    counters = snapshot("logprob_tokens_scored_total", "logprob_sequences_scored_total", **model)
+    requests = snapshot("logprob_requests_total", rpc="ScoreTokens", code="OK", **model)
+    histograms = snapshot(*(f"{h}_{part}" for h in HISTOGRAMS for part in ("count", "sum")), **model)
+    batches = snapshot(
+        *(f"logprob_batch_{kind}_{part}" for kind in ("tokens", "sequences") for part in ("count", "sum")), **model
+    )
+
+    response = await call(running.target, request(*seqs))
+
+    assert moved(counters, **model) == {"logprob_tokens_scored_total": tokens, "logprob_sequences_scored_total": 3}
+    assert moved(requests, rpc="ScoreTokens", code="OK", **model) == {"logprob_requests_total": 1}
+    assert moved(batches, **model) == {
+        "logprob_batch_tokens_count": 1,
+        "logprob_batch_tokens_sum": tokens,
+        "logprob_batch_sequences_count": 1,
+        "logprob_batch_sequences_sum": 3,
+    }
+    # The histograms observe the very timings the response's metadata carries.
+    meta = response.metadata
+    assert meta.tokens == tokens and meta.total_ns >= meta.queue_ns + meta.compute_ns > 0
+    delta = moved(histograms, **model)
+    for histogram, ns in zip(HISTOGRAMS, (meta.total_ns, meta.queue_ns, meta.compute_ns)):
+        assert delta[f"{histogram}_count"] == 1
+        assert delta[f"{histogram}_sum"] == pytest.approx(ns / 1e9, rel=1e-9, abs=1e-12)
+    # The request left the queue.
+    assert value("logprob_queue_requests", **model) == 0 and value("logprob_queue_tokens", **model) == 0
+
+
+async def test_stream_requests_count_one_by_one_with_their_own_status(running):
+    before = {
+        code: value("logprob_requests_total", model="default", rpc="ScoreTokensStream", code=code)
+        for code in ("OK", "INVALID_ARGUMENT")
+    }
+    bad = request(([1, 2], [3, 99999]), request_id="bad")
+    good = request(*random_sequences(2), request_id="good")
+    async with grpc.aio.insecure_channel(running.target) as channel:
+        call_ = pb_grpc.LogprobServiceStub(channel).ScoreTokensStream(iter([good, bad]))
+        answers = {r.request_id: r async for r in call_}
+        assert await call_.code() == grpc.StatusCode.OK
+    assert answers["bad"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not answers["good"].HasField(
+        "error"
+    )
+    after = {
+        code: value("logprob_requests_total", model="default", rpc="ScoreTokensStream", code=code) for code in before
+    }
+    # One count per request; the stream's own OK status is not a request of its own.
+    assert {code: after[code] - before[code] for code in before} == {"OK": 1, "INVALID_ARGUMENT": 1}
+
+
+async def test_errors_count_by_status_with_served_model_names_only(running, caplog):
+    def counts() -> dict[tuple[str, str, str], float]:
+        keys = [
+            ("default", "ScoreTokens", "INVALID_ARGUMENT"),
+            ("", "ScoreTokens", "NOT_FOUND"),
+            ("", "ListModels", "OK"),
+            ("gemma", "ScoreTokens", "OK"),
+        ]
+        return {k: value("logprob_requests_total", model=k[0], rpc=k[1], code=k[2]) for k in keys}
+
+    before, tokens_before = counts(), value("logprob_tokens_scored_total", model="default")
+    with caplog.at_level(logging.DEBUG, logger="logprob_service.requests"):
+        await expect(running.target, request(([1, 2], [4096]), request_id="too-big"), grpc.StatusCode.INVALID_ARGUMENT)
+        await expect(running.target, request(([1], [2]), model="nope"), grpc.StatusCode.NOT_FOUND)
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            await pb_grpc.LogprobServiceStub(channel).ListModels(pb.ListModelsRequest())
+        ok = await call(running.target, request(([5, 6, 7], [8, 9]), model="gemma", request_id="fine"))
+    after = counts()
+    assert {k: after[k] - before[k] for k in before} == dict.fromkeys(before, 1)
+    assert value("logprob_requests_total", model="nope", rpc="ScoreTokens", code="NOT_FOUND") == 0  # no such series
+    assert value("logprob_tokens_scored_total", model="default") == tokens_before  # failures score nothing
+
+    # One log line per request: DEBUG when answered, WARNING when failed, each with its fields.
+    lines = {r.fields.get("request_id") or r.fields["rpc"]: r for r in caplog.records if hasattr(r, "fields")}
+    failed, fine = lines["too-big"], lines["fine"]
+    assert failed.levelno == logging.WARNING and fine.levelno == logging.DEBUG
+    assert failed.fields["status"] == "INVALID_ARGUMENT" and "4096" in failed.fields["error"]
+    assert failed.fields["model"] == "default" and failed.fields["tokens"] == 3 and failed.fields["sequences"] == 1
+    meta = ok.metadata
+    assert fine.fields["model"] == "gemma" and fine.fields["tokens"] == 5 and fine.fields["status"] == "OK"
+    assert (fine.fields["queue_ms"], fine.fields["compute_ms"], fine.fields["total_ms"]) == (
+        round(meta.queue_ns / 1e6, 3),
+        round(meta.compute_ns / 1e6, 3),
+        round(meta.total_ns / 1e6, 3),
+    )
+    assert lines["ListModels"].levelno == logging.DEBUG
+
+
+async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_checkpoint):
+    running = await start(test_settings(gemma_checkpoint, max_queued_tokens=4000, max_batch_tokens=512))
+    assert (value("logprob_queue_tokens_limit"), value("logprob_batch_tokens_limit")) == (4000, 512)
+    assert value("logprob_batch_sequences_limit") == running.service.settings.max_batch_sequences
+    gate = Gate(running)
+    refused_before = value("logprob_requests_total", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
+    try:
+        big = ([1] * 100, [2] * 100)
+        blocker = asyncio.create_task(call(running.target, request(*[big] * 16)))  # 3200 tokens
+        await asyncio.to_thread(gate.entered.wait, 10)
+        assert value("logprob_queue_requests", model="default") == 1
+        assert value("logprob_queue_tokens", model="default") == 3200
+        await expect(running.target, request(*[big] * 5), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert value("logprob_queue_requests", model="default") == 1  # the refused one never entered
+        assert value("logprob_queue_tokens", model="default") == 3200
+        gate.release.set()
+        await blocker
+    finally:
+        gate.restore()
+        await stop(running)
+    assert (
+        value("logprob_requests_total", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
+        == refused_before + 1
+    )
+    assert value("logprob_queue_requests", model="default") == 0 and value("logprob_queue_tokens", model="default") == 0
+
+
+async def test_model_and_build_info(running):
+    info = running.service.registry.get("gemma").info
+    labels = {
+        "model": "gemma",
+        "architecture": info.architecture,
+        "source": info.source,
+        "dtype": "float32",
+        "device": "cpu",
+        "version": "0",
+        "fingerprint": info.fingerprint,
+    }
+    assert value("logprob_model_info", **labels) == 1
+    assert REGISTRY.get_sample_value("logprob_model_version", {"model": "gemma"}) == info.version == 0
+    build = next(f for f in REGISTRY.collect() if f.name == "logprob_build")
+    assert [s.labels["version"] for s in build.samples] == [__version__]
+    assert build.samples[0].labels["torch"] == torch.__version__
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU case: no GPU series samples")
+async def test_gpu_series_are_declared_without_samples_on_a_cpu_server(running, metrics_url):
+    scraped = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=10).read().decode())
+    for name in ("allocated", "reserved", "free", "total", "peak_allocated"):
+        assert f"# TYPE logprob_gpu_memory_{name}_bytes gauge" in scraped
+        assert f"\nlogprob_gpu_memory_{name}_bytes{{" not in scraped
+    assert "# TYPE logprob_gpu_memory_batch_peak_bytes histogram" in scraped
+    assert "logprob_gpu_memory_batch_peak_bytes_count" not in scraped  # no micro-batch ran on a GPU
+    assert "\nprocess_resident_memory_bytes " in scraped  # host memory: prometheus-client's process collector
