@@ -1,4 +1,4 @@
-"""The client package stands alone: no torch or transformers at import."""
+"""The client package stands alone: no torch, transformers or TRL at import."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_client_imports_without_torch_or_transformers():
+def test_client_imports_without_torch_transformers_or_trl():
     code = (
         "import sys, logprob_client; "
         "from logprob_client import LogprobClient, AsyncLogprobClient; "
-        "bad = [m for m in ('torch', 'transformers', 'logprob_service') if m in sys.modules]; "
+        "bad = [m for m in ('torch', 'transformers', 'trl', 'logprob_service') if m in sys.modules]; "
         "assert not bad, bad"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "client")}
