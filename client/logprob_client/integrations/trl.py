@@ -47,7 +47,7 @@ from typing import Any
 try:
     import torch
     import trl
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 except ImportError as err:  # an optional dependency
     raise ImportError('logprob_client.integrations.trl needs TRL: pip install "logprob-service[trl]"') from err
 
@@ -142,7 +142,15 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
     model exists and has the policy's vocabulary size (the reference must share the tokenizer).
     """
 
-    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *, reference: RemoteReference, **kwargs):
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: GRPOConfig | None = None,
+        *rest: Any,
+        reference: RemoteReference,
+        **kwargs: Any,
+    ) -> None:
         check_trl_compatible(GRPOTrainer)
         if args is not None and args.sync_ref_model:
             raise ValueError(
@@ -153,7 +161,7 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
         if args is not None:
             args.beta = 0.0  # TRL then loads no reference model (nor a PEFT "ref" adapter)
         try:
-            super().__init__(model, reward_funcs, args, **kwargs)
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
         finally:
             if args is not None:
                 args.beta = beta
@@ -195,10 +203,10 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
             for name, value in options.arguments.items()
             if name not in (*_HOOK_PARAMETERS, *_KNOWN_OPTIONS) and value is not None
         }
-        if extra or options.arguments["compute_aux_loss"]:
-            raise NotImplementedError(
-                f"the served reference scores text only; TRL passed {', '.join(sorted(extra)) or 'compute_aux_loss'}"
-            )
+        if extra:
+            raise NotImplementedError(f"the served reference scores text only; TRL passed {', '.join(sorted(extra))}")
+        if options.arguments["compute_aux_loss"]:
+            raise NotImplementedError("the served reference does not compute a MoE router loss (a policy-only term)")
         # batch_size is TRL's memory chunking of a local forward; the client splits into RPCs itself.
         with_entropy = bool(options.arguments["compute_entropy"])
         scores = model.per_token_logps(
