@@ -83,10 +83,10 @@ def local_service(model_name: str, timeout_s: float = 300.0) -> Iterator[str]:
         server.wait(timeout=60)
 
 
-def train(target: str, reference: str, steps: int, beta: float) -> None:
+def train(target: str, reference: str, steps: int, beta: float, output_dir: str) -> None:
     policy = build_builtin("tiny-llama")  # the same seeded weights the service serves as the reference
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo-remote-reference-"),
+        output_dir=output_dir,
         beta=beta,
         num_generations=4,
         per_device_train_batch_size=8,
@@ -121,11 +121,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--beta", type=float, default=0.1, help="KL coefficient (> 0: the reference is used)")
     args = parser.parse_args()
-    if args.target:
-        train(args.target, args.reference, args.steps, args.beta)
-        return
-    with local_service(args.reference) as target:
-        train(target, args.reference, args.steps, args.beta)
+    with tempfile.TemporaryDirectory(prefix="grpo-remote-reference-") as output_dir:
+        if args.target:
+            train(args.target, args.reference, args.steps, args.beta, output_dir)
+            return
+        with local_service(args.reference) as target:
+            train(target, args.reference, args.steps, args.beta, output_dir)
 
 
 if __name__ == "__main__":
