@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-gpu proto lint format bench clean
+.PHONY: install serve test test-gpu proto lint format bench example clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ bench: install  ## the benchmarks (meant for a GPU host)
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_batching.py
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprob_op.py
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_metrics.py
+
+example: install  ## TRL GRPO on builtin:tiny-llama (CPU) with the reference on a local service
+	$(BIN)/python examples/grpo_remote_reference.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -16,6 +16,8 @@ from .errors import (
     Unauthenticated,
     Unavailable,
 )
+from .future import ScoreFuture
+from .split import RpcLimits
 
 __all__ = [
     "AsyncLogprobClient",
@@ -29,6 +31,8 @@ __all__ = [
     "ModelNotFound",
     "Overloaded",
     "PermissionDenied",
+    "RpcLimits",
+    "ScoreFuture",
     "ScoreInput",
     "ServerError",
     "Unauthenticated",

@@ -4,10 +4,16 @@ from logprob_client import LogprobClient
 
 with LogprobClient("localhost:50051") as client:
     logprobs = client.score([[1, 2, 3]], [[4, 5]])   # [array([-8.1, -7.9], dtype=float32)]
+    pending = client.score_async([[1, 2, 3]], [[4, 5]])  # returns at once; RPCs in flight
+    logprobs = pending.result()
+
+Every scoring call is cut into parts within ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``
+(``split.py``), sent as that many ScoreTokens RPCs at once, and reassembled in order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -20,7 +26,9 @@ from ._proto import logprob_pb2 as pb
 from ._proto import logprob_pb2_grpc as pb_grpc
 from .channel import channel_options
 from .errors import LogprobError, error_for_status, error_from_rpc
+from .future import ScoreFuture
 from .inputs import Prepared, assemble, prepare
+from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -75,52 +83,55 @@ def _model_info(m: pb.ModelInfo) -> ModelInfo:
     )
 
 
-def _request(prepared: Prepared, model: str, temperature: float, return_entropy: bool) -> pb.ScoreRequest:
+def _request(
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]], model: str, temperature: float, return_entropy: bool
+) -> pb.ScoreRequest:
     return pb.ScoreRequest(
         request_id=str(uuid.uuid4()),
         model=model,
         temperature=temperature,
         return_entropy=return_entropy,
-        sequences=[pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in prepared.sequences],
+        sequences=[pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences],
     )
 
 
-def _result(prepared: Prepared, response: pb.ScoreResponse, return_entropy: bool) -> Any:
-    logprobs = assemble(prepared, [np.asarray(s.logprobs, dtype=np.float32) for s in response.scores])
+def _result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool) -> Any:
+    """The caller's layout from the responses of a call's parts, in part order."""
+    scores = [s for response in responses for s in response.scores]
+    logprobs = assemble(prepared, [np.asarray(s.logprobs, dtype=np.float32) for s in scores])
     if not return_entropy:
         return logprobs
-    return logprobs, assemble(prepared, [np.asarray(s.entropies, dtype=np.float32) for s in response.scores])
-
-
-def _empty(prepared: Prepared, return_entropy: bool) -> Any:
-    """Nothing to score (every completion masked out): answer locally, the server would refuse."""
-    logprobs = assemble(prepared, [])
-    return (logprobs, assemble(prepared, [])) if return_entropy else logprobs
+    return logprobs, assemble(prepared, [np.asarray(s.entropies, dtype=np.float32) for s in scores])
 
 
 class _Calls:
-    """What both clients share: defaults, request building, result unpacking."""
+    """What both clients share: defaults, request building and splitting, result unpacking."""
 
-    def __init__(self, *, model: str, timeout: float) -> None:
+    def __init__(self, *, model: str, timeout: float, max_sequences_per_rpc: int, max_tokens_per_rpc: int) -> None:
         self.model = model
         self.timeout = timeout
+        self.rpc_limits = RpcLimits(max_sequences_per_rpc, max_tokens_per_rpc)
 
     def prepare_call(
         self, inp: ScoreInput, model: str | None, temperature: float, return_entropy: bool
-    ) -> tuple[Prepared, pb.ScoreRequest | None]:
+    ) -> tuple[Prepared, list[pb.ScoreRequest]]:
+        """The prepared input and its requests, one per part (none when every completion is masked
+        out: that answer is all zeros, made locally, as the server would refuse an empty request)."""
         if not (temperature > 0 and np.isfinite(temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         prepared = prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
         if not prepared.sequences and prepared.dense_shape is not None:
-            return prepared, None
-        return prepared, _request(prepared, model or self.model, temperature, return_entropy)
+            return prepared, []
+        seqs = prepared.sequences
+        parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits)
+        return prepared, [_request(seqs[part], model or self.model, temperature, return_entropy) for part in parts]
 
     def prepare_many(
         self, inputs: Iterable[ScoreInput], model: str | None, temperature: float, return_entropy: bool
-    ) -> tuple[list[tuple[Prepared, pb.ScoreRequest | None]], list[pb.ScoreRequest]]:
-        """Every batch's prepared call, and the requests to stream (batches with something to score)."""
+    ) -> tuple[list[tuple[Prepared, list[pb.ScoreRequest]]], list[pb.ScoreRequest]]:
+        """Every batch's prepared call, and all their requests, to stream."""
         calls = [self.prepare_call(inp, model, temperature, return_entropy) for inp in inputs]
-        return calls, [request for _, request in calls if request is not None]
+        return calls, [request for _, requests in calls for request in requests]
 
 
 class LogprobClient(_Calls):
@@ -130,6 +141,8 @@ class LogprobClient(_Calls):
     call, seconds (overridable per call). ``options``: extra gRPC channel options.
     UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential backoff (gRPC's retry policy,
     up to ``max_attempts`` tries) within the deadline; other failures raise at once.
+    ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``: a scoring call larger than either is
+    split into several RPCs in flight together (keep them within the server's per-request limits).
     """
 
     def __init__(
@@ -139,10 +152,17 @@ class LogprobClient(_Calls):
         timeout: float = DEFAULT_TIMEOUT_S,
         model: str = "default",
         max_attempts: int = 5,
+        max_sequences_per_rpc: int = DEFAULT_MAX_SEQUENCES_PER_RPC,
+        max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
         options: Sequence[tuple[str, Any]] | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
-        super().__init__(model=model, timeout=timeout)
+        super().__init__(
+            model=model,
+            timeout=timeout,
+            max_sequences_per_rpc=max_sequences_per_rpc,
+            max_tokens_per_rpc=max_tokens_per_rpc,
+        )
         self._channel = channel or grpc.insecure_channel(
             target, options=channel_options(max_attempts=max_attempts, extra=list(options or []))
         )
@@ -165,15 +185,40 @@ class LogprobClient(_Calls):
         Lists in -> list of float32 arrays out; 2-D arrays/tensors in -> one (B, C) array/tensor
         out (see ``logprob_client.inputs``).
         """
+        return self.score_async(
+            prompt_ids,
+            completion_ids,
+            model=model,
+            temperature=temperature,
+            return_entropy=return_entropy,
+            prompt_mask=prompt_mask,
+            completion_mask=completion_mask,
+            timeout=timeout,
+        ).result()
+
+    def score_async(
+        self,
+        prompt_ids: Any,
+        completion_ids: Any,
+        *,
+        model: str | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        prompt_mask: Any = None,
+        completion_mask: Any = None,
+        timeout: float | None = None,
+    ) -> ScoreFuture:
+        """``score`` without waiting: the RPCs are sent before this returns, and ``.result()``
+        gives what ``score`` would have returned. The inputs are read before it returns, so the
+        caller may reuse their buffers at once.
+        """
         inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
-        prepared, request = self.prepare_call(inp, model, temperature, return_entropy)
-        if request is None:
-            return _empty(prepared, return_entropy)
-        try:
-            response = self._stub.ScoreTokens(request, timeout=timeout or self.timeout, wait_for_ready=True)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
-        return _result(prepared, response, return_entropy)
+        prepared, requests = self.prepare_call(inp, model, temperature, return_entropy)
+        calls = [
+            self._stub.ScoreTokens.future(request, timeout=timeout or self.timeout, wait_for_ready=True)
+            for request in requests
+        ]
+        return ScoreFuture(calls, lambda responses: _result(prepared, responses, return_entropy))
 
     def score_many(
         self,
@@ -187,7 +232,8 @@ class LogprobClient(_Calls):
     ) -> list[Any]:
         """Score several batches pipelined over one stream; results in input order.
 
-        A failed batch raises its typed error, or, with ``return_exceptions``, takes its place.
+        A batch larger than the RPC limits goes as several requests on the stream. A failed
+        batch raises its typed error, or, with ``return_exceptions``, takes its place.
         """
         calls, requests = self.prepare_many(inputs, model, temperature, return_entropy)
         responses: dict[str, pb.ScoreResponse] = {}
@@ -225,10 +271,17 @@ class AsyncLogprobClient(_Calls):
         timeout: float = DEFAULT_TIMEOUT_S,
         model: str = "default",
         max_attempts: int = 5,
+        max_sequences_per_rpc: int = DEFAULT_MAX_SEQUENCES_PER_RPC,
+        max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
         options: Sequence[tuple[str, Any]] | None = None,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        super().__init__(model=model, timeout=timeout)
+        super().__init__(
+            model=model,
+            timeout=timeout,
+            max_sequences_per_rpc=max_sequences_per_rpc,
+            max_tokens_per_rpc=max_tokens_per_rpc,
+        )
         self._channel = channel or grpc.aio.insecure_channel(
             target, options=channel_options(max_attempts=max_attempts, extra=list(options or []))
         )
@@ -246,16 +299,20 @@ class AsyncLogprobClient(_Calls):
         completion_mask: Any = None,
         timeout: float | None = None,
     ) -> Any:
-        """See ``LogprobClient.score``."""
+        """See ``LogprobClient.score``; for overlap, ``asyncio.create_task(client.score(...))``."""
         inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
-        prepared, request = self.prepare_call(inp, model, temperature, return_entropy)
-        if request is None:
-            return _empty(prepared, return_entropy)
+        prepared, requests = self.prepare_call(inp, model, temperature, return_entropy)
+        calls = [
+            self._stub.ScoreTokens(request, timeout=timeout or self.timeout, wait_for_ready=True)
+            for request in requests
+        ]
         try:
-            response = await self._stub.ScoreTokens(request, timeout=timeout or self.timeout, wait_for_ready=True)
+            responses = await asyncio.gather(*calls)
         except grpc.RpcError as err:
+            for call in calls:
+                call.cancel()
             raise error_from_rpc(err) from None
-        return _result(prepared, response, return_entropy)
+        return _result(prepared, responses, return_entropy)
 
     async def score_many(
         self,
@@ -296,29 +353,28 @@ class AsyncLogprobClient(_Calls):
 
 
 def _collect(
-    calls: list[tuple[Prepared, pb.ScoreRequest | None]],
+    calls: list[tuple[Prepared, list[pb.ScoreRequest]]],
     responses: dict[str, pb.ScoreResponse],
     return_entropy: bool,
     return_exceptions: bool,
 ) -> list[Any]:
     results: list[Any] = []
-    for prepared, request in calls:
-        if request is None:
-            results.append(_empty(prepared, return_entropy))
-            continue
-        response = responses.get(request.request_id)
-        if response is None:
-            error: LogprobError | None = error_for_status(
-                grpc.StatusCode.UNKNOWN, f"no response for {request.request_id}"
-            )
-        elif response.HasField("error"):
-            error = error_for_status(response.error.code, response.error.message)
-        else:
-            error = None
-        if error is not None:
-            if not return_exceptions:
-                raise error
+    for prepared, requests in calls:
+        error = next(filter(None, (_stream_error(request, responses) for request in requests)), None)
+        if error is None:
+            results.append(_result(prepared, [responses[r.request_id] for r in requests], return_entropy))
+        elif return_exceptions:
             results.append(error)
         else:
-            results.append(_result(prepared, response, return_entropy))
+            raise error
     return results
+
+
+def _stream_error(request: pb.ScoreRequest, responses: dict[str, pb.ScoreResponse]) -> LogprobError | None:
+    """The error the stream answered for one request, if any."""
+    response = responses.get(request.request_id)
+    if response is None:
+        return error_for_status(grpc.StatusCode.UNKNOWN, f"no response for {request.request_id}")
+    if response.HasField("error"):
+        return error_for_status(response.error.code, response.error.message)
+    return None

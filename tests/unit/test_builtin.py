@@ -1,10 +1,14 @@
-"""The embedded default model is the same everywhere: fixed config, seeded weights, pinned fingerprint."""
+"""The embedded default model is the same everywhere: fixed config, seeded weights, pinned
+fingerprint; its tokenizer is made locally and covers its whole vocabulary."""
 
 from __future__ import annotations
 
+import string
+
+import numpy as np
 import pytest
 import torch
-from logprob_service.models.builtin import build_builtin
+from logprob_service.models.builtin import build_builtin, tiny_llama_config, tiny_llama_tokenizer
 from logprob_service.models.scorer import weights_fingerprint
 
 # blake2b of the float32 weights; if this changes, every user's builtin model changed with it.
@@ -38,3 +42,22 @@ def test_builtin_logits_are_spread_like_a_trained_model():
 def test_unknown_builtin():
     with pytest.raises(ValueError, match=r"builtin:nope.*builtin:tiny-llama"):
         build_builtin("nope")
+
+
+def test_builtin_tokenizer_covers_the_vocabulary_and_round_trips_text():
+    config = tiny_llama_config()
+    tokenizer = tiny_llama_tokenizer()
+    assert len(tokenizer) == config.vocab_size
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+        config.pad_token_id,
+        config.bos_token_id,
+        config.eos_token_id,
+    )
+    rng = np.random.default_rng()
+    text = "".join(rng.choice(list(string.printable[:-5] + "\n"), 200))  # printable ASCII and newline
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.decode(ids) == text  # one token per character
+    assert tokenizer("é")["input_ids"] == [tokenizer.unk_token_id]
+    # Every id the model can sample decodes; placeholders carry no letters (toy rewards count letters).
+    placeholders = tokenizer.convert_ids_to_tokens(list(range(100, config.vocab_size)))
+    assert all(p.startswith("<#") and not any(ch.isalpha() for ch in p) for p in placeholders)

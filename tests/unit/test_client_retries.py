@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
 from logprob_client import InvalidRequest, LogprobClient, Overloaded, Unavailable
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+
+from tests.fake_server import serving
 
 
 class Flaky(pb_grpc.LogprobServiceServicer):
@@ -25,19 +26,6 @@ class Flaky(pb_grpc.LogprobServiceServicer):
                 self.code, f"failure {self.calls}", trailing_metadata=(("grpc-retry-pushback-ms", "10"),)
             )
         return pb.ScoreResponse(request_id=request.request_id, scores=[pb.SequenceScores(logprobs=[-1.5])])
-
-
-@contextlib.asynccontextmanager
-async def serving(servicer):
-    """A bare server for ``servicer`` on loopback; yields its target."""
-    server = grpc.aio.server()
-    pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])

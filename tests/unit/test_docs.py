@@ -1,4 +1,5 @@
-"""The README documents every setting (flag and environment variable) and every metric."""
+"""The README documents every setting (flag and environment variable), every metric, every loss
+helper, and what the TRL integration exports."""
 
 from __future__ import annotations
 
@@ -30,3 +31,27 @@ def test_every_metric_is_in_the_metrics_table():
     assert len(names) >= 20, names
     documented = set(re.findall(r"^\| `(logprob_[a-z_]+)` \|", README, flags=re.M))
     assert names == documented
+
+
+def test_every_loss_helper_is_in_the_losses_table():
+    import inspect
+
+    from logprob_client import losses
+
+    public = {
+        name
+        for name, obj in vars(losses).items()
+        if inspect.isfunction(obj) and obj.__module__ == losses.__name__ and not name.startswith("_")
+    }
+    section = README.split("## Loss and KL helpers", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`([a-z_0-9]+)[`(]", section)) & public
+    assert public and public == documented, public - documented
+
+
+def test_trl_section_names_what_the_integration_exports():
+    from logprob_client.integrations import trl
+
+    section = README.split("## TRL: the reference model on the service", 1)[1].split("\n## ", 1)[0]
+    for name in ("RemoteReferenceGRPOTrainer", "RemoteReference", "TRLVersionError", trl.CHECKED_TRL_VERSION):
+        assert name in section, name
+    assert '"logprob-service[trl]"' in section and "_get_per_token_logps_and_entropies" in section

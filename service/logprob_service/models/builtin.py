@@ -1,7 +1,8 @@
 """The embedded default model: a small Llama-architecture model with seeded random weights.
 
 Made locally from a fixed config and a fixed seed, so a machine with no network can serve and
-test, and every machine gets the same weights (tests pin their fingerprint).
+test, and every machine gets the same weights (tests pin their fingerprint). Its tokenizer is
+made locally too (character-level), for trainers that need text in and out (TRL's GRPOTrainer).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 BUILTIN_PREFIX = "builtin:"
 SEED = 20261121
@@ -52,6 +54,28 @@ def seeded_init_(model: PreTrainedModel, seed: int = SEED) -> PreTrainedModel:
 
 
 BUILTIN_MODELS = {"tiny-llama": tiny_llama_config}
+
+# Ids 0, 1, 2 are the config's pad, bos and eos; 3 stands for any character not in the vocabulary.
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def tiny_llama_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer covering the whole vocabulary of ``builtin:tiny-llama``.
+
+    Printable ASCII and newline are one token each; the remaining ids up to ``vocab_size`` are
+    placeholders (``<#17>``, no letters in them) so that every id the model can sample decodes to something.
+    """
+    vocab_size = tiny_llama_config().vocab_size
+    chars = ["\n", *(chr(c) for c in range(32, 127))]
+    fillers = [f"<#{i}>" for i in range(vocab_size - len(SPECIAL_TOKENS) - len(chars))]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars, *fillers])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    # One piece per character; in Oniguruma (the regex engine of `tokenizers`) (?m) lets "." match a newline.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m:.)"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # characters join without spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def build_builtin(name: str) -> PreTrainedModel:

@@ -1,0 +1,60 @@
+"""``ScoreFuture``: the pending result of ``LogprobClient.score_async``.
+
+Its RPCs are already in flight (gRPC's own futures, driven by gRPC's threads), so the caller's
+thread is free until it asks for the result: a trainer sends the reference scoring of batch k,
+generates batch k+1, then collects batch k's log-probs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from .errors import Cancelled, error_from_rpc
+
+_UNSET = object()
+
+
+class ScoreFuture:
+    """One scoring call's RPCs (one per part of a split call) and how to assemble their answers."""
+
+    def __init__(self, calls: Sequence[grpc.Future], finish: Callable[[list[Any]], Any]) -> None:
+        self._calls = list(calls)
+        self._finish = finish  # responses, in part order -> the caller's result
+        self._value: Any = _UNSET
+
+    def done(self) -> bool:
+        """True when every RPC has finished (succeeded, failed or been cancelled)."""
+        return all(call.done() for call in self._calls)
+
+    def cancel(self) -> None:
+        """Cancel the RPCs still in flight; ``result()`` then raises ``Cancelled``."""
+        for call in self._calls:
+            call.cancel()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for every RPC and return what ``score`` would have returned.
+
+        Raises the call's typed error (the other parts are cancelled), or ``TimeoutError`` when
+        ``timeout`` seconds pass first (the RPCs go on; ask again later).
+        """
+        if self._value is not _UNSET:
+            return self._value
+        deadline = None if timeout is None else time.monotonic() + timeout
+        responses = []
+        for call in self._calls:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                responses.append(call.result(timeout=remaining))
+            except grpc.FutureTimeoutError:
+                raise TimeoutError(f"scores not ready within {timeout} s; the RPCs are still running") from None
+            except grpc.FutureCancelledError:
+                raise Cancelled("the scoring call was cancelled", grpc.StatusCode.CANCELLED) from None
+            except grpc.RpcError as err:
+                self.cancel()
+                raise error_from_rpc(err) from None
+        self._value = self._finish(responses)
+        return self._value

@@ -1,0 +1,50 @@
+"""Cutting one scoring call into several RPCs that are in flight together.
+
+A call's sequences are cut, in order, into contiguous parts that each stay within a sequence
+limit and a token limit (prompt + completion tokens). The parts are sent at once and their
+scores put back together in order, so that the server starts on the first part while later
+ones are still on the wire, no message grows past the server's per-request limits, and parts
+can be served by different replicas behind one target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# One RPC's default share: the server's default micro-batch (--max-batch-tokens 32768,
+# --max-batch-sequences 256), so each part is about one micro-batch of work, well inside the
+# server's default per-request limits (4096 sequences, 1M tokens).
+DEFAULT_MAX_SEQUENCES_PER_RPC = 256
+DEFAULT_MAX_TOKENS_PER_RPC = 32768
+
+
+@dataclass(frozen=True)
+class RpcLimits:
+    """The most sequences, and prompt + completion tokens, that one ScoreTokens RPC carries."""
+
+    max_sequences: int = DEFAULT_MAX_SEQUENCES_PER_RPC
+    max_tokens: int = DEFAULT_MAX_TOKENS_PER_RPC
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1 or self.max_tokens < 1:
+            raise ValueError(f"RPC limits must be >= 1, got {self}")
+
+
+def split(lengths: Sequence[int], limits: RpcLimits) -> list[slice]:
+    """Contiguous parts of ``range(len(lengths))``, in order, each within ``limits``.
+
+    ``lengths[i]`` is sequence i's prompt + completion tokens. A part grows until the next
+    sequence would break a limit; a sequence longer than ``limits.max_tokens`` is a part of its
+    own (the server then decides whether it can score it). There is always at least one part,
+    so an empty call still reaches the server and gets its answer.
+    """
+    parts: list[slice] = []
+    start, tokens = 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and (i - start >= limits.max_sequences or tokens + length > limits.max_tokens):
+            parts.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += length
+    parts.append(slice(start, len(lengths)))
+    return parts

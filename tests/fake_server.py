@@ -1,0 +1,22 @@
+"""A bare gRPC server for a hand-written servicer: what a client test needs to see the wire."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+
+
+@contextlib.asynccontextmanager
+async def serving(servicer: pb_grpc.LogprobServiceServicer) -> AsyncIterator[str]:
+    """A server for ``servicer`` on loopback; yields its target."""
+    server = grpc.aio.server()
+    pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)

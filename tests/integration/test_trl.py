@@ -1,0 +1,188 @@
+"""TRL's GRPOTrainer with the reference served by logprob-service, against TRL with its own
+in-process reference: the same GRPO steps give the same per-token reference log-probs and the
+same loss at every step, and no reference model is loaded by the trainer.
+
+Both runs start from the same policy checkpoint (builtin:tiny-llama saved to disk, which is also
+what TRL loads its in-process reference from) and the same seed, so they sample the same
+completions; the service serves ``builtin:tiny-llama`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import trl.trainer.grpo_trainer as grpo_module
+from datasets import Dataset
+from logprob_client import LogprobClient
+from logprob_client.integrations.trl import RemoteReference, RemoteReferenceGRPOTrainer
+from logprob_service.models.builtin import build_builtin, tiny_llama_tokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from tests.integration.conftest import start, stop, test_settings
+
+ATOL = 1e-5
+STEPS = 3
+SEED = 1234
+
+
+@dataclass
+class Run:
+    """What one training run did, step by step."""
+
+    completion_ids: list[torch.Tensor] = field(default_factory=list)
+    completion_mask: list[torch.Tensor] = field(default_factory=list)
+    ref_logps: list[torch.Tensor] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    models_loaded: int = 0
+    trainer: GRPOTrainer | None = None
+
+
+def low_id_reward(completion_ids: list[list[int]], **_) -> list[float]:
+    """A toy reward that a random policy feels at once: the share of its tokens in the lower half
+    of the vocabulary. (With no reward signal the two runs would drift apart for a reason that is
+    not the reference: Adam turns float32 rounding in a zero gradient into full-size steps.)"""
+    return [sum(t < 2048 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:tiny-llama as a checkpoint, with 1 token in 10 ending a completion, so that
+    completions have different lengths (and some are truncated, then masked out entirely)."""
+    path = tmp_path_factory.mktemp("policy")
+    model = build_builtin("tiny-llama")
+    model.generation_config.eos_token_id = list(range(2, 2 + model.config.vocab_size // 10))
+    model.save_pretrained(path)
+    return path
+
+
+def grpo_args(output_dir: Path) -> GRPOConfig:
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        beta=0.1,
+        temperature=0.9,  # not 1: the reference must be scored at the sampling temperature, as TRL does
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=12,
+        mask_truncated_completions=True,
+        max_steps=STEPS,
+        learning_rate=3e-3,  # large, so the policy leaves the reference and the KL term matters
+        logging_steps=1,
+        seed=SEED,
+        bf16=False,  # float32 on the CPU: the comparison is about the reference, not about autocast
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+
+
+def train(trainer_cls: type[GRPOTrainer], policy_dir: Path, output_dir: Path, **kwargs) -> Run:
+    """Train for STEPS steps, recording each step's batch, reference log-probs and loss, and how
+    many models TRL loaded."""
+    run = Run()
+    load = grpo_module.create_model_from_path
+
+    def counting_load(*args, **kw):
+        run.models_loaded += 1
+        return load(*args, **kw)
+
+    prompts = ["The cat", "Once upon a time", "x", "Hello, world and"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_module, "create_model_from_path", counting_load)
+        trainer = trainer_cls(
+            model=str(policy_dir),
+            reward_funcs=low_id_reward,
+            args=grpo_args(output_dir),
+            train_dataset=Dataset.from_dict({"prompt": prompts * 4}),
+            processing_class=tiny_llama_tokenizer(),
+            **kwargs,
+        )
+    generate, compute_loss = trainer._generate_and_score_completions, trainer.compute_loss
+
+    def recording_generate(inputs):
+        out = generate(inputs)
+        run.completion_ids.append(out["completion_ids"].clone())
+        run.completion_mask.append(out["completion_mask"].clone())
+        run.ref_logps.append(out["ref_per_token_logps"].clone())
+        return out
+
+    def recording_compute_loss(*args, **kw):
+        loss = compute_loss(*args, **kw)
+        run.losses.append(loss.item())
+        return loss
+
+    trainer._generate_and_score_completions = recording_generate
+    trainer.compute_loss = recording_compute_loss
+    transformers.set_seed(SEED)  # both runs sample from the same RNG state
+    trainer.train()
+    run.trainer = trainer
+    return run
+
+
+async def test_remote_reference_matches_in_process_reference(gemma_checkpoint, policy_dir, tmp_path):
+    local = await asyncio.to_thread(train, GRPOTrainer, policy_dir, tmp_path / "local")
+    running = await start(test_settings(gemma_checkpoint, models={"default": "builtin:tiny-llama"}))
+    try:
+        # 3 rows per RPC: each step's reference scoring goes as several RPCs in flight.
+        with LogprobClient(running.target, max_sequences_per_rpc=3) as client:
+            remote = await asyncio.to_thread(
+                train,
+                RemoteReferenceGRPOTrainer,
+                policy_dir,
+                tmp_path / "remote",
+                reference=RemoteReference(client, model="default"),
+            )
+    finally:
+        await stop(running)
+
+    assert local.models_loaded == 2 and remote.models_loaded == 1  # the remote run loaded only the policy
+    assert not isinstance(remote.trainer.ref_model, torch.nn.Module) and remote.trainer.beta == 0.1
+    assert len(local.ref_logps) == len(remote.ref_logps) == STEPS
+    assert len(local.losses) == len(remote.losses) == STEPS
+    saw_padding = saw_masked_row = False
+    for step in range(STEPS):
+        assert torch.equal(local.completion_ids[step], remote.completion_ids[step]), f"step {step}: other samples"
+        mask = remote.completion_mask[step].bool()
+        assert torch.equal(local.completion_mask[step].bool(), mask)
+        saw_padding |= bool((~mask).any())
+        saw_masked_row |= bool((~mask.any(-1)).any())
+        np.testing.assert_allclose(
+            remote.ref_logps[step][mask].numpy(), local.ref_logps[step][mask].numpy(), atol=ATOL, rtol=0
+        )
+        assert abs(remote.losses[step] - local.losses[step]) <= ATOL, (step, remote.losses, local.losses)
+    assert saw_padding and saw_masked_row, "the batches should exercise padding and fully masked rows"
+    kl = [h["kl"] for h in remote.trainer.state.log_history if "kl" in h]
+    assert len(kl) == STEPS and kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 0  # policy left the reference
+
+
+@pytest.fixture
+async def tiny_and_gemma(gemma_checkpoint):
+    running = await start(test_settings(gemma_checkpoint))
+    yield running
+    await stop(running)
+
+
+@pytest.mark.parametrize(
+    "served,match",
+    [("nope", "serves no model 'nope'"), ("gemma", "vocabulary of 517 tokens, the policy 4096")],
+)
+async def test_served_model_is_checked_at_construction(tiny_and_gemma, policy_dir, tmp_path, served, match):
+    def build():
+        with LogprobClient(tiny_and_gemma.target) as client:
+            RemoteReferenceGRPOTrainer(
+                model=str(policy_dir),
+                reward_funcs=low_id_reward,
+                args=grpo_args(tmp_path),
+                train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}),
+                processing_class=tiny_llama_tokenizer(),
+                reference=RemoteReference(client, model=served),
+            )
+
+    with pytest.raises(ValueError, match=match):
+        await asyncio.to_thread(build)
