@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"^step +(\d+) +kl ([0-9.]+) +loss ([-+][0-9.]+) +reward ([0-9.]+)$", re.M)
 
 
 def test_grpo_remote_reference_example_prints_kl_and_loss_per_step():
+    pytest.importorskip("trl", reason="the example needs trl: pip install 'logprob-service[trl]'")
     path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "grpo_remote_reference.py"), "--steps", "3", "--beta", "0.1"],

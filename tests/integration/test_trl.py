@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+
+pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service[trl]' (CI gets it via the dev extra)")
+
 import trl.trainer.grpo_trainer as grpo_module
 from datasets import Dataset
 from logprob_client import LogprobClient

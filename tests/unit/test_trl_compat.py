@@ -5,6 +5,9 @@ before it ever reaches the service."""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service[trl]' (CI gets it via the dev extra)")
+
 import trl
 from datasets import Dataset
 from logprob_client import LogprobClient
