@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from logprob_client import LogprobClient
 
-from tests.integration.test_e2e import assert_matches_reference, random_batch, trl_layout
+from tests.integration.test_e2e import ATOL, assert_matches_reference, random_batch, trl_layout
 from tests.integration.test_errors import Gate
 
 
@@ -42,8 +42,11 @@ async def test_score_async_equals_score_and_the_reference(running):
             return client.score(prompt_ids, completion_ids, **kwargs), future.result()
 
     (blocking, blocking_ent), (overlapped, overlapped_ent) = await asyncio.to_thread(both)
-    torch.testing.assert_close(overlapped, blocking, atol=1e-6, rtol=0)
-    torch.testing.assert_close(overlapped_ent, blocking_ent, atol=1e-6, rtol=0)
+    # The two calls' sequences may share micro-batches differently, and fp32 GEMMs round
+    # differently with the batch's shape: equal within the reference tolerance, not bit for bit
+    # (a 16-core CPU measured 6e-6 on entropies).
+    torch.testing.assert_close(overlapped, blocking, atol=ATOL, rtol=0)
+    torch.testing.assert_close(overlapped_ent, blocking_ent, atol=ATOL, rtol=0)
     assert torch.equal(overlapped[completion_mask == 0], torch.zeros(int((completion_mask == 0).sum())))
     rows = [i for i in range(len(prompts)) if completion_mask[i].any()]
     assert_matches_reference(

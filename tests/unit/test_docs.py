@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from logprob_service import metrics  # noqa: F401  (registers the series)
 from logprob_service.config import Settings
 from prometheus_client import REGISTRY
@@ -49,6 +50,7 @@ def test_every_loss_helper_is_in_the_losses_table():
 
 
 def test_trl_section_names_what_the_integration_exports():
+    pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service[trl]'")
     from logprob_client.integrations import trl
 
     section = README.split("## TRL: the reference model on the service", 1)[1].split("\n## ", 1)[0]
