@@ -63,7 +63,6 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,6 +72,7 @@ from common import (
     ModelShape,
     build_model,
     peak_allocated,
+    publish,
     release,
     reset_peak,
     run_environment,
@@ -813,12 +813,7 @@ def main(argv: list[str] | None = None) -> None:
         else "n/a (no CUDA device, or no way to read its utilization)"
     )
     report = format_report(describe_run(args, device, workload, busy_source), reports, workload)
-    print(report)
-    if out_dir := os.environ.get("OUT"):
-        path = Path(out_dir) / "bench_batching.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report)
-        log(f"written: {path}")
+    publish(report, "bench_batching.md")
 
 
 if __name__ == "__main__":

@@ -26,16 +26,14 @@ On a GPU (the run that counts; liger-kernel installed):
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
-from common import release, run_environment
+from common import publish, release, run_environment
 from logprob_service.ops.fused_logprobs import (
     KernelConfig,
     LaunchPlan,
@@ -272,11 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     if sweeps:
         sections.append("\n".join(sweeps))
     report = "\n\n".join(sections) + "\n"
-    print(report)
-    if out_dir := os.environ.get("OUT"):
-        path = Path(out_dir) / "bench_logprob_op.md"
-        path.write_text(report)
-        print(f"written: {path}", file=sys.stderr)
+    publish(report, "bench_logprob_op.md")
 
 
 if __name__ == "__main__":

@@ -32,13 +32,11 @@ The table is printed last, and also written to ``$OUT/bench_logprobs.md`` when `
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +46,7 @@ from common import (
     ModelShape,
     build_model,
     peak_allocated,
+    publish,
     release,
     reset_peak,
     run_environment,
@@ -414,12 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         rows = run_all(model, batch, args, device)
     report = f"{describe_run(model, batch, args, device)}\n\n{format_table(rows)}\n"
-    print(report)
-    if out_dir := os.environ.get("OUT"):
-        path = Path(out_dir) / "bench_logprobs.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report)
-        print(f"written: {path}", file=sys.stderr)
+    publish(report, "bench_logprobs.md")
 
 
 if __name__ == "__main__":

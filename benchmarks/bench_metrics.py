@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import promstats
@@ -53,7 +51,7 @@ from bench_batching import (
     server_settings,
     workload_for,
 )
-from common import LoopbackServer, ModelShape, build_model, release, run_environment, synchronize
+from common import LoopbackServer, ModelShape, build_model, publish, release, run_environment, synchronize
 from logprob_service.metrics import start_metrics_server
 from logprob_service.models.registry import ModelRegistry, serve_model
 from logprob_service.models.scorer import CausalLMScorer
@@ -213,12 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics_server.shutdown()
         metrics_server.server_close()
     report = "\n\n".join(sections) + "\n"
-    print(report)
-    if out_dir := os.environ.get("OUT"):
-        path = Path(out_dir) / "bench_metrics.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report)
-        log(f"written: {path}")
+    publish(report, "bench_metrics.md")
 
 
 if __name__ == "__main__":

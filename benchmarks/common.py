@@ -177,3 +177,13 @@ def run_environment(device: torch.device) -> list[str]:
         f"date: {now}",
         f"command: {command}",
     ]
+
+
+def publish(report: str, name: str) -> None:
+    """Print ``report`` (the run's last output) and, when ``OUT`` is set, write it to ``$OUT/name``."""
+    print(report)
+    if out_dir := os.environ.get("OUT"):
+        path = Path(out_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report)
+        print(f"written: {path}", file=sys.stderr)

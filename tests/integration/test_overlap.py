@@ -30,6 +30,22 @@ def dense_batch(rng: np.random.Generator, rows: int):
     return prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
+def assert_dense_matches_reference(
+    running, prompts, completions, completion_mask, logprobs, entropies=None, temperature=1.0
+):
+    """Each unmasked row of a (B, C) result against the float64 reference of its sequence."""
+    rows = [i for i in range(len(prompts)) if completion_mask[i].any()]
+    assert_matches_reference(
+        running,
+        "default",
+        [prompts[i] for i in rows],
+        [completions[i] for i in rows],
+        [logprobs[i, : len(completions[i])].numpy() for i in rows],
+        temperature=temperature,
+        entropies=None if entropies is None else [entropies[i, : len(completions[i])].numpy() for i in rows],
+    )
+
+
 async def test_score_async_equals_score_and_the_reference(running):
     rng = np.random.default_rng()
     prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask = dense_batch(rng, 9)
@@ -48,15 +64,8 @@ async def test_score_async_equals_score_and_the_reference(running):
     torch.testing.assert_close(overlapped, blocking, atol=ATOL, rtol=0)
     torch.testing.assert_close(overlapped_ent, blocking_ent, atol=ATOL, rtol=0)
     assert torch.equal(overlapped[completion_mask == 0], torch.zeros(int((completion_mask == 0).sum())))
-    rows = [i for i in range(len(prompts)) if completion_mask[i].any()]
-    assert_matches_reference(
-        running,
-        "default",
-        [prompts[i] for i in rows],
-        [completions[i] for i in rows],
-        [overlapped[i, : len(completions[i])].numpy() for i in rows],
-        temperature=0.7,
-        entropies=[overlapped_ent[i, : len(completions[i])].numpy() for i in rows],
+    assert_dense_matches_reference(
+        running, prompts, completions, completion_mask, overlapped, overlapped_ent, temperature=0.7
     )
 
 
@@ -93,11 +102,4 @@ async def test_trainer_work_runs_while_the_server_scores(running):
     assert pending_during_work, "the RPC finished before the trainer's work did: nothing overlapped"
     assert [name for name, _ in timeline] == ["score_async returned", "server scoring", "trainer work done", "result"]
     assert [t for _, t in timeline] == sorted(t for _, t in timeline)
-    rows = [i for i in range(len(prompts)) if completion_mask[i].any()]
-    assert_matches_reference(
-        running,
-        "default",
-        [prompts[i] for i in rows],
-        [completions[i] for i in rows],
-        [result[i, : len(completions[i])].numpy() for i in rows],
-    )
+    assert_dense_matches_reference(running, prompts, completions, completion_mask, result)
