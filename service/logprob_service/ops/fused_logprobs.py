@@ -50,7 +50,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .logprobs import IDENTITY, LogitTransform, TokenScores
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
