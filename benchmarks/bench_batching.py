@@ -85,7 +85,6 @@ from logprob_service.jobs import TokenSequence
 from logprob_service.models.registry import ModelRegistry, serve_model
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.ops.attention import PACKED_ATTENTION, register_packed_attention
-from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
 from transformers import PreTrainedModel
 
 GiB = 1024**3
@@ -298,7 +297,6 @@ def server_settings(args: argparse.Namespace, device: torch.device) -> Settings:
         metrics_port=0,
         models={MODEL_NAME: "random weights, built by benchmarks/bench_batching.py"},
         device=str(device),
-        lm_head_chunk_bytes=DEFAULT_CHUNK_BYTES,
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sequences=args.max_batch_sequences,
     )
@@ -601,6 +599,16 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def _memory_latency_busy_cells(m: Measured) -> list[str]:
+    """The last four columns of both tables: peak extra GiB, p50 ms, p99 ms, GPU busy %."""
+    return [
+        m.note or _num(m.peak_extra_gib, ".2f"),
+        _num(percentile(m.latencies_ms, 50), ".1f"),
+        _num(percentile(m.latencies_ms, 99), ".1f"),
+        _num(m.busy_percent, ".1f"),
+    ]
+
+
 def format_table(rows: list[Measured], workload: Workload) -> str:
     base = tokens_per_s(rows[0], workload)
     lines = [
@@ -609,16 +617,8 @@ def format_table(rows: list[Measured], workload: Workload) -> str:
     ]
     for m in rows:
         rate = tokens_per_s(m, workload)
-        cells = [
-            m.method,
-            m.note or _num(rate, ",.0f"),
-            _num(rate / base if rate and base else None, ".2f"),
-            m.note or _num(m.peak_extra_gib, ".2f"),
-            _num(percentile(m.latencies_ms, 50), ".1f"),
-            _num(percentile(m.latencies_ms, 99), ".1f"),
-            _num(m.busy_percent, ".1f"),
-        ]
-        lines.append(f"| {' | '.join(cells)} |")
+        cells = [m.method, m.note or _num(rate, ",.0f"), _num(rate / base if rate and base else None, ".2f")]
+        lines.append(f"| {' | '.join(cells + _memory_latency_busy_cells(m))} |")
     return "\n".join(lines)
 
 
@@ -630,16 +630,8 @@ def format_sweep(sweep: list[tuple[int, Measured]], workload: Workload) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for value, m in sweep:
-        cells = [
-            str(value),
-            str(m.units_per_pass or "n/a"),
-            m.note or _num(tokens_per_s(m, workload), ",.0f"),
-            m.note or _num(m.peak_extra_gib, ".2f"),
-            _num(percentile(m.latencies_ms, 50), ".1f"),
-            _num(percentile(m.latencies_ms, 99), ".1f"),
-            _num(m.busy_percent, ".1f"),
-        ]
-        lines.append(f"| {' | '.join(cells)} |")
+        cells = [str(value), str(m.units_per_pass or "n/a"), m.note or _num(tokens_per_s(m, workload), ",.0f")]
+        lines.append(f"| {' | '.join(cells + _memory_latency_busy_cells(m))} |")
     return "\n".join(lines)
 
 

@@ -68,10 +68,12 @@ def _triton_importable() -> bool:
 def select_logprob_op(kernel: LogprobKernel, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LogprobOp:
     """Resolve ``kernel`` for ``device``; a forced ``triton`` that cannot run raises ValueError."""
     if kernel == "auto":
-        if device.type == "cuda" and not _triton_importable():
+        if device.type != "cuda":
+            return LogprobOp("eager", chunk_bytes)
+        if not _triton_importable():
             log.warning("the triton package does not import: the lm_head runs in eager chunks (slower)")
-        use_triton = device.type == "cuda" and _triton_importable()
-        return LogprobOp("triton" if use_triton else "eager", chunk_bytes)
+            return LogprobOp("eager", chunk_bytes)
+        return LogprobOp("triton", chunk_bytes)
     if kernel == "triton":
         if not _triton_importable():
             raise ValueError("logprob_kernel: 'triton' needs the triton package (pip install triton)")
