@@ -9,7 +9,10 @@ not retried (its requests are not idempotent once responses have flowed).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
+
+import grpc
 
 MiB = 1024**2
 SERVICE = "logprob.v1.LogprobService"
@@ -53,3 +56,11 @@ def channel_options(
     else:
         options.append(("grpc.enable_retries", 0))
     return options + list(extra or [])
+
+
+def open_channel(
+    target: str, *, aio: bool, max_attempts: int = 5, options: Sequence[tuple[str, Any]] | None = None
+) -> grpc.Channel | grpc.aio.Channel:
+    """The channel both clients use: blocking (``aio=False``) or asyncio."""
+    merged = channel_options(max_attempts=max_attempts, extra=list(options or []))
+    return (grpc.aio if aio else grpc).insecure_channel(target, options=merged)

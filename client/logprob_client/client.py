@@ -24,7 +24,7 @@ import numpy as np
 
 from ._proto import logprob_pb2 as pb
 from ._proto import logprob_pb2_grpc as pb_grpc
-from .channel import channel_options
+from .channel import open_channel
 from .errors import LogprobError, error_for_status, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, assemble, prepare
@@ -163,9 +163,7 @@ class LogprobClient(_Calls):
             max_sequences_per_rpc=max_sequences_per_rpc,
             max_tokens_per_rpc=max_tokens_per_rpc,
         )
-        self._channel = channel or grpc.insecure_channel(
-            target, options=channel_options(max_attempts=max_attempts, extra=list(options or []))
-        )
+        self._channel = channel or open_channel(target, aio=False, max_attempts=max_attempts, options=options)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
 
     def score(
@@ -282,9 +280,7 @@ class AsyncLogprobClient(_Calls):
             max_sequences_per_rpc=max_sequences_per_rpc,
             max_tokens_per_rpc=max_tokens_per_rpc,
         )
-        self._channel = channel or grpc.aio.insecure_channel(
-            target, options=channel_options(max_attempts=max_attempts, extra=list(options or []))
-        )
+        self._channel = channel or open_channel(target, aio=True, max_attempts=max_attempts, options=options)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
 
     async def score(

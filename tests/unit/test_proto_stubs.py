@@ -29,6 +29,14 @@ def test_stub_service_matches_the_proto_service():
 
     service = logprob_pb2.DESCRIPTOR.services_by_name["LogprobService"]
     assert service.full_name == "logprob.v1.LogprobService"
-    assert [m.name for m in service.methods] == ["ScoreTokens", "ScoreTokensStream", "ListModels"]
+    assert [m.name for m in service.methods] == [
+        "ScoreTokens",
+        "ScoreTokensStream",
+        "ListModels",
+        "UpdateWeights",
+        "LoadWeights",
+    ]
     stream = service.methods_by_name["ScoreTokensStream"]
     assert stream.client_streaming and stream.server_streaming
+    update = service.methods_by_name["UpdateWeights"]
+    assert update.client_streaming and not update.server_streaming

@@ -15,18 +15,20 @@ class Sequence(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "model", "sequences", "temperature", "return_entropy")
+    __slots__ = ("request_id", "model", "sequences", "temperature", "return_entropy", "min_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
     temperature: float
     return_entropy: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ...) -> None: ...
+    min_version: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ..., min_version: _Optional[int] = ...) -> None: ...
 
 class SequenceScores(_message.Message):
     __slots__ = ("logprobs", "entropies")
@@ -87,7 +89,7 @@ class ModelLimits(_message.Message):
     def __init__(self, max_sequence_tokens: _Optional[int] = ..., max_sequences_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device")
+    __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device", "base_model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class ModelInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -108,10 +111,83 @@ class ModelInfo(_message.Message):
     limits: ModelLimits
     source: str
     device: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    base_model: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightsHeader(_message.Message):
+    __slots__ = ("model", "version", "partial")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    partial: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsCommit(_message.Message):
+    __slots__ = ("tensor_count",)
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    tensor_count: int
+    def __init__(self, tensor_count: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("header", "tensor", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateWeightsHeader
+    tensor: TensorChunk
+    commit: UpdateWeightsCommit
+    def __init__(self, header: _Optional[_Union[UpdateWeightsHeader, _Mapping]] = ..., tensor: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("model", "path", "version", "partial")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    path: str
+    version: int
+    partial: bool
+    def __init__(self, model: _Optional[str] = ..., path: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("model", "version", "fingerprint", "tensors", "bytes", "staged_on", "total_ns", "swap_ns")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_ON_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_NS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    fingerprint: str
+    tensors: int
+    bytes: int
+    staged_on: str
+    total_ns: int
+    swap_ns: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., staged_on: _Optional[str] = ..., total_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,16 @@ class LogprobServiceStub:
                 request_serializer=logprob_dot_v1_dot_logprob__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=logprob_dot_v1_dot_logprob__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.stream_unary(
+                '/logprob.v1.LogprobService/UpdateWeights',
+                request_serializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.LoadWeights = channel.unary_unary(
+                '/logprob.v1.LogprobService/LoadWeights',
+                request_serializer=logprob_dot_v1_dot_logprob__pb2.LoadWeightsRequest.SerializeToString,
+                response_deserializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class LogprobServiceServicer:
@@ -71,7 +81,27 @@ class LogprobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """The models this server holds, with their limits.
+        """The models this server holds, with their limits and live weight versions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request_iterator, context):
+        """Administrative: replace some or all of a model's weights with tensors streamed by the caller.
+        The stream is: one `header`, then `tensor` chunks (a large tensor is split over several
+        messages, in byte order), then one `commit`. The server stages every tensor, checks each
+        name, shape and dtype against the model, and only after the commit swaps them in at once,
+        between two micro-batches: no micro-batch ever mixes versions. On any error, or a stream that
+        ends before its commit, the live weights and version are untouched (INVALID_ARGUMENT /
+        ABORTED naming the tensor). Needs the admin scope when authentication is configured.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadWeights(self, request, context):
+        """Administrative: the same as UpdateWeights, from files on the server's own disk.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +124,16 @@ def add_LogprobServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=logprob_dot_v1_dot_logprob__pb2.ListModelsRequest.FromString,
                     response_serializer=logprob_dot_v1_dot_logprob__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'LoadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadWeights,
+                    request_deserializer=logprob_dot_v1_dot_logprob__pb2.LoadWeightsRequest.FromString,
+                    response_serializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +217,60 @@ class LogprobService:
             '/logprob.v1.LogprobService/ListModels',
             logprob_dot_v1_dot_logprob__pb2.ListModelsRequest.SerializeToString,
             logprob_dot_v1_dot_logprob__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/logprob.v1.LogprobService/UpdateWeights',
+            logprob_dot_v1_dot_logprob__pb2.UpdateWeightsRequest.SerializeToString,
+            logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logprob.v1.LogprobService/LoadWeights',
+            logprob_dot_v1_dot_logprob__pb2.LoadWeightsRequest.SerializeToString,
+            logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
