@@ -44,7 +44,12 @@ def record(
 ) -> None:
     """Account for one answer: ``request`` is None for a stream's own final status."""
     scoring = request if isinstance(request, pb.ScoreRequest) else None
-    model = convert.model_name(scoring) if scoring is not None else ""
+    if isinstance(request, pb.ScoreRequest | pb.LoadWeightsRequest):
+        model = convert.model_name(request)
+    elif isinstance(response, pb.UpdateWeightsResponse):
+        model = response.model  # a client stream: the model is known from its answer
+    else:
+        model = ""
     metrics.observe_request(model, rpc, code)
     level = _level(code)
     if not log.isEnabledFor(level):
@@ -57,6 +62,8 @@ def record(
             "sequences": len(scoring.sequences),
             "tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in scoring.sequences),
         }
+    if isinstance(response, pb.UpdateWeightsResponse):
+        fields |= {"model": model, "version": response.version, "tensors": response.tensors, "bytes": response.bytes}
     if isinstance(response, pb.ScoreResponse) and response.HasField("metadata"):
         meta = response.metadata
         fields |= {

@@ -65,7 +65,8 @@ class Settings(BaseSettings):
         default_factory=lambda: {"default": DEFAULT_MODEL_SOURCE},
         description=(
             "Models to serve as NAME=SOURCE (repeatable flag --model; env: comma-separated or JSON). "
-            "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, or a hub id. "
+            "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, a hub id, or BASE+ADAPTER_DIR: "
+            "a LoRA model sharing the weights of the served model BASE, with a PEFT adapter directory. "
             "A bare SOURCE is named 'default'."
         ),
     )
@@ -113,6 +114,21 @@ class Settings(BaseSettings):
     )
     max_message_bytes: int = Field(
         256 * MiB, ge=4 * MiB, description="Largest gRPC message received or sent (gRPC's default is 4 MiB)."
+    )
+
+    # Weight updates.
+    update_staging_reserve_bytes: int = Field(
+        4 * 1024**3,
+        ge=0,
+        description=(
+            "UpdateWeights/LoadWeights stage incoming tensors on the GPU while at least this much device "
+            "memory stays free, else in host memory."
+        ),
+    )
+    max_version_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="Longest a request with min_version waits for that version (its deadline, if sooner, wins).",
     )
 
     # Lifecycle and logs.

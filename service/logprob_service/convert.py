@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 
 import numpy as np
 from logprob_client._proto import logprob_pb2 as pb
 
-from .errors import LogprobError
+from .errors import InvalidArgument, LogprobError
 from .jobs import ScoreJob, ScoreResult, TokenSequence
 from .models.registry import ModelInfo
-from .validation import RequestLimits, validate_temperature
+from .validation import RequestLimits, validate_temperature, validate_version
+from .weight_updates import Commit, TensorPiece, UpdateHeader, UpdateMessage, UpdateOutcome
 
 DEFAULT_MODEL = "default"
 
 
-def model_name(request: pb.ScoreRequest) -> str:
+def model_name(request: pb.ScoreRequest | pb.UpdateWeightsHeader | pb.LoadWeightsRequest) -> str:
     return request.model or DEFAULT_MODEL
 
 
@@ -38,6 +40,7 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None) -> ScoreJ
         temperature=validate_temperature(request.temperature),
         return_entropy=request.return_entropy,
         deadline=deadline,
+        min_version=validate_version("min_version", request.min_version),
     )
 
 
@@ -79,9 +82,50 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
         device=info.device,
         version=info.version,
         fingerprint=info.fingerprint,
+        base_model=info.base_model,
         limits=pb.ModelLimits(
             max_sequence_tokens=info.max_positions or 0,
             max_sequences_per_request=limits.max_sequences_per_request,
             max_tokens_per_request=limits.max_tokens_per_request,
         ),
+    )
+
+
+def _update_header(header: pb.UpdateWeightsHeader | pb.LoadWeightsRequest) -> UpdateHeader:
+    return UpdateHeader(
+        model=model_name(header), version=validate_version("version", header.version), partial=header.partial
+    )
+
+
+async def update_messages(requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[UpdateMessage]:
+    """An UpdateWeights stream as domain messages."""
+    async for request in requests:
+        kind = request.WhichOneof("kind")
+        if kind == "header":
+            yield _update_header(request.header)
+        elif kind == "tensor":
+            t = request.tensor
+            yield TensorPiece(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=t.offset, data=t.data)
+        elif kind == "commit":
+            yield Commit(tensor_count=request.commit.tensor_count)
+        else:
+            raise InvalidArgument("kind: an UpdateWeightsRequest must set one of header, tensor, commit")
+
+
+def load_request(request: pb.LoadWeightsRequest) -> tuple[UpdateHeader, str]:
+    if not request.path:
+        raise InvalidArgument("path: empty; a .safetensors file or a directory on the server is required")
+    return _update_header(request), request.path
+
+
+def update_response(outcome: UpdateOutcome) -> pb.UpdateWeightsResponse:
+    return pb.UpdateWeightsResponse(
+        model=outcome.model,
+        version=outcome.version,
+        fingerprint=outcome.fingerprint,
+        tensors=outcome.tensors,
+        bytes=outcome.bytes,
+        staged_on=outcome.staged_on,
+        total_ns=outcome.total_ns,
+        swap_ns=outcome.swap_ns,
     )

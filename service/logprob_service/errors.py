@@ -33,6 +33,18 @@ class ModelNotFound(LogprobError):
     status = grpc.StatusCode.NOT_FOUND
 
 
+class FailedPrecondition(LogprobError):
+    """The request is well-formed but the server's state does not allow it (yet)."""
+
+    status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Aborted(LogprobError):
+    """A weight update that ended before its commit; nothing of it was applied."""
+
+    status = grpc.StatusCode.ABORTED
+
+
 class Overloaded(LogprobError):
     """The queue is over its token budget. Retryable: the hint is sent as gRPC's standard
     ``grpc-retry-pushback-ms``, which clients with a retry policy honour."""

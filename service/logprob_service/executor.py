@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from . import gpu_memory, metrics
 from .errors import LogprobError, Overloaded
 from .jobs import SequenceScores, TokenSequence
+from .models.registry import ServedModel
 from .models.scorer import CausalLMScorer, Launched
 from .packing import pack
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -100,17 +103,21 @@ class DeviceExecutor:
 
     async def launch(
         self,
-        scorer: CausalLMScorer,
+        served: ServedModel,
         sequences: Sequence[TokenSequence],
         *,
         temperature: float,
         return_entropy: bool,
     ) -> list[Part]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._device,
-            lambda: launch_measured(scorer, sequences, temperature=temperature, return_entropy=return_entropy),
-        )
+        def launch() -> list[Part]:
+            served.activate()  # a LoRA model and its base share one model: select which one scores
+            return launch_measured(served.scorer, sequences, temperature=temperature, return_entropy=return_entropy)
+
+        return await self.run(launch)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the device thread, after everything launched before it (e.g. a weight swap)."""
+        return await asyncio.get_running_loop().run_in_executor(self._device, fn)
 
     async def fetch(self, launched: Launched) -> list[SequenceScores]:
         return await asyncio.get_running_loop().run_in_executor(self._fetch, launched.fetch)

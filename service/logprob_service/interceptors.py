@@ -3,8 +3,9 @@
 Domain errors (``errors.LogprobError``) carry their status and a message for the caller.
 Anything else is a bug: answered INTERNAL (``accounting`` logs it with the request id and the
 traceback), and the server keeps serving the other requests. Each unary RPC's outcome goes to
-``accounting`` once; a stream's requests are accounted for one by one by the stream handler,
-so here a stream counts only when it fails as a whole.
+``accounting`` once, and so does a client-streaming RPC (UpdateWeights) as a whole; a scoring
+stream's requests are accounted for one by one by the stream handler, so here such a stream
+counts only when it fails as a whole.
 
 Only this service's RPCs are intercepted: health probes and reflection are not its requests.
 """
@@ -38,8 +39,11 @@ async def _abort(context: grpc.aio.ServicerContext, request_id: str, err: Except
 
 
 @contextlib.asynccontextmanager
-async def _guarded(context: grpc.aio.ServicerContext, rpc: str, request: Any) -> AsyncIterator[_Answer]:
-    """Map what the handler raises to a status, and account for the RPC (``request`` None: a stream).
+async def _guarded(
+    context: grpc.aio.ServicerContext, rpc: str, request: Any, *, answers_per_request: bool = False
+) -> AsyncIterator[_Answer]:
+    """Map what the handler raises to a status, and account for the RPC (``request``: None for a
+    client stream; ``answers_per_request``: a scoring stream, whose requests are accounted for apart).
 
     The outcome is accounted for before the answer leaves, so a caller that has its answer
     finds it counted."""
@@ -59,7 +63,7 @@ async def _guarded(context: grpc.aio.ServicerContext, rpc: str, request: Any) ->
             raise
         await _abort(context, getattr(request, "request_id", ""), err)
     else:
-        if request is not None:  # a stream's requests were accounted for one by one
+        if not answers_per_request:
             account(grpc.StatusCode.OK)
 
 
@@ -86,11 +90,24 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_unary is not None:
+            inner_client_stream = handler.stream_unary
+
+            async def client_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                async with _guarded(context, rpc, None) as answer:
+                    answer.response = await inner_client_stream(request_iterator, context)
+                    return answer.response
+
+            return grpc.stream_unary_rpc_method_handler(
+                client_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler.stream_stream is not None:
             inner_stream = handler.stream_stream
 
             async def stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async with _guarded(context, rpc, None):
+                async with _guarded(context, rpc, None, answers_per_request=True):
                     async for response in inner_stream(request_iterator, context):
                         yield response
 

@@ -33,6 +33,7 @@ class ScoreJob:
     temperature: float = 1.0
     return_entropy: bool = False
     deadline: float | None = None  # time.monotonic() after which the work is useless
+    min_version: int = 0  # score only with weights of at least this version
 
     @property
     def num_tokens(self) -> int:

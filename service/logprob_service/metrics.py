@@ -101,6 +101,19 @@ MODEL_INFO = Gauge(
     "Served models (value 1), described by labels.",
     ["model", "architecture", "source", "dtype", "device", "version", "fingerprint"],
 )
+WEIGHT_UPDATE_DURATION = Histogram(
+    "logprob_weight_update_seconds",
+    "Weight updates that went live: from their first message to the end of the swap.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+)
+WEIGHT_SWAP_DURATION = Histogram(
+    "logprob_weight_swap_seconds",
+    "The swap alone of each weight update: scoring of the model paused for this long.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+)
+WEIGHT_UPDATE_BYTES = Counter("logprob_weight_update_bytes", "Bytes of weights replaced by updates.", ["model"])
 MODEL_VERSION = Gauge("logprob_model_version", "Version of the weights each served model scores with.", ["model"])
 
 _served: dict[str, ModelInfo] = {}  # name -> info of the models served by this process
@@ -185,6 +198,12 @@ def observe_model(info: ModelInfo) -> None:
 
 def _info_labels(info: ModelInfo) -> tuple[str, ...]:
     return (info.name, info.architecture, info.source, info.dtype, info.device, str(info.version), info.fingerprint)
+
+
+def observe_weight_update(model: str, nbytes: int, total_ns: int, swap_ns: int) -> None:
+    WEIGHT_UPDATE_DURATION.labels(model).observe(total_ns / 1e9)
+    WEIGHT_SWAP_DURATION.labels(model).observe(swap_ns / 1e9)
+    WEIGHT_UPDATE_BYTES.labels(model).inc(nbytes)
 
 
 def observe_limits(*, max_batch_tokens: int, max_batch_sequences: int, max_queued_tokens: int) -> None:

@@ -13,6 +13,11 @@ flight, so the next one is packed and enqueued while the device computes the cur
 Units whose caller went away or whose deadline passed are dropped before they reach the device.
 Results are scattered back by sequence index, so every response is in request order however
 its sequences were batched.
+
+Weight swaps (``swap``) run in the batching loop, on the device thread, between micro-batches.
+While a swap of a model waits, that model's requests not yet started stay queued, and those
+already partly launched finish on the old weights first: every response is scored by one
+version, the one it reports. A request with ``min_version`` waits for that version first.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import metrics
-from .errors import DeadlineExceeded, Overloaded
+from .errors import DeadlineExceeded, FailedPrecondition, Overloaded, Unavailable
 from .executor import DeviceExecutor, Part
 from .jobs import ScoreJob, ScoreResult, SequenceScores, Timings
 from .models.registry import ModelRegistry
@@ -78,6 +84,14 @@ class _Unit:
 
 
 @dataclass(eq=False)
+class _Swap:
+    """A weight swap waiting for its model's started requests to finish."""
+
+    apply: Callable[[], None]  # runs on the device thread
+    done: asyncio.Future[None]
+
+
+@dataclass(eq=False)
 class _Launched:
     """A micro-batch handed to the device: who owns each of its sequences, and its parts."""
 
@@ -103,6 +117,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_batch_sequences: int,
         max_wait_ms: float,
+        max_version_wait_s: float = 300.0,
     ) -> None:
         self._registry = registry
         self._executor = executor
@@ -116,6 +131,9 @@ class Scheduler:
         self._loop_task: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
         self._tokens_per_s = 0.0  # moving average of measured throughput
+        self._max_version_wait_s = max_version_wait_s
+        self._swaps: dict[str, _Swap] = {}  # model -> its pending weight swap
+        self._version_changed = asyncio.Condition()
         metrics.observe_limits(
             max_batch_tokens=max_batch_tokens,
             max_batch_sequences=max_batch_sequences,
@@ -127,14 +145,50 @@ class Scheduler:
             self._loop_task = asyncio.create_task(self._run(), name="logprob-scheduler")
 
     async def close(self) -> None:
+        for swap in self._swaps.values():
+            swap.done.set_exception(Unavailable("the server is shutting down; the weights were not swapped"))
+        self._swaps.clear()
         tasks = [t for t in (self._loop_task, *self._in_flight) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loop_task = None
 
+    async def swap(self, model: str, apply: Callable[[], None]) -> None:
+        """Run ``apply`` (which replaces ``model``'s weights) on the device thread between
+        micro-batches, once the requests of ``model`` already started have been launched."""
+        if model in self._swaps:
+            raise RuntimeError(f"a swap of model {model!r} is already pending")  # WeightUpdater serializes them
+        swap = _Swap(apply, asyncio.get_running_loop().create_future())
+        self._swaps[model] = swap
+        self._wake.set()
+        await swap.done
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    async def _wait_for_version(self, job: ScoreJob) -> None:
+        if job.min_version <= 0:
+            return
+        served = self._registry.get(job.model)
+        if served.info.version >= job.min_version:
+            return
+        timeout = self._max_version_wait_s
+        if job.deadline is not None:
+            timeout = min(timeout, job.deadline - time.monotonic())
+        try:
+            async with self._version_changed:
+                await asyncio.wait_for(
+                    self._version_changed.wait_for(lambda: served.info.version >= job.min_version), max(timeout, 0)
+                )
+        except TimeoutError:
+            raise FailedPrecondition(
+                f"min_version: model {job.model!r} is at version {served.info.version}; version "
+                f"{job.min_version} did not go live within {max(timeout, 0):.1f} s"
+            ) from None
+
     async def submit(self, job: ScoreJob) -> ScoreResult:
         """Queue ``job`` and wait for its result. Cancelling the caller drops its queued work."""
+        await self._wait_for_version(job)
         tokens = job.num_tokens
         if self._queued_tokens + tokens > self._max_queued_tokens:
             raise Overloaded(
@@ -191,11 +245,13 @@ class Scheduler:
     async def _next_batch(self) -> list[_Unit]:
         while True:
             self._drop_dead()
+            await self._run_due_swaps()
             timeout = None
-            if self._units:
-                waited = (time.perf_counter_ns() - self._units[0].request.arrived_ns) / 1e9
+            first = self._first_eligible()
+            if first is not None:
+                waited = (time.perf_counter_ns() - first.request.arrived_ns) / 1e9
                 device_idle = not self._in_flight
-                if not device_idle or waited >= self._max_wait_s or self._fills_a_batch():
+                if not device_idle or waited >= self._max_wait_s or self._fills_a_batch(first):
                     return self._take()
                 timeout = self._max_wait_s - waited
             self._wake.clear()
@@ -223,9 +279,30 @@ class Scheduler:
                 alive.append(unit)
         self._units = alive
 
-    def _fills_a_batch(self) -> bool:
-        key = self._units[0].request.key
-        tokens = sum(u.tokens for u in self._units if u.request.key == key)
+    def _eligible(self, unit: _Unit) -> bool:
+        """Whether ``unit`` may be launched now: not when its model waits for a swap and its request
+        has not started (a started one must finish on the weights it started with)."""
+        return unit.request.job.model not in self._swaps or unit.request.first_launch_ns is not None
+
+    def _first_eligible(self) -> _Unit | None:
+        return next((unit for unit in self._units if self._eligible(unit)), None)
+
+    async def _run_due_swaps(self) -> None:
+        """Swap the weights of every model with a pending swap and no started request queued."""
+        for model, swap in list(self._swaps.items()):
+            if any(unit.request.job.model == model and self._eligible(unit) for unit in self._units):
+                continue
+            del self._swaps[model]
+            try:
+                await self._executor.run(swap.apply)
+            except Exception as err:
+                swap.done.set_exception(err)
+            else:
+                swap.done.set_result(None)
+
+    def _fills_a_batch(self, first: _Unit) -> bool:
+        key = first.request.key
+        tokens = sum(u.tokens for u in self._units if u.request.key == key and self._eligible(u))
         return tokens >= self._max_batch_tokens
 
     def _take(self) -> list[_Unit]:
@@ -233,16 +310,17 @@ class Scheduler:
         for the room left gives the sequences that fit and keeps its place with the rest, so
         micro-batches fill up to the budget. (Units never mix an over-long sequence with others:
         ``plan_micro_batches`` puts each alone, and it is then scored alone.)"""
-        first = self._units[0]
+        first = self._first_eligible()
+        assert first is not None, "_take needs an eligible unit"
         if first.tokens > self._max_batch_tokens:
-            self._units.pop(0)
+            self._units.remove(first)
             return [first]
         chosen: list[_Unit] = []
         rest: list[_Unit] = []
         tokens = sequences = 0
         for unit in self._units:
             left: _Unit | None = unit
-            if unit.request.key == first.request.key:
+            if unit.request.key == first.request.key and self._eligible(unit):
                 taken, left = self._fit(unit, self._max_batch_tokens - tokens, self._max_batch_sequences - sequences)
                 if taken is not None:
                     chosen.append(taken)
@@ -282,7 +360,7 @@ class Scheduler:
             served = self._registry.get(key.model)
             batch.model_version = served.info.version
             batch.parts = await self._executor.launch(
-                served.scorer,
+                served,
                 [request.job.sequences[i] for request, i in batch.owners],
                 temperature=key.temperature,
                 return_entropy=key.return_entropy,

@@ -19,12 +19,14 @@ from .interceptors import ExceptionToStatusInterceptor
 from .jobs import ScoreJob, TokenSequence
 from .metrics import start_metrics_server
 from .models.loading import ModelLoadError, resolve_device, resolve_dtype
-from .models.registry import ModelRegistry, load_served_model
+from .models.lora import split_lora_source
+from .models.registry import ModelRegistry, load_served_model, serve_lora_model
 from .ops.dispatch import select_logprob_op
 from .scheduler import Scheduler
 from .servicer import LogprobServicer
 from .state import SERVICE_NAME, ServingState
 from .validation import RequestLimits
+from .weight_updates import WeightUpdater
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class Service:
     registry: ModelRegistry
     executor: DeviceExecutor
     scheduler: Scheduler
+    updater: WeightUpdater
     state: ServingState
 
     @classmethod
@@ -50,8 +53,10 @@ class Service:
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_sequences=settings.max_batch_sequences,
             max_wait_ms=settings.max_wait_ms,
+            max_version_wait_s=settings.max_version_wait_s,
         )
-        return cls(settings, registry, executor, scheduler, ServingState())
+        updater = WeightUpdater(registry, scheduler, staging_reserve_bytes=settings.update_staging_reserve_bytes)
+        return cls(settings, registry, executor, scheduler, updater, ServingState())
 
     @property
     def limits(self) -> RequestLimits:
@@ -70,7 +75,10 @@ class Service:
         except ValueError as err:  # a forced kernel this host cannot run: fail before loading weights
             raise ModelLoadError(str(err)) from None
         loop = asyncio.get_running_loop()
+        lora = {name: split_lora_source(source, set(s.models) - {name}) for name, source in s.models.items()}
         for name, source in s.models.items():
+            if lora[name] is not None:
+                continue
             served = await loop.run_in_executor(
                 None,
                 lambda name=name, source=source: load_served_model(
@@ -85,6 +93,18 @@ class Service:
                 ),
             )
             self.registry.add(served)
+        for name, spec in lora.items():
+            if spec is not None:
+                base, adapter_dir = spec
+                if lora[base] is not None:
+                    raise ModelLoadError(f"LoRA model {name!r}: its base {base!r} is itself a LoRA model")
+                served = await loop.run_in_executor(
+                    None,
+                    lambda name=name, base=base, adapter_dir=adapter_dir: serve_lora_model(
+                        name, self.registry.get(base), adapter_dir
+                    ),
+                )
+                self.registry.add(served)
 
     async def warm_up(self) -> None:
         """Score one short random sequence with every model through the real path, then SERVE."""
@@ -110,6 +130,7 @@ class Service:
 
     async def close(self) -> None:
         await self.scheduler.close()
+        self.updater.close()
         self.executor.shutdown()
 
 
@@ -130,7 +151,7 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
         ],
     )
     pb_grpc.add_LogprobServiceServicer_to_server(
-        LogprobServicer(service.registry, service.scheduler, service.state, service.limits), server
+        LogprobServicer(service.registry, service.scheduler, service.updater, service.state, service.limits), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(service.state.health, server)
     reflection.enable_server_reflection(

@@ -16,6 +16,7 @@ from .models.registry import ModelRegistry
 from .scheduler import Scheduler
 from .state import ServingState
 from .validation import RequestLimits, validate_job
+from .weight_updates import WeightUpdater
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -25,10 +26,16 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 class LogprobServicer(pb_grpc.LogprobServiceServicer):
     def __init__(
-        self, registry: ModelRegistry, scheduler: Scheduler, state: ServingState, limits: RequestLimits
+        self,
+        registry: ModelRegistry,
+        scheduler: Scheduler,
+        updater: WeightUpdater,
+        state: ServingState,
+        limits: RequestLimits,
     ) -> None:
         self._registry = registry
         self._scheduler = scheduler
+        self._updater = updater
         self._state = state
         self._limits = limits
 
@@ -94,3 +101,15 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         return pb.ListModelsResponse(
             models=[convert.model_info_to_proto(served.info, self._limits) for served in self._registry]
         )
+
+    async def UpdateWeights(
+        self, request_iterator: AsyncIterator[pb.UpdateWeightsRequest], context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        self._state.check_accepting()
+        return convert.update_response(await self._updater.update(convert.update_messages(request_iterator)))
+
+    async def LoadWeights(
+        self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        self._state.check_accepting()
+        return convert.update_response(await self._updater.load(*convert.load_request(request)))

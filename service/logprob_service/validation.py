@@ -32,6 +32,12 @@ def validate_temperature(temperature: float) -> float:
     return temperature
 
 
+def validate_version(field: str, version: int) -> int:
+    if version < 0:
+        raise InvalidArgument(f"{field}: {version} must be >= 0 (0: unset)")
+    return version
+
+
 def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> None:
     if not job.sequences:
         raise InvalidArgument("sequences: the request has no sequences; at least 1 is required")

@@ -9,26 +9,27 @@ import numpy as np
 import pytest
 import torch
 from logprob_service.models.builtin import build_builtin, tiny_llama_config, tiny_llama_tokenizer
-from logprob_service.models.scorer import weights_fingerprint
+from logprob_service.models.weights import model_fingerprint
 
-# blake2b of the float32 weights; if this changes, every user's builtin model changed with it.
-TINY_LLAMA_FINGERPRINT = "1f544ae8e118fcd79b5d051d40449ec6"
+# blake2b over the float32 weights' digests (models/weights.py); if this changes, every
+# user's builtin model changed with it.
+TINY_LLAMA_FINGERPRINT = "e960d8371d4b6ddb5a5bbf5c85b0efd8"
 
 
 def test_builtin_is_deterministic_and_pinned():
     a, b = build_builtin("tiny-llama"), build_builtin("tiny-llama")
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
-    fingerprint = weights_fingerprint(a)
+    fingerprint = model_fingerprint(a)
     assert fingerprint == TINY_LLAMA_FINGERPRINT
 
 
 def test_fingerprint_changes_with_any_weight():
     model = build_builtin("tiny-llama")
-    before = weights_fingerprint(model)
+    before = model_fingerprint(model)
     with torch.no_grad():
         model.model.layers[2].mlp.up_proj.weight[3, 5] += 1e-3
-    assert weights_fingerprint(model) != before
+    assert model_fingerprint(model) != before
 
 
 def test_builtin_logits_are_spread_like_a_trained_model():

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +12,9 @@ from .. import metrics
 from ..errors import ModelNotFound
 from ..ops.dispatch import LogprobOp
 from .loading import load_causal_lm
-from .scorer import CausalLMScorer, weights_fingerprint
+from .lora import AdapterHost
+from .scorer import CausalLMScorer
+from .weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +30,49 @@ class ModelInfo:
     device: str
     version: int
     fingerprint: str
+    base_model: str = ""  # a LoRA model's base, whose weights it shares
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ServedModel:
+    """A model as served: its description, its scorer and its weights' digests.
+
+    ``info`` (version, fingerprint) and the weights change only together, in a weight swap, which
+    the scheduler runs between micro-batches. A LoRA model shares its base's scorer and
+    ``adapters`` host, and scores with its ``adapter`` active.
+    """
+
     info: ModelInfo
     scorer: CausalLMScorer
+    digests: dict[str, TensorDigest] = field(repr=False)
+    adapters: AdapterHost | None = None
+    adapter: str | None = None
+
+    def activate(self) -> None:
+        """Make the shared model score as this one (device thread, before each launch)."""
+        if self.adapters is not None:
+            self.adapters.activate(self.adapter)
+
+    def updatable(self) -> UpdatableWeights:
+        """What an update of this model may replace: the state dict, or a LoRA model's adapter."""
+        if self.adapter is not None:
+            return UpdatableWeights(self.adapters.adapter_weights(self.adapter))  # type: ignore[union-attr]
+        return UpdatableWeights(self.scorer.model.state_dict())
+
+    def updated(self, version: int, digests: dict[str, TensorDigest]) -> None:
+        """Record a swap: the new version, and the digests of the tensors it replaced."""
+        self.digests = {**self.digests, **digests}
+        self.info = dataclasses.replace(self.info, version=version, fingerprint=fingerprint(self.digests))
+        metrics.observe_model(self.info)
 
 
-def serve_model(name: str, source: str, scorer: CausalLMScorer, version: int = 0) -> ServedModel:
+def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
     """Describe a loaded model for the registry."""
     model = scorer.model
     config = model.config
     vocab = min(model.get_input_embeddings().weight.shape[0], scorer.head_weight.shape[0])
     max_positions = getattr(config, "max_position_embeddings", None)
+    digests = model_digests(model)
     info = ModelInfo(
         name=name,
         source=source,
@@ -49,10 +81,29 @@ def serve_model(name: str, source: str, scorer: CausalLMScorer, version: int = 0
         max_positions=int(max_positions) if max_positions else None,
         dtype=str(scorer.head_weight.dtype).removeprefix("torch."),
         device=str(scorer.device),
-        version=version,
-        fingerprint=weights_fingerprint(model),
+        version=0,
+        fingerprint=fingerprint(digests),
     )
-    return ServedModel(info=info, scorer=scorer)
+    return ServedModel(info=info, scorer=scorer, digests=digests)
+
+
+def serve_lora_model(name: str, base: ServedModel, adapter_dir: str) -> ServedModel:
+    """A LoRA model on ``base``: its adapter is injected into the base's model (one copy of the base)."""
+    if base.adapters is None:
+        base.adapters = AdapterHost(base.scorer.model)
+    base.adapters.add(name, adapter_dir)
+    digests = {**base.digests, **tensor_digests(base.adapters.adapter_weights(name))}
+    info = dataclasses.replace(
+        base.info,
+        name=name,
+        source=f"{base.info.name}+{adapter_dir}",
+        version=0,
+        fingerprint=fingerprint(digests),
+        base_model=base.info.name,
+    )
+    served = ServedModel(info=info, scorer=base.scorer, digests=digests, adapters=base.adapters, adapter=name)
+    log.info("LoRA model %r ready on base %r: %s", name, base.info.name, info)
+    return served
 
 
 def load_served_model(
@@ -95,6 +146,10 @@ class ModelRegistry:
         except KeyError:
             served = ", ".join(sorted(self._models)) or "none"
             raise ModelNotFound(f"model: {name!r} is not served here; served models: {served}") from None
+
+    def lora_models_of(self, base: str) -> list[str]:
+        """Names of the LoRA models sharing ``base``'s weights."""
+        return [name for name, served in self._models.items() if served.info.base_model == base]
 
     def __iter__(self):
         return iter(self._models.values())

@@ -13,7 +13,6 @@ waits for that copy. The thread can launch the next micro-batch before fetching 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,19 +40,6 @@ def config_logit_transform(config: object) -> LogitTransform:
         scale /= float(scaling)
     softcap = getattr(config, "final_logit_softcapping", None)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """blake2b over every parameter's name, dtype, shape and bytes, in name order.
-
-    Tied parameters are counted once (``named_parameters`` de-duplicates them).
-    """
-    digest = hashlib.blake2b(digest_size=16)
-    for name, param in sorted(model.named_parameters()):
-        tensor = param.detach().contiguous().cpu()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass

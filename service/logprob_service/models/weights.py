@@ -1,0 +1,126 @@
+"""A served model's weights as named tensors: fingerprints, what an update may replace, the swap.
+
+A fingerprint is a blake2b digest over every weight's name, dtype, shape and the digest of its
+bytes. Keeping the per-weight digests lets an update re-hash only the tensors it brings (hashed
+from the staged copy, off the device thread), and lets a LoRA model's fingerprint cover its
+base's weights and its adapter's without hashing the base again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    dtype: str  # "bfloat16"
+    shape: tuple[int, ...]
+    digest: str  # blake2b-128 of the raw bytes, hex
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_digest(tensor: torch.Tensor) -> TensorDigest:
+    """Digest of one tensor's raw bytes (copied to host memory first when it lives on a device)."""
+    host = tensor.detach().contiguous().cpu()
+    # hashlib releases the GIL on large buffers, so digests hashed on several threads run in parallel.
+    digest = hashlib.blake2b(host.view(torch.uint8).numpy(), digest_size=16).hexdigest()
+    return TensorDigest(dtype_name(tensor.dtype), tuple(tensor.shape), digest)
+
+
+def tensor_digests(named: Mapping[str, torch.Tensor], *, threads: int = 4) -> dict[str, TensorDigest]:
+    """``tensor_digest`` of every tensor, hashed on ``threads`` threads."""
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="logprob-digest") as pool:
+        return dict(zip(named, pool.map(tensor_digest, named.values())))
+
+
+def fingerprint(digests: Mapping[str, TensorDigest]) -> str:
+    """One hex digest for a set of weights: equal fingerprints, equal names, dtypes, shapes, bytes."""
+    combined = hashlib.blake2b(digest_size=16)
+    for name in sorted(digests):
+        d = digests[name]
+        combined.update(f"{name}|{d.dtype}|{d.shape}|{d.digest}\n".encode())
+    return combined.hexdigest()
+
+
+def unique_weights(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Named tensors with each storage once (tied embeddings appear under one name): the first name wins."""
+    seen: set[tuple[int, int]] = set()
+    unique: dict[str, torch.Tensor] = {}
+    for name, tensor in named:
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor
+    return unique
+
+
+def model_digests(model: torch.nn.Module) -> dict[str, TensorDigest]:
+    """Digests of a model's state dict, each storage once (see ``unique_weights``)."""
+    return tensor_digests(unique_weights(model.state_dict().items()))
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    return fingerprint(model_digests(model))
+
+
+class UpdatableWeights:
+    """The live tensors an update may replace, by name (each shares its parameter's storage).
+
+    Names are the model's state-dict keys (for a LoRA model, PEFT's adapter state-dict keys).
+    Tied weights (an lm_head that is the input embedding) answer to either name and count once
+    towards a full update.
+    """
+
+    def __init__(self, named: Mapping[str, torch.Tensor]) -> None:
+        self.live = dict(named)
+        self._storage = {name: (t.untyped_storage().data_ptr(), t.storage_offset()) for name, t in self.live.items()}
+        first = {}
+        for name, key in self._storage.items():
+            first.setdefault(key, name)
+        self._canonical = {name: first[key] for name, key in self._storage.items()}
+
+    def canonical(self, name: str) -> str:
+        """The name a weight is fingerprinted under: the first of the names sharing its storage."""
+        return self._canonical[name]
+
+    def check(self, name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The live tensor ``name`` stands for; InvalidArgument naming the tensor when it does not fit."""
+        live = self.live.get(name)
+        if live is None:
+            raise InvalidArgument(
+                f"tensor {name!r}: no such weight in the model ({len(self.live)} weights; "
+                f"e.g. {', '.join(sorted(self.live)[:3])})"
+            )
+        if dtype != dtype_name(live.dtype):
+            raise InvalidArgument(f"tensor {name!r}: dtype {dtype} does not match the model's {dtype_name(live.dtype)}")
+        if tuple(shape) != tuple(live.shape):
+            raise InvalidArgument(f"tensor {name!r}: shape {list(shape)} does not match the model's {list(live.shape)}")
+        return live
+
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """The weights (one name per storage) that ``names`` leaves out."""
+        covered = {self.canonical(name) for name in names}
+        return [name for name in dict.fromkeys(self._canonical.values()) if name not in covered]
+
+    def apply(self, staged: Mapping[str, torch.Tensor]) -> None:
+        """Copy every staged tensor into its live weight; returns once the copies are done.
+
+        Runs on the device thread between micro-batches: the copies are queued on the stream after
+        the micro-batches already launched (which read the old weights) and before any later one.
+        """
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                self.live[name].copy_(tensor, non_blocking=True)
+        for device in {t.device for t in self.live.values() if t.device.type == "cuda"}:
+            # The staged tensors are freed after this returns: they must not be read any more.
+            torch.cuda.synchronize(device)

@@ -1,0 +1,343 @@
+"""Weight updates (UpdateWeights, LoadWeights): assemble, check, stage, then swap at once.
+
+One update of one model:
+  header   the model's update slot is taken (one update per model at a time; another is ABORTED),
+           the new version checked (above the live one; 0 means live + 1)
+  tensors  each tensor's pieces are written, in order, into a host buffer; its name, dtype and
+           shape are checked against the live weight at its first piece (INVALID_ARGUMENT naming
+           it); once complete it is hashed and staged on a worker thread (on the device while
+           ``staging_reserve_bytes`` stay free there, else in host memory), overlapping the
+           reception of the next tensor
+  commit   the tensor count is checked, and for a full update that every weight came; then the
+           scheduler swaps the staged tensors in between two micro-batches, and the version and
+           fingerprint go live with them
+Anything that fails before the swap (a bad tensor, a stream that ends or breaks before its
+commit, a cancelled call) drops the staged tensors: the live weights and version are untouched.
+
+Nothing here sees protobuf: ``convert`` turns the stream's messages into the objects below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import metrics
+from .errors import Aborted, FailedPrecondition, InvalidArgument
+from .models.loading import DTYPES
+from .models.registry import ModelRegistry, ServedModel
+from .models.weights import TensorDigest, UpdatableWeights, tensor_digest
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    model: str
+    version: int  # 0: the live version + 1
+    partial: bool  # only some weights come; the others keep their live values
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """Bytes ``[offset, offset + len(data))`` of one tensor's raw little-endian, C-order bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Commit:
+    tensor_count: int
+
+
+UpdateMessage = UpdateHeader | TensorPiece | Commit
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    model: str
+    version: int
+    fingerprint: str
+    tensors: int
+    bytes: int
+    staged_on: str  # "cuda:0", "cpu", or "cuda:0+cpu" when device memory ran short midway
+    total_ns: int
+    swap_ns: int
+
+
+class _Assembly:
+    """One tensor's bytes, arriving in order into a host buffer."""
+
+    def __init__(self, first: TensorPiece, dtype: torch.dtype) -> None:
+        self.name, self.dtype_name, self.shape = first.name, first.dtype, first.shape
+        self.dtype = dtype
+        self.nbytes = math.prod(self.shape) * dtype.itemsize
+        self.buffer = np.empty(self.nbytes, dtype=np.uint8)
+        self.received = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.nbytes
+
+    def write(self, piece: TensorPiece) -> None:
+        if piece.dtype != self.dtype_name or piece.shape != self.shape:
+            raise InvalidArgument(
+                f"tensor {self.name!r}: a piece says dtype {piece.dtype} shape {list(piece.shape)}, "
+                f"its first piece said {self.dtype_name} {list(self.shape)}"
+            )
+        if piece.offset != self.received:
+            raise InvalidArgument(
+                f"tensor {self.name!r}: piece at byte offset {piece.offset}, expected {self.received} "
+                "(pieces of a tensor must come in order)"
+            )
+        end = self.received + len(piece.data)
+        if end > self.nbytes:
+            raise InvalidArgument(
+                f"tensor {self.name!r}: piece ends at byte {end}, past the tensor's {self.nbytes} bytes"
+            )
+        self.buffer[self.received : end] = np.frombuffer(piece.data, dtype=np.uint8)
+        self.received = end
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.buffer).view(self.dtype).reshape(self.shape)
+
+
+class _Stager:
+    """Puts complete tensors where the swap will read them from: the device while it has room."""
+
+    def __init__(self, device: torch.device, reserve_bytes: int) -> None:
+        self.device = device
+        self.reserve_bytes = reserve_bytes
+        # Staging copies run on their own stream, so they do not wait behind the scoring kernels.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.places: set[str] = set()
+
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.stream is not None and self._room_for(tensor.nbytes):
+            try:
+                with torch.cuda.stream(self.stream):
+                    staged = tensor.to(self.device)
+                self.stream.synchronize()
+                self.places.add(str(self.device))
+                return staged
+            except torch.OutOfMemoryError:
+                pass  # the room was taken meanwhile: keep this one on the host
+        self.places.add("cpu")
+        return tensor
+
+    def _room_for(self, nbytes: int) -> bool:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free - nbytes >= self.reserve_bytes
+
+
+class _Update:
+    """One update in progress: its checked, staged tensors and their digests."""
+
+    def __init__(self, served: ServedModel, header: UpdateHeader, stager: _Stager, pool: ThreadPoolExecutor) -> None:
+        self.served = served
+        self.header = header
+        self.target: UpdatableWeights = served.updatable()
+        self.stager = stager
+        self.pool = pool
+        self.staged: dict[str, Future[tuple[torch.Tensor, TensorDigest]]] = {}
+        self.assembly: _Assembly | None = None
+        self.bytes = 0
+
+    def add_piece(self, piece: TensorPiece) -> None:
+        if self.assembly is not None and piece.name != self.assembly.name:
+            a = self.assembly
+            raise InvalidArgument(
+                f"tensor {a.name!r}: only {a.received} of its {a.nbytes} bytes came before tensor {piece.name!r}"
+            )
+        if self.assembly is None:
+            self._check_new(piece.name, piece.dtype, piece.shape)
+            self.assembly = _Assembly(piece, DTYPES[piece.dtype])
+        self.assembly.write(piece)
+        if self.assembly.complete:
+            self._stage(self.assembly.name, self.assembly.tensor())
+            self.assembly = None
+
+    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """A whole tensor at once (read from a file)."""
+        self._check_new(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        self._stage(name, tensor)
+
+    def _check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        if name in self.staged:
+            raise InvalidArgument(f"tensor {name!r}: sent twice in one update")
+        if dtype not in DTYPES:
+            raise InvalidArgument(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+        self.target.check(name, dtype, shape)
+
+    def _stage(self, name: str, tensor: torch.Tensor) -> None:
+        self.bytes += tensor.nbytes
+
+        def stage() -> tuple[torch.Tensor, TensorDigest]:
+            digest = tensor_digest(tensor)
+            return self.stager.stage(tensor.contiguous()), digest
+
+        self.staged[name] = self.pool.submit(stage)
+
+    def check_complete(self, commit: Commit) -> None:
+        if self.assembly is not None:
+            a = self.assembly
+            raise Aborted(
+                f"tensor {a.name!r}: the commit came after only {a.received} of its {a.nbytes} bytes; nothing applied"
+            )
+        if commit.tensor_count != len(self.staged):
+            raise InvalidArgument(
+                f"commit.tensor_count: {commit.tensor_count}, but {len(self.staged)} tensors came; nothing applied"
+            )
+        if not self.header.partial:
+            missing = self.target.missing(self.staged)
+            if missing:
+                shown = ", ".join(repr(n) for n in missing[:5]) + (", ..." if len(missing) > 5 else "")
+                raise InvalidArgument(
+                    f"tensor {missing[0]!r}: a full update (partial=false) lacks {len(missing)} of the "
+                    f"model's weights: {shown}; nothing applied"
+                )
+
+    def ended_early(self) -> Aborted:
+        where = (
+            f"in tensor {self.assembly.name!r} ({self.assembly.received} of {self.assembly.nbytes} bytes)"
+            if self.assembly is not None
+            else f"after {len(self.staged)} tensors"
+        )
+        return Aborted(
+            f"the update stream of model {self.served.info.name!r} ended {where}, before its commit; nothing applied"
+        )
+
+
+class WeightUpdater:
+    """Runs the weight updates of a server's models (asyncio side; the swap runs on the device thread)."""
+
+    def __init__(self, registry: ModelRegistry, scheduler: Scheduler, *, staging_reserve_bytes: int) -> None:
+        self._registry = registry
+        self._scheduler = scheduler
+        self._staging_reserve_bytes = staging_reserve_bytes
+        self._updating: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
+
+    async def update(self, messages: AsyncIterator[UpdateMessage]) -> UpdateOutcome:
+        """An UpdateWeights stream: a header, tensor pieces, a commit."""
+        start = time.perf_counter_ns()
+        first = await anext(messages, None)
+        if not isinstance(first, UpdateHeader):
+            raise InvalidArgument("header: the first message of an update stream must be its header")
+        with self._updating_model(first) as update:
+            async for message in messages:
+                if isinstance(message, TensorPiece):
+                    update.add_piece(message)
+                elif isinstance(message, Commit):
+                    return await self._commit(update, message, start)
+                else:
+                    raise InvalidArgument("header: a second header in one update stream")
+            raise update.ended_early()
+
+    async def load(self, header: UpdateHeader, path: str) -> UpdateOutcome:
+        """A LoadWeights request: the tensors of the safetensors files at ``path``."""
+        start = time.perf_counter_ns()
+        files = safetensors_files(path)
+        with self._updating_model(header) as update:
+            for file in files:  # one file in host memory at a time (checkpoint shards are a few GB)
+                for name, tensor in await asyncio.to_thread(read_safetensors, file):
+                    update.add_tensor(name, tensor)
+            return await self._commit(update, Commit(len(update.staged)), start)
+
+    @contextlib.contextmanager
+    def _updating_model(self, header: UpdateHeader) -> Iterator[_Update]:
+        """The model's one update slot, and the update started in it; released on any exit."""
+        served = self._registry.get(header.model)
+        name, live = served.info.name, served.info.version
+        if name in self._updating:
+            raise Aborted(f"model: another update of {name!r} is in progress; retry when it is done")
+        dependents = self._registry.lora_models_of(name)
+        if dependents:
+            raise FailedPrecondition(
+                f"model: {name!r} is the shared base of the LoRA models {', '.join(map(repr, dependents))}; "
+                "update their adapters instead"
+            )
+        version = header.version or live + 1
+        if version <= live:
+            raise FailedPrecondition(f"version: {version} is not above model {name!r}'s live version {live}")
+        self._updating.add(name)
+        try:
+            stager = _Stager(served.scorer.device, self._staging_reserve_bytes)
+            yield _Update(served, UpdateHeader(name, version, header.partial), stager, self._pool)
+        finally:
+            self._updating.discard(name)
+
+    async def _commit(self, update: _Update, commit: Commit, start_ns: int) -> UpdateOutcome:
+        update.check_complete(commit)
+        staged = {name: await asyncio.wrap_future(future) for name, future in update.staged.items()}
+        served, target = update.served, update.target
+        version = update.header.version
+        tensors = {name: tensor for name, (tensor, _) in staged.items()}
+        digests = {target.canonical(name): digest for name, (_, digest) in staged.items()}
+        swap_ns = 0
+
+        def apply() -> None:
+            nonlocal swap_ns
+            t0 = time.perf_counter_ns()
+            target.apply(tensors)
+            served.updated(version, digests)
+            swap_ns = time.perf_counter_ns() - t0
+
+        await self._scheduler.swap(served.info.name, apply)
+        outcome = UpdateOutcome(
+            model=served.info.name,
+            version=served.info.version,
+            fingerprint=served.info.fingerprint,
+            tensors=len(tensors),
+            bytes=update.bytes,
+            staged_on="+".join(sorted(update.stager.places)) or "none",
+            total_ns=time.perf_counter_ns() - start_ns,
+            swap_ns=swap_ns,
+        )
+        metrics.observe_weight_update(outcome.model, outcome.bytes, outcome.total_ns, outcome.swap_ns)
+        log.info("model %r: version %d live (%s)", outcome.model, outcome.version, outcome)
+        return outcome
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def safetensors_files(path: str) -> list[Path]:
+    """The .safetensors files ``path`` names: itself, or those in its directory (an HF checkpoint,
+    sharded or not, or a PEFT adapter directory)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".safetensors":
+        return [p]
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if files:
+            return files
+        raise InvalidArgument(f"path: {path!r} holds no .safetensors files")
+    raise InvalidArgument(f"path: {path!r} is neither a .safetensors file nor a directory on the server")
+
+
+def read_safetensors(file: Path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return [(name, f.get_tensor(name)) for name in f.keys()]
+    except SafetensorError as err:
+        raise InvalidArgument(f"path: {str(file)!r} is not a readable safetensors file: {err}") from None
