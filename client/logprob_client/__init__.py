@@ -7,25 +7,31 @@ from .client import AsyncLogprobClient, LogprobClient, ModelInfo, ModelLimits, S
 from .errors import (
     Cancelled,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidRequest,
     LogprobError,
+    MixedVersionsError,
     ModelNotFound,
     Overloaded,
     PermissionDenied,
     ServerError,
     Unauthenticated,
     Unavailable,
+    UpdateAborted,
 )
 from .future import ScoreFuture
 from .split import RpcLimits
+from .weights import UpdateResult
 
 __all__ = [
     "AsyncLogprobClient",
     "Cancelled",
     "DeadlineExceeded",
+    "FailedPrecondition",
     "InvalidRequest",
     "LogprobClient",
     "LogprobError",
+    "MixedVersionsError",
     "ModelInfo",
     "ModelLimits",
     "ModelNotFound",
@@ -37,4 +43,6 @@ __all__ = [
     "ServerError",
     "Unauthenticated",
     "Unavailable",
+    "UpdateAborted",
+    "UpdateResult",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,11 @@ import numpy as np
 from ._proto import logprob_pb2 as pb
 from ._proto import logprob_pb2_grpc as pb_grpc
 from .channel import open_channel
-from .errors import LogprobError, error_for_status, error_from_rpc
+from .errors import LogprobError, MixedVersionsError, error_for_status, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, assemble, prepare
 from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
+from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, update_requests
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -52,6 +53,7 @@ class ModelInfo:
     limits: ModelLimits
     source: str
     device: str
+    base_model: str = ""  # a LoRA model's base, whose weights it shares
 
 
 @dataclass(frozen=True)
@@ -80,23 +82,40 @@ def _model_info(m: pb.ModelInfo) -> ModelInfo:
         ),
         source=m.source,
         device=m.device,
+        base_model=m.base_model,
     )
 
 
-def _request(
-    sequences: Sequence[tuple[np.ndarray, np.ndarray]], model: str, temperature: float, return_entropy: bool
-) -> pb.ScoreRequest:
+@dataclass(frozen=True)
+class _Options:
+    """Per-call scoring options, as every part of a call sends them."""
+
+    model: str
+    temperature: float
+    return_entropy: bool
+    min_version: int
+
+
+def _request(sequences: Sequence[tuple[np.ndarray, np.ndarray]], options: _Options) -> pb.ScoreRequest:
     return pb.ScoreRequest(
         request_id=str(uuid.uuid4()),
-        model=model,
-        temperature=temperature,
-        return_entropy=return_entropy,
+        model=options.model,
+        temperature=options.temperature,
+        return_entropy=options.return_entropy,
+        min_version=options.min_version,
         sequences=[pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences],
     )
 
 
 def _result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool) -> Any:
     """The caller's layout from the responses of a call's parts, in part order."""
+    versions = sorted({response.model_version for response in responses})
+    if len(versions) > 1:
+        # The model's weights were updated while the call's parts were being scored.
+        raise MixedVersionsError(
+            f"the parts of this call were scored by versions {versions} of model {responses[0].model!r}; "
+            f"retry with min_version={versions[-1]}"
+        )
     scores = [s for response in responses for s in response.scores]
     logprobs = assemble(prepared, [np.asarray(s.logprobs, dtype=np.float32) for s in scores])
     if not return_entropy:
@@ -112,25 +131,28 @@ class _Calls:
         self.timeout = timeout
         self.rpc_limits = RpcLimits(max_sequences_per_rpc, max_tokens_per_rpc)
 
-    def prepare_call(
-        self, inp: ScoreInput, model: str | None, temperature: float, return_entropy: bool
-    ) -> tuple[Prepared, list[pb.ScoreRequest]]:
-        """The prepared input and its requests, one per part (none when every completion is masked
-        out: that answer is all zeros, made locally, as the server would refuse an empty request)."""
+    def options(self, model: str | None, temperature: float, return_entropy: bool, min_version: int) -> _Options:
         if not (temperature > 0 and np.isfinite(temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        if min_version < 0:
+            raise ValueError(f"min_version must be >= 0 (0: any version), got {min_version}")
+        return _Options(model or self.model, temperature, return_entropy, min_version)
+
+    def prepare_call(self, inp: ScoreInput, options: _Options) -> tuple[Prepared, list[pb.ScoreRequest]]:
+        """The prepared input and its requests, one per part (none when every completion is masked
+        out: that answer is all zeros, made locally, as the server would refuse an empty request)."""
         prepared = prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
         if not prepared.sequences and prepared.dense_shape is not None:
             return prepared, []
         seqs = prepared.sequences
         parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits)
-        return prepared, [_request(seqs[part], model or self.model, temperature, return_entropy) for part in parts]
+        return prepared, [_request(seqs[part], options) for part in parts]
 
     def prepare_many(
-        self, inputs: Iterable[ScoreInput], model: str | None, temperature: float, return_entropy: bool
+        self, inputs: Iterable[ScoreInput], options: _Options
     ) -> tuple[list[tuple[Prepared, list[pb.ScoreRequest]]], list[pb.ScoreRequest]]:
         """Every batch's prepared call, and all their requests, to stream."""
-        calls = [self.prepare_call(inp, model, temperature, return_entropy) for inp in inputs]
+        calls = [self.prepare_call(inp, options) for inp in inputs]
         return calls, [request for _, requests in calls for request in requests]
 
 
@@ -174,6 +196,7 @@ class LogprobClient(_Calls):
         model: str | None = None,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        min_version: int = 0,
         prompt_mask: Any = None,
         completion_mask: Any = None,
         timeout: float | None = None,
@@ -189,6 +212,7 @@ class LogprobClient(_Calls):
             model=model,
             temperature=temperature,
             return_entropy=return_entropy,
+            min_version=min_version,
             prompt_mask=prompt_mask,
             completion_mask=completion_mask,
             timeout=timeout,
@@ -202,6 +226,7 @@ class LogprobClient(_Calls):
         model: str | None = None,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        min_version: int = 0,
         prompt_mask: Any = None,
         completion_mask: Any = None,
         timeout: float | None = None,
@@ -211,7 +236,7 @@ class LogprobClient(_Calls):
         caller may reuse their buffers at once.
         """
         inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
-        prepared, requests = self.prepare_call(inp, model, temperature, return_entropy)
+        prepared, requests = self.prepare_call(inp, self.options(model, temperature, return_entropy, min_version))
         calls = [
             self._stub.ScoreTokens.future(request, timeout=timeout or self.timeout, wait_for_ready=True)
             for request in requests
@@ -225,6 +250,7 @@ class LogprobClient(_Calls):
         model: str | None = None,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        min_version: int = 0,
         timeout: float | None = None,
         return_exceptions: bool = False,
     ) -> list[Any]:
@@ -233,7 +259,7 @@ class LogprobClient(_Calls):
         A batch larger than the RPC limits goes as several requests on the stream. A failed
         batch raises its typed error, or, with ``return_exceptions``, takes its place.
         """
-        calls, requests = self.prepare_many(inputs, model, temperature, return_entropy)
+        calls, requests = self.prepare_many(inputs, self.options(model, temperature, return_entropy, min_version))
         responses: dict[str, pb.ScoreResponse] = {}
         try:
             for response in self._stub.ScoreTokensStream(iter(requests), timeout=timeout or self.timeout):
@@ -248,6 +274,42 @@ class LogprobClient(_Calls):
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
         return [_model_info(m) for m in response.models]
+
+    def update_weights(
+        self,
+        model: str,
+        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int = 0,
+        partial: bool = False,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+    ) -> UpdateResult:
+        """Push new weights for ``model``; they go live at once, as ``version`` (0: live + 1).
+
+        ``weights``: a state dict or ``(name, tensor)`` pairs (torch tensors or numpy arrays, in
+        the served dtype; for a LoRA model, its PEFT adapter state dict). ``partial=False`` needs
+        every weight; ``True`` replaces only those given. Tensors are streamed one
+        ``chunk_bytes`` piece at a time. Needs the admin scope where authentication is on.
+        """
+        requests = update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
+        try:
+            response = self._stub.UpdateWeights(requests, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return UpdateResult.from_proto(response)
+
+    def load_weights(
+        self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None
+    ) -> UpdateResult:
+        """Make the server load ``model``'s weights from ``path`` on its own disk (a .safetensors
+        file, an HF checkpoint directory, or for a LoRA model a PEFT adapter directory)."""
+        request = pb.LoadWeightsRequest(model=model, path=str(path), version=version, partial=partial)
+        try:
+            response = self._stub.LoadWeights(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return UpdateResult.from_proto(response)
 
     def close(self) -> None:
         self._channel.close()
@@ -291,13 +353,14 @@ class AsyncLogprobClient(_Calls):
         model: str | None = None,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        min_version: int = 0,
         prompt_mask: Any = None,
         completion_mask: Any = None,
         timeout: float | None = None,
     ) -> Any:
         """See ``LogprobClient.score``; for overlap, ``asyncio.create_task(client.score(...))``."""
         inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
-        prepared, requests = self.prepare_call(inp, model, temperature, return_entropy)
+        prepared, requests = self.prepare_call(inp, self.options(model, temperature, return_entropy, min_version))
         calls = [
             self._stub.ScoreTokens(request, timeout=timeout or self.timeout, wait_for_ready=True)
             for request in requests
@@ -317,11 +380,12 @@ class AsyncLogprobClient(_Calls):
         model: str | None = None,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        min_version: int = 0,
         timeout: float | None = None,
         return_exceptions: bool = False,
     ) -> list[Any]:
         """See ``LogprobClient.score_many``."""
-        calls, requests = self.prepare_many(inputs, model, temperature, return_entropy)
+        calls, requests = self.prepare_many(inputs, self.options(model, temperature, return_entropy, min_version))
         responses: dict[str, pb.ScoreResponse] = {}
         try:
             call = self._stub.ScoreTokensStream(iter(requests), timeout=timeout or self.timeout)
@@ -337,6 +401,35 @@ class AsyncLogprobClient(_Calls):
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
         return [_model_info(m) for m in response.models]
+
+    async def update_weights(
+        self,
+        model: str,
+        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int = 0,
+        partial: bool = False,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+    ) -> UpdateResult:
+        """See ``LogprobClient.update_weights``."""
+        requests = update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
+        try:
+            response = await self._stub.UpdateWeights(requests, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return UpdateResult.from_proto(response)
+
+    async def load_weights(
+        self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None
+    ) -> UpdateResult:
+        """See ``LogprobClient.load_weights``."""
+        request = pb.LoadWeightsRequest(model=model, path=str(path), version=version, partial=partial)
+        try:
+            response = await self._stub.LoadWeights(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return UpdateResult.from_proto(response)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -41,6 +41,24 @@ class DeadlineExceeded(LogprobError):
     """DEADLINE_EXCEEDED: the call's timeout passed."""
 
 
+class FailedPrecondition(LogprobError):
+    """FAILED_PRECONDITION: the server's state does not allow the call (e.g. ``min_version`` did not
+    go live in time, or an update's version is not above the live one)."""
+
+
+class UpdateAborted(LogprobError):
+    """ABORTED: a weight update ended before its commit, or another update of the model was in
+    progress; nothing of it was applied."""
+
+
+class MixedVersionsError(LogprobError):
+    """The parts of one split call were scored by different versions of the model's weights
+    (an update went live meanwhile). Raised by the client; retry with the ``min_version`` it names."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, grpc.StatusCode.ABORTED)
+
+
 class Unauthenticated(LogprobError):
     """UNAUTHENTICATED: missing or wrong credentials."""
 
@@ -66,6 +84,8 @@ _BY_CODE: dict[grpc.StatusCode, type[LogprobError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: UpdateAborted,
 }
 _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
