@@ -218,7 +218,9 @@ class _Update:
         where = (
             f"in tensor {self.assembly.name!r} ({self.assembly.received} of {self.assembly.nbytes} bytes)"
             if self.assembly is not None
-            else f"after {len(self.staged)} tensors"
+            else f"after tensor {next(reversed(self.staged))!r} ({len(self.staged)} tensors)"
+            if self.staged
+            else "before any tensor"
         )
         return Aborted(
             f"the update stream of model {self.served.info.name!r} ended {where}, before its commit; nothing applied"

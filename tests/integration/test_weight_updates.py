@@ -1,0 +1,290 @@
+"""UpdateWeights / LoadWeights / min_version through a real server on loopback (CPU, float32).
+
+Reference for every score: a model freshly loaded with the same weights, scored in float64 from
+its own full logits (``tests.models.reference_scores``). Tolerance 1e-5 (float32 on the CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from logprob_client import AsyncLogprobClient, FailedPrecondition, InvalidRequest, UpdateAborted
+from logprob_client._proto import logprob_pb2 as pb
+from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_client.weights import update_requests
+from logprob_service.config import Settings
+from logprob_service.models.weights import model_fingerprint
+from transformers import AutoModelForCausalLM
+
+from tests.integration.conftest import start, stop
+from tests.models import make_model, random_sequences, reference_scores
+
+ATOL = 1e-5
+
+
+def new_seed() -> int:
+    return int(np.random.default_rng().integers(1 << 30))
+
+
+def settings(models: dict[str, str], **overrides) -> Settings:
+    values = dict(
+        host="127.0.0.1", port=0, metrics_port=0, models=models, device="cpu", max_batch_tokens=256, grace_period_s=5
+    )
+    return Settings(**(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama-v0")
+    make_model("llama", tied=False, seed=new_seed()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+async def served(checkpoint: Path):
+    running = await start(settings({"policy": str(checkpoint)}))
+    yield running
+    await stop(running)
+
+
+def as_lists(sequences) -> tuple[list[list[int]], list[list[int]]]:
+    return [s.prompt_ids.tolist() for s in sequences], [s.completion_ids.tolist() for s in sequences]
+
+
+def assert_scores_match(model, sequences, logprobs) -> None:
+    for seq, got in zip(sequences, logprobs):
+        want, _ = reference_scores(model, seq)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+async def live(client: AsyncLogprobClient, name: str):
+    return next(m for m in await client.list_models() if m.name == name)
+
+
+async def test_after_an_update_scores_are_those_of_the_new_weights(served, tmp_path):
+    new = make_model("llama", tied=False, seed=new_seed())
+    new.save_pretrained(tmp_path)
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    sequences = random_sequences(np.random.default_rng(), 6)
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        before = await live(client, "policy")
+        result = await client.update_weights("policy", new.state_dict(), chunk_bytes=4096)  # many pieces each
+        assert (result.version, result.tensors) == (1, len(new.state_dict()))
+        assert result.bytes == sum(t.nbytes for t in new.state_dict().values())
+        after = await live(client, "policy")
+        assert after.version == 1 and after.fingerprint == result.fingerprint != before.fingerprint
+        assert after.fingerprint == model_fingerprint(fresh)  # equal fingerprints, equal weights
+        assert_scores_match(fresh, sequences, await client.score(*as_lists(sequences)))
+
+        # A partial update replaces only what it brings; its version is the trainer's own step.
+        layer = "model.layers.1.mlp.down_proj.weight"
+        tweaked = new.state_dict()[layer] + 0.01 * torch.randn_like(new.state_dict()[layer])
+        result = await client.update_weights("policy", {layer: tweaked}, version=120, partial=True)
+        assert (result.version, result.tensors) == (120, 1)
+        with torch.no_grad():
+            fresh.get_parameter(layer).copy_(tweaked)
+        assert_scores_match(fresh, sequences, await client.score(*as_lists(sequences)))
+        assert (await live(client, "policy")).fingerprint == model_fingerprint(fresh)
+
+
+async def test_load_weights_from_a_checkpoint_directory(served, tmp_path):
+    new = make_model("llama", tied=False, seed=new_seed())
+    new.save_pretrained(tmp_path)
+    sequences = random_sequences(np.random.default_rng(), 4)
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        result = await client.load_weights("policy", str(tmp_path), version=7)
+        assert result.version == 7 and result.tensors == len(new.state_dict())
+        assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
+        with pytest.raises(InvalidRequest, match="path"):
+            await client.load_weights("policy", str(tmp_path / "nowhere"))
+
+
+async def test_a_tied_model_takes_a_checkpoint_without_its_lm_head(tmp_path):
+    """save_pretrained drops lm_head.weight of a tied model: it is the embedding, and counts as sent."""
+    old, new = (make_model("gemma2", tied=True, seed=new_seed()) for _ in range(2))
+    old.save_pretrained(tmp_path / "old")
+    new.save_pretrained(tmp_path / "new")
+    running = await start(settings({"gemma": str(tmp_path / "old")}))
+    try:
+        sequences = random_sequences(np.random.default_rng(), 3)
+        async with AsyncLogprobClient(running.target, model="gemma") as client:
+            assert (await client.load_weights("gemma", str(tmp_path / "new"))).version == 1
+            assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
+            state = {k: v for k, v in new.state_dict().items() if k != "model.embed_tokens.weight"}
+            assert (await client.update_weights("gemma", state)).version == 2  # lm_head.weight alone covers it
+    finally:
+        await stop(running)
+
+
+async def test_concurrent_scoring_never_sees_a_mixed_version(served):
+    """Scoring runs on while three updates land; each response must equal the reference of the
+    version it reports. Requests are larger than one micro-batch (256 tokens), so they are split,
+    and the swap must wait for a split request's parts."""
+    rng = np.random.default_rng()
+    versions = {0: AutoModelForCausalLM.from_pretrained(served.service.settings.models["policy"]).eval()}
+    versions |= {v: make_model("llama", tied=False, seed=new_seed()) for v in (1, 2, 3)}
+    requests = [random_sequences(rng, 10, max_len=60) for _ in range(4)]
+    expected = {
+        (v, r): [reference_scores(model, s)[0] for s in seqs]
+        for v, model in versions.items()
+        for r, seqs in enumerate(requests)
+    }
+    seen: list[tuple[int, int, list[np.ndarray]]] = []
+    stop_scoring = asyncio.Event()
+
+    async def score_forever(stub: pb_grpc.LogprobServiceStub) -> None:
+        while not stop_scoring.is_set():
+            for r, seqs in enumerate(requests):
+                response = await stub.ScoreTokens(
+                    pb.ScoreRequest(
+                        model="policy",
+                        sequences=[pb.Sequence(prompt_ids=p, completion_ids=c) for p, c in zip(*as_lists(seqs))],
+                    )
+                )
+                seen.append((response.model_version, r, [np.asarray(s.logprobs) for s in response.scores]))
+
+    async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
+        stub = pb_grpc.LogprobServiceStub(channel)
+        scorers = [asyncio.create_task(score_forever(stub)) for _ in range(3)]
+        for v in (1, 2, 3):
+            await asyncio.sleep(0.3)
+            await client.update_weights("policy", versions[v].state_dict())
+        await asyncio.sleep(0.3)
+        stop_scoring.set()
+        await asyncio.gather(*scorers)
+
+    assert {v for v, _, _ in seen} == {0, 1, 2, 3}, "scoring should have overlapped every update"
+    for version, r, logprobs in seen:
+        for got, want in zip(logprobs, expected[version, r]):
+            np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=f"version {version}")
+
+
+def good_update(model) -> dict[str, torch.Tensor]:
+    return {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("break_it", "status", "names"),
+    [
+        (lambda s: s | {"model.norm.weight": torch.randn(7)}, grpc.StatusCode.INVALID_ARGUMENT, "model.norm.weight"),
+        (
+            lambda s: s | {"lm_head.weight": s["lm_head.weight"].double()},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lm_head.weight",
+        ),
+        (lambda s: s | {"model.layers.9.bogus": torch.randn(3)}, grpc.StatusCode.INVALID_ARGUMENT, "layers.9.bogus"),
+        (
+            lambda s: {k: v for k, v in s.items() if "layers.0.mlp.up_proj" not in k},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "model.layers.0.mlp.up_proj.weight",
+        ),
+    ],
+    ids=["wrong-shape", "wrong-dtype", "unknown-name", "missing-tensor"],
+)
+async def test_a_bad_update_leaves_the_live_weights_and_names_the_tensor(served, break_it, status, names):
+    sequences = random_sequences(np.random.default_rng(), 3)
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        before, scores = await live(client, "policy"), await client.score(*as_lists(sequences))
+        broken = break_it(good_update(served.scorer("policy").model))
+        with pytest.raises(Exception) as caught:
+            await client.update_weights("policy", broken)
+        assert caught.value.code == status and names in caught.value.message
+        assert await live(client, "policy") == before
+        for got, want in zip(await client.score(*as_lists(sequences)), scores):
+            np.testing.assert_array_equal(got, want)
+
+
+async def test_a_stream_cut_midway_or_ended_early_changes_nothing(served):
+    model = served.scorer("policy").model
+    new = good_update(model)
+    messages = list(update_requests("policy", new, version=0, partial=False, chunk_bytes=1000))
+    async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
+        stub = pb_grpc.LogprobServiceStub(channel)
+        before = await live(client, "policy")
+
+        # Ended early: the client half-closes in the middle of a tensor, without a commit.
+        middle = next(i for i in range(len(messages) // 2, len(messages)) if messages[i].tensor.offset > 0)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.UpdateWeights(iter(messages[:middle]))
+        assert caught.value.code() == grpc.StatusCode.ABORTED
+        assert f"in tensor {messages[middle].tensor.name!r}" in caught.value.details()
+        assert "before its commit" in caught.value.details()
+
+        # Cut: the client goes away in the middle of a tensor.
+        async def stalls_midway():
+            for message in messages[:middle]:
+                yield message
+            await asyncio.Event().wait()
+
+        call = stub.UpdateWeights(stalls_midway())
+        await asyncio.sleep(0.3)
+        call.cancel()
+        await asyncio.sleep(0.2)
+        assert await live(client, "policy") == before
+
+        # The slot is free again and a whole update goes through.
+        assert (await client.update_weights("policy", new)).version == before.version + 1
+
+
+async def test_versions_only_go_up(served):
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        state = served.scorer("policy").model.state_dict()
+        await client.update_weights("policy", state, version=5)
+        with pytest.raises(FailedPrecondition, match="version: 5 is not above"):
+            await client.update_weights("policy", state, version=5)
+        messages = list(update_requests("policy", state, version=0, partial=False))
+        messages[-1].commit.tensor_count += 1
+        async with grpc.aio.insecure_channel(served.target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await pb_grpc.LogprobServiceStub(channel).UpdateWeights(iter(messages))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "commit.tensor_count" in caught.value.details()
+        assert (await live(client, "policy")).version == 5
+
+
+async def test_min_version_waits_for_the_update(served):
+    new = make_model("llama", tied=False, seed=new_seed())
+    sequences = random_sequences(np.random.default_rng(), 3)
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        waiting = asyncio.create_task(client.score(*as_lists(sequences), min_version=1))
+        await asyncio.sleep(0.3)
+        assert not waiting.done(), "version 1 is not live yet"
+        await client.update_weights("policy", new.state_dict())
+        assert_scores_match(new, sequences, await asyncio.wait_for(waiting, 30))
+
+
+async def test_min_version_that_never_comes_fails_with_failed_precondition(checkpoint):
+    running = await start(settings({"policy": str(checkpoint)}, max_version_wait_s=0.3))
+    try:
+        async with AsyncLogprobClient(running.target, model="policy") as client:
+            with pytest.raises(FailedPrecondition, match="min_version: model 'policy' is at version 0; version 3"):
+                await client.score([[1, 2]], [[3]], min_version=3)
+    finally:
+        await stop(running)
+
+
+async def test_one_update_of_a_model_at_a_time(served):
+    state = served.scorer("policy").model.state_dict()
+    messages = list(update_requests("policy", state, version=0, partial=False))
+    release = asyncio.Event()
+
+    async def slow():
+        yield messages[0]
+        await release.wait()
+        for message in messages[1:]:
+            yield message
+
+    async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
+        stub = pb_grpc.LogprobServiceStub(channel)
+        first = stub.UpdateWeights(slow())  # the call starts at once
+        await asyncio.sleep(0.2)
+        with pytest.raises(UpdateAborted, match="another update of 'policy' is in progress"):
+            await client.update_weights("policy", state)
+        release.set()
+        assert (await first).version == 1
+
