@@ -287,4 +287,3 @@ async def test_one_update_of_a_model_at_a_time(served):
             await client.update_weights("policy", state)
         release.set()
         assert (await first).version == 1
-
