@@ -1,0 +1,215 @@
+"""Weight updates over gRPC on loopback: throughput, extra device memory, and scoring latency meanwhile.
+
+A server (this process; the real grpc.aio server on a background thread) holds a random model of
+the Qwen2.5-1.5B shape in bf16 (3.1 GB). A separate *pusher* process, the trainer's side, holds
+new random weights of the same shape in host memory and streams them with
+``LogprobClient.update_weights`` (tensor by tensor, ``--chunk-mib`` pieces). A separate *load*
+process scores GRPO-like requests back to back from several threads and records each latency.
+
+Measured, in one run:
+  1. update alone, staged on the GPU and (forced by a huge staging reserve) on the host: GB/s
+     seen by the client, the server's total and swap time, and the peak device memory above
+     what was allocated before the update (the staged copy of the weights, when on the GPU);
+  2. scoring latency p50/p99 with no update, then while updates run back to back.
+
+Run: PYTHONPATH=service:client python3 benchmarks/bench_weights.py   (--tiny for a CPU smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from common import LoopbackServer, ModelShape, build_model, peak_allocated, publish, reset_peak, run_environment
+from logprob_service.config import Settings
+from logprob_service.models.registry import ModelRegistry, serve_model
+from logprob_service.models.scorer import CausalLMScorer
+
+QWEN25_15B = ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072)
+TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)
+MODEL = "policy"
+GiB = 1024**3
+
+
+# ----------------------------------------------------------------------------- other processes
+
+
+def pusher(target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], chunk_bytes: int, jobs, results) -> None:
+    """The trainer's side: new weights in host memory, pushed once per job received."""
+    from logprob_client import LogprobClient
+
+    torch.manual_seed(1)
+    weights = {name: (torch.randn(shape) * 0.02).to(dtype) for name, shape, dtype in spec}
+    with LogprobClient(target, timeout=600) as client:
+        results.put("ready")
+        while jobs.get() is not None:
+            start = time.perf_counter()
+            result = client.update_weights(MODEL, weights, chunk_bytes=chunk_bytes)
+            results.put((time.perf_counter() - start, result))
+
+
+def load(target: str, vocab: int, lengths: tuple[int, int], threads: int, seconds: float, results) -> None:
+    """Scoring load: ``threads`` callers, each one request after another, for ``seconds``; the
+    first second (connections, first calls) is not recorded."""
+    from logprob_client import LogprobClient
+
+    rng = np.random.default_rng(0)
+    prompt, completion = lengths
+    requests = [
+        ([rng.integers(0, vocab, prompt).tolist()] * 4, [rng.integers(0, vocab, completion).tolist() for _ in range(4)])
+        for _ in range(8)
+    ]
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+    recorded_from = time.perf_counter() + 1.0
+    deadline = recorded_from + seconds
+    with LogprobClient(target, timeout=120, model=MODEL) as client:
+
+        def caller(i: int) -> None:
+            try:
+                while (start := time.perf_counter()) < deadline:
+                    client.score(*requests[i % len(requests)])
+                    if start >= recorded_from:
+                        latencies.append(time.perf_counter() - start)
+                    i += 1
+            except BaseException as err:
+                errors.append(err)
+
+        pool = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    results.put(errors[0] if errors else latencies)
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+@dataclass
+class Update:
+    staged: str
+    seconds: float
+    gbytes: float
+    server_total_s: float
+    swap_s: float
+    extra_gib: float
+
+
+def push_once(jobs, results, device: torch.device, staged: str) -> Update:
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    reset_peak(device)
+    jobs.put("push")
+    seconds, result = results.get(timeout=900)
+    extra = (peak_allocated(device) - before) / GiB if device.type == "cuda" else float("nan")
+    assert result.staged_on == staged, f"expected staging on {staged}, the server staged on {result.staged_on}"
+    return Update(staged, seconds, result.bytes / 1e9, result.total_s, result.swap_s, extra)
+
+
+def quantiles(latencies: list[float]) -> tuple[float, float, int]:
+    ms = np.asarray(latencies) * 1000
+    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), len(ms)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
+    parser.add_argument("--chunk-mib", type=float, default=16, help="update piece size (client side)")
+    parser.add_argument("--repeats", type=int, default=3, help="updates per staging mode")
+    parser.add_argument("--load-seconds", type=float, default=20, help="each scoring-load phase")
+    parser.add_argument("--load-threads", type=int, default=4)
+    args = parser.parse_args()
+
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0")
+    shape = TINY if args.tiny else QWEN25_15B
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = build_model(shape, device, dtype, seed=0)
+    spec = [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items() if n != "lm_head.weight"]  # tied
+    weights_gb = sum(t.nbytes for t in model.parameters()) / 1e9
+    registry = ModelRegistry()
+    registry.add(serve_model(MODEL, "random", CausalLMScorer(model)))
+    settings = Settings(host="127.0.0.1", port=0, metrics_port=0, models={MODEL: "random"}, device=str(device))
+
+    ctx = mp.get_context("spawn")
+    jobs, results = ctx.Queue(), ctx.Queue()
+    with LoopbackServer(settings, registry) as target:
+        push_proc = ctx.Process(target=pusher, args=(target, spec, int(args.chunk_mib * 2**20), jobs, results))
+        push_proc.start()
+        assert results.get(timeout=600) == "ready"
+
+        updates = [push_once(jobs, results, device, str(device)) for _ in range(args.repeats)]
+        if device.type == "cuda":
+            server_settings = settings.model_copy(update={"update_staging_reserve_bytes": 10**15})
+            with LoopbackServer(server_settings, registry) as host_target:
+                # A second server on the same model, whose reserve forces host staging.
+                host_jobs, host_results = ctx.Queue(), ctx.Queue()
+                proc = ctx.Process(
+                    target=pusher, args=(host_target, spec, int(args.chunk_mib * 2**20), host_jobs, host_results)
+                )
+                proc.start()
+                assert host_results.get(timeout=600) == "ready"
+                updates += [push_once(host_jobs, host_results, device, "cpu") for _ in range(args.repeats)]
+                host_jobs.put(None)
+                proc.join()
+
+        # Scoring latency: a phase without updates, then one with updates back to back.
+        phases = {}
+        for phase in ("no update", "updates running"):
+            load_results = ctx.Queue()
+            lengths = (min(256, shape.max_positions // 4), min(512, shape.max_positions // 2))
+            proc = ctx.Process(
+                target=load, args=(target, shape.vocab, lengths, args.load_threads, args.load_seconds, load_results)
+            )
+            proc.start()
+            pushed = []
+            if phase == "updates running":
+                end = time.perf_counter() + 1.0 + args.load_seconds
+                while time.perf_counter() < end:
+                    jobs.put("push")
+                    pushed.append(results.get(timeout=900))
+            latencies = load_results.get(timeout=900)
+            if isinstance(latencies, BaseException):
+                raise RuntimeError("the scoring load failed") from latencies
+            phases[phase] = (latencies, len(pushed))
+            proc.join()
+        jobs.put(None)
+        push_proc.join()
+        final_version = registry.get(MODEL).info.version
+
+    lines = [
+        f"# Weight updates over gRPC on loopback: {shape.name}, {dtype}, {weights_gb:.2f} GB of weights",
+        *run_environment(device),
+        f"client pieces: {args.chunk_mib:g} MiB; pusher and scoring load in their own processes; "
+        f"{final_version} updates went live in all",
+        "",
+        "| staged on | client time (s) | GB/s | server total (s) | swap (s) | peak extra GPU memory (GiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for u in updates:
+        lines.append(
+            f"| {u.staged} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | {u.server_total_s:.2f} | "
+            f"{u.swap_s:.3f} | {u.extra_gib:.2f} |"
+        )
+    lines += [
+        "",
+        f"Scoring load: {args.load_threads} callers, each 4 x ({lengths[0]} prompt + {lengths[1]} completion) "
+        "tokens per request, "
+        f"{args.load_seconds:g} s per phase",
+        "",
+        "| phase | updates during it | requests | p50 (ms) | p99 (ms) | mean (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for phase, (latencies, pushed) in phases.items():
+        p50, p99, n = quantiles(latencies)
+        lines.append(f"| {phase} | {pushed} | {n} | {p50:.1f} | {p99:.1f} | {statistics.mean(latencies) * 1000:.1f} |")
+    publish("\n".join(lines), "bench_weights.md")
+
+
+if __name__ == "__main__":
+    main()
