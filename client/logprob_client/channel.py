@@ -32,9 +32,7 @@ SERVICE = "logprob.v1.LogprobService"
 KEEPALIVE_TIME_MS = 30_000
 
 
-def service_config(
-    max_attempts: int = 5, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0
-) -> dict[str, Any]:
+def service_config(max_attempts: int = 5, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> dict[str, Any]:
     """``round_robin`` over every address the target resolves to, and, for ``max_attempts`` >= 2,
     the retry policy of the unary RPCs."""
     config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}

@@ -136,4 +136,3 @@ def test_client_keepalive_is_what_the_server_permits():
     assert client["grpc.keepalive_permit_without_calls"] == server["grpc.keepalive_permit_without_calls"] == 1
     # ...no more often than it tolerates (faster pings earn a GOAWAY "too_many_pings").
     assert client["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
-
