@@ -10,7 +10,7 @@ import json
 import grpc
 import numpy as np
 import pytest
-from logprob_client import LogprobClient
+from logprob_client import AsyncLogprobClient, LogprobClient
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from logprob_client.channel import channel_options, channel_target, service_config
@@ -136,3 +136,18 @@ def test_client_keepalive_is_what_the_server_permits():
     assert client["grpc.keepalive_permit_without_calls"] == server["grpc.keepalive_permit_without_calls"] == 1
     # ...no more often than it tolerates (faster pings earn a GOAWAY "too_many_pings").
     assert client["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+
+
+async def test_the_asyncio_client_spreads_over_the_same_replicas():
+    async with replicas(3) as (servicers, targets):
+        async with AsyncLogprobClient(targets, timeout=10) as client:
+            for _ in range(200):  # until connected to all, as connect_all
+                if all(s.calls for s in servicers):
+                    break
+                await client.score([[1]], [[2]])
+            assert all(s.calls for s in servicers), [s.calls for s in servicers]
+            for s in servicers:
+                s.calls = 0
+            out = await asyncio.gather(*(client.score([[i]], [[1]]) for i in range(9)))
+        assert [x[0].tolist() for x in out] == [[i] for i in range(9)]
+        assert [s.calls for s in servicers] == [3, 3, 3]
