@@ -22,14 +22,17 @@ from tests.fake_server import serving
 
 class Replica(pb_grpc.LogprobServiceServicer):
     """Answers each sequence with its own prompt ids as log-probs (so a reply shows whose it is),
-    counts calls, and refuses every call with UNAVAILABLE while ``draining``."""
+    counts calls and the client connections (peers) they came on, and refuses every call with
+    UNAVAILABLE while ``draining``."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.peers: set[str] = set()
         self.draining = False
 
     async def ScoreTokens(self, request, context):
         self.calls += 1
+        self.peers.add(context.peer())
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         scores = [pb.SequenceScores(logprobs=[float(t) for t in s.prompt_ids]) for s in request.sequences]
@@ -151,3 +154,19 @@ async def test_the_asyncio_client_spreads_over_the_same_replicas():
             out = await asyncio.gather(*(client.score([[i]], [[1]]) for i in range(9)))
         assert [x[0].tolist() for x in out] == [[i] for i in range(9)]
         assert [s.calls for s in servicers] == [3, 3, 3]
+
+
+async def test_connections_older_than_the_max_age_are_replaced_without_failing_calls():
+    # What lets a client of a DNS name find new replicas: the server's GOAWAY at the age limit
+    # makes it reconnect (and re-resolve). Calls meanwhile all succeed.
+    servicer = Replica()
+    options = server_options(Settings(device="cpu", max_connection_age_s=0.3))
+    assert dict(options)["grpc.max_connection_age_ms"] == 300
+    assert "grpc.max_connection_age_ms" not in dict(server_options(Settings(device="cpu", max_connection_age_s=0)))
+    async with serving(servicer, options) as target:
+        with LogprobClient(target, timeout=10) as client:
+            for i in range(20):
+                assert (await asyncio.to_thread(client.score, [[i]], [[1]]))[0].tolist() == [i]
+                await asyncio.sleep(0.1)
+    assert servicer.calls == 20
+    assert len(servicer.peers) >= 3  # a new connection (client port) at least every ~0.3 s of 2 s
