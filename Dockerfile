@@ -13,6 +13,7 @@ FROM ${CUDA_IMAGE} AS base
 ENV DEBIAN_FRONTEND=noninteractive
 # python3-dev and gcc: at the first call of a Triton kernel (the fused log-prob op), Triton builds
 # its small launcher with the system C compiler against Python's headers.
+# Unpinned apt packages (DL3008): they follow the base image's Ubuntu release.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \

@@ -84,9 +84,9 @@ def image_uid() -> int:
 
 
 def dockerignored(path: str) -> bool:
-    """Whether .dockerignore keeps ``path`` out of the build context, by Docker's rules: the
-    patterns in order, the last that matches the path or one of its parent directories decides,
-    and ``!`` takes a path back in."""
+    """Whether .dockerignore keeps ``path`` out of the build context, by Docker's rules as far as
+    this file's patterns need them: the patterns in order, the last that matches the path or one
+    of its parent directories decides, and ``!`` takes a path back in."""
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     parts = PurePosixPath(path).parts
     candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
