@@ -11,12 +11,9 @@ PYTEST_ARGS ?=
 
 .PHONY: install serve test test-gpu proto lint format bench example clean
 
-$(BIN)/activate:
-	$(PYTHON) -m venv $(VENV)
-
-$(VENV)/.installed: pyproject.toml | $(BIN)/activate
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+# scripts/install.sh is also the Dockerfile's install step: CI runs the image's install this way.
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	VENV="$(VENV)" PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EXTRAS=dev EDITABLE=1 scripts/install.sh
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install the server, client and dev tools

@@ -1,11 +1,12 @@
-"""The deploy/ files as tests read them: the PromQL of the dashboard and the alert rules, and the
-metric names that PromQL uses."""
+"""The deploy/ files as tests read them: the PromQL of the dashboard and the alert rules, the
+metric names that PromQL uses, and the container and cluster files (Dockerfile, compose, k8s)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA_DIR / "dashboards" / "logprob-service.json"
+DOCKERFILE = ROOT / "Dockerfile"
+COMPOSE = ROOT / "deploy" / "compose.yaml"
+K8S_DIR = ROOT / "deploy" / "k8s"
 
 NO_PROMETHEUS = (
     "Debian's prometheus package is not installed (apt-get install prometheus; .ci/run installs it), "
@@ -28,6 +32,17 @@ _KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ig
 
 def which(binary: str) -> str | None:
     return shutil.which(binary)
+
+
+def dev_tool(name: str) -> str | None:
+    """A command a [dev] package installs, in this interpreter's environment (not always on PATH)."""
+    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+
+
+def prometheus_job() -> str:
+    """The scrape job that the alert rules and the dashboard select."""
+    (job,) = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())["scrape_configs"]
+    return job["job_name"]
 
 
 def dashboard() -> dict[str, Any]:

@@ -10,9 +10,9 @@ from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
 
 @contextlib.asynccontextmanager
-async def serving(servicer: pb_grpc.LogprobServiceServicer) -> AsyncIterator[str]:
-    """A server for ``servicer`` on loopback; yields its target."""
-    server = grpc.aio.server()
+async def serving(servicer: pb_grpc.LogprobServiceServicer, options: list | None = None) -> AsyncIterator[str]:
+    """A server for ``servicer`` on loopback (with gRPC server ``options``); yields its target."""
+    server = grpc.aio.server(options=options)
     pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

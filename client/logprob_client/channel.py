@@ -1,14 +1,26 @@
-"""Channel options: message limits, and gRPC's own retry policy.
+"""The channel both clients use: one target or many replicas, load balancing, retries, keepalive.
 
-Retries use gRPC's service-config retry policy rather than a hand-written loop: it retries only
-UNAVAILABLE and RESOURCE_EXHAUSTED, with exponential backoff and jitter, honours the server's
-``grpc-retry-pushback-ms`` hint, and never retries past the call's deadline. The stream RPC is
-not retried (its requests are not idempotent once responses have flowed).
+Everything here is gRPC's own machinery, set through channel options and the service config:
+
+- **Replicas.** A target that resolves to several addresses (``dns:///name:port``, e.g. a
+  Kubernetes headless Service, or a list of ``host:port``) is balanced with gRPC's
+  ``round_robin`` policy: one connection per replica, each RPC to the next ready one. The parts
+  of a large ``score()`` call (``split.py``) are separate RPCs, so they spread over the replicas.
+- **Retries.** gRPC's service-config retry policy rather than a hand-written loop: it retries
+  only UNAVAILABLE and RESOURCE_EXHAUSTED, with exponential backoff and jitter, honours the
+  server's ``grpc-retry-pushback-ms`` hint, never retries past the call's deadline, and a retry
+  is a fresh pick, so it goes to another replica (a draining or killed one answers UNAVAILABLE).
+  The stream RPC is not retried (its requests are not idempotent once responses have flowed).
+- **Keepalive.** Pings on idle connections too, so a replica that vanished without closing its
+  connections (a lost node) is noticed and skipped. The interval stays above the server's
+  ``grpc.http2.min_ping_interval_without_data_ms``, or the server would close the connection
+  for pinging too often.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,26 +28,26 @@ import grpc
 
 MiB = 1024**2
 SERVICE = "logprob.v1.LogprobService"
+# Client pings every 30 s; the server accepts one every 10 s or more (server.py).
+KEEPALIVE_TIME_MS = 30_000
 
 
-def retry_service_config(max_attempts: int = 5, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> str:
-    policy = {
-        "maxAttempts": max_attempts,  # gRPC caps this at 5
-        "initialBackoff": f"{initial_backoff_s}s",
-        "maxBackoff": f"{max_backoff_s}s",
-        "backoffMultiplier": 2,
-        "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
-    }
-    return json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": [{"service": SERVICE, "method": m} for m in ("ScoreTokens", "ListModels")],
-                    "retryPolicy": policy,
-                }
-            ]
+def service_config(max_attempts: int = 5, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> dict[str, Any]:
+    """``round_robin`` over every address the target resolves to, and, for ``max_attempts`` >= 2,
+    the retry policy of the unary RPCs."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if max_attempts >= 2:  # gRPC's retry policy needs at least 2 attempts; 1 means no retries
+        policy = {
+            "maxAttempts": max_attempts,  # gRPC caps this at 5
+            "initialBackoff": f"{initial_backoff_s}s",
+            "maxBackoff": f"{max_backoff_s}s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
         }
-    )
+        config["methodConfig"] = [
+            {"name": [{"service": SERVICE, "method": m} for m in ("ScoreTokens", "ListModels")], "retryPolicy": policy}
+        ]
+    return config
 
 
 def channel_options(
@@ -44,11 +56,14 @@ def channel_options(
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.service_config", json.dumps(service_config(max_attempts=max_attempts))),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging an idle connection (gRPC stops after 2)
     ]
-    if max_attempts >= 2:  # gRPC's retry policy needs at least 2 attempts; 1 means no retries
+    if max_attempts >= 2:
         options += [
             ("grpc.enable_retries", 1),
-            ("grpc.service_config", retry_service_config(max_attempts=max_attempts)),
             # A retried call must keep its request: let the buffer hold a large scoring request.
             ("grpc.per_rpc_retry_buffer_size", max_message_bytes),
             ("grpc.retry_buffer_size", 4 * max_message_bytes),
@@ -58,9 +73,57 @@ def channel_options(
     return options + list(extra or [])
 
 
+def channel_target(target: str | Sequence[str]) -> str:
+    """The gRPC target for one target string or a list of ``host:port`` replicas.
+
+    A string is any gRPC target and passes through unchanged (``host:port``,
+    ``dns:///host:port``, ``ipv4:a:p,b:p``, ...). A list of several ``host:port`` becomes one
+    ``ipv4:`` (or ``ipv6:``) address-list target, gRPC's own syntax for a fixed set of backends:
+    gRPC Python has no resolver for a list of names, so host names are resolved here, once, one
+    address each (the IPv4 one when every replica has one). A name whose addresses change is
+    better given alone as ``dns:///name:port``, which gRPC re-resolves.
+    """
+    if isinstance(target, str):
+        return target
+    replicas = list(target)
+    if not replicas:
+        raise ValueError("target: the list of replicas is empty")
+    if len(replicas) == 1:
+        return replicas[0]
+    resolved = [_resolve(i, replica) for i, replica in enumerate(replicas)]
+    for scheme, family in (("ipv4", socket.AF_INET), ("ipv6", socket.AF_INET6)):
+        if all(family in addresses for addresses in resolved):
+            return f"{scheme}:" + ",".join(addresses[family] for addresses in resolved)
+    raise ValueError(f"target: the replicas {replicas} share no address family (all IPv4 or all IPv6)")
+
+
+def _resolve(index: int, replica: str) -> dict[socket.AddressFamily, str]:
+    """``replica`` ("host:port", "[v6]:port") as its first "address:port" in each family."""
+    host, sep, port = replica.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if not sep or not host or not port.isdigit() or "/" in replica or (":" in host and not bracketed):
+        raise ValueError(f"target[{index}]: {replica!r} is not host:port (a list holds plain host:port replicas)")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ValueError(f"target[{index}]: cannot resolve {host!r}: {err}") from None
+    addresses: dict[socket.AddressFamily, str] = {}
+    for family, _, _, _, sockaddr in infos:
+        if family in (socket.AF_INET, socket.AF_INET6) and family not in addresses:
+            ip = sockaddr[0]
+            addresses[family] = f"{ip}:{port}" if family == socket.AF_INET else f"[{ip}]:{port}"
+    return addresses
+
+
 def open_channel(
-    target: str, *, aio: bool, max_attempts: int = 5, options: Sequence[tuple[str, Any]] | None = None
+    target: str | Sequence[str],
+    *,
+    aio: bool,
+    max_attempts: int = 5,
+    options: Sequence[tuple[str, Any]] | None = None,
 ) -> grpc.Channel | grpc.aio.Channel:
-    """The channel both clients use: blocking (``aio=False``) or asyncio."""
+    """The channel both clients use: blocking (``aio=False``) or asyncio, to one target or a
+    list of replicas (``channel_target``)."""
     merged = channel_options(max_attempts=max_attempts, extra=list(options or []))
-    return (grpc.aio if aio else grpc).insecure_channel(target, options=merged)
+    return (grpc.aio if aio else grpc).insecure_channel(channel_target(target), options=merged)

@@ -159,8 +159,10 @@ class _Calls:
 class LogprobClient(_Calls):
     """Blocking client.
 
-    ``target``: a gRPC target ("host:port", "dns:///host:port"). ``timeout``: deadline of every
-    call, seconds (overridable per call). ``options``: extra gRPC channel options.
+    ``target``: a gRPC target ("host:port", "dns:///host:port") or a list of "host:port"
+    replicas; calls are spread round-robin over every address it resolves to (``channel.py``).
+    ``timeout``: deadline of every call, seconds (overridable per call). ``options``: extra gRPC
+    channel options.
     UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential backoff (gRPC's retry policy,
     up to ``max_attempts`` tries) within the deadline; other failures raise at once.
     ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``: a scoring call larger than either is
@@ -169,7 +171,7 @@ class LogprobClient(_Calls):
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         model: str = "default",
@@ -326,7 +328,7 @@ class AsyncLogprobClient(_Calls):
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         model: str = "default",

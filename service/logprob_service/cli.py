@@ -1,4 +1,4 @@
-"""``logprob-service serve``: the command line. Every setting is a flag (derived from config.Settings)."""
+"""``logprob-service serve`` (every setting is a flag, derived from config.Settings) and ``logprob-service probe``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kind, choices = _flag_type(field.annotation)
             serve.add_argument(flag, dest=name, type=kind, choices=choices, help=help_text)
+    probe = commands.add_parser(
+        "probe",
+        help="exit 0 if a server is SERVING (gRPC health check), else 1",
+        description="Ask a server's gRPC health service whether it is SERVING (the container's health check).",
+    )
+    probe.add_argument(
+        "--address",
+        help="HOST:PORT to ask [default: the host and port that `serve` would use in this environment, "
+        "loopback for 0.0.0.0]",
+    )
+    probe.add_argument("--service", default="", help="service name to ask about [default: '', the whole server]")
+    probe.add_argument("--timeout-s", type=float, default=5.0, help="seconds to wait for the answer [default: 5]")
     return parser
 
 
@@ -65,10 +77,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "probe":
+            from .probe import main as probe
+
+            return probe(args.address, args.service, args.timeout_s)
         settings = settings_from_args(args)
     except (ValidationError, FileNotFoundError, ValueError) as err:
         print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
-        return 2
+        return 1 if args.command == "probe" else 2  # a health check knows 0 and 1 only
     configure_logging(settings.log_level, settings.log_format)
     from .models.loading import ModelLoadError
     from .server import serve

@@ -112,6 +112,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Tokens admitted but not yet scored; beyond it requests get RESOURCE_EXHAUSTED.",
     )
+    max_connection_age_s: float = Field(
+        300.0,
+        ge=0,
+        description=(
+            "Clients are asked to reconnect (GOAWAY; in-flight calls finish) after a connection is this old, so "
+            "clients balancing over a DNS name (a headless Service) find new replicas. 0: never."
+        ),
+    )
     max_message_bytes: int = Field(
         256 * MiB, ge=4 * MiB, description="Largest gRPC message received or sent (gRPC's default is 4 MiB)."
     )

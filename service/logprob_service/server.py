@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -134,22 +135,29 @@ class Service:
         self.executor.shutdown()
 
 
+def server_options(settings: Settings) -> list[tuple[str, Any]]:
+    """gRPC server options: message limits, keepalive, connection age."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        # Accept the clients' keepalive pings (logprob_client.channel pings every 30 s, idle or not).
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+    if settings.max_connection_age_s > 0:
+        # A GOAWAY after this age (gRPC adds +-10% jitter) makes clients reconnect and re-resolve
+        # their target, so a client balancing over a DNS name finds replicas added since it
+        # connected. In-flight calls finish on the old connection: no grace limit is set.
+        options.append(("grpc.max_connection_age_ms", round(settings.max_connection_age_s * 1000)))
+    return options
+
+
 async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server, int]:
     """Build and start the gRPC server on ``address`` ("host:port"; port 0 picks one).
 
     Health starts NOT_SERVING; ``service.warm_up()`` flips it to SERVING.
     """
-    max_bytes = service.settings.max_message_bytes
-    server = grpc.aio.server(
-        interceptors=[ExceptionToStatusInterceptor()],
-        options=[
-            ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.max_send_message_length", max_bytes),
-            # Matches the client's keepalive pings (logprob_client.channel).
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ],
-    )
+    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=server_options(service.settings))
     pb_grpc.add_LogprobServiceServicer_to_server(
         LogprobServicer(service.registry, service.scheduler, service.updater, service.state, service.limits), server
     )

@@ -47,13 +47,15 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 120.0) ->
     raise TimeoutError(f"{target} never became SERVING")
 
 
-def launch(*args: str, env: dict | None = None) -> subprocess.Popen:
+def launch(*args: str, env: dict | None = None, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """``logprob-service serve`` in a subprocess; its output to ``stdout`` (read it, or the server
+    blocks once the pipe is full; a file does not fill)."""
     path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "logprob_service.cli", "serve", *args],
         env=full_env,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
     )

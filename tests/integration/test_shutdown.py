@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import start, test_settings
 from tests.integration.test_errors import OK, Gate, call, request
@@ -30,3 +32,31 @@ async def test_drain_finishes_in_flight_work_and_refuses_new(gemma_checkpoint):
     assert response.request_id == "in-flight" and len(response.scores[0].logprobs) == 2
     await drain
     gate.restore()
+
+
+async def test_drain_refuses_new_calls_at_once_on_a_connection_already_open(gemma_checkpoint):
+    # A client of several replicas holds one open connection to each: a new call on the draining
+    # server's connection must fail at once (for the client to retry it elsewhere), while the
+    # call in flight on that same connection finishes.
+    running = await start(test_settings(gemma_checkpoint))
+    gate = None
+    try:
+        async with grpc.aio.insecure_channel(running.target, options=[("grpc.enable_retries", 0)]) as channel:
+            stub = pb_grpc.LogprobServiceStub(channel)
+            await stub.ScoreTokens(request(OK), timeout=30)  # the connection is open
+            gate = Gate(running)
+            in_flight = stub.ScoreTokens(request(OK, request_id="in-flight"), timeout=30)
+            await asyncio.to_thread(gate.entered.wait, 10)
+            drain = asyncio.create_task(running.service.drain(running.server, grace_s=20))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ScoreTokens(request(OK), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - started < 2  # refused, not left waiting for the drain
+            gate.release.set()
+            assert (await in_flight).request_id == "in-flight"
+            await drain
+    finally:
+        if gate is not None:
+            gate.restore()

