@@ -142,7 +142,9 @@ class _Stager:
 
     def _room_for(self, nbytes: int) -> bool:
         free, _ = torch.cuda.mem_get_info(self.device)
-        return free - nbytes >= self.reserve_bytes
+        # Memory torch's allocator holds but no tensor uses is free to this process too.
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached - nbytes >= self.reserve_bytes
 
 
 class _Update:
