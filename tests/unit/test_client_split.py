@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from logprob_client import AsyncLogprobClient, Cancelled, InvalidRequest, LogprobClient
+from logprob_client import AsyncLogprobClient, Cancelled, InvalidRequest, LogprobClient, MixedVersionsError
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
@@ -143,3 +143,31 @@ async def test_score_async_can_be_cancelled():
             future.cancel()
             with pytest.raises(Cancelled):
                 await asyncio.to_thread(future.result, 5)
+
+
+class Versioned(Scripted):
+    """Answers the parts of a call as if an update went live between them: the first part comes
+    from version 4, the rest from version 5; and it echoes each request's min_version."""
+
+    def __init__(self) -> None:
+        super().__init__(together=1)
+        self.min_versions: list[int] = []
+
+    async def ScoreTokens(self, request, context):
+        self.min_versions.append(request.min_version)
+        response = await super().ScoreTokens(request, context)
+        response.model = request.model
+        response.model_version = 4 if len(self.requests) == 1 else 5
+        return response
+
+
+@pytest.mark.parametrize("which", ["sync", "async"])
+async def test_parts_scored_by_two_versions_raise_instead_of_mixing(which):
+    prompts, completions = [[1, 2]] * 4, [[3, 4]] * 4
+    async with serving(Versioned()) as target:
+        with pytest.raises(MixedVersionsError, match=r"versions \[4, 5\] of model 'default'; retry with min_version=5"):
+            await score(which, target, prompts, completions, max_sequences_per_rpc=2)
+    servicer = Versioned()
+    async with serving(servicer) as target:
+        await score(which, target, prompts[:2], completions[:2], max_sequences_per_rpc=2, min_version=5)
+    assert servicer.min_versions == [5]
