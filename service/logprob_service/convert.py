@@ -24,7 +24,7 @@ def ensure_request_id(request: pb.ScoreRequest) -> None:
     request.request_id = request.request_id or str(uuid.uuid4())
 
 
-def job_from_request(request: pb.ScoreRequest, deadline: float | None) -> ScoreJob:
+def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: str) -> ScoreJob:
     return ScoreJob(
         request_id=request.request_id,
         model=model_name(request),
@@ -38,6 +38,7 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None) -> ScoreJ
         temperature=validate_temperature(request.temperature),
         return_entropy=request.return_entropy,
         deadline=deadline,
+        client=client,
     )
 
 

@@ -57,6 +57,18 @@ class Unavailable(LogprobError):
     status = grpc.StatusCode.UNAVAILABLE
 
 
+class Unauthenticated(LogprobError):
+    """No credentials, or credentials the server does not know."""
+
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(LogprobError):
+    """Known credentials without the scope the method needs."""
+
+    status = grpc.StatusCode.PERMISSION_DENIED
+
+
 def status_of(err: BaseException) -> grpc.StatusCode:
     """The status a request that raised ``err`` is answered with (anything unforeseen is a bug)."""
     if isinstance(err, LogprobError):

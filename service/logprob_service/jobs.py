@@ -33,6 +33,7 @@ class ScoreJob:
     temperature: float = 1.0
     return_entropy: bool = False
     deadline: float | None = None  # time.monotonic() after which the work is useless
+    client: str = ""  # who asked (identity.py): the fair share counts queued tokens per client
 
     @property
     def num_tokens(self) -> int:

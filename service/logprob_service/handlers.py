@@ -1,0 +1,60 @@
+"""Rebuilding gRPC method handlers of any of the four kinds, for the server's interceptors.
+
+An interceptor that must run code around a call (``auth``, ``decoding``) replaces the handler's
+behaviour with a coroutine that does its part and then ``run``s the original behaviour. A
+coroutine is a valid behaviour of every kind in ``grpc.aio``: one that streams responses writes
+them with ``context.write``, which ``run`` does for an async-generator behaviour.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from . import accounting
+from .errors import LogprobError
+
+Behaviour = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def behaviour_of(handler: grpc.RpcMethodHandler) -> Behaviour:
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+
+
+def rebuild(
+    handler: grpc.RpcMethodHandler, behaviour: Behaviour, request_deserializer: Callable[[bytes], Any] | None = None
+) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind and serializers that runs ``behaviour``."""
+    factory = _FACTORIES[bool(handler.request_streaming), bool(handler.response_streaming)]
+    return factory(
+        behaviour,
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+async def run(behaviour: Behaviour, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    """Run a handler's original behaviour to its end: its response, or its streamed responses
+    written to ``context``."""
+    result = behaviour(request, context)
+    if inspect.isasyncgen(result):
+        async for response in result:
+            await context.write(response)
+        return None
+    return await result if inspect.isawaitable(result) else result
+
+
+async def reject(context: grpc.aio.ServicerContext, rpc: str, error: LogprobError) -> NoReturn:
+    """Answer a call its handler never sees with ``error``'s status, accounted for like any other."""
+    accounting.record(rpc, None, error.status, elapsed_ns=0, error=error)
+    await context.abort(error.status, error.message)
