@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -54,7 +54,19 @@ async def run(behaviour: Behaviour, request: Any, context: grpc.aio.ServicerCont
     return await result if inspect.isawaitable(result) else result
 
 
-async def reject(context: grpc.aio.ServicerContext, rpc: str, error: LogprobError) -> NoReturn:
-    """Answer a call its handler never sees with ``error``'s status, accounted for like any other."""
+def fail(context: grpc.aio.ServicerContext, error: LogprobError) -> None:
+    """End the call with ``error``'s status once its behaviour returns (its response, if any, is
+    dropped). Set on the context rather than raised with ``context.abort``: grpc.aio keeps an
+    abort's exception on the call's state, in a reference cycle with the handler's frames, so the
+    request (and the job's arrays) would stay in memory until the cyclic garbage collector ran."""
+    context.set_code(error.status)
+    context.set_details(error.message)
+    if trailing := error.trailing_metadata():
+        context.set_trailing_metadata(trailing)
+
+
+def reject(context: grpc.aio.ServicerContext, rpc: str, error: LogprobError) -> None:
+    """Answer a call its handler never sees with ``error``'s status, accounted for like any other;
+    the caller then returns without running the handler."""
     accounting.record(rpc, None, error.status, elapsed_ns=0, error=error)
-    await context.abort(error.status, error.message)
+    fail(context, error)
