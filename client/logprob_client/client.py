@@ -272,7 +272,9 @@ class LogprobClient(_Calls):
         while True:
             error = None
             try:
-                stream = self._stub.ScoreTokensStream(iter(resume.next_stream()), timeout=resume.remaining_s())
+                stream = self._stub.ScoreTokensStream(
+                    iter(resume.next_stream()), timeout=resume.remaining_s(), wait_for_ready=True
+                )
                 for response in stream:
                     resume.take(response)
             except grpc.RpcError as err:
@@ -387,7 +389,9 @@ class AsyncLogprobClient(_Calls):
         while True:
             error = None
             try:
-                stream = self._stub.ScoreTokensStream(iter(resume.next_stream()), timeout=resume.remaining_s())
+                stream = self._stub.ScoreTokensStream(
+                    iter(resume.next_stream()), timeout=resume.remaining_s(), wait_for_ready=True
+                )
                 async for response in stream:
                     resume.take(response)
             except grpc.RpcError as err:

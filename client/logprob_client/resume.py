@@ -4,7 +4,8 @@ gRPC's retry policy cannot retry a stream once responses have flowed, so a serve
 the middle of a ``ScoreTokensStream`` would lose every answer still owed. Instead, when a stream
 breaks with a retryable status (UNAVAILABLE: the server went away; RESOURCE_EXHAUSTED), the
 requests it left unanswered, and those it answered with a retryable error, are sent again on a
-new stream after gRPC's backoff, up to ``max_attempts`` streams, within the call's deadline.
+new stream after gRPC's backoff (or the server's retry hint, when longer), up to ``max_attempts``
+streams, within the call's deadline.
 Scoring is a pure function of the request and the weights, so sending a request twice does no
 harm; answers are kept by ``request_id``, one per request, so none is counted twice.
 """
@@ -47,8 +48,8 @@ class StreamResume:
         self.pending = [r for r in self.pending if self._unsettled(self.responses.get(r.request_id))]
         if not self.pending:
             return None
-        delay = backoff_s(self.streams)
-        retryable = error is None or error.code() in RETRYABLE_CODES
+        delay = max(backoff_s(self.streams), _pushback_s(error))
+        retryable = error is None or error.code() in RETRYABLE_CODES or _status_lost(error)
         if retryable and self.streams < self.max_attempts and delay < self.remaining_s():
             return delay
         if error is not None:
@@ -58,3 +59,19 @@ class StreamResume:
     @staticmethod
     def _unsettled(response: pb.ScoreResponse | None) -> bool:
         return response is None or (response.HasField("error") and response.error.code in _RETRYABLE_VALUES)
+
+
+def _pushback_s(error: grpc.RpcError | None) -> float:
+    """The server's retry hint on a broken stream (``grpc-retry-pushback-ms``), as gRPC's retry
+    policy honours it for unary calls; 0 without one."""
+    metadata = dict(error.trailing_metadata() or ()) if error is not None else {}
+    hint = metadata.get("grpc-retry-pushback-ms")
+    return int(hint) / 1000 if hint is not None and str(hint).isdigit() else 0.0
+
+
+def _status_lost(error: grpc.RpcError) -> bool:
+    """grpc.aio reports INTERNAL "Internal error from Core" in place of the server's status when a
+    request write fails because the server already ended the stream (grpc/grpc#36066): the stream
+    broke, why is lost. Sending the unanswered requests again is safe (scoring is idempotent),
+    and the next stream reports the server's status if it still refuses them."""
+    return error.code() == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core"

@@ -86,6 +86,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 def _refusal(rpc: str, error: LogprobError) -> handlers.Behaviour:
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
         set_client(peer_host(context.peer()))  # the only identity an unauthenticated caller has, for the log
-        handlers.reject(context, rpc, error)
+        await handlers.reject(context, rpc, error)
 
     return refuse

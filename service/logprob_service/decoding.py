@@ -59,7 +59,7 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
 
             async def single(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, Malformed):
-                    return handlers.reject(
+                    return await handlers.reject(
                         context, rpc, InvalidArgument(f"request: not a valid message ({request.reason})")
                     )
                 return await handlers.run(inner, request, context)
@@ -81,7 +81,7 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
             answer = await handlers.run(inner, well_formed(), context)
             if bad:
                 index, malformed = bad[0]
-                return handlers.reject(
+                return await handlers.reject(
                     context,
                     rpc,
                     InvalidArgument(

@@ -29,10 +29,10 @@ class _Answer:
     response: Any = None
 
 
-def _fail(context: grpc.aio.ServicerContext, request_id: str, err: Exception) -> None:
+async def _fail(context: grpc.aio.ServicerContext, request_id: str, err: Exception) -> None:
     if not isinstance(err, LogprobError):
         err = LogprobError(f"internal error ({type(err).__name__}); request_id={request_id} is in the server log")
-    handlers.fail(context, err)
+    await handlers.fail(context, err)
 
 
 @contextlib.asynccontextmanager
@@ -55,7 +55,7 @@ async def _guarded(context: grpc.aio.ServicerContext, rpc: str, request: Any) ->
         account(status_of(err), err)
         if not isinstance(err, Exception):  # cancellation and exits pass through untouched
             raise
-        _fail(context, getattr(request, "request_id", ""), err)  # the error ends here: the status says it
+        await _fail(context, getattr(request, "request_id", ""), err)  # the status says it all
     else:
         if request is not None:  # a stream's requests were accounted for one by one
             account(grpc.StatusCode.OK)
