@@ -6,10 +6,10 @@ and/or the environment variable ``LOGPROB_AUTH_TOKENS`` (both are read, never a 
     tokens:
       - name: trainer-a              # who the client is: in logs, error messages and the fair share
         scopes: [score]
-        sha256: 9f86d081884c7d65...  # hex sha256 of the token: the file then holds no secret
+        sha256: <64 hex digits>      # sha256 of the token: the file then holds no secret
       - name: ops
         scopes: [score, admin]
-        token: q3V0...               # or the token itself (at least 16 characters)
+        token: <the token>           # or the token itself (at least 16 characters)
 
 Every token is kept only as its sha256 digest. A presented token is hashed and compared with
 every entry by ``hmac.compare_digest``, and the loop never stops early, so the time taken says

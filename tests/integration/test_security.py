@@ -27,10 +27,12 @@ from logprob_client import (
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from logprob_client.channel import open_channel
+from logprob_service import transport
 from prometheus_client import REGISTRY
 
 from tests.certs import OTHER_NAME, make_pki
 from tests.integration.conftest import start, stop, test_settings
+from tests.integration.test_cli import free_port, launch
 from tests.integration.test_e2e import assert_matches_reference, random_batch
 
 DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
@@ -261,3 +263,31 @@ def test_client_refuses_security_options_it_cannot_apply(tmp_path, pki):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
         LogprobClient("127.0.0.1:1", token_file=tmp_path / "empty")
+
+
+async def test_a_server_reachable_from_other_machines_warns_for_what_it_lacks(
+    gemma_checkpoint, tokens, monkeypatch, caplog
+):
+    # Bound to loopback (tests stay there), but taken for an exposed address.
+    monkeypatch.setattr(transport, "is_loopback", lambda host: False)
+    for extra, expected in (({}, ["PLAINTEXT", "NO AUTHENTICATION"]), ({"auth_tokens_file": tokens[0]}, ["PLAINTEXT"])):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="logprob_service.server"):
+            running = await start(test_settings(gemma_checkpoint, **extra), warm=False)
+            await stop(running)
+        warned = [r.getMessage() for r in caplog.records if r.name == "logprob_service.server"]
+        assert [next(w for w in expected if w in m) for m in warned] == expected, warned
+
+
+def test_cli_refuses_a_bad_token_document_without_echoing_it():
+    secret = secrets.token_urlsafe(32)
+    proc = launch(
+        "--metrics-port",
+        "0",
+        "--port",
+        str(free_port()),
+        env={"LOGPROB_AUTH_TOKENS": f"tokens:\n  - {{name: a, scopes: [root], token: {secret}}}\n"},
+    )
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, output
+    assert "LOGPROB_AUTH_TOKENS: tokens.0.scopes.0" in output and secret not in output
