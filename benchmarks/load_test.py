@@ -16,9 +16,12 @@ sets LOGPROB_LOAD_FULL=1. The steps, all in one run:
 5. Checks (exit status 1 if any fails):
    - the generator really offered the load (at least 90% of it);
    - every request is answered OK or RESOURCE_EXHAUSTED, nothing else;
-   - refusals come at once: their p99 is under a tenth of the queue's drain time;
+   - refusals come at once: their p99 is under the accepted requests' median, which is mostly
+     time spent waiting in the queue (a refusal that waited there would take as long);
    - every accepted answer carries its request's id and equals the pool entry's reference;
-   - resident memory after warm-up (the first fifth) stays within ``--rss-growth-mib``;
+   - resident memory stays flat after warm-up (the first fifth): its peak over the last half of
+     the rest is within ``--rss-growth-mib`` of its peak over the first half (it saws up and down
+     by tens of MiB as the allocator works; a leak raises the peaks);
    - the p99 latency of accepted requests is within 3 x (the queue's drain time at the measured
      capacity + the idle p99): admission control bounds how long anything admitted waits.
 """
@@ -129,8 +132,8 @@ class Report:
     idle_p99_s: float = 0.0
     queue_drain_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
-    rss_warm: int = 0
-    rss_max: int = 0
+    rss_peak_first: int = 0
+    rss_peak_second: int = 0
     failures: list[str] = field(default_factory=list)
 
     def of(self, code: grpc.StatusCode) -> list[Outcome]:
@@ -243,10 +246,9 @@ async def run_load(
             await channel.close()
 
     # 5. Checks.
-    warm_up = duration_s / 5
-    warm = [rss for t, rss in samples if t <= warm_up]
-    report.rss_warm = warm[-1]
-    report.rss_max = max(rss for t, rss in samples if t > warm_up)
+    after_warm_up = [rss for t, rss in samples if t > duration_s / 5]
+    half = len(after_warm_up) // 2
+    report.rss_peak_first, report.rss_peak_second = max(after_warm_up[:half]), max(after_warm_up[half:])
     ok, refused = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
     others = {o.code for o in report.outcomes} - {ok, refused}
     checks = [
@@ -259,14 +261,15 @@ async def run_load(
         (bool(report.of(refused)), "no request was refused: the load did not overload the server"),
         (bool(report.of(ok)), "no request was accepted"),
         (
-            report.p(refused, 0.99) < report.queue_drain_s / 10,
-            f"refusal p99 {report.p(refused, 0.99) * 1e3:.1f} ms is not well under the queue's drain time "
-            f"{report.queue_drain_s * 1e3:.0f} ms",
+            report.p(refused, 0.99) < report.p(ok, 0.5),
+            f"refusal p99 {report.p(refused, 0.99) * 1e3:.1f} ms is not under the accepted median "
+            f"{report.p(ok, 0.5) * 1e3:.0f} ms",
         ),
         (all(o.correct for o in report.of(ok)), "an accepted answer differs from its reference"),
         (
-            report.rss_max - report.rss_warm <= rss_growth_mib * MiB,
-            f"resident memory grew {(report.rss_max - report.rss_warm) / MiB:.1f} MiB after warm-up",
+            report.rss_peak_second - report.rss_peak_first <= rss_growth_mib * MiB,
+            f"resident memory's peak grew {(report.rss_peak_second - report.rss_peak_first) / MiB:.1f} MiB "
+            "after warm-up",
         ),
         (
             report.p(ok, 0.99) <= 3 * (report.queue_drain_s + report.idle_p99_s),
@@ -288,7 +291,10 @@ def describe(report: Report, factor: float, duration_s: float) -> str:
         ("accepted p50 / p99", f"{report.p(ok, 0.5) * 1e3:.0f} / {report.p(ok, 0.99) * 1e3:.0f} ms"),
         ("refused p50 / p99", f"{report.p(refused, 0.5) * 1e3:.1f} / {report.p(refused, 0.99) * 1e3:.1f} ms"),
         ("queue drain time at capacity", f"{report.queue_drain_s * 1e3:.0f} ms"),
-        ("server RSS after warm-up / max after", f"{report.rss_warm / MiB:.0f} / {report.rss_max / MiB:.0f} MiB"),
+        (
+            "server RSS peak, after warm-up: first / second half",
+            f"{report.rss_peak_first / MiB:.0f} / {report.rss_peak_second / MiB:.0f} MiB",
+        ),
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"| {name:<{width}} | {value} |" for name, value in rows]

@@ -4,7 +4,8 @@ Retries use gRPC's service-config retry policy rather than a hand-written loop: 
 UNAVAILABLE and RESOURCE_EXHAUSTED, with exponential backoff and jitter, honours the server's
 ``grpc-retry-pushback-ms`` hint, and never retries past the call's deadline. gRPC does not retry
 the stream RPC (a call is committed once responses have flowed): ``client.score_many`` sends the
-requests a broken stream left unanswered again on a new stream, with the same backoff.
+requests a broken stream left unanswered again on a new stream, with the same backoff (or the
+server's hint, when longer).
 """
 
 from __future__ import annotations

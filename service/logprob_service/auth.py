@@ -3,8 +3,8 @@
 With tokens configured (``tokens.py``), every LogprobService call must carry the metadata
 ``authorization: Bearer <token>``. No token, or one the server does not know: UNAUTHENTICATED.
 A known token without the scope the method needs: PERMISSION_DENIED. Both are decided from the
-metadata alone, before the request is read or any work is done. Health and reflection are other
-services and stay open: probes and ``grpcurl list`` need no token.
+metadata alone, before the handler runs (a stream's messages are not even read). Health and
+reflection are other services and stay open: probes and ``grpcurl list`` need no token.
 
 Every LogprobService call, authenticated or not, then runs with its client identity set
 (``identity.py``): the token's name, or without authentication the peer's IP address.
