@@ -10,29 +10,40 @@ Everything here is gRPC's own machinery, set through channel options and the ser
   only UNAVAILABLE and RESOURCE_EXHAUSTED, with exponential backoff and jitter, honours the
   server's ``grpc-retry-pushback-ms`` hint, never retries past the call's deadline, and a retry
   is a fresh pick, so it goes to another replica (a draining or killed one answers UNAVAILABLE).
-  The stream RPC is not retried (its requests are not idempotent once responses have flowed).
+  gRPC does not retry the stream RPC (a call is committed once responses have flowed):
+  ``client.score_many`` sends the requests a broken stream left unanswered again on a new
+  stream, with the same backoff (or the server's hint, when longer; ``resume.py``).
 - **Keepalive.** Pings on idle connections too, so a replica that vanished without closing its
   connections (a lost node) is noticed and skipped. The interval stays above the server's
   ``grpc.http2.min_ping_interval_without_data_ms``, or the server would close the connection
   for pinging too often.
+- **Security.** TLS / mutual TLS credentials and the bearer token sent on every call
+  (``security.py``).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from .security import PathLike, make_channel, read_token, tls_credentials
+
 MiB = 1024**2
 SERVICE = "logprob.v1.LogprobService"
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+INITIAL_BACKOFF_S, MAX_BACKOFF_S, BACKOFF_MULTIPLIER = 0.1, 5.0, 2
 # Client pings every 30 s; the server accepts one every 10 s or more (server.py).
 KEEPALIVE_TIME_MS = 30_000
 
 
-def service_config(max_attempts: int = 5, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> dict[str, Any]:
+def service_config(
+    max_attempts: int = 5, initial_backoff_s: float = INITIAL_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S
+) -> dict[str, Any]:
     """``round_robin`` over every address the target resolves to, and, for ``max_attempts`` >= 2,
     the retry policy of the unary RPCs."""
     config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
@@ -41,13 +52,20 @@ def service_config(max_attempts: int = 5, initial_backoff_s: float = 0.1, max_ba
             "maxAttempts": max_attempts,  # gRPC caps this at 5
             "initialBackoff": f"{initial_backoff_s}s",
             "maxBackoff": f"{max_backoff_s}s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
+            "backoffMultiplier": BACKOFF_MULTIPLIER,
+            "retryableStatusCodes": sorted(code.name for code in RETRYABLE_CODES),
         }
         config["methodConfig"] = [
             {"name": [{"service": SERVICE, "method": m} for m in ("ScoreTokens", "ListModels")], "retryPolicy": policy}
         ]
     return config
+
+
+def backoff_s(retry: int) -> float:
+    """Delay before retry number ``retry`` (1, 2, ...) as gRPC's retry policy draws it: uniform in
+    [0, min(max backoff, initial backoff * multiplier^(retry - 1))]. For what the policy cannot
+    retry itself (a broken stream, ``client.score_many``)."""
+    return random.uniform(0, min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * BACKOFF_MULTIPLIER ** (retry - 1)))
 
 
 def channel_options(
@@ -122,8 +140,23 @@ def open_channel(
     aio: bool,
     max_attempts: int = 5,
     options: Sequence[tuple[str, Any]] | None = None,
+    tls: bool = False,
+    tls_ca_file: PathLike | None = None,
+    tls_cert_file: PathLike | None = None,
+    tls_key_file: PathLike | None = None,
+    tls_server_name: str | None = None,
+    token: str | None = None,
+    token_file: PathLike | None = None,
 ) -> grpc.Channel | grpc.aio.Channel:
-    """The channel both clients use: blocking (``aio=False``) or asyncio, to one target or a
-    list of replicas (``channel_target``)."""
+    """The channel both clients use: blocking (``aio=False``) or asyncio, to one target or a list
+    of replicas (``channel_target``); plaintext, or TLS when ``tls`` or any ``tls_*`` option is
+    given; sending ``token`` on every call (``security.py``)."""
     merged = channel_options(max_attempts=max_attempts, extra=list(options or []))
-    return (grpc.aio if aio else grpc).insecure_channel(channel_target(target), options=merged)
+    credentials = tls_credentials(
+        tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
+    )
+    if tls_server_name is not None:
+        merged.append(("grpc.ssl_target_name_override", tls_server_name))
+    return make_channel(
+        channel_target(target), aio=aio, options=merged, credentials=credentials, token=read_token(token, token_file)
+    )

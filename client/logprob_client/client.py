@@ -14,6 +14,7 @@ Every scoring call is cut into parts within ``max_sequences_per_rpc`` / ``max_to
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from .channel import open_channel
 from .errors import LogprobError, MixedVersionsError, error_for_status, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, assemble, prepare
+from .resume import StreamResume
+from .security import PathLike
 from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
 from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, update_requests
 
@@ -126,9 +129,12 @@ def _result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_en
 class _Calls:
     """What both clients share: defaults, request building and splitting, result unpacking."""
 
-    def __init__(self, *, model: str, timeout: float, max_sequences_per_rpc: int, max_tokens_per_rpc: int) -> None:
+    def __init__(
+        self, *, model: str, timeout: float, max_attempts: int, max_sequences_per_rpc: int, max_tokens_per_rpc: int
+    ) -> None:
         self.model = model
         self.timeout = timeout
+        self.max_attempts = max_attempts
         self.rpc_limits = RpcLimits(max_sequences_per_rpc, max_tokens_per_rpc)
 
     def options(self, model: str | None, temperature: float, return_entropy: bool, min_version: int) -> _Options:
@@ -167,6 +173,11 @@ class LogprobClient(_Calls):
     up to ``max_attempts`` tries) within the deadline; other failures raise at once.
     ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``: a scoring call larger than either is
     split into several RPCs in flight together (keep them within the server's per-request limits).
+    Security (``security.py``): ``tls`` or any ``tls_*`` option turns TLS on (``tls_ca_file``:
+    the CA to trust; ``tls_cert_file`` + ``tls_key_file``: a client certificate for mutual TLS;
+    ``tls_server_name``: the name the server's certificate carries, when the target's differs);
+    ``token`` or ``token_file``: a bearer token sent on every call. With ``channel=``, these are
+    the channel's business: build it with ``channel.open_channel``.
     """
 
     def __init__(
@@ -180,14 +191,35 @@ class LogprobClient(_Calls):
         max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
         options: Sequence[tuple[str, Any]] | None = None,
         channel: grpc.Channel | None = None,
+        tls: bool = False,
+        tls_ca_file: PathLike | None = None,
+        tls_cert_file: PathLike | None = None,
+        tls_key_file: PathLike | None = None,
+        tls_server_name: str | None = None,
+        token: str | None = None,
+        token_file: PathLike | None = None,
     ) -> None:
         super().__init__(
             model=model,
             timeout=timeout,
+            max_attempts=max_attempts,
             max_sequences_per_rpc=max_sequences_per_rpc,
             max_tokens_per_rpc=max_tokens_per_rpc,
         )
-        self._channel = channel or open_channel(target, aio=False, max_attempts=max_attempts, options=options)
+        self._channel = _channel(
+            channel,
+            target,
+            aio=False,
+            max_attempts=max_attempts,
+            options=options,
+            tls=tls,
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+            tls_server_name=tls_server_name,
+            token=token,
+            token_file=token_file,
+        )
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
 
     def score(
@@ -259,16 +291,26 @@ class LogprobClient(_Calls):
         """Score several batches pipelined over one stream; results in input order.
 
         A batch larger than the RPC limits goes as several requests on the stream. A failed
-        batch raises its typed error, or, with ``return_exceptions``, takes its place.
+        batch raises its typed error, or, with ``return_exceptions``, takes its place. A stream
+        broken by UNAVAILABLE or RESOURCE_EXHAUSTED (a server restart) is resumed on a new one
+        with the requests still unanswered (``resume.py``).
         """
         calls, requests = self.prepare_many(inputs, self.options(model, temperature, return_entropy, min_version))
-        responses: dict[str, pb.ScoreResponse] = {}
-        try:
-            for response in self._stub.ScoreTokensStream(iter(requests), timeout=timeout or self.timeout):
-                responses[response.request_id] = response
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
-        return _collect(calls, responses, return_entropy, return_exceptions)
+        resume = StreamResume(requests, timeout or self.timeout, self.max_attempts)
+        while True:
+            error = None
+            try:
+                stream = self._stub.ScoreTokensStream(
+                    iter(resume.next_stream()), timeout=resume.remaining_s(), wait_for_ready=True
+                )
+                for response in stream:
+                    resume.take(response)
+            except grpc.RpcError as err:
+                error = err
+            delay = resume.retry_after_s(error)
+            if delay is None:
+                return _collect(calls, resume.responses, return_entropy, return_exceptions)
+            time.sleep(delay)
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         try:
@@ -337,14 +379,35 @@ class AsyncLogprobClient(_Calls):
         max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
         options: Sequence[tuple[str, Any]] | None = None,
         channel: grpc.aio.Channel | None = None,
+        tls: bool = False,
+        tls_ca_file: PathLike | None = None,
+        tls_cert_file: PathLike | None = None,
+        tls_key_file: PathLike | None = None,
+        tls_server_name: str | None = None,
+        token: str | None = None,
+        token_file: PathLike | None = None,
     ) -> None:
         super().__init__(
             model=model,
             timeout=timeout,
+            max_attempts=max_attempts,
             max_sequences_per_rpc=max_sequences_per_rpc,
             max_tokens_per_rpc=max_tokens_per_rpc,
         )
-        self._channel = channel or open_channel(target, aio=True, max_attempts=max_attempts, options=options)
+        self._channel = _channel(
+            channel,
+            target,
+            aio=True,
+            max_attempts=max_attempts,
+            options=options,
+            tls=tls,
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+            tls_server_name=tls_server_name,
+            token=token,
+            token_file=token_file,
+        )
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
 
     async def score(
@@ -388,14 +451,21 @@ class AsyncLogprobClient(_Calls):
     ) -> list[Any]:
         """See ``LogprobClient.score_many``."""
         calls, requests = self.prepare_many(inputs, self.options(model, temperature, return_entropy, min_version))
-        responses: dict[str, pb.ScoreResponse] = {}
-        try:
-            call = self._stub.ScoreTokensStream(iter(requests), timeout=timeout or self.timeout)
-            async for response in call:
-                responses[response.request_id] = response
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
-        return _collect(calls, responses, return_entropy, return_exceptions)
+        resume = StreamResume(requests, timeout or self.timeout, self.max_attempts)
+        while True:
+            error = None
+            try:
+                stream = self._stub.ScoreTokensStream(
+                    iter(resume.next_stream()), timeout=resume.remaining_s(), wait_for_ready=True
+                )
+                async for response in stream:
+                    resume.take(response)
+            except grpc.RpcError as err:
+                error = err
+            delay = resume.retry_after_s(error)
+            if delay is None:
+                return _collect(calls, resume.responses, return_entropy, return_exceptions)
+            await asyncio.sleep(delay)
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         try:
@@ -441,6 +511,19 @@ class AsyncLogprobClient(_Calls):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _channel(channel: Any, target: str, **settings: Any) -> Any:
+    """``channel`` as given, else one opened with ``settings``; refuses TLS or token settings
+    beside a given channel, which would silently not apply."""
+    if channel is None:
+        return open_channel(target, **settings)
+    security = {k: v for k, v in settings.items() if k.startswith(("tls", "token")) and v not in (None, False)}
+    if security:
+        raise ValueError(
+            f"{', '.join(security)} cannot apply to a given channel: pass them to open_channel(...) instead"
+        )
+    return channel
 
 
 def _collect(

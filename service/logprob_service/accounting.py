@@ -4,9 +4,9 @@
 RPC and for a stream that fails as a whole, and by the stream handler for each request answered
 on a stream. One log line per request, on the ``logprob_service.requests`` logger: DEBUG when it
 succeeded, WARNING when it failed, ERROR with the traceback when the failure is a bug
-(INTERNAL). Each line carries the RPC, request id, model, sequences, tokens, timings (the
-response's metadata when scored, else the time the handler took) and status as structured
-fields (see ``logs``).
+(INTERNAL). Each line carries the RPC, the client (``identity.py``: token name or peer address),
+request id, model, sequences, tokens, timings (the response's metadata when scored, else the
+time the handler took) and status as structured fields (see ``logs``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from logprob_client._proto import logprob_pb2 as pb
 
 from . import convert, metrics
 from .errors import LogprobError
+from .identity import current_client
 
 log = logging.getLogger("logprob_service.requests")
 
@@ -55,6 +56,8 @@ def record(
     if not log.isEnabledFor(level):
         return
     fields: dict[str, object] = {"rpc": rpc, "status": code.name}
+    if client := current_client():
+        fields["client"] = client
     if scoring is not None:
         fields |= {
             "request_id": scoring.request_id,

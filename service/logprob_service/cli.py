@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from . import __version__
-from .config import Settings, load_settings
+from .config import ENV_ONLY_SETTINGS, Settings, load_settings
 from .logs import configure_logging
 
 _MODEL_FLAG_HELP = (
@@ -39,11 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve models over gRPC",
         description="Serve models over gRPC. Precedence: flags > LOGPROB_* environment > --config file > defaults.",
         argument_default=argparse.SUPPRESS,  # only flags given on the command line override
+        # No prefixes: `--auth-tokens SECRET` must not pass as `--auth-tokens-file` (and echo the secret).
+        allow_abbrev=False,
     )
     serve.add_argument("--config", help="YAML file of settings (same names as the flags, with _) [env LOGPROB_CONFIG]")
     serve.add_argument("--model", dest="models", action="append", metavar="NAME=SOURCE", help=_MODEL_FLAG_HELP)
     for name, field in Settings.model_fields.items():
-        if name == "models":
+        if name == "models" or name in ENV_ONLY_SETTINGS:
             continue
         flag = "--" + name.replace("_", "-")
         help_text = (
@@ -88,9 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_format)
     from .models.loading import ModelLoadError
     from .server import serve
+    from .tokens import TokenConfigError
 
     try:
         asyncio.run(serve(settings))
+    except TokenConfigError as err:  # found before anything starts, like any other invalid setting
+        print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
+        return 2
     except ModelLoadError as err:
         logging.getLogger("logprob_service").error("%s", err)
         return 1

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -22,6 +22,9 @@ from pydantic_settings import (
 
 MiB = 1024**2
 DEFAULT_MODEL_SOURCE = "builtin:tiny-llama"
+# Settings that hold secrets: read from the environment (or the config file), never from a flag,
+# which would show in `ps`, shell history and process listings.
+ENV_ONLY_SETTINGS = frozenset({"auth_tokens"})
 
 
 def parse_model_specs(value: Any) -> dict[str, str]:
@@ -120,8 +123,48 @@ class Settings(BaseSettings):
             "clients balancing over a DNS name (a headless Service) find new replicas. 0: never."
         ),
     )
+    max_queued_tokens_per_client: int = Field(
+        2_097_152,
+        ge=1,
+        description=(
+            "Fair share: tokens one client (its token's name; without authentication, its IP address) may have "
+            "admitted but not yet scored; beyond it that client's requests get RESOURCE_EXHAUSTED while others' "
+            "are still admitted."
+        ),
+    )
     max_message_bytes: int = Field(
         256 * MiB, ge=4 * MiB, description="Largest gRPC message received or sent (gRPC's default is 4 MiB)."
+    )
+    max_concurrent_rpcs_per_connection: int = Field(
+        128,
+        ge=1,
+        description=(
+            "RPCs in flight on one client connection (HTTP/2 max concurrent streams); a client's further RPCs "
+            "wait for a free stream instead of failing."
+        ),
+    )
+
+    # Security (SECURITY.md).
+    tls_cert_file: FilePath | None = Field(
+        None, description="PEM certificate chain the gRPC port presents; with tls_key_file it turns TLS on."
+    )
+    tls_key_file: FilePath | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: FilePath | None = Field(
+        None,
+        description="PEM CA certificates; when set, clients must present a certificate they signed (mutual TLS).",
+    )
+    auth_tokens_file: FilePath | None = Field(
+        None,
+        description=(
+            "YAML or JSON file of bearer tokens (name, scopes, token or its sha256); when set, every "
+            "LogprobService call needs a token."
+        ),
+    )
+    auth_tokens: SecretStr | None = Field(
+        None,
+        description=(
+            "Environment only, never a flag: a token document like auth_tokens_file's, added to the file's tokens."
+        ),
     )
 
     # Weight updates.
@@ -150,11 +193,20 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _request_fits_queue(self) -> Settings:
-        if self.max_tokens_per_request > self.max_queued_tokens:
-            raise ValueError(
-                f"max_tokens_per_request ({self.max_tokens_per_request}) must not exceed max_queued_tokens "
-                f"({self.max_queued_tokens}): a request larger than the queue could never be admitted"
-            )
+        for queue in ("max_queued_tokens", "max_queued_tokens_per_client"):
+            if self.max_tokens_per_request > getattr(self, queue):
+                raise ValueError(
+                    f"max_tokens_per_request ({self.max_tokens_per_request}) must not exceed {queue} "
+                    f"({getattr(self, queue)}): a request larger than the queue could never be admitted"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _tls_files_go_together(self) -> Settings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be set together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         return self
 
     @field_validator("models", mode="before")

@@ -26,7 +26,7 @@ def ensure_request_id(request: pb.ScoreRequest) -> None:
     request.request_id = request.request_id or str(uuid.uuid4())
 
 
-def job_from_request(request: pb.ScoreRequest, deadline: float | None) -> ScoreJob:
+def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: str) -> ScoreJob:
     return ScoreJob(
         request_id=request.request_id,
         model=model_name(request),
@@ -41,6 +41,7 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None) -> ScoreJ
         return_entropy=request.return_entropy,
         deadline=deadline,
         min_version=validate_version("min_version", request.min_version),
+        client=client,
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from . import accounting
+from . import accounting, handlers
 from .errors import LogprobError, status_of
 from .state import SERVICE_NAME
 
@@ -30,12 +30,10 @@ class _Answer:
     response: Any = None
 
 
-async def _abort(context: grpc.aio.ServicerContext, request_id: str, err: Exception) -> None:
-    if isinstance(err, LogprobError):
-        await context.abort(err.status, err.message, trailing_metadata=err.trailing_metadata())
-    await context.abort(
-        grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); request_id={request_id} is in the server log"
-    )
+async def _fail(context: grpc.aio.ServicerContext, request_id: str, err: Exception) -> None:
+    if not isinstance(err, LogprobError):
+        err = LogprobError(f"internal error ({type(err).__name__}); request_id={request_id} is in the server log")
+    await handlers.fail(context, err)
 
 
 @contextlib.asynccontextmanager
@@ -61,7 +59,7 @@ async def _guarded(
         account(status_of(err), err)
         if not isinstance(err, Exception):  # cancellation and exits pass through untouched
             raise
-        await _abort(context, getattr(request, "request_id", ""), err)
+        await _fail(context, getattr(request, "request_id", ""), err)  # the status says it all
     else:
         if not answers_per_request:
             account(grpc.StatusCode.OK)

@@ -1,7 +1,9 @@
 """Admission, micro-batching and ordering of scoring work (asyncio side; never runs torch).
 
-Every request's sequences enter one queue, bounded by tokens (``max_queued_tokens``): past it a
-request is refused at once with RESOURCE_EXHAUSTED and a retry hint from the measured
+Every request's sequences enter one queue, bounded by tokens (``max_queued_tokens``), and each
+client identity (``identity.py``) may hold at most ``max_queued_tokens_per_client`` of them, so
+one trainer cannot fill the queue and starve the others. Past either limit a request is refused
+at once with RESOURCE_EXHAUSTED, a message naming the limit, and a retry hint from the measured
 throughput. A request larger than one micro-batch is split into balanced parts
 (``partition.plan_micro_batches``, Karmarkar-Karp) up front; each part is a work unit.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,6 +117,7 @@ class Scheduler:
         executor: DeviceExecutor,
         *,
         max_queued_tokens: int,
+        max_queued_tokens_per_client: int,
         max_batch_tokens: int,
         max_batch_sequences: int,
         max_wait_ms: float,
@@ -122,10 +126,12 @@ class Scheduler:
         self._registry = registry
         self._executor = executor
         self._max_queued_tokens = max_queued_tokens
+        self._max_queued_tokens_per_client = max_queued_tokens_per_client
         self._max_batch_tokens = max_batch_tokens
         self._max_batch_sequences = max_batch_sequences
         self._max_wait_s = max_wait_ms / 1000
         self._queued_tokens = 0  # admitted, not yet scored or dropped
+        self._client_tokens: Counter[str] = Counter()  # the same, per client identity (none at 0)
         self._units: list[_Unit] = []  # waiting, in arrival order
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -196,10 +202,17 @@ class Scheduler:
                 f"max_queued_tokens={self._max_queued_tokens}",
                 retry_after_s=self._retry_after_s(self._queued_tokens + tokens - self._max_queued_tokens),
             )
+        held, cap = self._client_tokens[job.client], self._max_queued_tokens_per_client
+        if held + tokens > cap:
+            raise Overloaded(
+                f"client {job.client!r} has {held} tokens queued; this request's {tokens} would pass "
+                f"max_queued_tokens_per_client={cap}",
+                retry_after_s=self._retry_after_s(held + tokens - cap),
+            )
         request = _Request(job, asyncio.get_running_loop().create_future())
         for indices in self._split(job):
             self._units.append(_Unit(request, indices, sum(job.sequences[i].num_tokens for i in indices)))
-        self._account(job.model, tokens)
+        self._account(job, tokens)
         metrics.queue_changed(job.model, requests=1)
         self._wake.set()
         try:
@@ -220,9 +233,12 @@ class Scheduler:
             max_sequences=self._max_batch_sequences,
         )
 
-    def _account(self, model: str, tokens: int) -> None:
+    def _account(self, job: ScoreJob, tokens: int) -> None:
         self._queued_tokens += tokens
-        metrics.queue_changed(model, tokens=tokens)
+        self._client_tokens[job.client] += tokens
+        if not self._client_tokens[job.client]:
+            del self._client_tokens[job.client]
+        metrics.queue_changed(job.model, tokens=tokens)
 
     def _retry_after_s(self, excess_tokens: int) -> float:
         if self._tokens_per_s <= 0:
@@ -274,7 +290,7 @@ class Scheduler:
                     )
                 )
             if request.future.done():
-                self._account(request.job.model, -unit.tokens)
+                self._account(request.job, -unit.tokens)
             else:
                 alive.append(unit)
         self._units = alive
@@ -389,9 +405,9 @@ class Scheduler:
                 request.fail(err)
         finally:
             elapsed_ns = time.perf_counter_ns() - batch.start_ns
-            tokens = sum(unit.tokens for unit in batch.units)
-            self._account(batch.units[0].request.job.model, -tokens)
-            self._observe_throughput(tokens, elapsed_ns)
+            for unit in batch.units:
+                self._account(unit.request.job, -unit.tokens)
+            self._observe_throughput(sum(unit.tokens for unit in batch.units), elapsed_ns)
             for request in batch.requests:
                 request.compute_ns += elapsed_ns
                 request.model_version = batch.model_version

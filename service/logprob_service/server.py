@@ -14,7 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
+from . import transport
+from .auth import AuthInterceptor
 from .config import Settings
+from .decoding import MalformedMessageInterceptor
 from .executor import DeviceExecutor
 from .interceptors import ExceptionToStatusInterceptor
 from .jobs import ScoreJob, TokenSequence
@@ -26,6 +29,7 @@ from .ops.dispatch import select_logprob_op
 from .scheduler import Scheduler
 from .servicer import LogprobServicer
 from .state import SERVICE_NAME, ServingState
+from .tokens import TokenTable, load_token_table
 from .validation import RequestLimits
 from .weight_updates import WeightUpdater
 
@@ -42,22 +46,26 @@ class Service:
     scheduler: Scheduler
     updater: WeightUpdater
     state: ServingState
+    tokens: TokenTable | None  # None: authentication off
 
     @classmethod
     def create(cls, settings: Settings, registry: ModelRegistry | None = None) -> Service:
+        """Raises ``tokens.TokenConfigError`` for a bad token document, before anything starts."""
+        tokens = load_token_table(settings)
         registry = registry if registry is not None else ModelRegistry()
         executor = DeviceExecutor()
         scheduler = Scheduler(
             registry,
             executor,
             max_queued_tokens=settings.max_queued_tokens,
+            max_queued_tokens_per_client=settings.max_queued_tokens_per_client,
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_sequences=settings.max_batch_sequences,
             max_wait_ms=settings.max_wait_ms,
             max_version_wait_s=settings.max_version_wait_s,
         )
         updater = WeightUpdater(registry, scheduler, staging_reserve_bytes=settings.update_staging_reserve_bytes)
-        return cls(settings, registry, executor, scheduler, updater, ServingState())
+        return cls(settings, registry, executor, scheduler, updater, ServingState(), tokens)
 
     @property
     def limits(self) -> RequestLimits:
@@ -140,6 +148,8 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
+        # Announced in HTTP/2 SETTINGS: a client's RPCs beyond it wait for a free stream.
+        ("grpc.max_concurrent_streams", settings.max_concurrent_rpcs_per_connection),
         # Accept the clients' keepalive pings (logprob_client.channel pings every 30 s, idle or not).
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -153,11 +163,18 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
 
 
 async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server, int]:
-    """Build and start the gRPC server on ``address`` ("host:port"; port 0 picks one).
+    """Build and start the gRPC server on ``address`` ("host:port"; port 0 picks one), with TLS
+    when the settings name a certificate.
 
     Health starts NOT_SERVING; ``service.warm_up()`` flips it to SERVING.
     """
-    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=server_options(service.settings))
+    settings = service.settings
+    server = grpc.aio.server(
+        # Outermost first: credentials are checked before anything else, then undecodable bytes
+        # are refused, then the handler's own errors are mapped to statuses.
+        interceptors=[AuthInterceptor(service.tokens), MalformedMessageInterceptor(), ExceptionToStatusInterceptor()],
+        options=server_options(settings),
+    )
     pb_grpc.add_LogprobServiceServicer_to_server(
         LogprobServicer(service.registry, service.scheduler, service.updater, service.state, service.limits), server
     )
@@ -166,9 +183,13 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(address)
+    credentials = transport.server_credentials(settings)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
+    host = address.rpartition(":")[0]
+    for warning in transport.exposure_warnings(host, tls=credentials is not None, auth=service.tokens is not None):
+        log.warning("%s", warning)
     await service.state.starting()
     service.scheduler.start()
     await server.start()
@@ -189,7 +210,13 @@ async def serve(settings: Settings) -> None:
 
 async def _serve(service: Service, settings: Settings) -> None:
     server, port = await create_server(service, f"{settings.host}:{settings.port}")
-    log.info("gRPC listening on %s:%d (health NOT_SERVING until models are warm)", settings.host, port)
+    log.info(
+        "gRPC listening on %s:%d (%s, %s; health NOT_SERVING until models are warm)",
+        settings.host,
+        port,
+        "plaintext" if settings.tls_cert_file is None else ("mutual TLS" if settings.tls_client_ca_file else "TLS"),
+        f"{len(service.tokens)} tokens" if service.tokens is not None else "no authentication",
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

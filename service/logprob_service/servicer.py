@@ -12,6 +12,7 @@ from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
 from . import accounting, convert
 from .errors import LogprobError, status_of
+from .identity import current_client
 from .models.registry import ModelRegistry
 from .scheduler import Scheduler
 from .state import ServingState
@@ -41,7 +42,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
 
     async def _score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
         self._state.check_accepting()
-        job = convert.job_from_request(request, deadline)
+        job = convert.job_from_request(request, deadline, current_client())
         validate_job(job, self._registry.get(job.model).info, self._limits)
         return convert.response_from_result(await self._scheduler.submit(job))
 

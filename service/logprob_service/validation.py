@@ -16,6 +16,11 @@ from .errors import InvalidArgument
 from .jobs import ScoreJob
 from .models.registry import ModelInfo
 
+# The smallest temperature (as a float32, the wire's type). Logits divided by a much smaller one
+# overflow float32 to inf and the log-probs come out NaN (found by tests/integration/test_fuzz.py);
+# no sampler runs anywhere near it.
+MIN_TEMPERATURE = float(np.float32(1e-6))
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -24,11 +29,13 @@ class RequestLimits:
 
 
 def validate_temperature(temperature: float) -> float:
-    """0 means unset (1.0); anything else must be finite and positive."""
+    """0 means unset (1.0); anything else must be finite and at least ``MIN_TEMPERATURE``."""
     if temperature == 0.0:
         return 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidArgument(f"temperature: {temperature} must be a finite number > 0 (or 0 for the default 1.0)")
+    if not math.isfinite(temperature) or temperature < MIN_TEMPERATURE:
+        raise InvalidArgument(
+            f"temperature: {temperature} must be a finite number >= {MIN_TEMPERATURE:.0e} (or 0 for the default 1.0)"
+        )
     return temperature
 
 

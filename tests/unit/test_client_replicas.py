@@ -125,7 +125,7 @@ def test_service_config_balances_round_robin_and_retries_unary_calls():
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
     (method,) = config["methodConfig"]
     assert {n["method"] for n in method["name"]} == {"ScoreTokens", "ListModels"}
-    assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]
+    assert sorted(method["retryPolicy"]["retryableStatusCodes"]) == ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]
     # No retries: still round-robin, no retry policy.
     assert json.loads(dict(channel_options(max_attempts=1))["grpc.service_config"]) == {
         "loadBalancingConfig": [{"round_robin": {}}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from logprob_service.cli import build_parser, settings_from_args
-from logprob_service.config import Settings, load_settings, parse_model_specs
+from logprob_service.config import ENV_ONLY_SETTINGS, Settings, load_settings, parse_model_specs
 from pydantic import ValidationError
 
 
@@ -45,8 +45,31 @@ def test_every_setting_has_a_flag_and_a_description():
     flags = {opt for action in serve._actions for opt in action.option_strings}
     for name, field in Settings.model_fields.items():
         flag = "--model" if name == "models" else "--" + name.replace("_", "-")
-        assert flag in flags, name
+        assert (flag not in flags) if name in ENV_ONLY_SETTINGS else (flag in flags), name
         assert field.description, name
+
+
+def test_secrets_come_from_the_environment_never_a_flag(monkeypatch):
+    assert ENV_ONLY_SETTINGS == {"auth_tokens"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--auth-tokens", "x" * 20])
+    monkeypatch.setenv("LOGPROB_AUTH_TOKENS", "tokens: []")
+    s = load_settings()
+    assert s.auth_tokens.get_secret_value() == "tokens: []"
+    assert "tokens: []" not in repr(s) and "tokens: []" not in str(s.model_dump())
+
+
+def test_tls_files_go_together(tmp_path):
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ValidationError, match="tls_cert_file and tls_key_file must be set together"):
+        load_settings(tls_cert_file=pem)
+    with pytest.raises(ValidationError, match="tls_client_ca_file"):
+        load_settings(tls_client_ca_file=pem)
+    with pytest.raises(ValidationError, match="tls_key_file"):
+        load_settings(tls_cert_file=pem, tls_key_file=tmp_path / "missing.pem")
+    s = load_settings(tls_cert_file=pem, tls_key_file=pem, tls_client_ca_file=pem)
+    assert s.tls_client_ca_file == pem
 
 
 @pytest.mark.parametrize(
@@ -80,6 +103,8 @@ def test_env_models(monkeypatch):
         ({"dtype": "int8"}, "dtype"),
         ({"bogus": 1}, "bogus"),
         ({"max_tokens_per_request": 10, "max_queued_tokens": 5}, "max_queued_tokens"),
+        ({"max_tokens_per_request": 10, "max_queued_tokens_per_client": 5}, "max_queued_tokens_per_client"),
+        ({"max_concurrent_rpcs_per_connection": 0}, "max_concurrent_rpcs_per_connection"),
         ({"models": {}}, "models"),
     ],
 )

@@ -25,6 +25,7 @@ async def queued(*jobs: ScoreJob, max_batch_tokens: int = 400, max_batch_sequenc
         ModelRegistry(),
         executor=None,  # never reached: the loop is not started
         max_queued_tokens=10**6,
+        max_queued_tokens_per_client=10**6,
         max_batch_tokens=max_batch_tokens,
         max_batch_sequences=max_batch_sequences,
         max_wait_ms=0,

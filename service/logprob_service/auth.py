@@ -1,0 +1,91 @@
+"""Authentication and authorization of LogprobService calls: one interceptor, one scope table.
+
+With tokens configured (``tokens.py``), every LogprobService call must carry the metadata
+``authorization: Bearer <token>``. No token, or one the server does not know: UNAUTHENTICATED.
+A known token without the scope the method needs: PERMISSION_DENIED. Both are decided from the
+metadata alone, before the handler runs (a stream's messages are not even read). Health and
+reflection are other services and stay open: probes and ``grpcurl list`` need no token.
+
+Every LogprobService call, authenticated or not, then runs with its client identity set
+(``identity.py``): the token's name, or without authentication the peer's IP address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from . import handlers
+from .errors import LogprobError, PermissionDenied, Unauthenticated
+from .identity import peer_host, set_client
+from .state import SERVICE_NAME
+from .tokens import Principal, Scope, TokenTable
+
+# The one table of which scope each LogprobService method needs. A method not listed needs
+# admin: weight updates, and any state-changing RPC added later, are closed to score tokens by
+# default rather than open until someone remembers to list them.
+METHOD_SCOPES: dict[str, Scope] = {"ScoreTokens": "score", "ScoreTokensStream": "score", "ListModels": "score"}
+DEFAULT_SCOPE: Scope = "admin"
+
+
+def required_scope(rpc: str) -> Scope:
+    return METHOD_SCOPES.get(rpc, DEFAULT_SCOPE)
+
+
+def authorize(tokens: TokenTable, rpc: str, metadata: Sequence[tuple[str, Any]]) -> Principal:
+    """The principal whose bearer token ``metadata`` carries, if it may call ``rpc``."""
+    header = next((value for key, value in metadata if key == "authorization"), None)
+    if header is None:
+        raise Unauthenticated("no credentials: this server needs the metadata 'authorization: Bearer <token>'")
+    scheme, _, token = str(header).partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated("authorization metadata is not of the form 'Bearer <token>'")
+    principal = tokens.lookup(token.strip())
+    if principal is None:
+        raise Unauthenticated("the bearer token is not valid for this server")
+    scope = required_scope(rpc)
+    if scope not in principal.scopes:
+        raise PermissionDenied(
+            f"token {principal.name!r} has scopes [{', '.join(sorted(principal.scopes))}]; {rpc} needs scope {scope!r}"
+        )
+    return principal
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Outermost interceptor: checks credentials (when ``tokens`` is set) and names the client."""
+
+    def __init__(self, tokens: TokenTable | None) -> None:
+        self._tokens = tokens
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        service, _, rpc = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != SERVICE_NAME:
+            return handler
+        principal = None
+        if self._tokens is not None:
+            try:
+                principal = authorize(self._tokens, rpc, handler_call_details.invocation_metadata or ())
+            except LogprobError as err:
+                return handlers.rebuild(handler, _refusal(rpc, err))
+        inner = handlers.behaviour_of(handler)
+
+        async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            set_client(principal.name if principal is not None else peer_host(context.peer()))
+            return await handlers.run(inner, request, context)
+
+        return handlers.rebuild(handler, behaviour)
+
+
+def _refusal(rpc: str, error: LogprobError) -> handlers.Behaviour:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        set_client(peer_host(context.peer()))  # the only identity an unauthenticated caller has, for the log
+        await handlers.reject(context, rpc, error)
+
+    return refuse

@@ -1,0 +1,94 @@
+"""Bytes that are not a valid message get INVALID_ARGUMENT, not gRPC's UNKNOWN or a failed stream.
+
+gRPC decodes each request with the method's deserializer before the handler sees it; a
+``DecodeError`` there (corrupt wire format, bad UTF-8 in a string) would be answered UNKNOWN
+("Unexpected DecodeError"), and inside a request stream it would break the whole stream. Here
+the deserializer returns a ``Malformed`` marker instead, and the handler's behaviour is wrapped:
+
+- a single request that is malformed is refused with INVALID_ARGUMENT before the handler runs;
+- in a request stream, the messages before the malformed one are handled as usual (their
+  answers are sent), the stream is treated as ending there, and the call then ends with
+  INVALID_ARGUMENT naming the message's index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from . import handlers
+from .errors import InvalidArgument
+from .state import SERVICE_NAME
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Stands for a message that could not be decoded."""
+
+    reason: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except DecodeError as err:
+            return Malformed(str(err))
+
+    return deserialize
+
+
+class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        service, _, rpc = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != SERVICE_NAME or handler.request_deserializer is None:
+            return handler
+        inner = handlers.behaviour_of(handler)
+        deserializer = _tolerant(handler.request_deserializer)
+
+        if not handler.request_streaming:
+
+            async def single(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, Malformed):
+                    return await handlers.reject(
+                        context, rpc, InvalidArgument(f"request: not a valid message ({request.reason})")
+                    )
+                return await handlers.run(inner, request, context)
+
+            return handlers.rebuild(handler, single, deserializer)
+
+        async def stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            bad: list[tuple[int, Malformed]] = []
+
+            async def well_formed() -> AsyncIterator[Any]:
+                index = 0
+                async for request in requests:
+                    if isinstance(request, Malformed):
+                        bad.append((index, request))
+                        return
+                    yield request
+                    index += 1
+
+            answer = await handlers.run(inner, well_formed(), context)
+            if bad:
+                index, malformed = bad[0]
+                return await handlers.reject(
+                    context,
+                    rpc,
+                    InvalidArgument(
+                        f"request stream message [{index}]: not a valid message ({malformed.reason}); "
+                        f"the stream ended there, after {index} valid messages, which were handled"
+                    ),
+                )
+            return answer
+
+        return handlers.rebuild(handler, stream, deserializer)
