@@ -13,7 +13,7 @@ from tests.integration.test_errors import OK, Gate, call, request
 
 async def probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """Run the probe command as the image does; (exit code, what it printed)."""
-    path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client")])
+    path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
