@@ -20,7 +20,6 @@ import grpc
 from . import handlers
 from .errors import LogprobError, PermissionDenied, Unauthenticated
 from .identity import peer_host, set_client
-from .state import SERVICE_NAME
 from .tokens import Principal, Scope, TokenTable
 
 # The one table of which scope each LogprobService method needs. A method not listed needs
@@ -64,9 +63,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        service, _, rpc = handler_call_details.method.lstrip("/").partition("/")
-        if handler is None or service != SERVICE_NAME:
+        handler, rpc = await handlers.service_handler(continuation, handler_call_details)
+        if rpc is None:
             return handler
         principal = None
         if self._tokens is not None:

@@ -22,7 +22,6 @@ from google.protobuf.message import DecodeError
 
 from . import handlers
 from .errors import InvalidArgument
-from .state import SERVICE_NAME
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,8 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        service, _, rpc = handler_call_details.method.lstrip("/").partition("/")
-        if handler is None or service != SERVICE_NAME or handler.request_deserializer is None:
+        handler, rpc = await handlers.service_handler(continuation, handler_call_details)
+        if rpc is None or handler.request_deserializer is None:
             return handler
         inner = handlers.behaviour_of(handler)
         deserializer = _tolerant(handler.request_deserializer)

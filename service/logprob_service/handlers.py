@@ -9,13 +9,14 @@ them with ``context.write``, which ``run`` does for an async-generator behaviour
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from . import accounting
 from .errors import LogprobError
+from .state import SERVICE_NAME
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Any]
 
@@ -25,6 +26,17 @@ _FACTORIES = {
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
+
+
+async def service_handler(
+    continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+    details: grpc.HandlerCallDetails,
+) -> tuple[grpc.RpcMethodHandler | None, str | None]:
+    """The handler of a call, and its method name when it is one of this service's RPCs (None for
+    health checks and reflection, which the interceptors leave alone)."""
+    handler = await continuation(details)
+    service, _, rpc = details.method.lstrip("/").partition("/")
+    return handler, rpc if handler is not None and service == SERVICE_NAME else None
 
 
 def behaviour_of(handler: grpc.RpcMethodHandler) -> Behaviour:

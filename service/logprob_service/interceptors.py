@@ -22,7 +22,6 @@ import grpc
 
 from . import accounting, handlers
 from .errors import LogprobError, status_of
-from .state import SERVICE_NAME
 
 
 @dataclass
@@ -71,47 +70,18 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        service, _, rpc = handler_call_details.method.lstrip("/").partition("/")
-        if handler is None or service != SERVICE_NAME:
+        handler, rpc = await handlers.service_handler(continuation, handler_call_details)
+        if rpc is None:
             return handler
-        if handler.unary_unary is not None:
-            inner_unary = handler.unary_unary
+        inner = handlers.behaviour_of(handler)
+        client_streaming = bool(handler.request_streaming)
+        # A scoring stream accounts for each of its requests itself (servicer.py).
+        per_request = client_streaming and bool(handler.response_streaming)
 
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with _guarded(context, rpc, request) as answer:
-                    answer.response = await inner_unary(request, context)
-                    return answer.response
+        async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            logged = None if client_streaming else request
+            async with _guarded(context, rpc, logged, answers_per_request=per_request) as answer:
+                answer.response = await handlers.run(inner, request, context)
+                return answer.response
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            inner_client_stream = handler.stream_unary
-
-            async def client_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with _guarded(context, rpc, None) as answer:
-                    answer.response = await inner_client_stream(request_iterator, context)
-                    return answer.response
-
-            return grpc.stream_unary_rpc_method_handler(
-                client_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            inner_stream = handler.stream_stream
-
-            async def stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async with _guarded(context, rpc, None, answers_per_request=True):
-                    async for response in inner_stream(request_iterator, context):
-                        yield response
-
-            return grpc.stream_stream_rpc_method_handler(
-                stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return handlers.rebuild(handler, behaviour)
