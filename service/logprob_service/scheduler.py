@@ -168,7 +168,13 @@ class Scheduler:
         swap = _Swap(apply, asyncio.get_running_loop().create_future())
         self._swaps[model] = swap
         self._wake.set()
-        await swap.done
+        try:
+            await asyncio.shield(swap.done)  # once started, a swap runs to its end
+        except asyncio.CancelledError:
+            if self._swaps.get(model) is swap:  # not started: it never will, and the model's queue moves on
+                del self._swaps[model]
+                self._wake.set()
+            raise
         async with self._version_changed:
             self._version_changed.notify_all()
 

@@ -65,3 +65,14 @@ async def test_a_sequence_longer_than_the_budget_goes_alone():
     assert sorted(i for b in batches for r, idx in b for i in idx if r == "long") == [0, 1, 2] and not scheduler._units
     for t in tasks:
         t.cancel()
+
+
+async def test_a_swap_whose_caller_goes_away_before_it_starts_never_runs():
+    scheduler, _ = await queued()  # the batching loop is not started: the swap stays pending
+    applied = []
+    task = asyncio.create_task(scheduler.swap("m", lambda: applied.append(1)))
+    await asyncio.sleep(0)
+    assert "m" in scheduler._swaps
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert "m" not in scheduler._swaps and applied == []
