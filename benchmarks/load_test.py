@@ -42,10 +42,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from logprob_client._proto import logprob_pb2 as pb
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from logprob_client.channel import open_channel
+from logprob_service.probe import check as health_check
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024**2
@@ -80,20 +80,12 @@ class ServerProcess:
 
     def wait_serving(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{''.join(self.lines[-30:])}")
-                try:
-                    if (
-                        health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                        == health_pb2.HealthCheckResponse.SERVING
-                    ):
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{''.join(self.lines[-30:])}")
+            if health_check(self.target, timeout_s=1)[0]:
+                return
+            time.sleep(0.2)
         raise TimeoutError(f"{self.target} never became SERVING")
 
     def resident_bytes(self) -> int:

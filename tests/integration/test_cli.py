@@ -13,12 +13,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from logprob_client import InvalidRequest, LogprobClient
+from logprob_service.probe import check as health_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,19 +30,11 @@ def free_port() -> int:
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited early with {proc.returncode}"
-            try:
-                if (
-                    health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited early with {proc.returncode}"
+        if health_check(target, timeout_s=1)[0]:
+            return
+        time.sleep(0.2)
     raise TimeoutError(f"{target} never became SERVING")
 
 
