@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-gpu proto lint format bench example clean
+.PHONY: install serve test test-sweep test-stress test-gpu proto lint format bench example clean
 
 # scripts/install.sh is also the Dockerfile's install step: CI runs the image's install this way.
 $(VENV)/.installed: pyproject.toml scripts/install.sh
@@ -23,6 +23,14 @@ serve: install  ## serve builtin:tiny-llama on 127.0.0.1:50051 (pass flags in SE
 
 test: install  ## run the test suite (GPU tests are skipped without CUDA)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+SEEDS ?= 200
+test-sweep: install  ## the numerical tests once per seed in range(SEEDS) (tests/conftest.py; ~20 s a seed here)
+	LOGPROB_TEST_SEEDS=$(SEEDS) $(BIN)/python -m pytest -m numerical -q -p no:cacheprovider $(PYTEST_ARGS)
+
+RUNS ?= 10
+test-stress: ## `make test` in RUNS fresh clones of HEAD, one after another; stops at the first failure
+	scripts/stress-test.sh $(RUNS)
 
 test-gpu: install  ## only the GPU tests
 	$(BIN)/python -m pytest tests/gpu $(PYTEST_ARGS)

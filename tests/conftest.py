@@ -1,11 +1,31 @@
-"""Shared fixtures: small random models of several architectures, fresh random inputs."""
+"""Shared fixtures: the source tree on sys.path, Triton's interpreter off the GPU, and seeds.
+
+Seeds. No test draws an unseeded random number, so no run of the suite fails by chance and
+every failure can be replayed:
+
+* ``seed``: each test's seed. By default a stable hash of the test's id, so every run of the
+  suite sees the same inputs and different tests see different ones. A failing test's report
+  shows its seed and the command that replays it.
+* ``LOGPROB_TEST_SEED=N``: every selected test runs with seed N (the replay).
+* ``LOGPROB_TEST_SEEDS=K`` (or ``A-B``): each test marked ``numerical`` runs once per seed in
+  ``range(K)`` (or ``A..B``): the sweep ``make test-sweep`` runs to check that no tolerance
+  holds by luck.
+* ``rng``: a ``numpy.random.Generator`` seeded with ``seed``. The global generators of
+  ``random``, numpy and torch are seeded from it too, before each test, for code that draws from
+  them.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
+import re
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,3 +39,80 @@ for sub in ("service", "client"):
 # kernels are defined (at import of ops.fused_logprobs), hence here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SEED_ENV = "LOGPROB_TEST_SEED"
+SWEEP_ENV = "LOGPROB_TEST_SEEDS"
+_SEED = pytest.StashKey[int]()
+
+
+def sweep_seeds(spec: str) -> list[int]:
+    """``"200"`` -> 0..199; ``"1000-1199"`` -> 1000..1199."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", spec)
+    if match is None:
+        raise pytest.UsageError(f"{SWEEP_ENV}={spec!r}: expected a count K or a range A-B")
+    first, last = match.groups()
+    return list(range(int(first))) if last is None else list(range(int(first), int(last) + 1))
+
+
+def stable_seed(text: str) -> int:
+    """A seed from ``text`` that is the same on every run and machine (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
+
+
+def session_seed(name: str) -> int:
+    """The seed of a session- or module-scoped fixture ``name`` (``LOGPROB_TEST_SEED`` moves it too)."""
+    replay = os.environ.get(SEED_ENV)
+    return stable_seed(f"{replay}:{name}") if replay else stable_seed(name)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "numerical: checks scores or tensors against a reference within a derived tolerance "
+        f"(swept over many seeds by `make test-sweep`, {SWEEP_ENV})",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    spec = os.environ.get(SWEEP_ENV)
+    if spec and metafunc.definition.get_closest_marker("numerical") is not None:
+        metafunc.parametrize("seed", sweep_seeds(spec), ids=lambda s: f"seed={s}", indirect=True)
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    if hasattr(request, "param"):  # a sweep
+        value = int(request.param)
+    elif os.environ.get(SEED_ENV):
+        value = int(os.environ[SEED_ENV])
+    else:
+        value = stable_seed(request.node.nodeid)
+    request.node.stash[_SEED] = value
+    return value
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_generators(seed: int) -> None:
+    # Not ``seed`` itself: a test's own ``torch.Generator().manual_seed(seed)`` would then draw the
+    # very numbers torch's global generator draws.
+    derived = stable_seed(f"global generators:{seed}")
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)
+
+
+@pytest.fixture
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    seed = item.stash.get(_SEED, None)
+    if report.failed and seed is not None:
+        nodeid = re.sub(r"-seed=\d+|seed=\d+-?", "", item.nodeid).replace("[]", "")  # a sweep's id, less its seed
+        report.sections.append(
+            ("seed", f"this test ran with seed {seed}; replay it with: {SEED_ENV}={seed} python -m pytest '{nodeid}'")
+        )
+    return report

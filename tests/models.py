@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import weakref
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from logprob_service.jobs import TokenSequence
@@ -19,6 +23,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from tests import tolerances
 
 VOCAB = 517  # odd on purpose: no power-of-two assumptions
 COMMON = dict(
@@ -94,16 +100,96 @@ def random_sequences(rng: np.random.Generator, n: int, vocab: int = VOCAB, max_l
     return seqs
 
 
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stock_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A copy of ``model`` on the CPU in ``dtype`` (default: its own) with its stock attention (sdpa,
+    or eager for softcapped attention): the model's own forward, whatever the scorer switched it to.
+    Made once per dtype and state of the weights (tensor version counters tell an in-place change)."""
+    dtype = dtype or next(model.parameters()).dtype
+    state = tuple(p._version for p in model.parameters())
+    copies = _COPIES.setdefault(model, {})
+    cached = copies.get(dtype)
+    if cached is not None and cached[0] == state:
+        return cached[1]
+    reference = copy.deepcopy(model).to("cpu", dtype).eval()
+    config = getattr(reference, "config", None)
+    if config is not None and hasattr(reference, "set_attn_implementation"):
+        reference.set_attn_implementation(attention_implementation(config))
+    copies[dtype] = (state, reference)
+    return reference
+
+
 @torch.no_grad()
-def reference_scores(
-    model: PreTrainedModel, seq: TokenSequence, temperature: float = 1.0
+def forward_scores(
+    model: torch.nn.Module, seq: TokenSequence, temperature: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Float64 log-probs and entropies from the model's own full logits, one unpadded sequence."""
-    ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None].to(model.device)
-    logits = model(input_ids=ids).logits[0].double().cpu() / temperature  # [L, V]
+    """Log-probs and entropies of one unpadded sequence from ``model``'s full logits, every step in
+    the model's dtype (as a trainer computes them)."""
+    ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None]
+    logits = model(input_ids=ids).logits[0] / temperature  # [L, V]
     p = len(seq.prompt_ids)
     logp = logits[p - 1 : -1].log_softmax(-1)  # rows predicting the completion tokens
     target = torch.from_numpy(seq.completion_ids)
     token_logp = logp.gather(1, target[:, None]).squeeze(1)
     entropy = -(logp.exp() * logp).sum(-1)
-    return token_logp.numpy(), entropy.numpy()
+    return token_logp.double().numpy(), entropy.double().numpy()
+
+
+def reference_scores(
+    model: torch.nn.Module, seq: TokenSequence, temperature: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The exact answer, to float64 rounding: log-probs and entropies from a float64 forward of ``model``."""
+    return forward_scores(stock_copy(model, torch.float64), seq, temperature)
+
+
+class ScoreReference:
+    """The exact scores of ``sequences`` under ``model``, and how close a float32 path must come.
+
+    The error of a path's scores against the float64 forward (``reference_scores``) may be at most
+    ``tolerances.scores(own_error)``, ``own_error`` being the largest error of the model's own
+    computation in ``dtype`` on the same sequences (tests/tolerances.py says why)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sequences: Sequence[TokenSequence],
+        temperature: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.exact = [reference_scores(model, seq, temperature) for seq in sequences]
+        own = [forward_scores(stock_copy(model, dtype), seq, temperature) for seq in sequences]
+        self.own_error = max(
+            float(np.abs(got - want).max()) for pair in zip(own, self.exact) for got, want in zip(*pair)
+        )
+        self.atol = tolerances.scores(self.own_error, str(dtype).removeprefix("torch."))
+
+    def check(self, logprobs: Sequence[np.ndarray], entropies: Sequence[np.ndarray] | None = None) -> None:
+        assert len(logprobs) == len(self.exact)
+        for i, (got, (want, want_entropy)) in enumerate(zip(logprobs, self.exact)):
+            got = np.asarray(got)
+            assert got.dtype == np.float32 and got.shape == want.shape, (i, got.dtype, got.shape, want.shape)
+            where = f"sequence {i} (the model's own float32 error: {self.own_error:.2e})"
+            np.testing.assert_allclose(got, want, atol=self.atol, rtol=0, err_msg=where)
+            if entropies is not None:
+                np.testing.assert_allclose(entropies[i], want_entropy, atol=self.atol, rtol=0, err_msg=where)
+
+
+def assert_scores_close(
+    model: torch.nn.Module,
+    sequences: Sequence[TokenSequence],
+    logprobs: Sequence[np.ndarray],
+    entropies: Sequence[np.ndarray] | None = None,
+    temperature: float = 1.0,
+) -> None:
+    """Scores from a float32 path are as exact as ``model``'s own float32 computation (``ScoreReference``)."""
+    ScoreReference(model, sequences, temperature).check(logprobs, entropies)
+
+
+def as_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> list[TokenSequence]:
+    """Lists of token ids as ``TokenSequence``s."""
+    return [
+        TokenSequence(np.asarray(p, dtype=np.int64), np.asarray(c, dtype=np.int64))
+        for p, c in zip(prompts, completions)
+    ]

@@ -33,8 +33,11 @@ def random_case(
     seed: int | None = None,
     device: str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """hidden [n, h], weight [v, h] (logits std ~3), targets [n], bias [v] or None; fresh seed by default."""
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    """hidden [n, h], weight [v, h] (logits std ~3), targets [n], bias [v] or None.
+
+    Without ``seed``, the case's seed is drawn from torch's global generator, which the test's
+    ``seed`` fixture seeds (tests/conftest.py): every call in a test gives a new case, every run the same ones."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(1 << 30, ())))
     hidden = torch.randn(n, h, generator=g).to(device, dtype)
     weight = (torch.randn(v, h, generator=g) * 3 / h**0.5).to(device, dtype)
     targets = torch.randint(0, v, (n,), generator=g).to(device)

@@ -239,6 +239,10 @@ class WeightUpdater:
         self._updating: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
 
+    def updating(self, model: str) -> bool:
+        """Whether an update of ``model`` is in progress (its header came; its swap is not done)."""
+        return model in self._updating
+
     async def update(self, messages: AsyncIterator[UpdateMessage]) -> UpdateOutcome:
         """An UpdateWeights stream: a header, tensor pieces, a commit."""
         start = time.perf_counter_ns()

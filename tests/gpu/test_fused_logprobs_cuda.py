@@ -9,7 +9,6 @@ fp32 dots (no TF32, which would cost ~1e-2).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs
@@ -21,12 +20,13 @@ ENTROPY_TOL = 2e-4
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.numerical,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 
-def cuda_case(n, h, v, dtype, bias=False):
-    g = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+def cuda_case(n, h, v, dtype, bias=False, *, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(v, h, device="cuda", generator=g) * 3 / h**0.5).to(dtype)  # logits std ~3
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
@@ -43,8 +43,8 @@ def max_errors(out, hidden, weight, targets, b, transform, rows=256):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,h,v", [(1, 896, 151936), (3001, 896, 151936), (777, 3584, 152064), (300, 4096, 128257)])
-def test_matches_float64_at_real_shapes(dtype, n, h, v):
-    hidden, weight, targets, _ = cuda_case(n, h, v, dtype)
+def test_matches_float64_at_real_shapes(dtype, n, h, v, seed):
+    hidden, weight, targets, _ = cuda_case(n, h, v, dtype, seed=seed)
     out = fused_token_logprobs(hidden, weight, targets, return_entropy=True)
     err_lp, err_ent = max_errors(out, hidden, weight, targets, None, LogitTransform())
     assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
@@ -55,16 +55,16 @@ def test_matches_float64_at_real_shapes(dtype, n, h, v):
     [LogitTransform(temperature=0.7), LogitTransform(scale=0.0625, temperature=1.3), LogitTransform(softcap=30.0)],
     ids=["temperature", "scale", "softcap"],
 )
-def test_transforms_and_bias(transform):
-    hidden, weight, targets, b = cuda_case(1000, 2304, 256000, torch.bfloat16, bias=True)  # Gemma 2's vocabulary
+def test_transforms_and_bias(transform, seed):
+    hidden, weight, targets, b = cuda_case(1000, 2304, 256000, torch.bfloat16, bias=True, seed=seed)  # Gemma 2 vocab
     out = fused_token_logprobs(hidden, weight, targets, bias=b, transform=transform, return_entropy=True)
     err_lp, err_ent = max_errors(out, hidden, weight, targets, b, transform)
     assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
 
 
-def test_more_rows_than_one_grid_dimension_of_old_kernels():
+def test_more_rows_than_one_grid_dimension_of_old_kernels(seed):
     # 70,001 rows: past 65,535 (the CUDA limit of grid axes 1 and 2) and not a multiple of any tile.
-    hidden, weight, targets, _ = cuda_case(70_001, 256, 32_003, torch.bfloat16)
+    hidden, weight, targets, _ = cuda_case(70_001, 256, 32_003, torch.bfloat16, seed=seed)
     out = fused_token_logprobs(hidden, weight, targets)
     eager = chunked_token_logprobs(hidden, weight, targets)
     assert torch.isfinite(out.logprobs).all()
@@ -75,8 +75,8 @@ def test_more_rows_than_one_grid_dimension_of_old_kernels():
 
 
 @pytest.mark.parametrize("splits,group_rows", [(1, 1), (7, 2), (64, 5)])
-def test_grid_plans_agree(splits, group_rows):
-    hidden, weight, targets, _ = cuda_case(513, 1024, 50_257, torch.bfloat16)
+def test_grid_plans_agree(splits, group_rows, seed):
+    hidden, weight, targets, _ = cuda_case(513, 1024, 50_257, torch.bfloat16, seed=seed)
     plan = LaunchPlan(splits=splits, group_rows=group_rows)
     out = fused_token_logprobs(hidden, weight, targets, return_entropy=True, plan=plan)
     err_lp, err_ent = max_errors(out, hidden, weight, targets, None, LogitTransform(), rows=513)
@@ -84,16 +84,16 @@ def test_grid_plans_agree(splits, group_rows):
 
 
 @pytest.mark.parametrize("h", [896, 901])  # 901: rows not 16-byte aligned, so pointer loads instead of TMA
-def test_other_tiles_agree(h):
-    hidden, weight, targets, _ = cuda_case(1025, h, 151936, torch.bfloat16)
+def test_other_tiles_agree(h, seed):
+    hidden, weight, targets, _ = cuda_case(1025, h, 151936, torch.bfloat16, seed=seed)
     cfg = KernelConfig(block_n=64, block_v=128, block_k=32, num_warps=4, num_stages=2)
     out = fused_token_logprobs(hidden, weight, targets, config=cfg)
     err_lp, _ = max_errors(out, hidden, weight, targets, None, LogitTransform())
     assert err_lp < 1e-4
 
 
-def test_memory_is_partials_only():
-    hidden, weight, targets, _ = cuda_case(16384, 3584, 152064, torch.bfloat16)
+def test_memory_is_partials_only(seed):
+    hidden, weight, targets, _ = cuda_case(16384, 3584, 152064, torch.bfloat16, seed=seed)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

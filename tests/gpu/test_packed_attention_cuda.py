@@ -36,6 +36,7 @@ from tests.unit.test_packed_attention import own_hidden, packed_hidden
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.numerical,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
@@ -137,23 +138,20 @@ def compare_bf16(arch: str, seed: int, monkeypatch: pytest.MonkeyPatch, **count_
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding"])
-def test_bf16_fast_path_matches_the_models_own_forward(arch, monkeypatch, caplog):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_bf16_fast_path_matches_the_models_own_forward(arch, monkeypatch, caplog, seed):
     with caplog.at_level("WARNING", logger=attn.__name__):
         calls, layers = compare_bf16(arch, seed, monkeypatch)
     assert len(calls) == layers, "the varlen kernel ran once per layer"
     assert not [r for r in caplog.records if r.name == attn.__name__], "no slow-path warning on the fast path"
 
 
-def test_bf16_fast_path_with_repeated_kv_heads(monkeypatch):
+def test_bf16_fast_path_with_repeated_kv_heads(monkeypatch, seed):
     """The path torch 2.11 takes (no enable_gqa): key/value heads repeated to the query heads."""
-    seed = int(np.random.default_rng().integers(1 << 30))
     calls, layers = compare_bf16("llama", seed, monkeypatch, hide_enable_gqa=True)
     assert calls == [COMMON["num_attention_heads"]] * layers
 
 
-def test_bf16_gemma2_takes_the_exact_path_and_says_why(monkeypatch, caplog):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_bf16_gemma2_takes_the_exact_path_and_says_why(monkeypatch, caplog, seed):
     with caplog.at_level("WARNING", logger=attn.__name__):
         calls, _ = compare_bf16("gemma2", seed, monkeypatch)
     assert calls == [], "softcapping cannot go through varlen flash attention"
@@ -162,8 +160,7 @@ def test_bf16_gemma2_takes_the_exact_path_and_says_why(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("arch", [*sorted(ARCHITECTURES), "qwen2-sliding"])
-def test_float32_takes_the_exact_path_and_matches_each_sequence(arch, monkeypatch, caplog):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_float32_takes_the_exact_path_and_matches_each_sequence(arch, monkeypatch, caplog, seed):
     rng = np.random.default_rng(seed)
     reference = make_any(arch, seed=seed, dtype=torch.float32)
     packed_model = make_any(arch, seed=seed, dtype=torch.float32)
@@ -189,12 +186,11 @@ def test_float32_takes_the_exact_path_and_matches_each_sequence(arch, monkeypatc
 @pytest.mark.parametrize("window", [None, 1, 5, 64])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128), (6, 1, 32)])
 @pytest.mark.parametrize("hide_enable_gqa", [False, True], ids=["native-gqa-if-any", "repeat-kv"])
-def test_varlen_op_matches_exact_attention(window, heads, kv_heads, head_dim, hide_enable_gqa, monkeypatch):
+def test_varlen_op_matches_exact_attention(window, heads, kv_heads, head_dim, hide_enable_gqa, monkeypatch, seed):
     """The attention function's fast path on random bf16 q/k/v against the exact fallback in
     float32 on the same (bf16) values: checks the window convention (w - 1, 0), the scale and
     the query-head -> key-head mapping on the real kernel. Outputs are averages of N(0, 1)
     values rounded to bf16 once (half an ulp <= 8e-3 below 4), so 2e-2 absolute."""
-    seed = int(np.random.default_rng().integers(1 << 30))
     g = torch.Generator(device="cuda").manual_seed(seed)
     lengths = [1, 300, 7, 1, 64, 129, 2]
     total = sum(lengths)

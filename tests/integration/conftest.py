@@ -9,20 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import pytest_asyncio
 from logprob_service.config import Settings
 from logprob_service.metrics import start_metrics_server
 from logprob_service.server import Service, create_server
 
+from tests.conftest import session_seed
 from tests.models import make_model
 
 
 @pytest.fixture(scope="session")
 def gemma_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gemma2-checkpoint")
-    make_model("gemma2", tied=True, seed=int(np.random.default_rng().integers(1 << 30))).save_pretrained(path)
+    make_model("gemma2", tied=True, seed=session_seed("gemma2-checkpoint")).save_pretrained(path)
     return path
 
 

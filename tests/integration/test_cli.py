@@ -18,6 +18,9 @@ import pytest
 import torch
 from logprob_client import InvalidRequest, LogprobClient
 from logprob_service.probe import check as health_check
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,9 +88,15 @@ def cli_server(tmp_path):
         proc.wait(10)
 
 
-def test_cli_serves_scores_and_drains_on_sigterm(cli_server):
+def queued_requests(metrics_port: int) -> float:
+    """``logprob_queue_requests`` summed over models, from the server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        families = text_string_to_metric_families(response.read().decode())
+        return sum(s.value for f in families if f.name == "logprob_queue_requests" for s in f.samples)
+
+
+def test_cli_serves_scores_and_drains_on_sigterm(cli_server, rng):
     proc, target, metrics_port = cli_server
-    rng = np.random.default_rng()
     with LogprobClient(target, model="ref") as client:
         models = client.list_models()
         assert [m.name for m in models] == ["ref"]
@@ -115,7 +124,8 @@ def test_cli_serves_scores_and_drains_on_sigterm(cli_server):
 
         worker = threading.Thread(target=long_call)
         worker.start()
-        time.sleep(0.3)
+        # SIGTERM once the call is in the server's queue (its gauge says so), not after a guess.
+        wait_until(lambda: queued_requests(metrics_port) >= 1, "the long call to reach the server")
         proc.send_signal(signal.SIGTERM)
         worker.join(60)
         assert [x.shape for x in results["in_flight"]] == [(1000,)] * 3

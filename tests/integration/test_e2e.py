@@ -13,12 +13,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from logprob_client import AsyncLogprobClient, LogprobClient, ScoreInput
-from logprob_service.jobs import TokenSequence
 
 from tests.integration.conftest import start, stop, test_settings
-from tests.models import reference_scores
-
-ATOL = 1e-5
+from tests.models import as_sequences, assert_scores_close
 
 
 def random_batch(rng: np.random.Generator, n: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -29,18 +26,11 @@ def random_batch(rng: np.random.Generator, n: int, vocab: int) -> tuple[list[lis
 
 def assert_matches_reference(running, model_name, prompts, completions, logprobs, temperature=1.0, entropies=None):
     model = running.scorer(model_name).model
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        seq = TokenSequence(np.array(p, dtype=np.int64), np.array(c, dtype=np.int64))
-        ref_lp, ref_ent = reference_scores(model, seq, temperature)
-        assert logprobs[i].dtype == np.float32
-        np.testing.assert_allclose(logprobs[i], ref_lp, atol=ATOL, rtol=0)
-        if entropies is not None:
-            np.testing.assert_allclose(entropies[i], ref_ent, atol=ATOL, rtol=0)
+    assert_scores_close(model, as_sequences(prompts, completions), logprobs, entropies, temperature)
 
 
 @pytest.mark.parametrize("model_name", ["default", "gemma"])
-async def test_sync_client_lists(running, model_name):
-    rng = np.random.default_rng()
+async def test_sync_client_lists(running, model_name, rng):
     vocab = running.service.registry.get(model_name).info.vocab_size
     prompts, completions = random_batch(rng, 5, vocab)
     with LogprobClient(running.target) as client:
@@ -51,8 +41,7 @@ async def test_sync_client_lists(running, model_name):
     assert_matches_reference(running, model_name, prompts, completions, logprobs, 0.8, entropies)
 
 
-async def test_async_client_lists(running):
-    rng = np.random.default_rng()
+async def test_async_client_lists(running, rng):
     prompts, completions = random_batch(rng, 4, 4096)
     async with AsyncLogprobClient(running.target) as client:
         logprobs = await client.score(prompts, completions)
@@ -74,8 +63,7 @@ def trl_layout(rng, prompts, completions, pad_id=0):
 
 @pytest.mark.parametrize("as_torch", [False, True], ids=["numpy", "torch"])
 @pytest.mark.parametrize("which", ["sync", "async"])
-async def test_dense_trainer_layout(running, as_torch, which):
-    rng = np.random.default_rng()
+async def test_dense_trainer_layout(running, as_torch, which, rng):
     prompts, completions = random_batch(rng, 6, 4096)
     prompt_ids, prompt_mask, completion_ids, completion_mask = trl_layout(rng, prompts, completions)
     completion_mask[2] = 0  # a row with nothing to score
@@ -100,8 +88,7 @@ async def test_dense_trainer_layout(running, as_torch, which):
 
 
 @pytest.mark.parametrize("which", ["sync", "async"])
-async def test_stream_rpc_pipelines_requests_and_isolates_failures(running, which):
-    rng = np.random.default_rng()
+async def test_stream_rpc_pipelines_requests_and_isolates_failures(running, which, rng):
     batches = [random_batch(rng, int(rng.integers(1, 5)), 4096) for _ in range(6)]
     inputs = [ScoreInput(p, c) for p, c in batches]
     inputs.insert(3, ScoreInput([[1, 2]], [[99999]]))  # a bad one in the middle of the stream
@@ -120,13 +107,12 @@ async def test_stream_rpc_pipelines_requests_and_isolates_failures(running, whic
         assert_matches_reference(running, "default", prompts, completions, logprobs)
 
 
-async def test_stream_rpc_has_several_requests_in_flight(running):
+async def test_stream_rpc_has_several_requests_in_flight(running, rng):
     """Responses arrive as their requests finish, not one request at a time: the server reads
     all requests before the first response is consumed."""
     from logprob_client._proto import logprob_pb2 as pb
     from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 
-    rng = np.random.default_rng()
     async with grpc.aio.insecure_channel(running.target) as channel:
         call = pb_grpc.LogprobServiceStub(channel).ScoreTokensStream()
         ids = [f"r{i}" for i in range(5)]

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from logprob_client import DeadlineExceeded, LogprobClient, ScoreInput
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.jobs import TokenSequence
 from logprob_service.models.builtin import build_builtin
 
 from tests.integration.conftest import start, stop, test_settings
 from tests.integration.test_e2e import assert_matches_reference
 from tests.integration.test_errors import Gate, request
-from tests.integration.test_limits import random_sequence, wait_for
-from tests.models import reference_scores
+from tests.integration.test_limits import random_sequence
+from tests.models import as_sequences, assert_scores_close
+from tests.waiting import eventually
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from load_test import ServerProcess
@@ -47,8 +47,7 @@ def answered(lines: list[str], rpc: str) -> set[str]:
     return ids
 
 
-def test_server_killed_and_restarted_mid_stream():
-    rng = np.random.default_rng()
+def test_server_killed_and_restarted_mid_stream(rng):
     model = build_builtin("tiny-llama")  # the server's own weights: builtin models are seeded
     batches = [[random_sequence(rng, 64, 64) for _ in range(8)] for _ in range(60)]
     singles = [random_sequence(rng, 30, 20) for _ in range(8)]
@@ -86,13 +85,8 @@ def test_server_killed_and_restarted_mid_stream():
         # Every result is there once, in order, and correct.
         assert len(results["stream"]) == len(batches) and len(results["singles"]) == len(singles)
         for batch, logprobs in zip(batches, results["stream"], strict=True):
-            for (p, c), got in zip(batch, logprobs, strict=True):
-                want = reference_scores(model, TokenSequence(np.array(p), np.array(c)))[0]
-                np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-        for (p, c), got in zip(singles, results["singles"], strict=True):
-            np.testing.assert_allclose(
-                got, reference_scores(model, TokenSequence(np.array(p), np.array(c)))[0], atol=1e-5
-            )
+            assert_scores_close(model, as_sequences(*zip(*batch)), logprobs)
+        assert_scores_close(model, as_sequences(*zip(*singles)), results["singles"])
         # The stream was resumed, not redone: the restarted server answered only what was left.
         before, after = answered(first.lines, "ScoreTokensStream"), answered(restarted.lines, "ScoreTokensStream")
         assert len(before) >= 5 and 0 < len(after) < len(batches)
@@ -103,10 +97,9 @@ def test_server_killed_and_restarted_mid_stream():
                 server.stop()
 
 
-async def test_client_disconnecting_mid_request(running):
+async def test_client_disconnecting_mid_request(running, rng):
     gate = Gate(running)
     scheduler = running.service.scheduler
-    rng = np.random.default_rng()
     try:
         held = random_sequence(rng, 3, 2)
         other = asyncio.create_task(score(running.target, held))
@@ -116,17 +109,17 @@ async def test_client_disconnecting_mid_request(running):
         stub = pb_grpc.LogprobServiceStub(channel)
         unary = stub.ScoreTokens(request(random_sequence(rng, 40, 60)))
         stream = stub.ScoreTokensStream(iter([request(random_sequence(rng, 10, 10)) for _ in range(2)]))
-        await wait_for(lambda: scheduler._queued_tokens == 5 + 100 + 40, "the leaving client's requests")
+        await eventually(lambda: scheduler._queued_tokens == 5 + 100 + 40, "the leaving client's requests")
         await channel.close()
         for call in (unary, stream):
             assert call.cancelled() or (await call.code()) == grpc.StatusCode.CANCELLED
-        await wait_for(lambda: scheduler._queued_tokens == 5, "the leaving client's work to be dropped")
+        await eventually(lambda: scheduler._queued_tokens == 5, "the leaving client's work to be dropped")
         assert dict(scheduler._client_tokens) == {"127.0.0.1": 5}
         gate.release.set()
         response = await other
         assert_matches_reference(running, "default", [held[0]], [held[1]], [np.asarray(response.scores[0].logprobs)])
         assert gate.calls == [1], "work of a client that left reached the model"
-        await wait_for(lambda: not scheduler._client_tokens and scheduler._queued_tokens == 0, "an empty queue")
+        await eventually(lambda: not scheduler._client_tokens and scheduler._queued_tokens == 0, "an empty queue")
     finally:
         gate.restore()
 
@@ -140,10 +133,9 @@ def records_with_tokens(caplog, tokens: int) -> list[logging.LogRecord]:
     return [r for r in caplog.records if getattr(r, "fields", {}).get("tokens") == tokens]
 
 
-async def test_deadline_expiring_while_queued_is_not_retried(running, caplog):
+async def test_deadline_expiring_while_queued_is_not_retried(running, caplog, rng):
     gate = Gate(running)
     scheduler = running.service.scheduler
-    rng = np.random.default_rng()
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         held = asyncio.create_task(score(running.target, random_sequence(rng, 3, 2)))
@@ -151,7 +143,7 @@ async def test_deadline_expiring_while_queued_is_not_retried(running, caplog):
         late = random_sequence(rng, 4, 3)  # 7 tokens: its log lines are told apart by that
         with LogprobClient(running.target) as client, pytest.raises(DeadlineExceeded):
             await asyncio.to_thread(client.score, [late[0]], [late[1]], timeout=0.5)
-        await wait_for(lambda: scheduler._queued_tokens == 5, "the expired request to leave the queue")
+        await eventually(lambda: scheduler._queued_tokens == 5, "the expired request to leave the queue")
         gate.release.set()
         await held
         # One attempt reached the server (DEADLINE_EXCEEDED is not retried), and never the model.
@@ -163,13 +155,12 @@ async def test_deadline_expiring_while_queued_is_not_retried(running, caplog):
         gate.restore()
 
 
-async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog):
+async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog, rng):
     running = await start(test_settings(gemma_checkpoint, max_tokens_per_request=300, max_queued_tokens=300))
     gate = Gate(running)
     # The hint the refusal carries (it is derived from the measured throughput): long enough that
     # the queue drains before the client's next attempt, whatever the machine's speed.
     running.service.scheduler._retry_after_s = lambda excess_tokens: 1.0
-    rng = np.random.default_rng()
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         held = asyncio.create_task(score(running.target, random_sequence(rng, 150, 100)))
@@ -177,7 +168,7 @@ async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog):
         p, c = random_sequence(rng, 60, 41)  # 101 tokens: 250 + 101 > 300
         with LogprobClient(running.target, timeout=30) as client:
             pending = client.score_async([p], [c])
-            await wait_for(lambda: records_with_tokens(caplog, 101), "the first refusal")
+            await eventually(lambda: records_with_tokens(caplog, 101), "the first refusal")
             gate.release.set()
             assert len((await held).scores[0].logprobs) == 100  # the queue drains...
             logprobs = await asyncio.to_thread(pending.result, 30)  # ...and the retry is admitted
@@ -189,16 +180,16 @@ async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog):
         await stop(running)
 
 
-async def test_a_call_to_a_starting_server_is_retried_until_it_serves(gemma_checkpoint, caplog):
+async def test_a_call_to_a_starting_server_is_retried_until_it_serves(gemma_checkpoint, caplog, rng):
     # A restarted server answers UNAVAILABLE while it loads; its retry hint spaces the client's
     # few attempts (gRPC allows 5) over seconds instead of spending them in one.
     running = await start(test_settings(gemma_checkpoint), warm=False)
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
-        p, c = random_sequence(np.random.default_rng(), 5, 4)  # 9 tokens
+        p, c = random_sequence(rng, 5, 4)  # 9 tokens
         with LogprobClient(running.target, timeout=30) as client:
             pending = client.score_async([p], [c])
-            await wait_for(lambda: records_with_tokens(caplog, 9), "the first refusal")
+            await eventually(lambda: records_with_tokens(caplog, 9), "the first refusal")
             await running.service.warm_up()
             logprobs = await asyncio.to_thread(pending.result, 30)
         assert_matches_reference(running, "default", [p], [c], logprobs)

@@ -32,6 +32,7 @@ FUZZ = settings(
     max_examples=120,
     deadline=None,  # a busy CI core makes single examples slow; the example count bounds the time
     database=None,
+    derandomize=True,  # the same examples every run: a fuzz failure is a bug to replay, never chance
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 # What ScoreTokens may answer a request the server can read (RESOURCE_EXHAUSTED only for size).
@@ -41,14 +42,14 @@ RAW_STREAM = "/logprob.v1.LogprobService/ScoreTokensStream"
 
 
 @pytest.fixture
-async def fuzzed(gemma_checkpoint):
+async def fuzzed(gemma_checkpoint, rng):
     running = await start(test_settings(gemma_checkpoint, max_message_bytes=MAX_MESSAGE_BYTES))
     yield running
-    await check_unharmed(running)
+    await check_unharmed(running, rng)
     await stop(running)
 
 
-async def check_unharmed(running) -> None:
+async def check_unharmed(running, rng: np.random.Generator) -> None:
     """Serving, nothing left queued, and a correct request scores correctly."""
     scheduler = running.service.scheduler
     for _ in range(500):  # abandoned calls drain within moments
@@ -60,7 +61,6 @@ async def check_unharmed(running) -> None:
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     from logprob_client import LogprobClient
 
-    rng = np.random.default_rng()
     prompts, completions = random_batch(rng, 4, 4096)
     with LogprobClient(running.target) as client:
         logprobs = await asyncio.to_thread(client.score, prompts, completions)
@@ -283,8 +283,7 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * 4096
 
 
-async def test_huge_and_empty_messages_and_no_leak(fuzzed):
-    rng = np.random.default_rng()
+async def test_huge_and_empty_messages_and_no_leak(fuzzed, rng):
 
     def big(n_tokens: int) -> bytes:
         ids = rng.integers(0, 4096, n_tokens).tolist()

@@ -15,14 +15,7 @@ from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from tests.integration.conftest import start, stop, test_settings
 from tests.integration.test_e2e import assert_matches_reference
 from tests.integration.test_errors import Gate, expect, request
-
-
-async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.waiting import eventually
 
 
 def random_sequence(rng, prompt: int, completion: int) -> tuple[list[int], list[int]]:
@@ -35,7 +28,7 @@ async def score_raw(target, req, token=None):
         return await pb_grpc.LogprobServiceStub(channel).ScoreTokens(req, metadata=metadata, timeout=60)
 
 
-async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_checkpoint, tmp_path):
+async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_checkpoint, tmp_path, rng):
     greedy, modest = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
     path = tmp_path / "tokens.yaml"
     path.write_text(
@@ -52,12 +45,11 @@ async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_ch
     running = await start(settings)
     gate = Gate(running)
     scheduler = running.service.scheduler
-    rng = np.random.default_rng()
     try:
         seqs = [random_sequence(rng, 150, 50) for _ in range(8)]  # 200 tokens each
         # The greedy client queues 1000 tokens (its whole share); the first is held on the device.
         held = [asyncio.create_task(score_raw(running.target, request(s), greedy)) for s in seqs[:5]]
-        await wait_for(lambda: scheduler._queued_tokens == 1000, "the greedy client's 1000 tokens")
+        await eventually(lambda: scheduler._queued_tokens == 1000, "the greedy client's 1000 tokens")
         await asyncio.to_thread(gate.entered.wait, 10)
         metadata = (("authorization", f"Bearer {greedy}"),)
         async with grpc.aio.insecure_channel(running.target) as channel:
@@ -70,23 +62,22 @@ async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_ch
         assert int(dict(err.trailing_metadata())["grpc-retry-pushback-ms"]) > 0
         # The global queue has room: the other client is admitted while the greedy one is refused.
         others = [asyncio.create_task(score_raw(running.target, request(s), modest)) for s in seqs[6:]]
-        await wait_for(lambda: scheduler._queued_tokens == 1400, "the modest client's 400 tokens")
+        await eventually(lambda: scheduler._queued_tokens == 1400, "the modest client's 400 tokens")
         assert dict(scheduler._client_tokens) == {"greedy": 1000, "modest": 400}
         gate.release.set()
         answered = await asyncio.gather(*held, *others)
         for response, (p, c) in zip(answered, seqs[:5] + seqs[6:], strict=True):
             assert_matches_reference(running, "default", [p], [c], [np.asarray(response.scores[0].logprobs)])
-        await wait_for(lambda: not scheduler._client_tokens, "every client's share to be released")
+        await eventually(lambda: not scheduler._client_tokens, "every client's share to be released")
         assert scheduler._queued_tokens == 0
     finally:
         gate.restore()
         await stop(running)
 
 
-async def test_without_authentication_the_client_is_its_ip_address(gemma_checkpoint):
+async def test_without_authentication_the_client_is_its_ip_address(gemma_checkpoint, rng):
     running = await start(test_settings(gemma_checkpoint, max_tokens_per_request=300, max_queued_tokens_per_client=300))
     gate = Gate(running)
-    rng = np.random.default_rng()
     try:
         first = asyncio.create_task(score_raw(running.target, request(random_sequence(rng, 100, 100))))
         await asyncio.to_thread(gate.entered.wait, 10)
@@ -105,23 +96,22 @@ async def test_without_authentication_the_client_is_its_ip_address(gemma_checkpo
         await stop(running)
 
 
-async def test_rpcs_beyond_the_connection_limit_wait_for_a_stream(gemma_checkpoint):
+async def test_rpcs_beyond_the_connection_limit_wait_for_a_stream(gemma_checkpoint, rng):
     running = await start(test_settings(gemma_checkpoint, max_concurrent_rpcs_per_connection=2))
     gate = Gate(running)
     scheduler = running.service.scheduler
-    rng = np.random.default_rng()
     try:
         seqs = [random_sequence(rng, 3, 2) for _ in range(7)]  # 5 tokens each
         with LogprobClient(running.target) as client:
             # Six calls on one connection: two streams are open at a time, so two reach the server.
             pending = [client.score_async([p], [c]) for p, c in seqs[:6]]
             await asyncio.to_thread(gate.entered.wait, 10)
-            await wait_for(lambda: scheduler._queued_tokens == 10, "two calls")
+            await eventually(lambda: scheduler._queued_tokens == 10, "two calls")
             await asyncio.sleep(0.5)
             assert scheduler._queued_tokens == 10, "more RPCs arrived than the connection limit allows"
             # Another connection has streams of its own.
             other = asyncio.create_task(score_raw(running.target, request(seqs[6])))
-            await wait_for(lambda: scheduler._queued_tokens == 15, "the other connection's call")
+            await eventually(lambda: scheduler._queued_tokens == 15, "the other connection's call")
             gate.release.set()
             for future, (p, c) in zip(pending, seqs[:6], strict=True):
                 assert_matches_reference(running, "default", [p], [c], await asyncio.to_thread(future.result, 60))

@@ -15,8 +15,8 @@ import load_test
 FULL = os.environ.get("LOGPROB_LOAD_FULL") == "1"
 
 
-def test_five_times_capacity():
-    argv = [] if FULL else ["--duration-s", "4", "--measure-s", "2"]
+def test_five_times_capacity(seed):
+    argv = ["--seed", str(seed)] + ([] if FULL else ["--duration-s", "4", "--measure-s", "2"])
     report = load_test.main(argv)
     assert not report.failures, report.failures
     # The checks the script made, restated where a reader of this test looks for them.

@@ -36,8 +36,7 @@ def moved(before: dict[str, float], **labels: str) -> dict[str, float]:
     return {name: value(name, **labels) - was for name, was in before.items()}
 
 
-def random_sequences(n: int) -> list[tuple[list[int], list[int]]]:
-    rng = np.random.default_rng()
+def random_sequences(rng: np.random.Generator, n: int) -> list[tuple[list[int], list[int]]]:
     return [
         (
             rng.integers(0, 4096, int(rng.integers(1, 40))).tolist(),
@@ -54,8 +53,8 @@ HISTOGRAMS = (
 )
 
 
-async def test_a_scored_request_moves_its_series_by_its_own_figures(running):
-    seqs = random_sequences(3)
+async def test_a_scored_request_moves_its_series_by_its_own_figures(running, rng):
+    seqs = random_sequences(rng, 3)
     tokens = sum(len(p) + len(c) for p, c in seqs)  # < max_batch_tokens: one micro-batch
     model = {"model": "default"}
     counters = snapshot("logprob_tokens_scored_total", "logprob_sequences_scored_total", **model)
@@ -86,13 +85,13 @@ async def test_a_scored_request_moves_its_series_by_its_own_figures(running):
     assert value("logprob_queue_requests", **model) == 0 and value("logprob_queue_tokens", **model) == 0
 
 
-async def test_stream_requests_count_one_by_one_with_their_own_status(running):
+async def test_stream_requests_count_one_by_one_with_their_own_status(running, rng):
     before = {
         code: value("logprob_requests_total", model="default", rpc="ScoreTokensStream", code=code)
         for code in ("OK", "INVALID_ARGUMENT")
     }
     bad = request(([1, 2], [3, 99999]), request_id="bad")
-    good = request(*random_sequences(2), request_id="good")
+    good = request(*random_sequences(rng, 2), request_id="good")
     async with grpc.aio.insecure_channel(running.target) as channel:
         call_ = pb_grpc.LogprobServiceStub(channel).ScoreTokensStream(iter([good, bad]))
         answers = {r.request_id: r async for r in call_}

@@ -19,7 +19,6 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
@@ -125,10 +124,9 @@ def substitute(expr: str) -> str:
     return re.sub(r'"\$\w+"', '".*"', expr)
 
 
-async def test_prometheus_scrapes_the_service_and_answers_the_counter_and_a_latency_quantile(running, prometheus):
+async def test_prometheus_scrapes_the_service_and_answers_the_counter_and_a_latency_quantile(running, prometheus, rng):
     # Prometheus' first scrape of the warm server, then the requests this test sends.
     await asyncio.to_thread(prometheus.wait_for, f'up{{job="{JOB}"}}', 1.0)
-    rng = np.random.default_rng()
     for _ in range(3):
         await asyncio.gather(
             *(

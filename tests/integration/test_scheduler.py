@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient, Overloaded
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.jobs import TokenSequence
 
 from tests.integration.conftest import start, stop, test_settings
 from tests.integration.test_errors import OK, Gate, call, request
-from tests.models import reference_scores
+from tests.models import as_sequences, assert_scores_close
 
 
 class LaunchSpy:
@@ -34,18 +32,15 @@ class LaunchSpy:
 
 
 def check(model, prompts, completions, logprobs, temperature):
-    for p, c, got in zip(prompts, completions, logprobs, strict=True):
-        seq = TokenSequence(np.array(p, dtype=np.int64), np.array(c, dtype=np.int64))
-        np.testing.assert_allclose(got, reference_scores(model, seq, temperature)[0], atol=1e-5, rtol=0)
+    assert_scores_close(model, as_sequences(prompts, completions), logprobs, temperature=temperature)
 
 
-async def test_many_concurrent_clients_get_their_own_results_in_order(gemma_checkpoint):
+async def test_many_concurrent_clients_get_their_own_results_in_order(gemma_checkpoint, rng):
     # Every request (at most 6 x 118 tokens) fits one micro-batch, so fewer micro-batches than
     # requests means requests were batched together.
     running = await start(test_settings(gemma_checkpoint, max_batch_tokens=1000, max_wait_ms=5))
     spy = LaunchSpy(running.scorer("default"))
     model = running.scorer("default").model
-    rng = np.random.default_rng()
 
     async def client_session(client_id: int) -> list:
         done = []
@@ -75,10 +70,9 @@ async def test_many_concurrent_clients_get_their_own_results_in_order(gemma_chec
         await stop(running)
 
 
-async def test_large_request_is_split_balanced_and_reassembled_in_order(gemma_checkpoint):
+async def test_large_request_is_split_balanced_and_reassembled_in_order(gemma_checkpoint, rng):
     running = await start(test_settings(gemma_checkpoint, max_batch_tokens=200, max_batch_sequences=4))
     spy = LaunchSpy(running.scorer("default"))
-    rng = np.random.default_rng()
     prompts = [rng.integers(0, 4096, int(rng.integers(1, 80))).tolist() for _ in range(15)]
     completions = [rng.integers(0, 4096, int(rng.integers(1, 80))).tolist() for _ in range(15)]
     prompts.append(rng.integers(0, 4096, 150).tolist())  # longer than the budget: scored alone
@@ -144,9 +138,8 @@ class OomAbove:
         self.scorer.launch = self.original
 
 
-async def test_out_of_memory_splits_and_recovers(running):
+async def test_out_of_memory_splits_and_recovers(running, rng):
     oom = OomAbove(running.scorer("default"), limit=60)
-    rng = np.random.default_rng()
     prompts = [rng.integers(0, 4096, 10).tolist() for _ in range(7)]
     completions = [rng.integers(0, 4096, 10).tolist() for _ in range(7)]
     try:
@@ -171,10 +164,9 @@ async def test_a_sequence_that_cannot_fit_alone_fails_alone(running):
         oom.restore()
 
 
-async def test_temperatures_and_models_batch_separately(gemma_checkpoint):
+async def test_temperatures_and_models_batch_separately(gemma_checkpoint, rng):
     running = await start(test_settings(gemma_checkpoint, max_wait_ms=50))
     spy = LaunchSpy(running.scorer("default"))
-    rng = np.random.default_rng()
     try:
         async with AsyncLogprobClient(running.target) as client:
             calls = [

@@ -57,9 +57,8 @@ def tokens(tmp_path_factory):
     return path, values
 
 
-async def score_and_check(running, client) -> None:
+async def score_and_check(running, client, rng: np.random.Generator) -> None:
     """One scoring call through ``client`` (either kind), checked against the float64 reference."""
-    rng = np.random.default_rng()
     prompts, completions = random_batch(rng, 3, 4096)
     if isinstance(client, AsyncLogprobClient):
         logprobs = await client.score(prompts, completions)
@@ -81,13 +80,13 @@ def refused(target: str, **security) -> grpc.StatusCode:
     return info.value.code
 
 
-async def test_tls_serves_clients_that_trust_its_ca(gemma_checkpoint, pki):
+async def test_tls_serves_clients_that_trust_its_ca(gemma_checkpoint, pki, rng):
     running = await start(test_settings(gemma_checkpoint, tls_cert_file=pki.server.cert, tls_key_file=pki.server.key))
     try:
         with LogprobClient(running.target, tls_ca_file=pki.ca) as client:
-            await score_and_check(running, client)
+            await score_and_check(running, client, rng)
         async with AsyncLogprobClient(f"localhost:{running.port}", tls_ca_file=pki.ca) as client:
-            await score_and_check(running, client)
+            await score_and_check(running, client, rng)
         serving = health_pb2.HealthCheckResponse.SERVING
         assert await asyncio.to_thread(health_status, running.target, tls_ca_file=pki.ca) == serving
         # Plaintext to a TLS port, or TLS trusting another CA: no connection.
@@ -97,19 +96,19 @@ async def test_tls_serves_clients_that_trust_its_ca(gemma_checkpoint, pki):
         await stop(running)
 
 
-async def test_server_name_override(gemma_checkpoint, pki):
+async def test_server_name_override(gemma_checkpoint, pki, rng):
     # The certificate names only OTHER_NAME; the client reaches it at 127.0.0.1.
     named = pki.named_server
     running = await start(test_settings(gemma_checkpoint, tls_cert_file=named.cert, tls_key_file=named.key))
     try:
         assert await asyncio.to_thread(refused, running.target, tls_ca_file=pki.ca) == grpc.StatusCode.UNAVAILABLE
         with LogprobClient(running.target, tls_ca_file=pki.ca, tls_server_name=OTHER_NAME) as client:
-            await score_and_check(running, client)
+            await score_and_check(running, client, rng)
     finally:
         await stop(running)
 
 
-async def test_mutual_tls_needs_a_client_certificate_from_the_ca(gemma_checkpoint, pki):
+async def test_mutual_tls_needs_a_client_certificate_from_the_ca(gemma_checkpoint, pki, rng):
     running = await start(
         test_settings(
             gemma_checkpoint,
@@ -121,9 +120,9 @@ async def test_mutual_tls_needs_a_client_certificate_from_the_ca(gemma_checkpoin
     try:
         mine = dict(tls_ca_file=pki.ca, tls_cert_file=pki.client.cert, tls_key_file=pki.client.key)
         with LogprobClient(running.target, **mine) as client:
-            await score_and_check(running, client)
+            await score_and_check(running, client, rng)
         async with AsyncLogprobClient(running.target, **mine) as client:
-            await score_and_check(running, client)
+            await score_and_check(running, client, rng)
         rogue = dict(tls_ca_file=pki.ca, tls_cert_file=pki.rogue_client.cert, tls_key_file=pki.rogue_client.key)
         for security in ({"tls_ca_file": pki.ca}, rogue):
             assert await asyncio.to_thread(refused, running.target, **security) == grpc.StatusCode.UNAVAILABLE
@@ -167,19 +166,18 @@ async def test_missing_or_wrong_token_is_unauthenticated(authed, caplog):
     assert not any(values["trainer"] in r.getMessage() + str(getattr(r, "fields", "")) for r in caplog.records)
 
 
-async def test_score_token_scores_but_cannot_update_weights(authed, tokens):
+async def test_score_token_scores_but_cannot_update_weights(authed, tokens, rng):
     running, values = authed
     path = tokens[0].parent / "trainer.token"
     path.write_text(values["trainer"] + "\n")
     with LogprobClient(running.target, token_file=path) as client:
-        await score_and_check(running, client)
+        await score_and_check(running, client, rng)
         assert [m.name for m in await asyncio.to_thread(client.list_models)] == ["default", "gemma"]
-        rng = np.random.default_rng()
         prompts, completions = random_batch(rng, 2, 4096)
         (streamed,) = await asyncio.to_thread(client.score_many, [ScoreInput(prompts, completions)])
         assert_matches_reference(running, "default", prompts, completions, streamed)
     async with AsyncLogprobClient(running.target, token=values["trainer"]) as client:
-        await score_and_check(running, client)
+        await score_and_check(running, client, rng)
     for code in await admin_calls(running.target, values["trainer"]):
         assert code == grpc.StatusCode.PERMISSION_DENIED
 
@@ -206,7 +204,7 @@ async def admin_calls(target: str, token: str) -> list[grpc.StatusCode]:
     return codes
 
 
-async def test_admin_scope_passes_to_the_weight_update_handlers(authed):
+async def test_admin_scope_passes_to_the_weight_update_handlers(authed, rng):
     running, values = authed
     for token in (values["ops"], values["both"]):
         codes = await admin_calls(running.target, token)
@@ -215,7 +213,7 @@ async def test_admin_scope_passes_to_the_weight_update_handlers(authed):
     # An admin-only token does not score.
     assert await asyncio.to_thread(refused, running.target, token=values["ops"]) == grpc.StatusCode.PERMISSION_DENIED
     with LogprobClient(running.target, token=values["both"]) as client:
-        await score_and_check(running, client)
+        await score_and_check(running, client, rng)
 
 
 async def test_health_and_reflection_stay_open(authed):
@@ -229,7 +227,7 @@ async def test_health_and_reflection_stay_open(authed):
     assert "logprob.v1.LogprobService" in await asyncio.to_thread(services)
 
 
-async def test_tls_and_token_together(gemma_checkpoint, pki, tokens):
+async def test_tls_and_token_together(gemma_checkpoint, pki, tokens, rng):
     path, values = tokens
     running = await start(
         test_settings(
@@ -243,9 +241,9 @@ async def test_tls_and_token_together(gemma_checkpoint, pki, tokens):
     try:
         mine = dict(tls_ca_file=pki.ca, tls_cert_file=pki.client.cert, tls_key_file=pki.client.key)
         with LogprobClient(running.target, token=values["trainer"], **mine) as client:
-            await score_and_check(running, client)
+            await score_and_check(running, client, rng)
         async with AsyncLogprobClient(running.target, token=values["trainer"], **mine) as client:
-            await score_and_check(running, client)
+            await score_and_check(running, client, rng)
         # The certificate gets a caller through TLS; it is not a token.
         assert await asyncio.to_thread(refused, running.target, **mine) == grpc.StatusCode.UNAUTHENTICATED
     finally:

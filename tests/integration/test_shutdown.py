@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.state import Phase
 
 from tests.integration.conftest import start, test_settings
 from tests.integration.test_errors import OK, Gate, call, request
+from tests.waiting import eventually
 
 
 async def test_drain_finishes_in_flight_work_and_refuses_new(gemma_checkpoint):
@@ -20,7 +21,7 @@ async def test_drain_finishes_in_flight_work_and_refuses_new(gemma_checkpoint):
     in_flight = asyncio.create_task(call(running.target, request(OK, request_id="in-flight")))
     await asyncio.to_thread(gate.entered.wait, 10)
     drain = asyncio.create_task(running.service.drain(running.server, grace_s=20))
-    await asyncio.sleep(0.2)
+    await eventually(lambda: running.service.state.phase is Phase.DRAINING, "the drain to begin")
     # Draining: health says NOT_SERVING and a new call is refused.
     health = await running.service.state.health.Check(health_pb2.HealthCheckRequest(service=""), None)
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -48,12 +49,13 @@ async def test_drain_refuses_new_calls_at_once_on_a_connection_already_open(gemm
             in_flight = stub.ScoreTokens(request(OK, request_id="in-flight"), timeout=30)
             await asyncio.to_thread(gate.entered.wait, 10)
             drain = asyncio.create_task(running.service.drain(running.server, grace_s=20))
-            await asyncio.sleep(0.2)
-            started = time.monotonic()
+            await eventually(lambda: running.service.state.phase is Phase.DRAINING, "the drain to begin")
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ScoreTokens(request(OK), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - started < 2  # refused, not left waiting for the drain
+            # Refused while the drain still waits for the call in flight (held at the gate), so
+            # refused at once, not left waiting for the drain to end.
+            assert not in_flight.done() and not drain.done()
             gate.release.set()
             assert (await in_flight).request_id == "in-flight"
             await drain

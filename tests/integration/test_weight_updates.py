@@ -21,14 +21,17 @@ from logprob_service.config import Settings
 from logprob_service.models.weights import model_fingerprint
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import session_seed
 from tests.integration.conftest import start, stop
-from tests.models import make_model, random_sequences, reference_scores
+from tests.models import ScoreReference, assert_scores_close, make_model, random_sequences
+from tests.waiting import eventually
 
 ATOL = 1e-5
 
 
-def new_seed() -> int:
-    return int(np.random.default_rng().integers(1 << 30))
+def new_seed(rng: np.random.Generator) -> int:
+    """A seed for a random model, drawn from the test's generator."""
+    return int(rng.integers(1 << 30))
 
 
 def settings(models: dict[str, str], **overrides) -> Settings:
@@ -41,7 +44,7 @@ def settings(models: dict[str, str], **overrides) -> Settings:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama-v0")
-    make_model("llama", tied=False, seed=new_seed()).save_pretrained(path)
+    make_model("llama", tied=False, seed=session_seed("llama-v0")).save_pretrained(path)
     return path
 
 
@@ -57,20 +60,18 @@ def as_lists(sequences) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def assert_scores_match(model, sequences, logprobs) -> None:
-    for seq, got in zip(sequences, logprobs):
-        want, _ = reference_scores(model, seq)
-        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    assert_scores_close(model, sequences, logprobs)
 
 
 async def live(client: AsyncLogprobClient, name: str):
     return next(m for m in await client.list_models() if m.name == name)
 
 
-async def test_after_an_update_scores_are_those_of_the_new_weights(served, tmp_path):
-    new = make_model("llama", tied=False, seed=new_seed())
+async def test_after_an_update_scores_are_those_of_the_new_weights(served, tmp_path, rng):
+    new = make_model("llama", tied=False, seed=new_seed(rng))
     new.save_pretrained(tmp_path)
     fresh = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    sequences = random_sequences(np.random.default_rng(), 6)
+    sequences = random_sequences(rng, 6)
     async with AsyncLogprobClient(served.target, model="policy") as client:
         before = await live(client, "policy")
         result = await client.update_weights("policy", new.state_dict(), chunk_bytes=4096)  # many pieces each
@@ -92,10 +93,10 @@ async def test_after_an_update_scores_are_those_of_the_new_weights(served, tmp_p
         assert (await live(client, "policy")).fingerprint == model_fingerprint(fresh)
 
 
-async def test_load_weights_from_a_checkpoint_directory(served, tmp_path):
-    new = make_model("llama", tied=False, seed=new_seed())
+async def test_load_weights_from_a_checkpoint_directory(served, tmp_path, rng):
+    new = make_model("llama", tied=False, seed=new_seed(rng))
     new.save_pretrained(tmp_path)
-    sequences = random_sequences(np.random.default_rng(), 4)
+    sequences = random_sequences(rng, 4)
     async with AsyncLogprobClient(served.target, model="policy") as client:
         result = await client.load_weights("policy", str(tmp_path), version=7)
         assert result.version == 7 and result.tensors == len(new.state_dict())
@@ -104,14 +105,14 @@ async def test_load_weights_from_a_checkpoint_directory(served, tmp_path):
             await client.load_weights("policy", str(tmp_path / "nowhere"))
 
 
-async def test_a_tied_model_takes_a_checkpoint_without_its_lm_head(tmp_path):
+async def test_a_tied_model_takes_a_checkpoint_without_its_lm_head(tmp_path, rng):
     """save_pretrained drops lm_head.weight of a tied model: it is the embedding, and counts as sent."""
-    old, new = (make_model("gemma2", tied=True, seed=new_seed()) for _ in range(2))
+    old, new = (make_model("gemma2", tied=True, seed=new_seed(rng)) for _ in range(2))
     old.save_pretrained(tmp_path / "old")
     new.save_pretrained(tmp_path / "new")
     running = await start(settings({"gemma": str(tmp_path / "old")}))
     try:
-        sequences = random_sequences(np.random.default_rng(), 3)
+        sequences = random_sequences(rng, 3)
         async with AsyncLogprobClient(running.target, model="gemma") as client:
             assert (await client.load_weights("gemma", str(tmp_path / "new"))).version == 1
             assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
@@ -121,19 +122,14 @@ async def test_a_tied_model_takes_a_checkpoint_without_its_lm_head(tmp_path):
         await stop(running)
 
 
-async def test_concurrent_scoring_never_sees_a_mixed_version(served):
+async def test_concurrent_scoring_never_sees_a_mixed_version(served, rng):
     """Scoring runs on while three updates land; each response must equal the reference of the
     version it reports. Requests are larger than one micro-batch (256 tokens), so they are split,
     and the swap must wait for a split request's parts."""
-    rng = np.random.default_rng()
     versions = {0: AutoModelForCausalLM.from_pretrained(served.service.settings.models["policy"]).eval()}
-    versions |= {v: make_model("llama", tied=False, seed=new_seed()) for v in (1, 2, 3)}
+    versions |= {v: make_model("llama", tied=False, seed=new_seed(rng)) for v in (1, 2, 3)}
     requests = [random_sequences(rng, 10, max_len=60) for _ in range(4)]
-    expected = {
-        (v, r): [reference_scores(model, s)[0] for s in seqs]
-        for v, model in versions.items()
-        for r, seqs in enumerate(requests)
-    }
+    expected = {(v, r): ScoreReference(model, seqs) for v, model in versions.items() for r, seqs in enumerate(requests)}
     seen: list[tuple[int, int, list[np.ndarray]]] = []
     stop_scoring = asyncio.Event()
 
@@ -152,16 +148,18 @@ async def test_concurrent_scoring_never_sees_a_mixed_version(served):
         stub = pb_grpc.LogprobServiceStub(channel)
         scorers = [asyncio.create_task(score_forever(stub)) for _ in range(3)]
         for v in (1, 2, 3):
-            await asyncio.sleep(0.3)
+            # Each version scores some requests before the next lands: the order the test needs.
+            await eventually(
+                lambda v=v: any(seen_v == v - 1 for seen_v, _, _ in seen), f"a response of version {v - 1}"
+            )
             await client.update_weights("policy", versions[v].state_dict())
-        await asyncio.sleep(0.3)
+        await eventually(lambda: any(seen_v == 3 for seen_v, _, _ in seen), "a response of version 3")
         stop_scoring.set()
         await asyncio.gather(*scorers)
 
-    assert {v for v, _, _ in seen} == {0, 1, 2, 3}, "scoring should have overlapped every update"
+    assert {v for v, _, _ in seen} == {0, 1, 2, 3}
     for version, r, logprobs in seen:
-        for got, want in zip(logprobs, expected[version, r]):
-            np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=f"version {version}")
+        expected[version, r].check([np.asarray(lp, dtype=np.float32) for lp in logprobs])
 
 
 def good_update(model) -> dict[str, torch.Tensor]:
@@ -186,8 +184,8 @@ def good_update(model) -> dict[str, torch.Tensor]:
     ],
     ids=["wrong-shape", "wrong-dtype", "unknown-name", "missing-tensor"],
 )
-async def test_a_bad_update_leaves_the_live_weights_and_names_the_tensor(served, break_it, status, names):
-    sequences = random_sequences(np.random.default_rng(), 3)
+async def test_a_bad_update_leaves_the_live_weights_and_names_the_tensor(served, break_it, status, names, rng):
+    sequences = random_sequences(rng, 3)
     async with AsyncLogprobClient(served.target, model="policy") as client:
         before, scores = await live(client, "policy"), await client.score(*as_lists(sequences))
         broken = break_it(good_update(served.scorer("policy").model))
@@ -222,9 +220,10 @@ async def test_a_stream_cut_midway_or_ended_early_changes_nothing(served):
             await asyncio.Event().wait()
 
         call = stub.UpdateWeights(stalls_midway())
-        await asyncio.sleep(0.3)
+        updater = served.service.updater
+        await eventually(lambda: updater.updating("policy"), "the update to start")
         call.cancel()
-        await asyncio.sleep(0.2)
+        await eventually(lambda: not updater.updating("policy"), "the cancelled update to end")
         assert await live(client, "policy") == before
 
         # The slot is free again and a whole update goes through.
@@ -247,9 +246,9 @@ async def test_versions_only_go_up(served):
         assert (await live(client, "policy")).version == 5
 
 
-async def test_min_version_waits_for_the_update(served):
-    new = make_model("llama", tied=False, seed=new_seed())
-    sequences = random_sequences(np.random.default_rng(), 3)
+async def test_min_version_waits_for_the_update(served, rng):
+    new = make_model("llama", tied=False, seed=new_seed(rng))
+    sequences = random_sequences(rng, 3)
     async with AsyncLogprobClient(served.target, model="policy") as client:
         waiting = asyncio.create_task(client.score(*as_lists(sequences), min_version=1))
         await asyncio.sleep(0.3)
@@ -282,7 +281,7 @@ async def test_one_update_of_a_model_at_a_time(served):
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         stub = pb_grpc.LogprobServiceStub(channel)
         first = stub.UpdateWeights(slow())  # the call starts at once
-        await asyncio.sleep(0.2)
+        await eventually(lambda: served.service.updater.updating("policy"), "the first update to start")
         with pytest.raises(UpdateAborted, match="another update of 'policy' is in progress"):
             await client.update_weights("policy", state)
         release.set()

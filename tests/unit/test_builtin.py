@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import string
 
-import numpy as np
 import pytest
 import torch
 from logprob_service.models.builtin import build_builtin, tiny_llama_config, tiny_llama_tokenizer
@@ -45,7 +44,7 @@ def test_unknown_builtin():
         build_builtin("nope")
 
 
-def test_builtin_tokenizer_covers_the_vocabulary_and_round_trips_text():
+def test_builtin_tokenizer_covers_the_vocabulary_and_round_trips_text(rng):
     config = tiny_llama_config()
     tokenizer = tiny_llama_tokenizer()
     assert len(tokenizer) == config.vocab_size
@@ -54,7 +53,6 @@ def test_builtin_tokenizer_covers_the_vocabulary_and_round_trips_text():
         config.bos_token_id,
         config.eos_token_id,
     )
-    rng = np.random.default_rng()
     text = "".join(rng.choice(list(string.printable[:-5] + "\n"), 200))  # printable ASCII and newline
     ids = tokenizer(text)["input_ids"]
     assert len(ids) == len(text) and tokenizer.decode(ids) == text  # one token per character

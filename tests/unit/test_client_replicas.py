@@ -8,7 +8,6 @@ import contextlib
 import json
 
 import grpc
-import numpy as np
 import pytest
 from logprob_client import AsyncLogprobClient, LogprobClient
 from logprob_client._proto import logprob_pb2 as pb
@@ -70,8 +69,7 @@ async def test_a_list_of_replicas_is_served_round_robin():
         assert [s.calls for s in servicers] == [10, 10, 10]
 
 
-async def test_the_parts_of_one_large_call_go_to_every_replica_at_once():
-    rng = np.random.default_rng()
+async def test_the_parts_of_one_large_call_go_to_every_replica_at_once(rng):
     prompts = [rng.integers(0, 1000, 3).tolist() for _ in range(12)]
     async with replicas(3) as (servicers, targets):
         with LogprobClient(targets, timeout=10, max_sequences_per_rpc=2) as client:

@@ -101,8 +101,7 @@ def expected(completion_ids) -> list[float]:
     return [-(c % 97) - 0.5 for c in completion_ids]
 
 
-def batches(n: int) -> list[ScoreInput]:
-    rng = np.random.default_rng()
+def batches(rng: np.random.Generator, n: int) -> list[ScoreInput]:
     return [ScoreInput([rng.integers(0, 1000, 3).tolist()], [rng.integers(1, 1000, 2).tolist()]) for _ in range(n)]
 
 
@@ -115,9 +114,9 @@ async def score_many(target: str, inputs, aio: bool, **kwargs):
 
 
 @pytest.mark.parametrize("aio", [False, True], ids=["sync", "async"])
-async def test_a_broken_stream_resumes_with_the_unanswered_requests_only(aio):
+async def test_a_broken_stream_resumes_with_the_unanswered_requests_only(aio, rng):
     servicer = BreakingStream(answer_first=3)
-    inputs = batches(8)
+    inputs = batches(rng, 8)
     async with serving(servicer) as target:
         results = await score_many(target, inputs, aio)
     assert [r[0].tolist() for r in results] == [expected(i.completion_ids[0]) for i in inputs]
@@ -125,8 +124,8 @@ async def test_a_broken_stream_resumes_with_the_unanswered_requests_only(aio):
     assert len(first) == 3 and len(second) == 5 and not set(first) & set(second)
 
 
-async def test_retryable_in_band_answers_are_sent_again_and_others_stand():
-    inputs = batches(4)
+async def test_retryable_in_band_answers_are_sent_again_and_others_stand(rng):
+    inputs = batches(rng, 4)
     servicer = BreakingStream(
         broken=0, inband={1: grpc.StatusCode.RESOURCE_EXHAUSTED, 2: grpc.StatusCode.INVALID_ARGUMENT}
     )
@@ -139,12 +138,12 @@ async def test_retryable_in_band_answers_are_sent_again_and_others_stand():
     assert len(servicer.streams) == 2 and len(servicer.streams[1]) == 1
 
 
-async def test_a_stream_broken_for_good_raises():
+async def test_a_stream_broken_for_good_raises(rng):
     async with serving(BreakingStream(code=grpc.StatusCode.INTERNAL)) as target:
         with LogprobClient(target, timeout=10) as client, pytest.raises(ServerError, match="server going away"):
-            await asyncio.to_thread(client.score_many, batches(4))
+            await asyncio.to_thread(client.score_many, batches(rng, 4))
     servicer = BreakingStream(answer_first=1, broken=100)
     async with serving(servicer) as target:
         with LogprobClient(target, timeout=10, max_attempts=3) as client, pytest.raises(Unavailable):
-            await asyncio.to_thread(client.score_many, batches(6))
+            await asyncio.to_thread(client.score_many, batches(rng, 6))
     assert [len(s) for s in servicer.streams] == [1, 1, 1]  # each stream answered one more, then no attempts left

@@ -71,8 +71,7 @@ async def score(which: str, target: str, *args, **kwargs):
 
 
 @pytest.mark.parametrize("which", ["sync", "async"])
-async def test_dense_call_is_split_sent_together_and_reassembled(which):
-    rng = np.random.default_rng()
+async def test_dense_call_is_split_sent_together_and_reassembled(which, rng):
     prompt_ids, completion_ids, prompt_mask, completion_mask = random_dense(rng, 7)  # 6 rows to send
     servicer = Scripted(together=3)  # 6 rows, 2 per RPC: all 3 RPCs must be open at once
     async with serving(servicer) as target:
@@ -101,8 +100,7 @@ async def test_dense_call_is_split_sent_together_and_reassembled(which):
 
 
 @pytest.mark.parametrize("which", ["sync", "async"])
-async def test_list_call_is_split_by_tokens(which):
-    rng = np.random.default_rng()
+async def test_list_call_is_split_by_tokens(which, rng):
     prompts = [rng.integers(0, 4096, int(rng.integers(1, 30))).tolist() for _ in range(9)]
     completions = [rng.integers(0, 4096, int(rng.integers(1, 30))).tolist() for _ in range(9)]
     async with serving(Scripted()) as target:
@@ -146,18 +144,21 @@ async def test_score_async_can_be_cancelled():
 
 
 class Versioned(Scripted):
-    """Answers the parts of a call as if an update went live between them: the first part comes
-    from version 4, the rest from version 5; and it echoes each request's min_version."""
+    """Answers the parts of a call as if an update went live between them: the first part answered
+    comes from version 4, the rest from version 5 (counted when answered, not when arrived: parts
+    arrive in any order and any number at once); and it echoes each request's min_version."""
 
     def __init__(self) -> None:
         super().__init__(together=1)
         self.min_versions: list[int] = []
+        self.answered = 0
 
     async def ScoreTokens(self, request, context):
         self.min_versions.append(request.min_version)
         response = await super().ScoreTokens(request, context)
+        self.answered += 1  # no await between the count and its use: one answer at a time
         response.model = request.model
-        response.model_version = 4 if len(self.requests) == 1 else 5
+        response.model_version = 4 if self.answered == 1 else 5
         return response
 
 

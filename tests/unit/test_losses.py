@@ -122,8 +122,7 @@ def test_inf_and_nan_under_the_mask_do_not_leak(aggregate):
     assert torch.isfinite(dirty.grad).all() and (dirty.grad[mask == 0] == 0).all()
 
 
-def test_aggregations_random_against_loops():
-    rng = np.random.default_rng()
+def test_aggregations_random_against_loops(rng):
     b, t = 6, 9
     values, mask = rand(b, t), rand_mask(rng, b, t)
     rows = [[float(values[i, j]) for j in range(t) if mask[i, j]] for i in range(b)]
@@ -148,10 +147,10 @@ def test_kl_estimators_by_hand():
         assert torch.equal(kl(same, same), torch.zeros(3, dtype=torch.float64))
 
 
-def test_k1_and_k3_are_unbiased_estimators_of_the_kl():
+def test_k1_and_k3_are_unbiased_estimators_of_the_kl(seed):
     """Sampled from pi_theta, the means of k1 and k3 converge to the exact KL(pi_theta || pi_ref)."""
-    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 31)))
-    logits_p, logits_q = torch.randn(6, generator=gen, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    logits_p, logits_q = (torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(2))
     logp_all, logq_all = logits_p.log_softmax(-1), logits_q.log_softmax(-1)
     exact = float((logp_all.exp() * (logp_all - logq_all)).sum())
     samples = torch.multinomial(logp_all.exp(), 200_000, replacement=True, generator=gen)
@@ -183,8 +182,7 @@ def test_shaped_rewards_by_hand():
     torch.testing.assert_close(L.shaped_rewards(scores, logps, ref, mask, beta=0.1), expected)
 
 
-def test_shaped_rewards_random_against_a_loop():
-    rng = np.random.default_rng()
+def test_shaped_rewards_random_against_a_loop(rng):
     b, t, beta = 5, 8, 0.05
     logps, ref, scores, mask = rand(b, t), rand(b, t), rand(b), rand_mask(rng, b, t)
     mask[2, 3] = False  # a hole (a masked tool-output token): the score still goes to the last real token

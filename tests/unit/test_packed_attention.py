@@ -28,7 +28,10 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager_attention
 
+from tests import tolerances
 from tests.models import ARCHITECTURES, COMMON, VOCAB, make_model
+
+pytestmark = pytest.mark.numerical
 
 SLIDING = 8  # gemma2's window in tests/models.py; lengths below go well past it
 
@@ -106,8 +109,7 @@ def _registered() -> None:
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
-def test_packed_forward_matches_each_sequence_alone(arch):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_packed_forward_matches_each_sequence_alone(arch, seed):
     rng = np.random.default_rng(seed)
     reference = make_any(arch, seed=seed)  # the model's normal implementation (sdpa, or eager for gemma2)
     packed_model = make_any(arch, seed=seed)
@@ -123,14 +125,17 @@ def test_packed_forward_matches_each_sequence_alone(arch):
         expected = own_hidden(reference, ids)
         assert expected.abs().max() > 0.1  # a real signal, not a degenerate model
         torch.testing.assert_close(
-            hidden[cu[s] : cu[s + 1]], expected, atol=1e-5, rtol=0, msg=lambda m, s=s: f"seed {seed} seq {s}: {m}"
+            hidden[cu[s] : cu[s + 1]],
+            expected,
+            atol=tolerances.PACKED_HIDDEN_FP32,
+            rtol=0,
+            msg=lambda m, s=s: f"sequence {s}: {m}",
         )
 
 
-def test_packing_really_separates_sequences():
+def test_packing_really_separates_sequences(seed):
     """Guard on the test above: the same row run as ONE sequence (positions 0..T-1, no boundaries)
     differs from the per-sequence forwards, so that comparison can fail."""
-    seed = int(np.random.default_rng().integers(1 << 30))
     rng = np.random.default_rng(seed)
     model = make_any("llama", seed=seed)
     lengths = [12, 15]
@@ -139,8 +144,7 @@ def test_packing_really_separates_sequences():
     assert (whole[12:] - own_hidden(model, seqs[1])).abs().max() > 1e-2, f"seed {seed}"
 
 
-def test_no_mask_is_built_and_attention_gets_none(monkeypatch):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_no_mask_is_built_and_attention_gets_none(monkeypatch, seed):
     rng = np.random.default_rng(seed)
     model = make_any("gemma2", seed=seed)  # has both full and sliding layers, so both mask kinds are asked for
     model.set_attn_implementation(PACKED_ATTENTION)
@@ -166,19 +170,17 @@ def test_no_mask_is_built_and_attention_gets_none(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_unpacked_call_treats_each_row_as_one_sequence(arch):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_unpacked_call_treats_each_row_as_one_sequence(arch, seed):
     model = make_any(arch, seed=seed)
     ids = torch.from_numpy(np.random.default_rng(seed).integers(0, model.config.vocab_size, (3, 21)))
     with torch.no_grad():
         expected = model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # its own sdpa/eager
         model.set_attn_implementation(PACKED_ATTENTION)
         got = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, expected, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
 
 
-def test_partial_boundaries_raise_a_clear_error():
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_partial_boundaries_raise_a_clear_error(seed):
     rng = np.random.default_rng(seed)
     model = make_any("llama", seed=seed)
     model.set_attn_implementation(PACKED_ATTENTION)
@@ -239,11 +241,10 @@ def _fake_module(heads: int, kv_heads: int, head_dim: int) -> torch.nn.Module:
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (5, 3.0), (1, None)])
 # one block per sequence / 3-row blocks for the 17-token sequence / one row at a time
 @pytest.mark.parametrize("score_bytes", [attn.FALLBACK_SCORE_BYTES, 4 * 6 * 17 * 3, 1])
-def test_op_matches_transformers_eager_on_a_block_diagonal_mask(window, softcap, score_bytes, monkeypatch):
+def test_op_matches_transformers_eager_on_a_block_diagonal_mask(window, softcap, score_bytes, monkeypatch, seed):
     """The attention function against transformers' own eager attention (Gemma 2's, which has the
     softcap) run on the whole packed row with an explicit block-diagonal mask: GQA 6 query heads
     over 2 key/value heads, a non-default scale, softcap and window, small query blocks."""
-    seed = int(np.random.default_rng().integers(1 << 30))
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, d = 6, 2, 16
     lengths = [1, 11, 4, 1, 17]
@@ -270,15 +271,14 @@ def test_op_matches_transformers_eager_on_a_block_diagonal_mask(window, softcap,
     )  # fmt: skip
     assert weights is None
     assert got.shape == (1, total, heads, d)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(got, expected, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
     direct = exact_packed_attention(
         q[0], k[0], v[0], cu.tolist(), scale=scale, sliding_window=window, softcap=softcap, score_bytes=score_bytes
     )
-    torch.testing.assert_close(direct[None], expected, atol=1e-5, rtol=0, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(direct[None], expected, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
 
 
-def test_module_sliding_window_used_only_when_the_argument_is_absent():
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_module_sliding_window_used_only_when_the_argument_is_absent(seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(3))
     module = _fake_module(2, 2, 8)

@@ -24,8 +24,7 @@ def test_pack_concatenates_restarts_positions_and_selects_completion_rows():
     assert batch.completion_lengths == [2, 1, 3]
 
 
-def test_pack_random_rows_always_point_one_before_their_target():
-    rng = np.random.default_rng()
+def test_pack_random_rows_always_point_one_before_their_target(rng):
     seqs = [
         TokenSequence(rng.integers(0, 1000, int(rng.integers(1, 20))), rng.integers(0, 1000, int(rng.integers(1, 20))))
         for _ in range(int(rng.integers(1, 30)))

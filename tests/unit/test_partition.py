@@ -49,8 +49,7 @@ def _assert_partition(parts, n, k):
 
 
 @pytest.mark.parametrize("trial", range(30))
-def test_every_index_appears_exactly_once(trial):
-    rng = np.random.default_rng()
+def test_every_index_appears_exactly_once(trial, rng):
     n, k = int(rng.integers(0, 60)), int(rng.integers(1, 12))
     weights = rng.integers(0, 1000, n).tolist()
     _assert_partition(karmarkar_karp(weights, k), n, k)
@@ -86,8 +85,7 @@ def test_equal_weights_split_as_evenly_as_counts_allow(n, k):
 
 
 @pytest.mark.parametrize("trial", range(10))
-def test_an_item_heavier_than_all_others_together_stands_alone(trial):
-    rng = np.random.default_rng()
+def test_an_item_heavier_than_all_others_together_stands_alone(trial, rng):
     small = rng.integers(1, 50, int(rng.integers(1, 20))).tolist()
     weights = [*small, sum(small) + int(rng.integers(1, 100))]
     rng.shuffle(weights)
@@ -100,13 +98,12 @@ def test_an_item_heavier_than_all_others_together_stands_alone(trial):
 
 
 @pytest.mark.parametrize("trial", range(25))
-def test_within_the_ldm_worst_case_bound_of_the_optimum(trial):
+def test_within_the_ldm_worst_case_bound_of_the_optimum(trial, rng):
     # Michiels, Korst, Aarts, van Leeuwen, "Performance ratios of the Karmarkar-Karp differencing
     # method", J. Comb. Optim. 13 (2007): LDM's largest sum is at most (4/3 - 1/(3k)) * OPT (the LPT
     # bound), and some instances reach 4/3 - 1/(3(k-1)); for k = 2 it is 7/6 (Fischetti and Martello
     # 1987), the same formula. The same paper: LDM is optimal for k = 2 when n <= 4, for k >= 3 when
     # n <= k + 2.
-    rng = np.random.default_rng()
     for _ in range(20):
         n, k = int(rng.integers(1, 11)), int(rng.integers(2, 5))
         weights = rng.integers(1, int(rng.choice([5, 30, 1000])), n).tolist()
@@ -166,8 +163,7 @@ def _check_plan(plan, lengths, max_tokens, max_sequences):
 
 
 @pytest.mark.parametrize("trial", range(30))
-def test_plan_respects_budgets_and_covers_every_sequence_once(trial):
-    rng = np.random.default_rng()
+def test_plan_respects_budgets_and_covers_every_sequence_once(trial, rng):
     lengths = rng.integers(1, 2000, int(rng.integers(0, 80))).tolist()
     max_tokens, max_sequences = int(rng.integers(100, 6000)), int(rng.integers(1, 12))
     plan = plan_micro_batches(lengths, max_tokens=max_tokens, max_sequences=max_sequences)

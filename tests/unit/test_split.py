@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 from logprob_client.split import RpcLimits, split
 
@@ -25,8 +24,7 @@ def check_parts(lengths: list[int], limits: RpcLimits, parts: list[slice]) -> No
 
 
 @pytest.mark.parametrize("trial", range(20))
-def test_random_lengths(trial):
-    rng = np.random.default_rng()
+def test_random_lengths(trial, rng):
     lengths = rng.integers(1, 300, int(rng.integers(1, 200))).tolist()
     limits = RpcLimits(max_sequences=int(rng.integers(1, 40)), max_tokens=int(rng.integers(1, 2000)))
     check_parts(lengths, limits, split(lengths, limits))

@@ -14,8 +14,8 @@ from logprob_service.models.weights import UpdatableWeights, fingerprint, model_
 from tests.models import make_model
 
 
-def test_tied_weights_answer_to_either_name_and_count_once():
-    model = make_model("gemma2", tied=True, seed=int(np.random.default_rng().integers(1 << 30)))
+def test_tied_weights_answer_to_either_name_and_count_once(seed):
+    model = make_model("gemma2", tied=True, seed=seed)
     weights = UpdatableWeights(model.state_dict())
     assert weights.canonical("lm_head.weight") == weights.canonical("model.embed_tokens.weight")
     everything_but_the_embedding = [n for n in model.state_dict() if n != "model.embed_tokens.weight"]
@@ -40,8 +40,7 @@ def test_check_names_the_tensor_and_what_is_wrong(name, dtype, shape, message):
         weights.check(name, dtype, shape)
 
 
-def test_fingerprint_covers_names_dtypes_shapes_and_bytes():
-    rng = np.random.default_rng()
+def test_fingerprint_covers_names_dtypes_shapes_and_bytes(rng):
     a = {"w": torch.from_numpy(rng.standard_normal((4, 5)).astype(np.float32))}
     base = fingerprint(tensor_digests(a))
     assert fingerprint(tensor_digests({"w": a["w"].clone()})) == base
@@ -64,8 +63,7 @@ def reassemble(messages) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     return {k: (d, s, bytes(b)) for k, (d, s, b) in tensors.items()}
 
 
-def test_update_stream_carries_every_byte_in_order_in_small_pieces():
-    rng = np.random.default_rng()
+def test_update_stream_carries_every_byte_in_order_in_small_pieces(rng):
     weights = {
         "bf16": torch.randn(33, 17).to(torch.bfloat16),
         "f32": rng.standard_normal((5, 7)).astype(np.float32),  # numpy works too
