@@ -35,7 +35,7 @@ test-stress: ## `make test` in RUNS fresh clones of HEAD, one after another; sto
 test-gpu: install  ## only the GPU tests
 	$(BIN)/python -m pytest tests/gpu $(PYTEST_ARGS)
 
-proto: install  ## regenerate client/logprob_client/_proto from protos/
+proto: install  ## regenerate client/logprob_proto from protos/
 	$(BIN)/python scripts/gen_proto.py
 
 lint: install  ## ruff lint + format check

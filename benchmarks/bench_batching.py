@@ -81,7 +81,7 @@ from common import (
 )
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
-from logprob_service.jobs import TokenSequence
+from logprob_service.domain import TokenSequence
 from logprob_service.models.registry import ModelRegistry, serve_model
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.ops.attention import PACKED_ATTENTION, register_packed_attention

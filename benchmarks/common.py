@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
-from logprob_service import gpu_memory
+from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
 from logprob_service.models.registry import ModelRegistry
-from logprob_service.server import Service, create_server
+from logprob_service.worker import gpu_memory
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 # ----------------------------------------------------------------------------- models

@@ -46,10 +46,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from logprob_client.channel import open_channel
-from logprob_service.probe import check as health_check
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.api.probe import check as health_check
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024**2

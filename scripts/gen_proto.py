@@ -1,7 +1,7 @@
 """Generate the Python stubs of protos/logprob/v1/logprob.proto into the client package.
 
 protoc writes absolute imports (``from logprob.v1 import logprob_pb2``); they are rewritten
-to relative ones so the stubs live inside ``logprob_client._proto`` without touching sys.path.
+to relative ones so the stubs live inside the ``logprob_proto`` package without touching sys.path.
 Run through ``make proto``; tests/unit/test_proto_stubs.py calls ``generate`` into a temporary
 folder and fails if the committed stubs differ.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PROTO_FILE = "logprob/v1/logprob.proto"
-STUBS_DIR = ROOT / "client" / "logprob_client" / "_proto"
+STUBS_DIR = ROOT / "client" / "logprob_proto"
 GENERATED = ("logprob_pb2.py", "logprob_pb2.pyi", "logprob_pb2_grpc.py")
 _ABSOLUTE_IMPORT = "from logprob.v1 import logprob_pb2 as"
 _RELATIVE_IMPORT = "from . import logprob_pb2 as"

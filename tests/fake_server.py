@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from logprob_service.jobs import TokenSequence
+from logprob_service.domain import TokenSequence
 from logprob_service.models.loading import attention_implementation
 from transformers import (
     CohereConfig,

@@ -22,9 +22,9 @@ from typing import Any
 
 import grpc
 import numpy as np
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from ._proto import logprob_pb2 as pb
-from ._proto import logprob_pb2_grpc as pb_grpc
 from .channel import open_channel
 from .errors import LogprobError, MixedVersionsError, error_for_status, error_from_rpc
 from .future import ScoreFuture

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 
 import grpc
+from logprob_proto import logprob_pb2 as pb
 
-from ._proto import logprob_pb2 as pb
 from .channel import RETRYABLE_CODES, backoff_s
 from .errors import error_from_rpc
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from ._proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 16 * 1024**2
 

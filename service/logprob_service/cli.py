@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from . import __version__
-from .config import ENV_ONLY_SETTINGS, Settings, load_settings
-from .logs import configure_logging
+from logprob_service import __version__
+from logprob_service.config import ENV_ONLY_SETTINGS, Settings, load_settings
+from logprob_service.logs import configure_logging
 
 _MODEL_FLAG_HELP = (
     "NAME=SOURCE of a model to serve; repeat for several. A bare SOURCE is named 'default'. "
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "probe":
-            from .probe import main as probe
+            from logprob_service.api.probe import main as probe
 
             return probe(args.address, args.service, args.timeout_s)
         settings = settings_from_args(args)
@@ -88,9 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
         return 1 if args.command == "probe" else 2  # a health check knows 0 and 1 only
     configure_logging(settings.log_level, settings.log_format)
-    from .models.loading import ModelLoadError
-    from .server import serve
-    from .tokens import TokenConfigError
+    from logprob_service.api.security.bearer_tokens import TokenConfigError
+    from logprob_service.api.server import serve
+    from logprob_service.models.loading import ModelLoadError
 
     try:
         asyncio.run(serve(settings))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from logprob_service import gpu_memory
+from logprob_service.worker import gpu_memory
 
 from tests.integration.conftest import start, stop, test_settings
 from tests.integration.test_errors import call, request

@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
-from logprob_service.metrics import start_metrics_server
-from logprob_service.server import Service, create_server
+from logprob_service.observability.metrics import start_metrics_server
 
 from tests.conftest import session_seed
 from tests.models import make_model

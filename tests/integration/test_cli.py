@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import InvalidRequest, LogprobClient
-from logprob_service.probe import check as health_check
+from logprob_service.api.probe import check as health_check
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.waiting import wait_until

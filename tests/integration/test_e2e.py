@@ -110,8 +110,8 @@ async def test_stream_rpc_pipelines_requests_and_isolates_failures(running, whic
 async def test_stream_rpc_has_several_requests_in_flight(running, rng):
     """Responses arrive as their requests finish, not one request at a time: the server reads
     all requests before the first response is consumed."""
-    from logprob_client._proto import logprob_pb2 as pb
-    from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+    from logprob_proto import logprob_pb2 as pb
+    from logprob_proto import logprob_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(running.target) as channel:
         call = pb_grpc.LogprobServiceStub(channel).ScoreTokensStream()
@@ -176,8 +176,8 @@ async def test_list_models(running, gemma_checkpoint):
 
 
 async def test_response_metadata_accounts_for_time_and_tokens(running):
-    from logprob_client._proto import logprob_pb2 as pb
-    from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+    from logprob_proto import logprob_pb2 as pb
+    from logprob_proto import logprob_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(running.target) as channel:
         response = await pb_grpc.LogprobServiceStub(channel).ScoreTokens(

@@ -13,8 +13,8 @@ import grpc
 import numpy as np
 import pytest
 from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded, Unavailable
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import start, stop, test_settings
 
@@ -169,8 +169,8 @@ async def test_deadline_passed_while_queued_is_dropped_before_compute(running):
 async def test_scheduler_reports_deadline_exceeded_for_expired_jobs(running):
     import time
 
+    from logprob_service.domain import ScoreJob, TokenSequence
     from logprob_service.errors import DeadlineExceeded as ServerDeadline
-    from logprob_service.jobs import ScoreJob, TokenSequence
 
     job = ScoreJob(
         request_id="late",

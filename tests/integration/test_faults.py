@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from logprob_client import DeadlineExceeded, LogprobClient, ScoreInput
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.models.builtin import build_builtin
 
 from tests.integration.conftest import start, stop, test_settings

@@ -21,8 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_service.validation import MIN_TEMPERATURE
+from logprob_proto import logprob_pb2 as pb
+from logprob_service.engine.validation import MIN_TEMPERATURE
 
 from tests.integration.conftest import start, stop, test_settings
 from tests.integration.test_e2e import assert_matches_reference, random_batch

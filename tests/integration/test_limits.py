@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 from logprob_client import LogprobClient
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import start, stop, test_settings
 from tests.integration.test_e2e import assert_matches_reference

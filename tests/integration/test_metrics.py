@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service import __version__
 from prometheus_client import REGISTRY
 

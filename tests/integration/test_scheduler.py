@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient, Overloaded
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import start, stop, test_settings
 from tests.integration.test_errors import OK, Gate, call, request

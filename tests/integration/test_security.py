@@ -24,10 +24,10 @@ from logprob_client import (
     Unauthenticated,
     Unavailable,
 )
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from logprob_client.channel import open_channel
-from logprob_service import transport
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.api.security import tls as transport
 from prometheus_client import REGISTRY
 
 from tests.certs import OTHER_NAME, make_pki
@@ -270,10 +270,10 @@ async def test_a_server_reachable_from_other_machines_warns_for_what_it_lacks(
     monkeypatch.setattr(transport, "is_loopback", lambda host: False)
     for extra, expected in (({}, ["PLAINTEXT", "NO AUTHENTICATION"]), ({"auth_tokens_file": tokens[0]}, ["PLAINTEXT"])):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="logprob_service.server"):
+        with caplog.at_level(logging.WARNING, logger="logprob_service.api.server"):
             running = await start(test_settings(gemma_checkpoint, **extra), warm=False)
             await stop(running)
-        warned = [r.getMessage() for r in caplog.records if r.name == "logprob_service.server"]
+        warned = [r.getMessage() for r in caplog.records if r.name == "logprob_service.api.server"]
         assert [next(w for w in expected if w in m) for m in warned] == expected, warned
 
 

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.state import Phase
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.api.health import Phase
 
 from tests.integration.conftest import start, test_settings
 from tests.integration.test_errors import OK, Gate, call, request

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient, FailedPrecondition, InvalidRequest, UpdateAborted
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from logprob_client.weights import update_requests
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.config import Settings
 from logprob_service.models.weights import model_fingerprint
 from transformers import AutoModelForCausalLM

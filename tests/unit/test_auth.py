@@ -8,14 +8,14 @@ import hmac
 import secrets
 
 import pytest
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_service import tokens as tokens_module
-from logprob_service.auth import METHOD_SCOPES, authorize, required_scope
+from logprob_proto import logprob_pb2 as pb
+from logprob_service.api.security import bearer_tokens as tokens_module
+from logprob_service.api.security.auth import METHOD_SCOPES, authorize, required_scope
+from logprob_service.api.security.bearer_tokens import TokenConfigError, load_token_table
+from logprob_service.api.security.caller import peer_host
+from logprob_service.api.security.tls import exposure_warnings, is_loopback
 from logprob_service.config import Settings
 from logprob_service.errors import PermissionDenied, Unauthenticated
-from logprob_service.identity import peer_host
-from logprob_service.tokens import TokenConfigError, load_token_table
-from logprob_service.transport import exposure_warnings, is_loopback
 
 
 def fresh_token() -> str:

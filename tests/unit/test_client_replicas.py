@@ -10,11 +10,11 @@ import json
 import grpc
 import pytest
 from logprob_client import AsyncLogprobClient, LogprobClient
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
 from logprob_client.channel import channel_options, channel_target, service_config
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.api.server import server_options
 from logprob_service.config import Settings
-from logprob_service.server import server_options
 
 from tests.fake_server import serving
 

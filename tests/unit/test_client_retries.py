@@ -17,8 +17,8 @@ from logprob_client import (
     ServerError,
     Unavailable,
 )
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from tests.fake_server import serving
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient, Cancelled, InvalidRequest, LogprobClient, MixedVersionsError
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from tests.fake_server import serving
 

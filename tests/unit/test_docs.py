@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from logprob_service import metrics  # noqa: F401  (registers the series)
+from logprob_service.observability import metrics  # noqa: F401  (registers the series)
 from logprob_service.config import ENV_ONLY_SETTINGS, Settings
 from prometheus_client import REGISTRY
 

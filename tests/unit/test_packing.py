@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from logprob_service.jobs import TokenSequence
-from logprob_service.packing import pack
+from logprob_service.domain import TokenSequence
+from logprob_service.worker.packing import pack
 
 
 def test_pack_concatenates_restarts_positions_and_selects_completion_rows():

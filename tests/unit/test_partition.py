@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from logprob_service.partition import karmarkar_karp, plan_micro_batches
+from logprob_service.engine.partition import karmarkar_karp, plan_micro_batches
 
 
 def _sums(weights, parts):

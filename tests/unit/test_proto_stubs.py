@@ -25,7 +25,7 @@ def test_committed_stubs_match_the_proto(tmp_path):
 
 
 def test_stub_service_matches_the_proto_service():
-    from logprob_client._proto import logprob_pb2
+    from logprob_proto import logprob_pb2
 
     service = logprob_pb2.DESCRIPTOR.services_by_name["LogprobService"]
     assert service.full_name == "logprob.v1.LogprobService"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from logprob_service.jobs import ScoreJob, TokenSequence
+from logprob_service.domain import ScoreJob, TokenSequence
+from logprob_service.engine.scheduler import Scheduler
 from logprob_service.models.registry import ModelRegistry
-from logprob_service.scheduler import Scheduler
 
 
 def job(request_id: str, lengths: list[int], temperature: float = 1.0) -> ScoreJob:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from logprob_service.jobs import TokenSequence
+from logprob_service.domain import TokenSequence
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.ops.dispatch import LogprobOp
 

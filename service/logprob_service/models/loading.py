@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from .builtin import BUILTIN_PREFIX, build_builtin
+from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

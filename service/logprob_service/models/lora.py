@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from .loading import ModelLoadError
+from logprob_service.models.loading import ModelLoadError
 
 SEPARATOR = "+"
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import metrics
-from ..errors import ModelNotFound
-from ..ops.dispatch import LogprobOp
-from .loading import load_causal_lm
-from .lora import AdapterHost
-from .scorer import CausalLMScorer
-from .weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
+from logprob_service.errors import ModelNotFound
+from logprob_service.models.loading import load_causal_lm
+from logprob_service.models.lora import AdapterHost
+from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
+from logprob_service.observability import metrics
+from logprob_service.ops.dispatch import LogprobOp
 
 log = logging.getLogger(__name__)
 

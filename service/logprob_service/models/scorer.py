@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from ..jobs import SequenceScores, TokenSequence
-from ..ops.attention import PACKED_ATTENTION, packed_forward_kwargs, register_packed_attention
-from ..ops.dispatch import LogprobOp, select_logprob_op
-from ..ops.logprobs import LogitTransform
-from ..packing import PackedBatch, pack
-from ..partition import plan_micro_batches
+from logprob_service.domain import SequenceScores, TokenSequence
+from logprob_service.engine.partition import plan_micro_batches
+from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs, register_packed_attention
+from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
+from logprob_service.ops.logprobs import LogitTransform
+from logprob_service.worker.packing import PackedBatch, pack
 
 
 def config_logit_transform(config: object) -> LogitTransform:

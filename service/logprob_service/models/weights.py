@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidArgument
+from logprob_service.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,13 @@ from typing import Literal
 
 import torch
 
-from .logprobs import DEFAULT_CHUNK_BYTES, IDENTITY, LogitTransform, TokenScores, chunked_token_logprobs
+from logprob_service.ops.logprobs import (
+    DEFAULT_CHUNK_BYTES,
+    IDENTITY,
+    LogitTransform,
+    TokenScores,
+    chunked_token_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,7 @@ class LogprobOp:
     ) -> TokenScores:
         """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs (and entropies)."""
         if self.kernel == "triton":
-            from .fused_logprobs import fused_token_logprobs
+            from logprob_service.ops.fused_logprobs import fused_token_logprobs
 
             return fused_token_logprobs(
                 hidden, weight, targets, bias=bias, transform=transform, return_entropy=return_entropy

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .logprobs import IDENTITY, LogitTransform, TokenScores
+from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores
 
 LOG2E = 1.4426950408889634
 

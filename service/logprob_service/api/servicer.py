@@ -7,17 +7,17 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from logprob_client._proto import logprob_pb2 as pb
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from . import accounting, convert
-from .errors import LogprobError, status_of
-from .identity import current_client
-from .models.registry import ModelRegistry
-from .scheduler import Scheduler
-from .state import ServingState
-from .validation import RequestLimits, validate_job
-from .weight_updates import WeightUpdater
+from logprob_service.api import accounting, wire
+from logprob_service.api.health import ServingState
+from logprob_service.api.security.caller import current_client
+from logprob_service.engine.scheduler import Scheduler
+from logprob_service.engine.validation import RequestLimits, validate_job
+from logprob_service.engine.weight_updates import WeightUpdater
+from logprob_service.errors import LogprobError, status_of
+from logprob_service.models.registry import ModelRegistry
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -42,12 +42,12 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
 
     async def _score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
         self._state.check_accepting()
-        job = convert.job_from_request(request, deadline, current_client())
+        job = wire.job_from_request(request, deadline, current_client())
         validate_job(job, self._registry.get(job.model).info, self._limits)
-        return convert.response_from_result(await self._scheduler.submit(job))
+        return wire.response_from_result(await self._scheduler.submit(job))
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        convert.ensure_request_id(request)
+        wire.ensure_request_id(request)
         return await self._score(request, _deadline(context))
 
     async def _answer_in_stream(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
@@ -65,7 +65,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
             return scored
         if not isinstance(error, LogprobError):
             error = LogprobError(f"internal error ({type(error).__name__})")
-        return convert.error_response(request, error)
+        return wire.error_response(request, error)
 
     async def ScoreTokensStream(
         self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
@@ -83,7 +83,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
             try:
                 async with asyncio.TaskGroup() as tasks:
                     async for request in request_iterator:
-                        convert.ensure_request_id(request)
+                        wire.ensure_request_id(request)
                         tasks.create_task(answer(request))
             finally:
                 responses.put_nowait(None)  # every request answered, or the request stream broke
@@ -100,17 +100,17 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(
-            models=[convert.model_info_to_proto(served.info, self._limits) for served in self._registry]
+            models=[wire.model_info_to_proto(served.info, self._limits) for served in self._registry]
         )
 
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[pb.UpdateWeightsRequest], context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         self._state.check_accepting()
-        return convert.update_response(await self._updater.update(convert.update_messages(request_iterator)))
+        return wire.update_response(await self._updater.update(wire.update_messages(request_iterator)))
 
     async def LoadWeights(
         self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         self._state.check_accepting()
-        return convert.update_response(await self._updater.load(*convert.load_request(request)))
+        return wire.update_response(await self._updater.load(*wire.load_request(request)))

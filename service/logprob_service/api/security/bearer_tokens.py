@@ -28,7 +28,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from .config import Settings
+from logprob_service.config import Settings
 
 Scope = Literal["score", "admin"]
 MIN_TOKEN_CHARS = 16

@@ -31,12 +31,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import metrics
-from .errors import DeadlineExceeded, FailedPrecondition, Overloaded, Unavailable
-from .executor import DeviceExecutor, Part
-from .jobs import ScoreJob, ScoreResult, SequenceScores, Timings
-from .models.registry import ModelRegistry
-from .partition import plan_micro_batches
+from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, Timings
+from logprob_service.engine.partition import plan_micro_batches
+from logprob_service.errors import DeadlineExceeded, FailedPrecondition, Overloaded, Unavailable
+from logprob_service.models.registry import ModelRegistry
+from logprob_service.observability import metrics
+from logprob_service.worker.executor import DeviceExecutor, Part
 
 log = logging.getLogger(__name__)
 

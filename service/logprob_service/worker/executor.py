@@ -23,12 +23,13 @@ from typing import TypeVar
 
 import torch
 
-from . import gpu_memory, metrics
-from .errors import LogprobError, Overloaded
-from .jobs import SequenceScores, TokenSequence
-from .models.registry import ServedModel
-from .models.scorer import CausalLMScorer, Launched
-from .packing import pack
+from logprob_service.domain import SequenceScores, TokenSequence
+from logprob_service.errors import LogprobError, Overloaded
+from logprob_service.models.registry import ServedModel
+from logprob_service.models.scorer import CausalLMScorer, Launched
+from logprob_service.observability import metrics
+from logprob_service.worker import gpu_memory
+from logprob_service.worker.packing import pack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from . import accounting, handlers
-from .errors import LogprobError, status_of
+from logprob_service.api import accounting, handlers
+from logprob_service.errors import LogprobError, status_of
 
 
 @dataclass

@@ -7,7 +7,7 @@ import enum
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from .errors import Unavailable
+from logprob_service.errors import Unavailable
 
 SERVICE_NAME = "logprob.v1.LogprobService"
 

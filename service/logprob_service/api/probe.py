@@ -13,7 +13,7 @@ import os
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .config import load_settings
+from logprob_service.config import load_settings
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 

@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from . import handlers
-from .errors import InvalidArgument
+from logprob_service.api import handlers
+from logprob_service.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

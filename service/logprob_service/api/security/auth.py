@@ -17,10 +17,10 @@ from typing import Any
 
 import grpc
 
-from . import handlers
-from .errors import LogprobError, PermissionDenied, Unauthenticated
-from .identity import peer_host, set_client
-from .tokens import Principal, Scope, TokenTable
+from logprob_service.api import handlers
+from logprob_service.api.security.bearer_tokens import Principal, Scope, TokenTable
+from logprob_service.api.security.caller import peer_host, set_client
+from logprob_service.errors import LogprobError, PermissionDenied, Unauthenticated
 
 # The one table of which scope each LogprobService method needs. A method not listed needs
 # admin: weight updates, and any state-changing RPC added later, are closed to score tokens by

@@ -32,12 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import metrics
-from .errors import Aborted, FailedPrecondition, InvalidArgument
-from .models.loading import DTYPES
-from .models.registry import ModelRegistry, ServedModel
-from .models.weights import TensorDigest, UpdatableWeights, tensor_digest
-from .scheduler import Scheduler
+from logprob_service.engine.scheduler import Scheduler
+from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument
+from logprob_service.models.loading import DTYPES
+from logprob_service.models.registry import ModelRegistry, ServedModel
+from logprob_service.models.weights import TensorDigest, UpdatableWeights, tensor_digest
+from logprob_service.observability import metrics
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 import numpy as np
-from logprob_client._proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2 as pb
 
-from .errors import InvalidArgument, LogprobError
-from .jobs import ScoreJob, ScoreResult, TokenSequence
-from .models.registry import ModelInfo
-from .validation import RequestLimits, validate_temperature, validate_version
-from .weight_updates import Commit, TensorPiece, UpdateHeader, UpdateMessage, UpdateOutcome
+from logprob_service.domain import ScoreJob, ScoreResult, TokenSequence
+from logprob_service.engine.validation import RequestLimits, validate_temperature, validate_version
+from logprob_service.engine.weight_updates import Commit, TensorPiece, UpdateHeader, UpdateMessage, UpdateOutcome
+from logprob_service.errors import InvalidArgument, LogprobError
+from logprob_service.models.registry import ModelInfo
 
 DEFAULT_MODEL = "default"
 

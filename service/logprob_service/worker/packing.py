@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .jobs import TokenSequence
+from logprob_service.domain import TokenSequence
 
 
 @dataclass(frozen=True)

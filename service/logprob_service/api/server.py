@@ -12,26 +12,26 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from logprob_client._proto import logprob_pb2_grpc as pb_grpc
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from . import transport
-from .auth import AuthInterceptor
-from .config import Settings
-from .decoding import MalformedMessageInterceptor
-from .executor import DeviceExecutor
-from .interceptors import ExceptionToStatusInterceptor
-from .jobs import ScoreJob, TokenSequence
-from .metrics import start_metrics_server
-from .models.loading import ModelLoadError, resolve_device, resolve_dtype
-from .models.lora import split_lora_source
-from .models.registry import ModelRegistry, load_served_model, serve_lora_model
-from .ops.dispatch import select_logprob_op
-from .scheduler import Scheduler
-from .servicer import LogprobServicer
-from .state import SERVICE_NAME, ServingState
-from .tokens import TokenTable, load_token_table
-from .validation import RequestLimits
-from .weight_updates import WeightUpdater
+from logprob_service.api.health import SERVICE_NAME, ServingState
+from logprob_service.api.interceptors import ExceptionToStatusInterceptor
+from logprob_service.api.malformed import MalformedMessageInterceptor
+from logprob_service.api.security import tls
+from logprob_service.api.security.auth import AuthInterceptor
+from logprob_service.api.security.bearer_tokens import TokenTable, load_token_table
+from logprob_service.api.servicer import LogprobServicer
+from logprob_service.config import Settings
+from logprob_service.domain import ScoreJob, TokenSequence
+from logprob_service.engine.scheduler import Scheduler
+from logprob_service.engine.validation import RequestLimits
+from logprob_service.engine.weight_updates import WeightUpdater
+from logprob_service.models.loading import ModelLoadError, resolve_device, resolve_dtype
+from logprob_service.models.lora import split_lora_source
+from logprob_service.models.registry import ModelRegistry, load_served_model, serve_lora_model
+from logprob_service.observability.metrics import start_metrics_server
+from logprob_service.ops.dispatch import select_logprob_op
+from logprob_service.worker.executor import DeviceExecutor
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +183,12 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    credentials = transport.server_credentials(settings)
+    credentials = tls.server_credentials(settings)
     port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
     host = address.rpartition(":")[0]
-    for warning in transport.exposure_warnings(host, tls=credentials is not None, auth=service.tokens is not None):
+    for warning in tls.exposure_warnings(host, tls=credentials is not None, auth=service.tokens is not None):
         log.warning("%s", warning)
     await service.state.starting()
     service.scheduler.start()

@@ -12,7 +12,7 @@ import ipaddress
 
 import grpc
 
-from .config import Settings
+from logprob_service.config import Settings
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from . import accounting
-from .errors import LogprobError
-from .state import SERVICE_NAME
+from logprob_service.api import accounting
+from logprob_service.api.health import SERVICE_NAME
+from logprob_service.errors import LogprobError
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Any]
 

@@ -15,11 +15,12 @@ import logging
 
 import grpc
 from google.protobuf.message import Message
-from logprob_client._proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2 as pb
 
-from . import convert, metrics
-from .errors import LogprobError
-from .identity import current_client
+from logprob_service.api import wire
+from logprob_service.api.security.caller import current_client
+from logprob_service.errors import LogprobError
+from logprob_service.observability import metrics
 
 log = logging.getLogger("logprob_service.requests")
 
@@ -46,7 +47,7 @@ def record(
     """Account for one answer: ``request`` is None for a stream's own final status."""
     scoring = request if isinstance(request, pb.ScoreRequest) else None
     if isinstance(request, pb.ScoreRequest | pb.LoadWeightsRequest):
-        model = convert.model_name(request)
+        model = wire.model_name(request)
     elif isinstance(response, pb.UpdateWeightsResponse):
         model = response.model  # a client stream: the model is known from its answer
     else:

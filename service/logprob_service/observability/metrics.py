@@ -26,11 +26,12 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_h
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from . import __version__, gpu_memory
-from .jobs import Timings
+from logprob_service import __version__
+from logprob_service.domain import Timings
+from logprob_service.worker import gpu_memory
 
 if TYPE_CHECKING:
-    from .models.registry import ModelInfo
+    from logprob_service.models.registry import ModelInfo
 
 log = logging.getLogger(__name__)
 

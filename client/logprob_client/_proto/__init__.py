@@ -1,1 +1,0 @@
-"""Generated gRPC stubs of protos/logprob/v1/logprob.proto (make proto)."""
