@@ -267,6 +267,20 @@ async def test_min_version_that_never_comes_fails_with_failed_precondition(check
         await stop(running)
 
 
+async def test_a_refused_update_gets_its_status_while_the_client_is_still_sending(served):
+    """Refused at its header, an update's status must reach a client that is still writing tensors.
+    grpc.aio reports INTERNAL "Internal error from Core" for a write that fails because the call
+    already ended (grpc/grpc#36066). Without the server reading the stream to its end, 16 of 200
+    such refusals came back that way here: 100 tries would all pass with probability
+    (184/200)^100 < 1e-3, so this test catches the fix's absence."""
+    state = served.scorer("policy").model.state_dict()
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        await client.update_weights("policy", state, version=3)
+        for _ in range(100):
+            with pytest.raises(FailedPrecondition, match="version: 2 is not above"):
+                await client.update_weights("policy", state, version=2, chunk_bytes=4096)
+
+
 async def test_one_update_of_a_model_at_a_time(served):
     state = served.scorer("policy").model.state_dict()
     messages = list(update_requests("policy", state, version=0, partial=False))

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
-from logprob_service.observability import metrics  # noqa: F401  (registers the series)
 from logprob_service.config import ENV_ONLY_SETTINGS, Settings
+from logprob_service.observability import metrics  # noqa: F401  (registers the series)
 from prometheus_client import REGISTRY
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,19 @@ from logprob_service.engine.validation import RequestLimits, validate_job
 from logprob_service.engine.weight_updates import WeightUpdater
 from logprob_service.errors import LogprobError, status_of
 from logprob_service.models.registry import ModelRegistry
+
+
+async def _read_to_end(requests: AsyncIterator[object]) -> None:
+    """Read (and drop) what a client stream still sends, before the call is answered with an error.
+
+    A grpc.aio client (grpcio 1.84 and older) whose write fails because the server already ended
+    the call reports INTERNAL "Internal error from Core" instead of the server's status
+    (grpc/grpc#36066); a client that has finished sending gets the status as sent. So a refused
+    weight update is answered once the client's stream has ended (or broken off): it costs
+    receiving the rest of the upload, only on the error path."""
+    with contextlib.suppress(Exception):  # a broken stream has nothing more to read
+        async for _ in requests:
+            pass
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -106,8 +120,12 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[pb.UpdateWeightsRequest], context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        self._state.check_accepting()
-        return wire.update_response(await self._updater.update(wire.update_messages(request_iterator)))
+        try:
+            self._state.check_accepting()
+            return wire.update_response(await self._updater.update(wire.update_messages(request_iterator)))
+        except LogprobError:
+            await _read_to_end(request_iterator)
+            raise
 
     async def LoadWeights(
         self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
