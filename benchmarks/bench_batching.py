@@ -82,8 +82,9 @@ from common import (
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.domain import TokenSequence
-from logprob_service.models.registry import ModelRegistry, serve_model
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.served import serve_model
 from logprob_service.ops.attention import PACKED_ATTENTION, register_packed_attention
 from transformers import PreTrainedModel
 

@@ -56,8 +56,9 @@ from common import (
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.domain import SequenceScores, TokenSequence
-from logprob_service.models.registry import ModelRegistry, serve_model
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.served import serve_model
 from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES

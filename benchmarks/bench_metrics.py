@@ -52,8 +52,9 @@ from bench_batching import (
     workload_for,
 )
 from common import LoopbackServer, ModelShape, build_model, publish, release, run_environment, synchronize
-from logprob_service.models.registry import ModelRegistry, serve_model
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.served import serve_model
 from logprob_service.observability.metrics import start_metrics_server
 
 

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from common import LoopbackServer, ModelShape, build_model, peak_allocated, publish, reset_peak, run_environment
 from logprob_service.config import Settings
-from logprob_service.models.registry import ModelRegistry, serve_model
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.served import serve_model
 
 QWEN25_15B = ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072)
 TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)

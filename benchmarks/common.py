@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import transformers
 from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
-from logprob_service.models.registry import ModelRegistry
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.worker import gpu_memory
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 

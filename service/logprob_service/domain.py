@@ -1,4 +1,4 @@
-"""Plain domain objects passed between the RPC layer, the scheduler and the executor.
+"""Plain domain objects passed between the gRPC edge, the engine, the worker and the models.
 
 Nothing here knows about protobuf or torch: the servicer converts protobuf to these, the
 executor converts these to tensors.
@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# The weight dtypes the server serves and takes in updates, by name, with their element size.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -62,3 +65,19 @@ class ScoreResult:
     scores: list[SequenceScores]
     tokens: int
     timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A served model as callers see it (ListModels) and as requests are checked against it."""
+
+    name: str
+    source: str
+    architecture: str
+    vocab_size: int  # token ids must lie in [0, vocab_size)
+    max_positions: int | None  # longest prompt + completion; None when the config sets none
+    dtype: str
+    device: str
+    version: int
+    fingerprint: str
+    base_model: str = ""  # a LoRA model's base, whose weights it shares

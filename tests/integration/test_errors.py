@@ -169,6 +169,7 @@ async def test_deadline_passed_while_queued_is_dropped_before_compute(running):
 async def test_scheduler_reports_deadline_exceeded_for_expired_jobs(running):
     import time
 
+    from logprob_service.api.status import status_of
     from logprob_service.domain import ScoreJob, TokenSequence
     from logprob_service.errors import DeadlineExceeded as ServerDeadline
 
@@ -180,7 +181,7 @@ async def test_scheduler_reports_deadline_exceeded_for_expired_jobs(running):
     )
     with pytest.raises(ServerDeadline, match="late: deadline passed while queued"):
         await running.service.scheduler.submit(job)
-    assert grpc.StatusCode.DEADLINE_EXCEEDED == ServerDeadline.status
+    assert grpc.StatusCode.DEADLINE_EXCEEDED == status_of(ServerDeadline("late"))
 
 
 async def test_unavailable_until_warm_and_while_draining(gemma_checkpoint):

@@ -109,17 +109,19 @@ async def test_client_disconnecting_mid_request(running, rng):
         stub = pb_grpc.LogprobServiceStub(channel)
         unary = stub.ScoreTokens(request(random_sequence(rng, 40, 60)))
         stream = stub.ScoreTokensStream(iter([request(random_sequence(rng, 10, 10)) for _ in range(2)]))
-        await eventually(lambda: scheduler._queued_tokens == 5 + 100 + 40, "the leaving client's requests")
+        await eventually(lambda: scheduler.admission.queued_tokens == 5 + 100 + 40, "the leaving client's requests")
         await channel.close()
         for call in (unary, stream):
             assert call.cancelled() or (await call.code()) == grpc.StatusCode.CANCELLED
-        await eventually(lambda: scheduler._queued_tokens == 5, "the leaving client's work to be dropped")
-        assert dict(scheduler._client_tokens) == {"127.0.0.1": 5}
+        await eventually(lambda: scheduler.admission.queued_tokens == 5, "the leaving client's work to be dropped")
+        assert dict(scheduler.admission.client_tokens) == {"127.0.0.1": 5}
         gate.release.set()
         response = await other
         assert_matches_reference(running, "default", [held[0]], [held[1]], [np.asarray(response.scores[0].logprobs)])
         assert gate.calls == [1], "work of a client that left reached the model"
-        await eventually(lambda: not scheduler._client_tokens and scheduler._queued_tokens == 0, "an empty queue")
+        await eventually(
+            lambda: not scheduler.admission.client_tokens and scheduler.admission.queued_tokens == 0, "an empty queue"
+        )
     finally:
         gate.restore()
 
@@ -143,7 +145,7 @@ async def test_deadline_expiring_while_queued_is_not_retried(running, caplog, rn
         late = random_sequence(rng, 4, 3)  # 7 tokens: its log lines are told apart by that
         with LogprobClient(running.target) as client, pytest.raises(DeadlineExceeded):
             await asyncio.to_thread(client.score, [late[0]], [late[1]], timeout=0.5)
-        await eventually(lambda: scheduler._queued_tokens == 5, "the expired request to leave the queue")
+        await eventually(lambda: scheduler.admission.queued_tokens == 5, "the expired request to leave the queue")
         gate.release.set()
         await held
         # One attempt reached the server (DEADLINE_EXCEEDED is not retried), and never the model.
@@ -160,7 +162,7 @@ async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog, 
     gate = Gate(running)
     # The hint the refusal carries (it is derived from the measured throughput): long enough that
     # the queue drains before the client's next attempt, whatever the machine's speed.
-    running.service.scheduler._retry_after_s = lambda excess_tokens: 1.0
+    running.service.scheduler.admission.retry_after_s = lambda excess_tokens: 1.0
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         held = asyncio.create_task(score(running.target, random_sequence(rng, 150, 100)))

@@ -53,10 +53,14 @@ async def check_unharmed(running, rng: np.random.Generator) -> None:
     """Serving, nothing left queued, and a correct request scores correctly."""
     scheduler = running.service.scheduler
     for _ in range(500):  # abandoned calls drain within moments
-        if scheduler._queued_tokens == 0:
+        if scheduler.admission.queued_tokens == 0:
             break
         await asyncio.sleep(0.01)
-    assert (scheduler._queued_tokens, scheduler._units, dict(scheduler._client_tokens)) == (0, [], {})
+    assert (scheduler.admission.queued_tokens, scheduler.queue.units, dict(scheduler.admission.client_tokens)) == (
+        0,
+        [],
+        {},
+    )
     health = await running.service.state.health.Check(health_pb2.HealthCheckRequest(service=""), None)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     from logprob_client import LogprobClient

@@ -49,7 +49,7 @@ async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_ch
         seqs = [random_sequence(rng, 150, 50) for _ in range(8)]  # 200 tokens each
         # The greedy client queues 1000 tokens (its whole share); the first is held on the device.
         held = [asyncio.create_task(score_raw(running.target, request(s), greedy)) for s in seqs[:5]]
-        await eventually(lambda: scheduler._queued_tokens == 1000, "the greedy client's 1000 tokens")
+        await eventually(lambda: scheduler.admission.queued_tokens == 1000, "the greedy client's 1000 tokens")
         await asyncio.to_thread(gate.entered.wait, 10)
         metadata = (("authorization", f"Bearer {greedy}"),)
         async with grpc.aio.insecure_channel(running.target) as channel:
@@ -62,14 +62,14 @@ async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_ch
         assert int(dict(err.trailing_metadata())["grpc-retry-pushback-ms"]) > 0
         # The global queue has room: the other client is admitted while the greedy one is refused.
         others = [asyncio.create_task(score_raw(running.target, request(s), modest)) for s in seqs[6:]]
-        await eventually(lambda: scheduler._queued_tokens == 1400, "the modest client's 400 tokens")
-        assert dict(scheduler._client_tokens) == {"greedy": 1000, "modest": 400}
+        await eventually(lambda: scheduler.admission.queued_tokens == 1400, "the modest client's 400 tokens")
+        assert dict(scheduler.admission.client_tokens) == {"greedy": 1000, "modest": 400}
         gate.release.set()
         answered = await asyncio.gather(*held, *others)
         for response, (p, c) in zip(answered, seqs[:5] + seqs[6:], strict=True):
             assert_matches_reference(running, "default", [p], [c], [np.asarray(response.scores[0].logprobs)])
-        await eventually(lambda: not scheduler._client_tokens, "every client's share to be released")
-        assert scheduler._queued_tokens == 0
+        await eventually(lambda: not scheduler.admission.client_tokens, "every client's share to be released")
+        assert scheduler.admission.queued_tokens == 0
     finally:
         gate.restore()
         await stop(running)
@@ -106,12 +106,12 @@ async def test_rpcs_beyond_the_connection_limit_wait_for_a_stream(gemma_checkpoi
             # Six calls on one connection: two streams are open at a time, so two reach the server.
             pending = [client.score_async([p], [c]) for p, c in seqs[:6]]
             await asyncio.to_thread(gate.entered.wait, 10)
-            await eventually(lambda: scheduler._queued_tokens == 10, "two calls")
+            await eventually(lambda: scheduler.admission.queued_tokens == 10, "two calls")
             await asyncio.sleep(0.5)
-            assert scheduler._queued_tokens == 10, "more RPCs arrived than the connection limit allows"
+            assert scheduler.admission.queued_tokens == 10, "more RPCs arrived than the connection limit allows"
             # Another connection has streams of its own.
             other = asyncio.create_task(score_raw(running.target, request(seqs[6])))
-            await eventually(lambda: scheduler._queued_tokens == 15, "the other connection's call")
+            await eventually(lambda: scheduler.admission.queued_tokens == 15, "the other connection's call")
             gate.release.set()
             for future, (p, c) in zip(pending, seqs[:6], strict=True):
                 assert_matches_reference(running, "default", [p], [c], await asyncio.to_thread(future.result, 60))

@@ -99,23 +99,23 @@ async def test_cancelled_rpc_leaves_the_queue_without_compute(running):
         async with grpc.aio.insecure_channel(running.target) as channel:
             queued = pb_grpc.LogprobServiceStub(channel).ScoreTokens(request(([1] * 40, [2] * 60)))
             for _ in range(100):
-                if scheduler._queued_tokens == 5 + 100:
+                if scheduler.admission.queued_tokens == 5 + 100:
                     break
                 await asyncio.sleep(0.01)
-            assert scheduler._queued_tokens == 105
+            assert scheduler.admission.queued_tokens == 105
             queued.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await queued
         for _ in range(100):
-            if scheduler._queued_tokens == 5:
+            if scheduler.admission.queued_tokens == 5:
                 break
             await asyncio.sleep(0.01)
-        assert scheduler._queued_tokens == 5, "the cancelled request still holds queue tokens"
+        assert scheduler.admission.queued_tokens == 5, "the cancelled request still holds queue tokens"
         gate.release.set()
         await blocker
         await call(running.target, request(OK))
         assert gate.calls == [1, 1], "the cancelled request must never reach the model"
-        assert scheduler._queued_tokens == 0
+        assert scheduler.admission.queued_tokens == 0
     finally:
         gate.restore()
 

@@ -52,7 +52,7 @@ def record(
         model = response.model  # a client stream: the model is known from its answer
     else:
         model = ""
-    metrics.observe_request(model, rpc, code)
+    metrics.observe_request(model, rpc, code.name)
     level = _level(code)
     if not log.isEnabledFor(level):
         return

@@ -16,6 +16,7 @@ import grpc
 
 from logprob_service.api import accounting
 from logprob_service.api.health import SERVICE_NAME
+from logprob_service.api.status import status_of, trailing_metadata
 from logprob_service.errors import LogprobError
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Any]
@@ -77,15 +78,15 @@ async def fail(context: grpc.aio.ServicerContext, error: LogprobError) -> None:
     until the cyclic garbage collector runs, which under a stream of large bad requests grew the
     server by 150 MiB (tests/integration/test_fuzz.py)."""
     if error.retryable:
-        await context.abort(error.status, error.message, trailing_metadata=error.trailing_metadata())
-    context.set_code(error.status)
+        await context.abort(status_of(error), error.message, trailing_metadata=trailing_metadata(error))
+    context.set_code(status_of(error))
     context.set_details(error.message)
-    if trailing := error.trailing_metadata():
+    if trailing := trailing_metadata(error):
         context.set_trailing_metadata(trailing)
 
 
 async def reject(context: grpc.aio.ServicerContext, rpc: str, error: LogprobError) -> None:
     """Answer a call its handler never sees with ``error``'s status, accounted for like any other;
     the caller then returns without running the handler."""
-    accounting.record(rpc, None, error.status, elapsed_ns=0, error=error)
+    accounting.record(rpc, None, status_of(error), elapsed_ns=0, error=error)
     await fail(context, error)

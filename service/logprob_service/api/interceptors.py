@@ -21,7 +21,8 @@ from typing import Any
 import grpc
 
 from logprob_service.api import accounting, handlers
-from logprob_service.errors import LogprobError, status_of
+from logprob_service.api.status import status_of
+from logprob_service.errors import LogprobError
 
 
 @dataclass

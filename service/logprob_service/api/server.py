@@ -23,15 +23,17 @@ from logprob_service.api.security.bearer_tokens import TokenTable, load_token_ta
 from logprob_service.api.servicer import LogprobServicer
 from logprob_service.config import Settings
 from logprob_service.domain import ScoreJob, TokenSequence
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import RequestLimits
 from logprob_service.engine.weight_updates import WeightUpdater
 from logprob_service.models.loading import ModelLoadError, resolve_device, resolve_dtype
 from logprob_service.models.lora import split_lora_source
-from logprob_service.models.registry import ModelRegistry, load_served_model, serve_lora_model
-from logprob_service.observability.metrics import start_metrics_server
+from logprob_service.models.served import load_served_model, serve_lora_model
+from logprob_service.observability import metrics
 from logprob_service.ops.dispatch import select_logprob_op
 from logprob_service.worker.executor import DeviceExecutor
+from logprob_service.worker.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,9 @@ class Service:
         """Raises ``tokens.TokenConfigError`` for a bad token document, before anything starts."""
         tokens = load_token_table(settings)
         registry = registry if registry is not None else ModelRegistry()
-        executor = DeviceExecutor()
+        metrics.track(registry)
+        stats = metrics.PrometheusStats()
+        executor = DeviceExecutor(stats)
         scheduler = Scheduler(
             registry,
             executor,
@@ -63,8 +67,9 @@ class Service:
             max_batch_sequences=settings.max_batch_sequences,
             max_wait_ms=settings.max_wait_ms,
             max_version_wait_s=settings.max_version_wait_s,
+            stats=stats,
         )
-        updater = WeightUpdater(registry, scheduler, staging_reserve_bytes=settings.update_staging_reserve_bytes)
+        updater = WeightUpdater(registry, scheduler, Staging(settings.update_staging_reserve_bytes), stats=stats)
         return cls(settings, registry, executor, scheduler, updater, ServingState(), tokens)
 
     @property
@@ -199,7 +204,9 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT: bind, load, warm up, serve; then drain within the grace period."""
     service = Service.create(settings)
-    metrics_server = start_metrics_server(settings.host, settings.metrics_port) if settings.metrics_port else None
+    metrics_server = (
+        metrics.start_metrics_server(settings.host, settings.metrics_port) if settings.metrics_port else None
+    )
     try:
         await _serve(service, settings)
     finally:

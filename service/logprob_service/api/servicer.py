@@ -14,11 +14,12 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api import accounting, wire
 from logprob_service.api.health import ServingState
 from logprob_service.api.security.caller import current_client
+from logprob_service.api.status import status_of
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import RequestLimits, validate_job
 from logprob_service.engine.weight_updates import WeightUpdater
-from logprob_service.errors import LogprobError, status_of
-from logprob_service.models.registry import ModelRegistry
+from logprob_service.errors import LogprobError
 
 
 async def _read_to_end(requests: AsyncIterator[object]) -> None:

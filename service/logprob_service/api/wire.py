@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 import numpy as np
 from logprob_proto import logprob_pb2 as pb
 
-from logprob_service.domain import ScoreJob, ScoreResult, TokenSequence
+from logprob_service.api.status import status_of
+from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, TokenSequence
 from logprob_service.engine.validation import RequestLimits, validate_temperature, validate_version
 from logprob_service.engine.weight_updates import Commit, TensorPiece, UpdateHeader, UpdateMessage, UpdateOutcome
 from logprob_service.errors import InvalidArgument, LogprobError
-from logprob_service.models.registry import ModelInfo
 
 DEFAULT_MODEL = "default"
 
@@ -68,7 +68,7 @@ def error_response(request: pb.ScoreRequest, error: LogprobError) -> pb.ScoreRes
     return pb.ScoreResponse(
         request_id=request.request_id,
         model=model_name(request),
-        error=pb.Error(code=error.status.value[0], message=error.message),
+        error=pb.Error(code=status_of(error).value[0], message=error.message),
     )
 
 

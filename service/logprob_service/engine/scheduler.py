@@ -1,25 +1,18 @@
-"""Admission, micro-batching and ordering of scoring work (asyncio side; never runs torch).
+"""The scheduler loop: admitted work to micro-batches on the device, results back to each request.
 
-Every request's sequences enter one queue, bounded by tokens (``max_queued_tokens``), and each
-client identity (``identity.py``) may hold at most ``max_queued_tokens_per_client`` of them, so
-one trainer cannot fill the queue and starve the others. Past either limit a request is refused
-at once with RESOURCE_EXHAUSTED, a message naming the limit, and a retry hint from the measured
-throughput. A request larger than one micro-batch is split into balanced parts
-(``partition.plan_micro_batches``, Karmarkar-Karp) up front; each part is a work unit.
+``submit`` waits for the request's ``min_version`` if it has one, admits it (``Admission``:
+token budget and fair share), queues it (``BatchQueue``) and waits for its result. The loop
+takes micro-batches from the queue and hands them to the device worker (``Executor``). When the
+device is idle it waits up to ``max_wait_ms`` after the oldest unit's arrival for more work to
+fill a batch. Two micro-batches are kept in flight, so the next one is packed and enqueued while
+the device computes the current one. Units whose caller went away or whose deadline passed are
+dropped before they reach the device. Results are scattered back by sequence index, so every
+response is in request order however its sequences were batched.
 
-The batching loop forms micro-batches of units that share a model, temperature and entropy
-flag, first-fit in arrival order, under ``max_batch_tokens`` real tokens (no padding: the batch
-is packed) and ``max_batch_sequences``. When the device is idle it waits up to ``max_wait_ms``
-after the oldest unit's arrival for more work to fill the batch. Two micro-batches are kept in
-flight, so the next one is packed and enqueued while the device computes the current one.
-Units whose caller went away or whose deadline passed are dropped before they reach the device.
-Results are scattered back by sequence index, so every response is in request order however
-its sequences were batched.
-
-Weight swaps (``swap``) run in the batching loop, on the device thread, between micro-batches.
-While a swap of a model waits, that model's requests not yet started stay queued, and those
-already partly launched finish on the old weights first: every response is scored by one
-version, the one it reports. A request with ``min_version`` waits for that version first.
+Weight swaps (``swap``) run in the loop, on the device thread, between micro-batches: while a
+swap of a model waits, the queue holds that model's requests not yet started, and those already
+partly launched finish on the old weights first. Every response is scored by one version, the
+one it reports. The loop never runs torch: the executor does.
 """
 
 from __future__ import annotations
@@ -27,63 +20,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, Timings
-from logprob_service.engine.partition import plan_micro_batches
-from logprob_service.errors import DeadlineExceeded, FailedPrecondition, Overloaded, Unavailable
-from logprob_service.models.registry import ModelRegistry
-from logprob_service.observability import metrics
-from logprob_service.worker.executor import DeviceExecutor, Part
+from logprob_service.domain import ScoreJob, ScoreResult, Timings
+from logprob_service.engine.admission import Admission
+from logprob_service.engine.batch_queue import BatchQueue, Request, Unit, owners_of, requests_of
+from logprob_service.engine.interfaces import Executor, Launch
+from logprob_service.engine.registry import ModelRegistry
+from logprob_service.errors import FailedPrecondition, Unavailable
+from logprob_service.stats import NO_STATS, BatchLaunched, Limits, QueueChanged, RequestScored, StatsSink
 
 log = logging.getLogger(__name__)
 
-_MIN_RETRY_S, _MAX_RETRY_S = 0.05, 30.0
 PIPELINE_DEPTH = 2  # micro-batches in flight: one computing, one being packed and enqueued
-
-
-@dataclass(frozen=True)
-class BatchKey:
-    """Work batches together only when all of these match."""
-
-    model: str
-    temperature: float
-    return_entropy: bool
-
-
-@dataclass(eq=False)
-class _Request:
-    job: ScoreJob
-    future: asyncio.Future[ScoreResult]
-    arrived_ns: int = field(default_factory=time.perf_counter_ns)
-    first_launch_ns: int | None = None
-    compute_ns: int = 0
-    model_version: int = 0
-    scores: list[SequenceScores | None] = field(init=False)
-    remaining: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.scores = [None] * len(self.job.sequences)
-        self.remaining = len(self.job.sequences)
-
-    @property
-    def key(self) -> BatchKey:
-        return BatchKey(self.job.model, self.job.temperature, self.job.return_entropy)
-
-    def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-
-
-@dataclass(eq=False)
-class _Unit:
-    """Some sequences of one request, always scored in the same micro-batch."""
-
-    request: _Request
-    indices: list[int]
-    tokens: int
 
 
 @dataclass(eq=False)
@@ -98,23 +48,36 @@ class _Swap:
 class _Launched:
     """A micro-batch handed to the device: who owns each of its sequences, and its parts."""
 
-    units: list[_Unit]
-    owners: list[tuple[_Request, int]]  # (request, sequence index) of each position in the batch
+    units: list[Unit]
     start_ns: int = field(default_factory=time.perf_counter_ns)
     model_version: int = 0
-    parts: list[Part] = field(default_factory=list)
+    parts: list[Launch] = field(default_factory=list)
     error: Exception | None = None
 
-    @property
-    def requests(self) -> list[_Request]:
-        return list(dict.fromkeys(request for request, _ in self.owners))
+    def __post_init__(self) -> None:
+        self.owners = owners_of(self.units)  # (request, sequence index) of each position in the batch
+        self.requests = requests_of(self.owners)
+
+
+def _request(job: ScoreJob, future: asyncio.Future[ScoreResult]) -> Request:
+    """A queued request that ends by settling ``future`` (once: a cancelled caller's future stays cancelled)."""
+
+    def fail(error: BaseException) -> None:
+        if not future.done():
+            future.set_exception(error)
+
+    def complete(result: ScoreResult) -> None:
+        if not future.done():
+            future.set_result(result)
+
+    return Request(job, done=future.done, fail=fail, complete=complete)
 
 
 class Scheduler:
     def __init__(
         self,
         registry: ModelRegistry,
-        executor: DeviceExecutor,
+        executor: Executor,
         *,
         max_queued_tokens: int,
         max_queued_tokens_per_client: int,
@@ -122,29 +85,28 @@ class Scheduler:
         max_batch_sequences: int,
         max_wait_ms: float,
         max_version_wait_s: float = 300.0,
+        stats: StatsSink = NO_STATS,
     ) -> None:
         self._registry = registry
         self._executor = executor
-        self._max_queued_tokens = max_queued_tokens
-        self._max_queued_tokens_per_client = max_queued_tokens_per_client
-        self._max_batch_tokens = max_batch_tokens
-        self._max_batch_sequences = max_batch_sequences
+        self._stats = stats
+        self.admission = Admission(
+            max_queued_tokens=max_queued_tokens, max_queued_tokens_per_client=max_queued_tokens_per_client, stats=stats
+        )
+        self.queue = BatchQueue(max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences)
         self._max_wait_s = max_wait_ms / 1000
-        self._queued_tokens = 0  # admitted, not yet scored or dropped
-        self._client_tokens: Counter[str] = Counter()  # the same, per client identity (none at 0)
-        self._units: list[_Unit] = []  # waiting, in arrival order
+        self._max_version_wait_s = max_version_wait_s
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._tokens_per_s = 0.0  # moving average of measured throughput
-        self._max_version_wait_s = max_version_wait_s
         self._swaps: dict[str, _Swap] = {}  # model -> its pending weight swap
         self._version_changed = asyncio.Condition()
-        metrics.observe_limits(
-            max_batch_tokens=max_batch_tokens,
-            max_batch_sequences=max_batch_sequences,
-            max_queued_tokens=max_queued_tokens,
-        )
+        stats.record(Limits(max_batch_tokens, max_batch_sequences, max_queued_tokens))
+
+    @property
+    def pending_swaps(self) -> set[str]:
+        """The models whose weight swap waits for their started requests."""
+        return set(self._swaps)
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -201,55 +163,19 @@ class Scheduler:
     async def submit(self, job: ScoreJob) -> ScoreResult:
         """Queue ``job`` and wait for its result. Cancelling the caller drops its queued work."""
         await self._wait_for_version(job)
-        tokens = job.num_tokens
-        if self._queued_tokens + tokens > self._max_queued_tokens:
-            raise Overloaded(
-                f"server queue holds {self._queued_tokens} tokens; this request's {tokens} would pass "
-                f"max_queued_tokens={self._max_queued_tokens}",
-                retry_after_s=self._retry_after_s(self._queued_tokens + tokens - self._max_queued_tokens),
-            )
-        held, cap = self._client_tokens[job.client], self._max_queued_tokens_per_client
-        if held + tokens > cap:
-            raise Overloaded(
-                f"client {job.client!r} has {held} tokens queued; this request's {tokens} would pass "
-                f"max_queued_tokens_per_client={cap}",
-                retry_after_s=self._retry_after_s(held + tokens - cap),
-            )
-        request = _Request(job, asyncio.get_running_loop().create_future())
-        for indices in self._split(job):
-            self._units.append(_Unit(request, indices, sum(job.sequences[i].num_tokens for i in indices)))
-        self._account(job, tokens)
-        metrics.queue_changed(job.model, requests=1)
+        self.admission.admit(job)
+        future: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
+        self.queue.push(_request(job, future))
+        self._stats.record(QueueChanged(job.model, requests=1))
         self._wake.set()
         try:
-            return await request.future
+            return await future
         finally:
-            metrics.queue_changed(job.model, requests=-1)
+            self._stats.record(QueueChanged(job.model, requests=-1))
             # A cancelled caller (its task's cancellation also cancels the future): its queued work goes at once.
-            if request.future.cancelled() or not request.future.done():
-                request.future.cancel()
+            if future.cancelled() or not future.done():
+                future.cancel()
                 self._drop_dead()
-
-    def _split(self, job: ScoreJob) -> list[list[int]]:
-        if job.num_tokens <= self._max_batch_tokens and len(job.sequences) <= self._max_batch_sequences:
-            return [list(range(len(job.sequences)))]
-        return plan_micro_batches(
-            [s.num_tokens for s in job.sequences],
-            max_tokens=self._max_batch_tokens,
-            max_sequences=self._max_batch_sequences,
-        )
-
-    def _account(self, job: ScoreJob, tokens: int) -> None:
-        self._queued_tokens += tokens
-        self._client_tokens[job.client] += tokens
-        if not self._client_tokens[job.client]:
-            del self._client_tokens[job.client]
-        metrics.queue_changed(job.model, tokens=tokens)
-
-    def _retry_after_s(self, excess_tokens: int) -> float:
-        if self._tokens_per_s <= 0:
-            return 1.0
-        return min(_MAX_RETRY_S, max(_MIN_RETRY_S, excess_tokens / self._tokens_per_s))
 
     # The batching loop.
 
@@ -264,17 +190,17 @@ class Scheduler:
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
-    async def _next_batch(self) -> list[_Unit]:
+    async def _next_batch(self) -> list[Unit]:
         while True:
             self._drop_dead()
             await self._run_due_swaps()
             timeout = None
-            first = self._first_eligible()
+            first = self.queue.first_eligible(self._swaps)
             if first is not None:
                 waited = (time.perf_counter_ns() - first.request.arrived_ns) / 1e9
                 device_idle = not self._in_flight
-                if not device_idle or waited >= self._max_wait_s or self._fills_a_batch(first):
-                    return self._take()
+                if not device_idle or waited >= self._max_wait_s or self.queue.fills_a_batch(first, self._swaps):
+                    return self.queue.take(self._swaps)
                 timeout = self._max_wait_s - waited
             self._wake.clear()
             try:
@@ -283,36 +209,13 @@ class Scheduler:
                 pass
 
     def _drop_dead(self) -> None:
-        """Drop units whose caller went away; fail and drop those whose deadline passed."""
-        now = time.monotonic()
-        alive = []
-        for unit in self._units:
-            request = unit.request
-            deadline = request.job.deadline
-            if not request.future.done() and deadline is not None and now >= deadline:
-                request.fail(
-                    DeadlineExceeded(
-                        f"request {request.job.request_id}: deadline passed while queued; nothing was computed"
-                    )
-                )
-            if request.future.done():
-                self._account(request.job, -unit.tokens)
-            else:
-                alive.append(unit)
-        self._units = alive
-
-    def _eligible(self, unit: _Unit) -> bool:
-        """Whether ``unit`` may be launched now: not when its model waits for a swap and its request
-        has not started (a started one must finish on the weights it started with)."""
-        return unit.request.job.model not in self._swaps or unit.request.first_launch_ns is not None
-
-    def _first_eligible(self) -> _Unit | None:
-        return next((unit for unit in self._units if self._eligible(unit)), None)
+        for unit in self.queue.drop_dead(time.monotonic()):
+            self.admission.release(unit.request.job, unit.tokens)
 
     async def _run_due_swaps(self) -> None:
         """Swap the weights of every model with a pending swap and no started request queued."""
         for model, swap in list(self._swaps.items()):
-            if any(unit.request.job.model == model and self._eligible(unit) for unit in self._units):
+            if self.queue.holds_started_work(model, self._swaps):
                 continue
             del self._swaps[model]
             try:
@@ -322,60 +225,11 @@ class Scheduler:
             else:
                 swap.done.set_result(None)
 
-    def _fills_a_batch(self, first: _Unit) -> bool:
-        key = first.request.key
-        tokens = sum(u.tokens for u in self._units if u.request.key == key and self._eligible(u))
-        return tokens >= self._max_batch_tokens
-
-    def _take(self) -> list[_Unit]:
-        """First fit, in arrival order, among units sharing the oldest unit's key. A unit too big
-        for the room left gives the sequences that fit and keeps its place with the rest, so
-        micro-batches fill up to the budget. (Units never mix an over-long sequence with others:
-        ``plan_micro_batches`` puts each alone, and it is then scored alone.)"""
-        first = self._first_eligible()
-        assert first is not None, "_take needs an eligible unit"
-        if first.tokens > self._max_batch_tokens:
-            self._units.remove(first)
-            return [first]
-        chosen: list[_Unit] = []
-        rest: list[_Unit] = []
-        tokens = sequences = 0
-        for unit in self._units:
-            left: _Unit | None = unit
-            if unit.request.key == first.request.key and self._eligible(unit):
-                taken, left = self._fit(unit, self._max_batch_tokens - tokens, self._max_batch_sequences - sequences)
-                if taken is not None:
-                    chosen.append(taken)
-                    tokens += taken.tokens
-                    sequences += len(taken.indices)
-            if left is not None:
-                rest.append(left)
-        self._units = rest
-        return chosen
-
-    @staticmethod
-    def _fit(unit: _Unit, room_tokens: int, room_sequences: int) -> tuple[_Unit | None, _Unit | None]:
-        """Split ``unit`` into the sequences that fit the room (in order) and the rest."""
-        if unit.tokens <= room_tokens and len(unit.indices) <= room_sequences:
-            return unit, None
-        sequences = unit.request.job.sequences
-        taken: list[int] = []
-        used = 0
-        for i in unit.indices:
-            if len(taken) == room_sequences or used + sequences[i].num_tokens > room_tokens:
-                break
-            taken.append(i)
-            used += sequences[i].num_tokens
-        if not taken:
-            return None, unit
-        left = unit.indices[len(taken) :]
-        return _Unit(unit.request, taken, used), _Unit(unit.request, left, unit.tokens - used)
-
-    async def _launch(self, units: list[_Unit]) -> _Launched:
+    async def _launch(self, units: list[Unit]) -> _Launched:
         """Hand one micro-batch to the device thread; returns once its work is enqueued."""
-        batch = _Launched(units=units, owners=[(unit.request, i) for unit in units for i in unit.indices])
+        batch = _Launched(units)
         key = units[0].request.key
-        metrics.observe_batch(key.model, tokens=sum(unit.tokens for unit in units), sequences=len(batch.owners))
+        self._stats.record(BatchLaunched(key.model, tokens=sum(u.tokens for u in units), sequences=len(batch.owners)))
         for request in batch.requests:
             request.first_launch_ns = request.first_launch_ns or batch.start_ns
         try:
@@ -412,16 +266,16 @@ class Scheduler:
         finally:
             elapsed_ns = time.perf_counter_ns() - batch.start_ns
             for unit in batch.units:
-                self._account(unit.request.job, -unit.tokens)
-            self._observe_throughput(sum(unit.tokens for unit in batch.units), elapsed_ns)
+                self.admission.release(unit.request.job, unit.tokens)
+            self.admission.observe_throughput(sum(unit.tokens for unit in batch.units), elapsed_ns)
             for request in batch.requests:
                 request.compute_ns += elapsed_ns
                 request.model_version = batch.model_version
                 if request.remaining == 0:
                     self._complete(request)
 
-    def _complete(self, request: _Request) -> None:
-        if request.future.done():
+    def _complete(self, request: Request) -> None:
+        if request.done():
             return
         job = request.job
         now = time.perf_counter_ns()
@@ -430,8 +284,8 @@ class Scheduler:
             compute_ns=request.compute_ns,
             total_ns=now - request.arrived_ns,
         )
-        metrics.observe_scored(job.model, job.num_tokens, len(job.sequences), timings)
-        request.future.set_result(
+        self._stats.record(RequestScored(job.model, job.num_tokens, len(job.sequences), timings))
+        request.complete(
             ScoreResult(
                 request_id=job.request_id,
                 model=job.model,
@@ -441,7 +295,3 @@ class Scheduler:
                 timings=timings,
             )
         )
-
-    def _observe_throughput(self, tokens: int, elapsed_ns: int) -> None:
-        rate = tokens / max(elapsed_ns, 1) * 1e9
-        self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.8 * self._tokens_per_s + 0.2 * rate

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logprob_service.domain import ScoreJob
+from logprob_service.domain import ModelInfo, ScoreJob
 from logprob_service.errors import InvalidArgument
-from logprob_service.models.registry import ModelInfo
 
 # The smallest temperature (as a float32, the wire's type). Logits divided by a much smaller one
 # overflow float32 to inf and the log-probs come out NaN (found by tests/integration/test_fuzz.py);

@@ -14,7 +14,8 @@ One update of one model:
 Anything that fails before the swap (a bad tensor, a stream that ends or breaks before its
 commit, a cancelled call) drops the staged tensors: the live weights and version are untouched.
 
-Nothing here sees protobuf: ``convert`` turns the stream's messages into the objects below.
+Nothing here sees protobuf (``api.wire`` turns the stream's messages into the objects below) or
+a tensor (``Staging``, ``worker.staging``, makes and stages them).
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
+from logprob_service.domain import DTYPE_BYTES
+from logprob_service.engine.interfaces import ServedModel, Staging, UpdatableWeights
+from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument
-from logprob_service.models.loading import DTYPES
-from logprob_service.models.registry import ModelRegistry, ServedModel
-from logprob_service.models.weights import TensorDigest, UpdatableWeights, tensor_digest
-from logprob_service.observability import metrics
+from logprob_service.stats import NO_STATS, StatsSink, WeightsUpdated
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,9 @@ class UpdateOutcome:
 class _Assembly:
     """One tensor's bytes, arriving in order into a host buffer."""
 
-    def __init__(self, first: TensorPiece, dtype: torch.dtype) -> None:
+    def __init__(self, first: TensorPiece) -> None:
         self.name, self.dtype_name, self.shape = first.name, first.dtype, first.shape
-        self.dtype = dtype
-        self.nbytes = math.prod(self.shape) * dtype.itemsize
+        self.nbytes = math.prod(self.shape) * DTYPE_BYTES[first.dtype]
         self.buffer = np.empty(self.nbytes, dtype=np.uint8)
         self.received = 0
 
@@ -113,50 +113,18 @@ class _Assembly:
         self.buffer[self.received : end] = np.frombuffer(piece.data, dtype=np.uint8)
         self.received = end
 
-    def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(self.buffer).view(self.dtype).reshape(self.shape)
-
-
-class _Stager:
-    """Puts complete tensors where the swap will read them from: the device while it has room."""
-
-    def __init__(self, device: torch.device, reserve_bytes: int) -> None:
-        self.device = device
-        self.reserve_bytes = reserve_bytes
-        # Staging copies run on their own stream, so they do not wait behind the scoring kernels.
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.places: set[str] = set()
-
-    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.stream is not None and self._room_for(tensor.nbytes):
-            try:
-                with torch.cuda.stream(self.stream):
-                    staged = tensor.to(self.device)
-                self.stream.synchronize()
-                self.places.add(str(self.device))
-                return staged
-            except torch.OutOfMemoryError:
-                pass  # the room was taken meanwhile: keep this one on the host
-        self.places.add("cpu")
-        return tensor
-
-    def _room_for(self, nbytes: int) -> bool:
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # Memory torch's allocator holds but no tensor uses is free to this process too.
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return free + cached - nbytes >= self.reserve_bytes
-
 
 class _Update:
     """One update in progress: its checked, staged tensors and their digests."""
 
-    def __init__(self, served: ServedModel, header: UpdateHeader, stager: _Stager, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, served: ServedModel, header: UpdateHeader, staging: Staging, pool: ThreadPoolExecutor) -> None:
         self.served = served
         self.header = header
         self.target: UpdatableWeights = served.updatable()
-        self.stager = stager
+        self.staging = staging
+        self.stager = staging.stager(served.device)
         self.pool = pool
-        self.staged: dict[str, Future[tuple[torch.Tensor, TensorDigest]]] = {}
+        self.staged: dict[str, Future[tuple[Any, Any]]] = {}  # name -> (staged tensor, digest)
         self.assembly: _Assembly | None = None
         self.bytes = 0
 
@@ -168,34 +136,30 @@ class _Update:
             )
         if self.assembly is None:
             self._check_new(piece.name, piece.dtype, piece.shape)
-            self.assembly = _Assembly(piece, DTYPES[piece.dtype])
+            self.assembly = _Assembly(piece)
         self.assembly.write(piece)
         if self.assembly.complete:
-            self._stage(self.assembly.name, self.assembly.tensor())
+            a = self.assembly
+            self._stage(a.name, a.buffer.nbytes, self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
             self.assembly = None
 
-    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    def add_tensor(self, name: str, dtype: str, shape: tuple[int, ...], tensor: Any) -> None:
         """A whole tensor at once (read from a file)."""
-        self._check_new(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-        self._stage(name, tensor)
+        self._check_new(name, dtype, shape)
+        self._stage(name, math.prod(shape) * DTYPE_BYTES[dtype], tensor)
 
     def _check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         if name in self.staged:
             raise InvalidArgument(f"tensor {name!r}: sent twice in one update")
-        if dtype not in DTYPES:
-            raise InvalidArgument(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if dtype not in DTYPE_BYTES:
+            raise InvalidArgument(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"tensor {name!r}: negative dimension in shape {list(shape)}")
         self.target.check(name, dtype, shape)
 
-    def _stage(self, name: str, tensor: torch.Tensor) -> None:
-        self.bytes += tensor.nbytes
-
-        def stage() -> tuple[torch.Tensor, TensorDigest]:
-            digest = tensor_digest(tensor)
-            return self.stager.stage(tensor.contiguous()), digest
-
-        self.staged[name] = self.pool.submit(stage)
+    def _stage(self, name: str, nbytes: int, tensor: Any) -> None:
+        self.bytes += nbytes
+        self.staged[name] = self.pool.submit(self.stager.stage, tensor)  # hashed and copied off the loop
 
     def check_complete(self, commit: Commit) -> None:
         if self.assembly is not None:
@@ -232,10 +196,13 @@ class _Update:
 class WeightUpdater:
     """Runs the weight updates of a server's models (asyncio side; the swap runs on the device thread)."""
 
-    def __init__(self, registry: ModelRegistry, scheduler: Scheduler, *, staging_reserve_bytes: int) -> None:
+    def __init__(
+        self, registry: ModelRegistry, scheduler: Scheduler, staging: Staging, *, stats: StatsSink = NO_STATS
+    ) -> None:
         self._registry = registry
         self._scheduler = scheduler
-        self._staging_reserve_bytes = staging_reserve_bytes
+        self._staging = staging
+        self._stats = stats
         self._updating: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
 
@@ -265,8 +232,8 @@ class WeightUpdater:
         files = safetensors_files(path)
         with self._updating_model(header) as update:
             for file in files:  # one file in host memory at a time (checkpoint shards are a few GB)
-                for name, tensor in await asyncio.to_thread(read_safetensors, file):
-                    update.add_tensor(name, tensor)
+                for name, dtype, shape, tensor in await asyncio.to_thread(self._staging.read_file, file):
+                    update.add_tensor(name, dtype, shape, tensor)
             return await self._commit(update, Commit(len(update.staged)), start)
 
     @contextlib.contextmanager
@@ -287,8 +254,7 @@ class WeightUpdater:
             raise FailedPrecondition(f"version: {version} is not above model {name!r}'s live version {live}")
         self._updating.add(name)
         try:
-            stager = _Stager(served.scorer.device, self._staging_reserve_bytes)
-            yield _Update(served, UpdateHeader(name, version, header.partial), stager, self._pool)
+            yield _Update(served, UpdateHeader(name, version, header.partial), self._staging, self._pool)
         finally:
             self._updating.discard(name)
 
@@ -319,7 +285,7 @@ class WeightUpdater:
             total_ns=time.perf_counter_ns() - start_ns,
             swap_ns=swap_ns,
         )
-        metrics.observe_weight_update(outcome.model, outcome.bytes, outcome.total_ns, outcome.swap_ns)
+        self._stats.record(WeightsUpdated(outcome.model, outcome.bytes, outcome.total_ns, outcome.swap_ns))
         log.info("model %r: version %d live (%s)", outcome.model, outcome.version, outcome)
         return outcome
 
@@ -339,13 +305,3 @@ def safetensors_files(path: str) -> list[Path]:
             return files
         raise InvalidArgument(f"path: {path!r} holds no .safetensors files")
     raise InvalidArgument(f"path: {path!r} is neither a .safetensors file nor a directory on the server")
-
-
-def read_safetensors(file: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(file, framework="pt") as f:
-            return [(name, f.get_tensor(name)) for name in f.keys()]
-    except SafetensorError as err:
-        raise InvalidArgument(f"path: {str(file)!r} is not a readable safetensors file: {err}") from None

@@ -8,30 +8,33 @@ which the default registry already holds; nothing here re-counts them.
 
 Series labelled ``model`` carry only names of served models: a request for an unknown name is
 counted with ``model=""``, so callers cannot create series at will.
+
+Fed two ways, so nothing below this layer imports prometheus-client: the engine, the worker and
+the weight updates report ``stats`` records to a ``PrometheusStats``; the served models and the
+devices they use are read from the live registries (``track``) at scrape time, not copied here.
 """
 
 from __future__ import annotations
 
 import logging
 import platform
+import weakref
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 from wsgiref.simple_server import WSGIServer
 
-import grpc
 import torch
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from logprob_service import __version__
-from logprob_service.domain import Timings
+from logprob_service.domain import ModelInfo
+from logprob_service.engine.registry import ModelRegistry
+from logprob_service.stats import BatchLaunched, BatchMemory, Limits, QueueChanged, RequestScored, Stat, WeightsUpdated
 from logprob_service.worker import gpu_memory
-
-if TYPE_CHECKING:
-    from logprob_service.models.registry import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +100,6 @@ BATCH_PEAK_MEMORY = Histogram(
 
 # What is running.
 BUILD = Info("logprob_build", "Versions of the running service and its main libraries.")
-MODEL_INFO = Gauge(
-    "logprob_model_info",
-    "Served models (value 1), described by labels.",
-    ["model", "architecture", "source", "dtype", "device", "version", "fingerprint"],
-)
 WEIGHT_UPDATE_DURATION = Histogram(
     "logprob_weight_update_seconds",
     "Weight updates that went live: from their first message to the end of the swap.",
@@ -115,9 +113,7 @@ WEIGHT_SWAP_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 WEIGHT_UPDATE_BYTES = Counter("logprob_weight_update_bytes", "Bytes of weights replaced by updates.", ["model"])
-MODEL_VERSION = Gauge("logprob_model_version", "Version of the weights each served model scores with.", ["model"])
-
-_served: dict[str, ModelInfo] = {}  # name -> info of the models served by this process
+_registries: weakref.WeakSet[ModelRegistry] = weakref.WeakSet()  # the servers of this process
 
 
 def _library_version(name: str) -> str:
@@ -137,6 +133,42 @@ BUILD.info(
         "grpcio": _library_version("grpcio"),
     }
 )
+
+
+def track(registry: ModelRegistry) -> None:
+    """Export ``registry``'s models (and their devices' memory) while it lives."""
+    _registries.add(registry)
+
+
+def _served_infos() -> list[ModelInfo]:
+    return [served.info for registry in list(_registries) for served in registry]
+
+
+class ModelsCollector(Collector):
+    """``logprob_model_info`` (value 1, described by labels) and ``logprob_model_version`` of every
+    served model, read from the registries at scrape time: they move with a weight swap."""
+
+    LABELS = ("model", "architecture", "source", "dtype", "device", "version", "fingerprint")
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "logprob_model_info", "Served models (value 1), described by labels.", labels=self.LABELS
+            ),
+            GaugeMetricFamily(
+                "logprob_model_version", "Version of the weights each served model scores with.", labels=["model"]
+            ),
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info, version = self._families()
+        for m in _served_infos():
+            info.add_metric([m.name, m.architecture, m.source, m.dtype, m.device, str(m.version), m.fingerprint], 1)
+            version.add_metric([m.name], m.version)
+        yield from (info, version)
 
 
 class GpuMemoryCollector(Collector):
@@ -162,8 +194,7 @@ class GpuMemoryCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = self._families()
-        served = tuple(_served.values())  # one atomic copy: models may be added while Prometheus scrapes
-        for device in sorted({info.device for info in served if info.device.startswith("cuda")}):
+        for device in sorted({info.device for info in _served_infos() if info.device.startswith("cuda")}):
             memory = gpu_memory.snapshot(torch.device(device))
             for name, value in (
                 ("logprob_gpu_memory_allocated_bytes", memory.allocated),
@@ -176,6 +207,7 @@ class GpuMemoryCollector(Collector):
         yield from families.values()
 
 
+REGISTRY.register(ModelsCollector())
 REGISTRY.register(GpuMemoryCollector())
 
 
@@ -183,63 +215,44 @@ REGISTRY.register(GpuMemoryCollector())
 
 
 def model_label(name: str) -> str:
-    """``name`` if this process serves a model of that name, else "" (bounded label values)."""
-    return name if name in _served else ""
+    """``name`` if a server of this process serves a model of that name, else "" (bounded label values)."""
+    return name if any(name in registry for registry in list(_registries)) else ""
 
 
-def observe_model(info: ModelInfo) -> None:
-    """A model is served (or its weights changed): publish its description and version."""
-    previous = _served.get(info.name)
-    if previous is not None:
-        MODEL_INFO.remove(*_info_labels(previous))
-    _served[info.name] = info
-    MODEL_INFO.labels(*_info_labels(info)).set(1)
-    MODEL_VERSION.labels(info.name).set(info.version)
+def observe_request(model: str, rpc: str, code: str) -> None:
+    """One answered request, by the name of its final status (the gRPC edge's)."""
+    REQUESTS.labels(model=model_label(model), rpc=rpc, code=code).inc()
 
 
-def _info_labels(info: ModelInfo) -> tuple[str, ...]:
-    return (info.name, info.architecture, info.source, info.dtype, info.device, str(info.version), info.fingerprint)
+class PrometheusStats:
+    """The ``stats.StatsSink`` that turns the engine's, worker's and updates' records into series."""
 
-
-def observe_weight_update(model: str, nbytes: int, total_ns: int, swap_ns: int) -> None:
-    WEIGHT_UPDATE_DURATION.labels(model).observe(total_ns / 1e9)
-    WEIGHT_SWAP_DURATION.labels(model).observe(swap_ns / 1e9)
-    WEIGHT_UPDATE_BYTES.labels(model).inc(nbytes)
-
-
-def observe_limits(*, max_batch_tokens: int, max_batch_sequences: int, max_queued_tokens: int) -> None:
-    BATCH_TOKENS_LIMIT.set(max_batch_tokens)
-    BATCH_SEQUENCES_LIMIT.set(max_batch_sequences)
-    QUEUE_TOKENS_LIMIT.set(max_queued_tokens)
-
-
-def observe_request(model: str, rpc: str, code: grpc.StatusCode) -> None:
-    REQUESTS.labels(model=model_label(model), rpc=rpc, code=code.name).inc()
-
-
-def observe_scored(model: str, tokens: int, sequences: int, timings: Timings) -> None:
-    """One request scored; ``timings`` are the very figures its response's metadata carries."""
-    TOKENS_SCORED.labels(model).inc(tokens)
-    SEQUENCES_SCORED.labels(model).inc(sequences)
-    REQUEST_DURATION.labels(model).observe(timings.total_ns / 1e9)
-    QUEUE_DURATION.labels(model).observe(timings.queue_ns / 1e9)
-    COMPUTE_DURATION.labels(model).observe(timings.compute_ns / 1e9)
-
-
-def observe_batch(model: str, tokens: int, sequences: int) -> None:
-    BATCH_TOKENS.labels(model).observe(tokens)
-    BATCH_SEQUENCES.labels(model).observe(sequences)
-
-
-def observe_batch_peak_memory(device: torch.device, peak_bytes: int) -> None:
-    BATCH_PEAK_MEMORY.labels(str(device)).observe(peak_bytes)
-
-
-def queue_changed(model: str, *, requests: int = 0, tokens: int = 0) -> None:
-    if requests:
-        QUEUE_REQUESTS.labels(model).inc(requests)
-    if tokens:
-        QUEUE_TOKENS.labels(model).inc(tokens)
+    def record(self, stat: Stat) -> None:
+        match stat:
+            case QueueChanged(model, requests, tokens):
+                if requests:
+                    QUEUE_REQUESTS.labels(model).inc(requests)
+                if tokens:
+                    QUEUE_TOKENS.labels(model).inc(tokens)
+            case BatchLaunched(model, tokens, sequences):
+                BATCH_TOKENS.labels(model).observe(tokens)
+                BATCH_SEQUENCES.labels(model).observe(sequences)
+            case RequestScored(model, tokens, sequences, timings):
+                TOKENS_SCORED.labels(model).inc(tokens)
+                SEQUENCES_SCORED.labels(model).inc(sequences)
+                REQUEST_DURATION.labels(model).observe(timings.total_ns / 1e9)
+                QUEUE_DURATION.labels(model).observe(timings.queue_ns / 1e9)
+                COMPUTE_DURATION.labels(model).observe(timings.compute_ns / 1e9)
+            case BatchMemory(device, peak_bytes):
+                BATCH_PEAK_MEMORY.labels(device).observe(peak_bytes)
+            case WeightsUpdated(model, nbytes, total_ns, swap_ns):
+                WEIGHT_UPDATE_DURATION.labels(model).observe(total_ns / 1e9)
+                WEIGHT_SWAP_DURATION.labels(model).observe(swap_ns / 1e9)
+                WEIGHT_UPDATE_BYTES.labels(model).inc(nbytes)
+            case Limits(max_batch_tokens, max_batch_sequences, max_queued_tokens):
+                BATCH_TOKENS_LIMIT.set(max_batch_tokens)
+                BATCH_SEQUENCES_LIMIT.set(max_batch_sequences)
+                QUEUE_TOKENS_LIMIT.set(max_queued_tokens)
 
 
 def start_metrics_server(host: str, port: int) -> WSGIServer:

@@ -8,8 +8,9 @@ A CUDA out-of-memory error while launching splits the micro-batch in half and re
 down to a single sequence; only a sequence that cannot fit alone fails (RESOURCE_EXHAUSTED,
 naming its length). The failed attempt's memory is handed back before the retry.
 
-On CUDA, the peak memory allocated while each micro-batch is launched goes to ``metrics``
-(``gpu_memory.micro_batch_peak``; the allocator counts allocations as work is enqueued).
+On CUDA, the peak memory allocated while each micro-batch is launched is reported as a
+``stats.BatchMemory`` (``gpu_memory.micro_batch_peak``; the allocator counts allocations as work
+is enqueued).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 
 from logprob_service.domain import SequenceScores, TokenSequence
 from logprob_service.errors import LogprobError, Overloaded
-from logprob_service.models.registry import ServedModel
 from logprob_service.models.scorer import CausalLMScorer, Launched
-from logprob_service.observability import metrics
+from logprob_service.models.served import ServedModel
+from logprob_service.stats import NO_STATS, BatchMemory, StatsSink
 from logprob_service.worker import gpu_memory
 from logprob_service.worker.packing import pack
 
@@ -86,6 +87,7 @@ def launch_measured(
     *,
     temperature: float,
     return_entropy: bool,
+    stats: StatsSink = NO_STATS,
 ) -> list[Part]:
     """``launch_splitting_on_oom`` over all of ``sequences``, observing its peak device memory."""
     with gpu_memory.micro_batch_peak(scorer.device) as peak:
@@ -93,12 +95,15 @@ def launch_measured(
             scorer, sequences, list(range(len(sequences))), temperature=temperature, return_entropy=return_entropy
         )
     if peak.bytes is not None:
-        metrics.observe_batch_peak_memory(scorer.device, peak.bytes)
+        stats.record(BatchMemory(str(scorer.device), peak.bytes))
     return parts
 
 
 class DeviceExecutor:
-    def __init__(self) -> None:
+    """The engine's ``Executor``: one device thread for every torch call, one thread to wait for results."""
+
+    def __init__(self, stats: StatsSink = NO_STATS) -> None:
+        self._stats = stats
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-device")
         self._fetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-fetch")
 
@@ -112,7 +117,9 @@ class DeviceExecutor:
     ) -> list[Part]:
         def launch() -> list[Part]:
             served.activate()  # a LoRA model and its base share one model: select which one scores
-            return launch_measured(served.scorer, sequences, temperature=temperature, return_entropy=return_entropy)
+            return launch_measured(
+                served.scorer, sequences, temperature=temperature, return_entropy=return_entropy, stats=self._stats
+            )
 
         return await self.run(launch)
 

@@ -1,4 +1,4 @@
-"""The models a server holds, by name."""
+"""A loaded model as served: its description, its scorer, its weights' digests; loading one."""
 
 from __future__ import annotations
 
@@ -8,29 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from logprob_service.errors import ModelNotFound
+from logprob_service.domain import ModelInfo
 from logprob_service.models.loading import load_causal_lm
 from logprob_service.models.lora import AdapterHost
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
-from logprob_service.observability import metrics
 from logprob_service.ops.dispatch import LogprobOp
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    source: str
-    architecture: str
-    vocab_size: int  # token ids must lie in [0, vocab_size)
-    max_positions: int | None  # longest prompt + completion; None when the config sets none
-    dtype: str
-    device: str
-    version: int
-    fingerprint: str
-    base_model: str = ""  # a LoRA model's base, whose weights it shares
 
 
 @dataclass(eq=False)
@@ -48,6 +33,10 @@ class ServedModel:
     adapters: AdapterHost | None = None
     adapter: str | None = None
 
+    @property
+    def device(self) -> torch.device:
+        return self.scorer.device
+
     def activate(self) -> None:
         """Make the shared model score as this one (device thread, before each launch)."""
         if self.adapters is not None:
@@ -63,7 +52,6 @@ class ServedModel:
         """Record a swap: the new version, and the digests of the tensors it replaced."""
         self.digests = {**self.digests, **digests}
         self.info = dataclasses.replace(self.info, version=version, fingerprint=fingerprint(self.digests))
-        metrics.observe_model(self.info)
 
 
 def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
@@ -128,31 +116,3 @@ def load_served_model(
     served = serve_model(name, source, scorer)
     log.info("model %r ready (lm_head: %s): %s", name, logprob_op.kernel, served.info)
     return served
-
-
-class ModelRegistry:
-    """Name -> served model. Filled before the server reports SERVING; read by the RPC layer."""
-
-    def __init__(self) -> None:
-        self._models: dict[str, ServedModel] = {}
-
-    def add(self, served: ServedModel) -> None:
-        self._models[served.info.name] = served
-        metrics.observe_model(served.info)
-
-    def get(self, name: str) -> ServedModel:
-        try:
-            return self._models[name]
-        except KeyError:
-            served = ", ".join(sorted(self._models)) or "none"
-            raise ModelNotFound(f"model: {name!r} is not served here; served models: {served}") from None
-
-    def lora_models_of(self, base: str) -> list[str]:
-        """Names of the LoRA models sharing ``base``'s weights."""
-        return [name for name, served in self._models.items() if served.info.base_model == base]
-
-    def __iter__(self):
-        return iter(self._models.values())
-
-    def __len__(self) -> int:
-        return len(self._models)

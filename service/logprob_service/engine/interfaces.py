@@ -1,0 +1,93 @@
+"""What the engine needs from the layers below it, as protocols.
+
+The worker (``worker.executor``, ``worker.staging``) and the models (``models.served``) implement
+them; the engine names only these, so it imports neither torch nor those layers, and its tests
+drive it with plain fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from logprob_service.domain import ModelInfo, SequenceScores, TokenSequence
+
+T = TypeVar("T")
+
+
+class UpdatableWeights(Protocol):
+    """The live tensors an update of one model may replace, by name."""
+
+    def check(self, name: str, dtype: str, shape: tuple[int, ...]) -> object:
+        """Raise ``InvalidArgument`` naming the tensor when it is not one of the weights or does not fit."""
+
+    def canonical(self, name: str) -> str:
+        """The name a weight is fingerprinted under (tied weights answer to several names)."""
+
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """The weights a full update would still lack after ``names``."""
+
+    def apply(self, staged: Mapping[str, Any]) -> None:
+        """Copy the staged tensors into the live weights (on the device thread, between micro-batches)."""
+
+
+class ServedModel(Protocol):
+    """A loaded model as the engine sees it."""
+
+    info: ModelInfo
+
+    @property
+    def device(self) -> Any: ...
+
+    def updatable(self) -> UpdatableWeights: ...
+
+    def updated(self, version: int, digests: Mapping[str, Any]) -> None:
+        """Record a swap: the new version, and the digests of the tensors it replaced."""
+
+
+class Launch(Protocol):
+    """A launched micro-batch part: its sequences (by position in the micro-batch), and either
+    its pending results or the error that kept it from running."""
+
+    indices: list[int]
+    launched: Any
+    error: Exception | None
+
+
+class Executor(Protocol):
+    """The device worker: every call on the device runs on its one thread, in order."""
+
+    async def launch(
+        self, served: Any, sequences: Sequence[TokenSequence], *, temperature: float, return_entropy: bool
+    ) -> list[Launch]:
+        """Enqueue a micro-batch's scoring on the device; returns once it is enqueued."""
+
+    async def fetch(self, launched: Any) -> list[SequenceScores]:
+        """Wait for a launched part's results."""
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the device thread after everything launched before it (a weight swap)."""
+
+
+class Stager(Protocol):
+    """Where one update's tensors wait for their swap: on the device while it has room, else in host memory."""
+
+    places: set[str]  # where it staged them so far ("cuda:0", "cpu")
+
+    def stage(self, tensor: Any) -> tuple[Any, Any]:
+        """(the staged copy, the digest of its bytes); called on a worker thread."""
+
+
+class Staging(Protocol):
+    """The tensors of weight updates (``worker.staging``)."""
+
+    def stager(self, device: Any) -> Stager: ...
+
+    def tensor_from_bytes(self, buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
+        """A host tensor over a received buffer's raw little-endian, C-order bytes."""
+
+    def read_file(self, file: Path) -> list[tuple[str, str, tuple[int, ...], Any]]:
+        """(name, dtype, shape, tensor) of every tensor of a safetensors file."""

@@ -1,0 +1,77 @@
+"""The device side of weight updates: tensors from received bytes or from files, their digests,
+and staging them where the swap will read them from.
+
+``engine.weight_updates`` runs the update's protocol (slots, versions, checks, commit, swap) and
+calls this through the ``engine.interfaces.Staging`` protocol, so the engine touches no tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from logprob_service.errors import InvalidArgument
+from logprob_service.models.loading import DTYPES
+from logprob_service.models.weights import TensorDigest, dtype_name, tensor_digest
+
+
+class DeviceStager:
+    """Puts complete tensors where the swap will read them from: the device while it has room."""
+
+    def __init__(self, device: torch.device, reserve_bytes: int) -> None:
+        self.device = device
+        self.reserve_bytes = reserve_bytes
+        # Staging copies run on their own stream, so they do not wait behind the scoring kernels.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.places: set[str] = set()
+
+    def stage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, TensorDigest]:
+        """The staged copy of ``tensor`` (on a worker thread) and the digest of its bytes."""
+        digest = tensor_digest(tensor)
+        tensor = tensor.contiguous()
+        if self.stream is not None and self._room_for(tensor.nbytes):
+            try:
+                with torch.cuda.stream(self.stream):
+                    staged = tensor.to(self.device)
+                self.stream.synchronize()
+                self.places.add(str(self.device))
+                return staged, digest
+            except torch.OutOfMemoryError:
+                pass  # the room was taken meanwhile: keep this one on the host
+        self.places.add("cpu")
+        return tensor, digest
+
+    def _room_for(self, nbytes: int) -> bool:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # Memory torch's allocator holds but no tensor uses is free to this process too.
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached - nbytes >= self.reserve_bytes
+
+
+class Staging:
+    """The engine's ``Staging``: what it needs of tensors during an update."""
+
+    def __init__(self, reserve_bytes: int) -> None:
+        self.reserve_bytes = reserve_bytes
+
+    def stager(self, device: torch.device) -> DeviceStager:
+        return DeviceStager(device, self.reserve_bytes)
+
+    @staticmethod
+    def tensor_from_bytes(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A host tensor over ``buffer``'s raw little-endian, C-order bytes (no copy)."""
+        return torch.from_numpy(buffer).view(DTYPES[dtype]).reshape(shape)
+
+    @staticmethod
+    def read_file(file: Path) -> list[tuple[str, str, tuple[int, ...], torch.Tensor]]:
+        """(name, dtype, shape, tensor) of every tensor of a safetensors file."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(file, framework="pt") as f:
+                tensors = [(name, f.get_tensor(name)) for name in f.keys()]
+        except SafetensorError as err:
+            raise InvalidArgument(f"path: {str(file)!r} is not a readable safetensors file: {err}") from None
+        return [(name, dtype_name(t.dtype), tuple(t.shape), t) for name, t in tensors]

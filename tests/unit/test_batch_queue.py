@@ -1,0 +1,113 @@
+"""How micro-batches are formed (``engine.batch_queue``), driven synchronously: no loop, no device."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from logprob_service.domain import ScoreJob, TokenSequence
+from logprob_service.engine.batch_queue import BatchQueue, Request
+from logprob_service.engine.registry import ModelRegistry
+from logprob_service.engine.scheduler import Scheduler
+from logprob_service.errors import DeadlineExceeded
+
+
+def job(request_id: str, lengths: list[int], *, model: str = "m", temperature: float = 1.0, deadline=None) -> ScoreJob:
+    rng = np.random.default_rng(sum(lengths))  # the ids do not matter here, only the lengths
+    return ScoreJob(
+        request_id=request_id,
+        model=model,
+        sequences=[TokenSequence(rng.integers(0, 100, n - 1), rng.integers(0, 100, 1)) for n in lengths],
+        temperature=temperature,
+        deadline=deadline,
+    )
+
+
+class Outcome:
+    """What a request's caller would see: nothing yet, or an error."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def request(self, job: ScoreJob) -> Request:
+        return Request(job, done=lambda: self.error is not None, fail=self._fail, complete=lambda result: None)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+
+
+def queue_of(*jobs: ScoreJob, max_batch_tokens: int = 400, max_batch_sequences: int = 100) -> BatchQueue:
+    queue = BatchQueue(max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences)
+    for j in jobs:
+        queue.push(Outcome().request(j))
+    return queue
+
+
+def described(units) -> list[tuple[str, list[int]]]:
+    return [(u.request.job.request_id, u.indices) for u in units]
+
+
+def test_units_are_split_to_fill_the_budget_in_arrival_order():
+    queue = queue_of(job("a", [100, 100, 100]), job("b", [100, 100, 100]))
+    assert described(queue.take()) == [("a", [0, 1, 2]), ("b", [0])]  # 400 tokens: full
+    assert described(queue.take()) == [("b", [1, 2])]
+    assert queue.units == []
+
+
+def test_sequence_cap_and_keys_are_respected():
+    queue = queue_of(
+        job("a", [10] * 3), job("hot", [10] * 2, temperature=0.5), job("b", [10] * 3), max_batch_sequences=4
+    )
+    assert described(queue.take()) == [("a", [0, 1, 2]), ("b", [0])]  # 4 sequences; "hot" waits
+    assert described(queue.take()) == [("hot", [0, 1])]  # now the oldest: its own micro-batch
+    assert described(queue.take()) == [("b", [1, 2])]
+
+
+def test_a_sequence_longer_than_the_budget_goes_alone():
+    queue = queue_of(job("long", [50, 900, 60]), job("b", [30]))
+    batches = [described(queue.take()) for _ in range(2)]
+    assert [("long", [1])] in batches
+    assert sorted(i for b in batches for r, idx in b for i in idx if r == "long") == [0, 1, 2] and not queue.units
+
+
+def test_a_held_model_waits_unless_its_request_has_started():
+    queue = queue_of(job("m1", [10, 10], model="m"), job("other", [10], model="n"), job("m2", [10], model="m"))
+    assert queue.fills_a_batch(queue.first_eligible()) is False
+    assert described(queue.take(held={"m"})) == [("other", [0])]  # m is held for a swap
+    assert queue.first_eligible(held={"m"}) is None and not queue.holds_started_work("m", held={"m"})
+    queue.units[0].request.first_launch_ns = 1  # m1 started before the swap was asked for: it goes on
+    assert queue.holds_started_work("m", held={"m"})
+    assert described(queue.take(held={"m"})) == [("m1", [0, 1])]
+    assert described(queue.take()) == [("m2", [0])]
+
+
+def test_expired_and_abandoned_requests_are_dropped_and_the_expired_told_why():
+    late, gone, alive = Outcome(), Outcome(), Outcome()
+    queue = BatchQueue(max_batch_tokens=400, max_batch_sequences=100)
+    queue.push(late.request(job("late", [10], deadline=5.0)))
+    queue.push(gone.request(job("gone", [10, 10])))
+    queue.push(alive.request(job("alive", [10], deadline=50.0)))
+    gone.error = asyncio.CancelledError()  # its caller went away
+    dropped = queue.drop_dead(now=10.0)
+    assert sorted(u.request.job.request_id for u in dropped) == ["gone", "late"]
+    assert isinstance(late.error, DeadlineExceeded) and "late: deadline passed while queued" in str(late.error)
+    assert alive.error is None and described(queue.units) == [("alive", [0])]
+
+
+async def test_a_swap_whose_caller_goes_away_before_it_starts_never_runs():
+    scheduler = Scheduler(
+        ModelRegistry(),
+        executor=None,  # never reached: the loop is not started, so the swap stays pending
+        max_queued_tokens=10**6,
+        max_queued_tokens_per_client=10**6,
+        max_batch_tokens=400,
+        max_batch_sequences=100,
+        max_wait_ms=0,
+    )
+    applied = []
+    task = asyncio.create_task(scheduler.swap("m", lambda: applied.append(1)))
+    await asyncio.sleep(0)
+    assert scheduler.pending_swaps == {"m"}
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert scheduler.pending_swaps == set() and applied == []
