@@ -12,9 +12,9 @@ Methods, on the same sequences:
     is padded to its longest prompt (left) + longest completion (right), run through
     ``model(input_ids, attention_mask=mask, logits_to_keep=C_max + 1)`` (SDPA), then
     ``logits[:, :-1]`` and TRL's row-looped ``selective_log_softmax`` (bf16 log-probs).
-(b) the service in-process: ``CausalLMScorer.score`` over all 256 sequences (Karmarkar-Karp
-    balanced micro-batches under ``--max-batch-tokens``, packed without padding, varlen attention,
-    chunked float32 lm_head), results copied to host memory.
+(b) the service in-process: ``OfflineScorer.score`` (the server's queue, loop and device worker)
+    over all 256 sequences (Karmarkar-Karp balanced micro-batches under ``--max-batch-tokens``,
+    packed without padding, varlen attention, chunked float32 lm_head), results copied to host memory.
 (c) the service through gRPC: the real ``grpc.aio`` server in this process (a background asyncio
     thread), 8 client threads, each with its own ``LogprobClient`` (own connection), pulling the
     256 sequences as 32 requests of 8 from a shared queue.
@@ -25,7 +25,7 @@ Each method: ``--warmup`` untimed passes over the whole workload, then ``--repea
 * peak extra GiB: peak allocated bytes over the timed passes (``common.peak_allocated``) minus what was allocated before
   the method ran (weights and inputs); for (c) it covers the server, which shares this process.
 * p50/p99 ms over all timed passes: (a) one 8-sequence micro-batch (device time, CUDA events);
-  (b) one packed micro-batch of ``scorer.score`` (host time from its launch to the next launch);
+  (b) one packed micro-batch of ``OfflineScorer.score`` (host time from its launch to the next launch);
   (c) one 8-sequence ScoreTokens round trip as its client sees it, 8 requests in flight, so
   queueing behind the other clients' requests is included.
 * GPU busy %: the GPU's utilization sampled every ``--sample-ms`` in a background thread
@@ -85,6 +85,7 @@ from logprob_service.domain import TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
+from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import PACKED_ATTENTION, register_packed_attention
 from transformers import PreTrainedModel
 
@@ -279,9 +280,9 @@ def launch_times(scorer: CausalLMScorer) -> Iterator[list[float]]:
         del scorer.launch
 
 
-def service_pass(scorer: CausalLMScorer, workload: Workload) -> PassResult:
+def service_pass(scorer: OfflineScorer, workload: Workload) -> PassResult:
     """``scorer.score`` over the whole workload; micro-batches run one after another."""
-    with launch_times(scorer) as starts:
+    with launch_times(scorer.scorer) as starts:
         scores = scorer.score(workload.sequences)
     ends = [*starts[1:], time.perf_counter()]
     first = [s.logprobs.astype(np.float64) for s in scores[: workload.group_size]]
@@ -526,16 +527,16 @@ class ShapeReport:
     sweep: list[tuple[int, Measured]]  # (max_batch_tokens, (b) with it)
 
 
-def run_in_process(harness: Harness, scorer: CausalLMScorer, workload: Workload) -> Measured:
+def run_in_process(harness: Harness, scorer: OfflineScorer, workload: Workload) -> Measured:
     """(b): ``scorer.score`` over the whole workload."""
-    method = f"(b) service in-process: CausalLMScorer.score, max_batch_tokens {scorer.max_batch_tokens}"
+    method = f"(b) service in-process: OfflineScorer.score, max_batch_tokens {scorer.max_batch_tokens}"
     return harness.measure(method, lambda: service_pass(scorer, workload))
 
 
-def run_grpc(harness: Harness, scorer: CausalLMScorer, workload: Workload, args: argparse.Namespace) -> Measured:
+def run_grpc(harness: Harness, scorer: OfflineScorer, workload: Workload, args: argparse.Namespace) -> Measured:
     """(c): the real server in this process, serving ``scorer``'s model; clients in threads."""
     registry = ModelRegistry()
-    registry.add(serve_model(MODEL_NAME, "random", scorer))
+    registry.add(serve_model(MODEL_NAME, "random", scorer.scorer))
     method = (
         f"(c) service via gRPC: {args.clients} clients, requests of {workload.group_size} sequences, "
         f"max_batch_tokens {args.max_batch_tokens}"
@@ -569,12 +570,12 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
 
     register_packed_attention()
     model.set_attn_implementation(PACKED_ATTENTION)  # for (b) and (c); constructing a scorer also does this
-    scorer = CausalLMScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences)
+    scorer = OfflineScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences)
     in_process = run_in_process(harness, scorer, workload)
     via_grpc = run_grpc(harness, scorer, workload, args)
     sweep = []
     for value in args.sweep_batch_tokens:
-        sweep_scorer = CausalLMScorer(model, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences)
+        sweep_scorer = OfflineScorer(model, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences)
         sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
     return ShapeReport(describe_model(shape, model), [baseline, in_process, via_grpc], sweep)
 

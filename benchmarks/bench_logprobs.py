@@ -8,8 +8,9 @@ weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x
 2. full logits + log_softmax: ``model(ids).logits``, completion rows -> ``.float().log_softmax`` -> gather
 3. TRL-style: ``model(ids, logits_to_keep=C + 1)`` + TRL's row-looped ``selective_log_softmax``
 4. this service's own body pass alone (packed, padding-free attention; inputs already on the device)
-5. this service in-process: ``CausalLMScorer.score`` (body -> completion rows -> lm_head log-prob op:
-   the fused Triton kernel on CUDA; also with the eager fp32 chunks, for comparison)
+5. this service in-process: ``OfflineScorer.score``, the server's queue, loop and device worker
+   (body -> completion rows -> lm_head log-prob op: the fused Triton kernel on CUDA; also with the
+   eager fp32 chunks, for comparison)
 6. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
 
 Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchronized around each;
@@ -59,6 +60,7 @@ from logprob_service.domain import SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
+from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
@@ -161,8 +163,8 @@ def packed_inputs(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]
     }
 
 
-def service_in_process(scorer: CausalLMScorer, batch: Batch) -> list[SequenceScores]:
-    """This service's scorer, called directly (includes the device -> host copy of the results)."""
+def service_in_process(scorer: OfflineScorer, batch: Batch) -> list[SequenceScores]:
+    """This service's served path in this process, less the wire (includes the device -> host copy)."""
     return scorer.score(batch.sequences)  # B x [C] float32 numpy
 
 
@@ -256,8 +258,8 @@ def run_method(
 def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
     ref = reference_logprobs(model, batch, args.ref_seqs)
     release(device)
-    scorer = CausalLMScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=256)  # auto kernel
-    eager = CausalLMScorer(
+    scorer = OfflineScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=256)  # auto kernel
+    eager = OfflineScorer(
         model,
         logprob_op=LogprobOp("eager", DEFAULT_CHUNK_BYTES),
         max_batch_tokens=args.max_batch_tokens,
@@ -284,18 +286,18 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
     inputs = packed_inputs(batch, device)
     rows.append(
         run_method(
-            "service's packed body alone (no lm_head)", lambda: packed_body_alone(scorer, inputs), None, **common
+            "service's packed body alone (no lm_head)", lambda: packed_body_alone(scorer.scorer, inputs), None, **common
         )
     )
     rows.append(
         run_method(
-            f"service in-process (CausalLMScorer.score), {scorer.logprob_op.kernel} lm_head",
+            f"service in-process (OfflineScorer.score), {scorer.scorer.logprob_op.kernel} lm_head",
             lambda: service_in_process(scorer, batch),
             ref_packed,
             **common,
         )
     )
-    if scorer.logprob_op.kernel != "eager":
+    if scorer.scorer.logprob_op.kernel != "eager":
         rows.append(
             run_method(
                 "service in-process, eager 256 MiB chunks lm_head",
@@ -314,7 +316,7 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         max_batch_sequences=256,
     )
     registry = ModelRegistry()
-    registry.add(serve_model(MODEL_NAME, "random", scorer))
+    registry.add(serve_model(MODEL_NAME, "random", scorer.scorer))
     with LoopbackServer(settings, registry) as target, LogprobClient(target, timeout=600.0) as client:
         rows.append(
             run_method("service via gRPC (loopback)", lambda: service_grpc(client, batch), ref_packed, **common)

@@ -157,7 +157,7 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, device: torch.device,
     """Load the server with one shape's model; the report's section for it."""
     log(f"{shape.name} shape: building the model")
     model = build_model(shape, device, getattr(torch, args.dtype), args.seed)
-    scorer = CausalLMScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences)
+    scorer = CausalLMScorer(model)
     registry = ModelRegistry()
     registry.add(serve_model(MODEL_NAME, "random", scorer))
     workload = workload_for(args, shape.vocab)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import chunked_token_logprobs
 
@@ -30,7 +30,7 @@ pytestmark = [
 @pytest.mark.parametrize("kernel", ["triton", "eager"])
 def test_float32_model_on_cuda_matches_full_logits_reference(arch, kernel, rng):
     model = make_model(arch, tied=arch in ("gemma2", "qwen2"), seed=int(rng.integers(1 << 30))).cuda()
-    scorer = CausalLMScorer(model, logprob_op=LogprobOp(kernel), max_batch_tokens=200)
+    scorer = OfflineScorer(model, logprob_op=LogprobOp(kernel), max_batch_tokens=200)
     sequences = random_sequences(rng, 8)
     out = scorer.score(sequences, temperature=0.9, return_entropy=True)
     assert_scores_close(model, sequences, [s.logprobs for s in out], [s.entropies for s in out], 0.9)
@@ -53,8 +53,8 @@ def test_bf16_lm_head_stage_keeps_fp32_logits(n, h, v, seed):
 @torch.no_grad()
 def test_bf16_model_end_to_end_against_its_own_logits(rng):
     model = make_model("qwen2", tied=True, seed=int(rng.integers(1 << 30)), dtype=torch.bfloat16).cuda()
-    scorer = CausalLMScorer(model)
-    assert scorer.logprob_op.kernel == "triton"  # the default on CUDA
+    scorer = OfflineScorer(model)
+    assert scorer.scorer.logprob_op.kernel == "triton"  # the default on CUDA
     sequences = random_sequences(rng, 6)
     out = scorer.score(sequences)
     ScoreReference(model, sequences, dtype=torch.bfloat16).check([s.logprobs for s in out])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient
-from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.offline import OfflineScorer
 from peft import LoraConfig, get_peft_model
 
 from tests.integration.conftest import start, stop
@@ -41,7 +41,8 @@ async def test_update_on_cuda_scores_as_a_fresh_model(tmp_path, reserve, rng):
             got = await client.score(*as_lists(sequences))
         # The same weights scored by a fresh scorer on the same GPU: the same kernels on the same
         # bf16 inputs, up to micro-batch composition (fp32 lm_head sums in other blockings, 1e-4).
-        want = CausalLMScorer(new.cuda()).score(sequences)
+        with OfflineScorer(new.cuda()) as fresh:
+            want = fresh.score(sequences)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w.logprobs, atol=1e-4, rtol=0)
     finally:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_service.domain import TokenSequence
-from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 
 from tests.models import ARCHITECTURES, VOCAB, ScoreReference, assert_scores_close, make_model, random_sequences
@@ -40,7 +40,7 @@ def test_logprobs_and_entropy_match_full_logits_reference(arch, tied, temperatur
             pytest.skip("with a GPU, the kernel is checked on it (tests/gpu/test_cuda_scoring.py)")
     model = make_model(arch, tied=tied, seed=int(rng.integers(1 << 30)))
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
-    scorer = CausalLMScorer(
+    scorer = OfflineScorer(
         model,
         logprob_op=OPS[kernel],
         max_batch_tokens=120,  # several padded forward batches per call
@@ -54,7 +54,7 @@ def test_logprobs_and_entropy_match_full_logits_reference(arch, tied, temperatur
 
 def test_padding_and_batch_mates_do_not_change_a_sequence_score(rng):
     model = make_model("llama", tied=False, seed=int(rng.integers(1 << 30)))
-    scorer = CausalLMScorer(model)
+    scorer = OfflineScorer(model)
     sequences = random_sequences(rng, 6)
     together = scorer.score(sequences)
     alone = [scorer.score([seq])[0] for seq in sequences]
@@ -84,6 +84,6 @@ def test_packed_micro_batches_at_the_exact_token_budget(arch, rng):
     sequences.append(
         TokenSequence(rng.integers(0, VOCAB, 63, dtype=np.int64), rng.integers(0, VOCAB, 1, dtype=np.int64))
     )  # exactly the budget, one completion token
-    scorer = CausalLMScorer(model, max_batch_tokens=budget, max_batch_sequences=5)
+    scorer = OfflineScorer(model, max_batch_tokens=budget, max_batch_sequences=5)
     out = scorer.score(sequences, return_entropy=True)
     assert_scores_close(model, sequences, [s.logprobs for s in out], [s.entropies for s in out])

@@ -101,8 +101,6 @@ class Service:
                     device=device,
                     dtype=dtype,
                     logprob_op=logprob_op,
-                    max_batch_tokens=s.max_batch_tokens,
-                    max_batch_sequences=s.max_batch_sequences,
                     trust_remote_code=s.trust_remote_code,
                 ),
             )

@@ -1,7 +1,7 @@
 """Score completion tokens with a loaded causal LM, without computing full logits.
 
 The model body (``model.base_model``: embeddings, decoder layers, final norm) runs on one packed,
-padding-free row of sequences (``packing.pack``, attention confined to each sequence by
+padding-free row of sequences (``worker.packing.pack``, attention confined to each sequence by
 ``ops.attention``); only the rows that predict completion tokens are kept and sent through the
 lm_head by the log-prob op (``ops.dispatch``: the fused Triton kernel on CUDA, eager chunks
 elsewhere). ``.logits`` of the whole model is never computed.
@@ -13,19 +13,16 @@ waits for that copy. The thread can launch the next micro-batch before fetching 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from logprob_service.domain import SequenceScores, TokenSequence
-from logprob_service.engine.partition import plan_micro_batches
+from logprob_service.domain import SequenceScores
 from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs, register_packed_attention
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
 from logprob_service.ops.logprobs import LogitTransform
-from logprob_service.worker.packing import PackedBatch, pack
 
 
 def config_logit_transform(config: object) -> LogitTransform:
@@ -40,6 +37,23 @@ def config_logit_transform(config: object) -> LogitTransform:
         scale /= float(scaling)
     softcap = getattr(config, "final_logit_softcapping", None)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A micro-batch as one packed, padding-free row (built by ``worker.packing.pack``)."""
+
+    input_ids: np.ndarray  # [T] int64: all sequences back to back
+    position_ids: np.ndarray  # [T] int64: 0..len-1 within each sequence
+    cu_seqlens: np.ndarray  # [n + 1] int32: sequence b is tokens cu_seqlens[b]:cu_seqlens[b + 1]
+    max_seqlen: int  # longest sequence, for the attention kernel's launch
+    rows: np.ndarray  # [N] int64: indices into [T] of the rows that predict completion tokens
+    targets: np.ndarray  # [N] int64: the completion tokens those rows predict
+    completion_lengths: list[int]  # to split the N results back per sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
 
 
 @dataclass
@@ -63,16 +77,10 @@ class Launched:
 
 
 class CausalLMScorer:
-    """Scores packed micro-batches with one model; used from the executor's device thread only."""
+    """Scores packed micro-batches with one model; used from the executor's device thread only.
+    (Any number of sequences, in micro-batches, in this process: ``logprob_service.offline``.)"""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        *,
-        logprob_op: LogprobOp | None = None,
-        max_batch_tokens: int = 32768,
-        max_batch_sequences: int = 256,
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, *, logprob_op: LogprobOp | None = None) -> None:
         register_packed_attention()
         model.set_attn_implementation(PACKED_ATTENTION)
         self.model = model
@@ -82,8 +90,6 @@ class CausalLMScorer:
         self.head_bias: torch.Tensor | None = getattr(head, "bias", None)
         self.transform = config_logit_transform(model.config)
         self.logprob_op = logprob_op or select_logprob_op("auto", self.head_weight.device)
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_sequences = max_batch_sequences
 
     @property
     def device(self) -> torch.device:
@@ -137,36 +143,3 @@ class CausalLMScorer:
         event = torch.cuda.Event()
         event.record()
         return event
-
-    def score(
-        self,
-        sequences: Sequence[TokenSequence],
-        *,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-    ) -> list[SequenceScores]:
-        """Score any number of sequences: balanced micro-batches under the token budget, in order.
-
-        Each micro-batch is launched before the previous one's results are fetched, so packing
-        and enqueueing the next overlaps the device's work on the current one.
-        """
-        results: list[SequenceScores | None] = [None] * len(sequences)
-        plan = plan_micro_batches(
-            [s.num_tokens for s in sequences],
-            max_tokens=self.max_batch_tokens,
-            max_sequences=self.max_batch_sequences,
-        )
-        in_flight: list[tuple[list[int], Launched]] = []
-        for indices in plan:
-            batch = pack([sequences[i] for i in indices])
-            in_flight.append((indices, self.launch(batch, temperature=temperature, return_entropy=return_entropy)))
-            if len(in_flight) == 2:
-                _store(results, *in_flight.pop(0))
-        for indices, launched in in_flight:
-            _store(results, indices, launched)
-        return results  # type: ignore[return-value]  # every index is in exactly one micro-batch
-
-
-def _store(results: list[SequenceScores | None], indices: list[int], launched: Launched) -> None:
-    for i, scores in zip(indices, launched.fetch()):
-        results[i] = scores

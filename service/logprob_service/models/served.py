@@ -101,18 +101,10 @@ def load_served_model(
     device: torch.device,
     dtype: torch.dtype,
     logprob_op: LogprobOp,
-    max_batch_tokens: int,
-    max_batch_sequences: int,
     trust_remote_code: bool = False,
 ) -> ServedModel:
     log.info("loading model %r from %s on %s as %s", name, source, device, dtype)
     model = load_causal_lm(source, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    scorer = CausalLMScorer(
-        model,
-        logprob_op=logprob_op,
-        max_batch_tokens=max_batch_tokens,
-        max_batch_sequences=max_batch_sequences,
-    )
-    served = serve_model(name, source, scorer)
+    served = serve_model(name, source, CausalLMScorer(model, logprob_op=logprob_op))
     log.info("model %r ready (lm_head: %s): %s", name, logprob_op.kernel, served.info)
     return served

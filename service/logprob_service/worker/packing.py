@@ -10,32 +10,18 @@ predicts completion token t (0-based) is o + P - 1 + t: the last prompt token pr
 completion token. Only these rows reach the log-prob op.
 
 Everything here is numpy: it runs on whichever thread prepares the next micro-batch, and the
-executor turns the arrays into (pinned) tensors.
+scorer (``models.scorer``, which defines ``PackedBatch``, its input) turns the arrays into
+(pinned) tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from logprob_service.domain import TokenSequence
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    input_ids: np.ndarray  # [T] int64: all sequences back to back
-    position_ids: np.ndarray  # [T] int64: 0..len-1 within each sequence
-    cu_seqlens: np.ndarray  # [n + 1] int32: sequence b is tokens cu_seqlens[b]:cu_seqlens[b + 1]
-    max_seqlen: int  # longest sequence, for the attention kernel's launch
-    rows: np.ndarray  # [N] int64: indices into [T] of the rows that predict completion tokens
-    targets: np.ndarray  # [N] int64: the completion tokens those rows predict
-    completion_lengths: list[int]  # to split the N results back per sequence
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
+from logprob_service.models.scorer import PackedBatch
 
 
 def pack(sequences: Sequence[TokenSequence]) -> PackedBatch:
