@@ -38,9 +38,10 @@ test-gpu: install  ## only the GPU tests
 proto: install  ## regenerate client/logprob_proto from protos/
 	$(BIN)/python scripts/gen_proto.py
 
-lint: install  ## ruff lint + format check
+lint: install  ## ruff lint + format check, and the layer contracts (import-linter, [tool.importlinter])
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 format: install
 	$(BIN)/ruff format .
