@@ -3,7 +3,7 @@
 No torch or transformers import here: torch is imported only when tensors are passed.
 """
 
-from .client import AsyncLogprobClient, LogprobClient, ModelInfo, ModelLimits, ScoreInput
+from .client import AsyncLogprobClient, LogprobClient
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -22,6 +22,7 @@ from .errors import (
 from .future import ScoreFuture
 from .split import RpcLimits
 from .weights import UpdateResult
+from .wire import ModelInfo, ModelLimits, ScoreInput
 
 __all__ = [
     "AsyncLogprobClient",

@@ -27,6 +27,7 @@ import json
 import random
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
@@ -134,29 +135,50 @@ def _resolve(index: int, replica: str) -> dict[socket.AddressFamily, str]:
     return addresses
 
 
-def open_channel(
-    target: str | Sequence[str],
-    *,
-    aio: bool,
-    max_attempts: int = 5,
-    options: Sequence[tuple[str, Any]] | None = None,
-    tls: bool = False,
-    tls_ca_file: PathLike | None = None,
-    tls_cert_file: PathLike | None = None,
-    tls_key_file: PathLike | None = None,
-    tls_server_name: str | None = None,
-    token: str | None = None,
-    token_file: PathLike | None = None,
-) -> grpc.Channel | grpc.aio.Channel:
-    """The channel both clients use: blocking (``aio=False``) or asyncio, to one target or a list
-    of replicas (``channel_target``); plaintext, or TLS when ``tls`` or any ``tls_*`` option is
-    given; sending ``token`` on every call (``security.py``)."""
-    merged = channel_options(max_attempts=max_attempts, extra=list(options or []))
-    credentials = tls_credentials(
-        tls=tls, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file, server_name=tls_server_name
-    )
-    if tls_server_name is not None:
-        merged.append(("grpc.ssl_target_name_override", tls_server_name))
-    return make_channel(
-        channel_target(target), aio=aio, options=merged, credentials=credentials, token=read_token(token, token_file)
-    )
+@dataclass(frozen=True)
+class Connection:
+    """How a client reaches the service: the one place its channel settings are spelled.
+
+    ``max_attempts``: tries of a call that gets UNAVAILABLE or RESOURCE_EXHAUSTED (gRPC's retry
+    policy; 1: no retries). ``options``: extra gRPC channel options. Security (``security.py``):
+    ``tls`` or any ``tls_*`` option turns TLS on (``tls_ca_file``: the CA to trust;
+    ``tls_cert_file`` + ``tls_key_file``: a client certificate for mutual TLS;
+    ``tls_server_name``: the name the server's certificate carries, when the target's differs);
+    ``token`` or ``token_file``: a bearer token sent on every call.
+    """
+
+    max_attempts: int = 5
+    options: Sequence[tuple[str, Any]] = ()
+    tls: bool = False
+    tls_ca_file: PathLike | None = None
+    tls_cert_file: PathLike | None = None
+    tls_key_file: PathLike | None = None
+    tls_server_name: str | None = None
+    token: str | None = None
+    token_file: PathLike | None = None
+
+    def security(self) -> list[str]:
+        """The names of the TLS and token settings given (they cannot apply to a channel built elsewhere)."""
+        return [f.name for f in fields(self) if f.name.startswith(("tls", "token")) and getattr(self, f.name)]
+
+    def open(self, target: str | Sequence[str], *, aio: bool) -> grpc.Channel | grpc.aio.Channel:
+        """A blocking (``aio=False``) or asyncio channel to one target or a list of replicas
+        (``channel_target``); plaintext, or TLS; sending the token on every call."""
+        merged = channel_options(max_attempts=self.max_attempts, extra=list(self.options))
+        credentials = tls_credentials(
+            tls=self.tls,
+            ca_file=self.tls_ca_file,
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            server_name=self.tls_server_name,
+        )
+        if self.tls_server_name is not None:
+            merged.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        token = read_token(self.token, self.token_file)
+        return make_channel(channel_target(target), aio=aio, options=merged, credentials=credentials, token=token)
+
+
+def open_channel(target: str | Sequence[str], *, aio: bool, **connection: Any) -> grpc.Channel | grpc.aio.Channel:
+    """The channel the clients use, for code that speaks to the stubs itself: ``connection`` holds
+    the fields of ``Connection``."""
+    return Connection(**connection).open(target, aio=aio)

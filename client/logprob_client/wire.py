@@ -1,0 +1,133 @@
+"""The client's side of the wire: scoring requests from the caller's sequences, the caller's
+layout from the responses, and the server's model descriptions."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from logprob_proto import logprob_pb2 as pb
+
+from .errors import LogprobError, MixedVersionsError, error_for_status
+from .inputs import Prepared, assemble
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_sequence_tokens: int
+    max_sequences_per_request: int
+    max_tokens_per_request: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    vocab_size: int
+    max_positions: int
+    dtype: str
+    version: int
+    fingerprint: str
+    limits: ModelLimits
+    source: str
+    device: str
+    base_model: str = ""  # a LoRA model's base, whose weights it shares
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    """One batch for ``score_many``: the same arguments ``score`` takes."""
+
+    prompt_ids: Any
+    completion_ids: Any
+    prompt_mask: Any = None
+    completion_mask: Any = None
+
+
+def model_info(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        name=m.name,
+        architecture=m.architecture,
+        vocab_size=m.vocab_size,
+        max_positions=m.max_positions,
+        dtype=m.dtype,
+        version=m.version,
+        fingerprint=m.fingerprint,
+        limits=ModelLimits(
+            max_sequence_tokens=m.limits.max_sequence_tokens,
+            max_sequences_per_request=m.limits.max_sequences_per_request,
+            max_tokens_per_request=m.limits.max_tokens_per_request,
+        ),
+        source=m.source,
+        device=m.device,
+        base_model=m.base_model,
+    )
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-call scoring options, as every part of a call sends them."""
+
+    model: str
+    temperature: float
+    return_entropy: bool
+    min_version: int
+
+
+def score_request(sequences: Sequence[tuple[np.ndarray, np.ndarray]], options: Options) -> pb.ScoreRequest:
+    return pb.ScoreRequest(
+        request_id=str(uuid.uuid4()),
+        model=options.model,
+        temperature=options.temperature,
+        return_entropy=options.return_entropy,
+        min_version=options.min_version,
+        sequences=[pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences],
+    )
+
+
+def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool) -> Any:
+    """The caller's layout from the responses of a call's parts, in part order."""
+    versions = sorted({response.model_version for response in responses})
+    if len(versions) > 1:
+        # The model's weights were updated while the call's parts were being scored.
+        raise MixedVersionsError(
+            f"the parts of this call were scored by versions {versions} of model {responses[0].model!r}; "
+            f"retry with min_version={versions[-1]}"
+        )
+    scores = [s for response in responses for s in response.scores]
+    logprobs = assemble(prepared, [np.asarray(s.logprobs, dtype=np.float32) for s in scores])
+    if not return_entropy:
+        return logprobs
+    return logprobs, assemble(prepared, [np.asarray(s.entropies, dtype=np.float32) for s in scores])
+
+
+def collect(
+    calls: list[tuple[Prepared, list[pb.ScoreRequest]]],
+    responses: dict[str, pb.ScoreResponse],
+    return_entropy: bool,
+    return_exceptions: bool,
+) -> list[Any]:
+    results: list[Any] = []
+    for prepared, requests in calls:
+        error = next(filter(None, (_stream_error(request, responses) for request in requests)), None)
+        if error is None:
+            results.append(result(prepared, [responses[r.request_id] for r in requests], return_entropy))
+        elif return_exceptions:
+            results.append(error)
+        else:
+            raise error
+    return results
+
+
+def _stream_error(request: pb.ScoreRequest, responses: dict[str, pb.ScoreResponse]) -> LogprobError | None:
+    """The error the stream answered for one request, if any."""
+    response = responses.get(request.request_id)
+    if response is None:
+        return error_for_status(grpc.StatusCode.UNKNOWN, f"no response for {request.request_id}")
+    if response.HasField("error"):
+        return error_for_status(response.error.code, response.error.message)
+    return None
