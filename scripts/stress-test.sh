@@ -12,7 +12,7 @@ for i in $(seq 1 "$runs"); do
   git clone -q "$root" "$clone"
   start=$(date +%s)
   if make -C "$clone" test PYTEST_ARGS="-q -p no:cacheprovider" >"$work/run$i.log" 2>&1; then
-    echo "run $i: passed in $(($(date +%s) - start)) s: $(tail -n 1 "$work/run$i.log")"
+    echo "run $i: passed in $(($(date +%s) - start)) s: $(grep -E "[0-9]+ passed" "$work/run$i.log" | tail -n 1)"
     rm -rf "$clone"
   else
     echo "run $i: FAILED after $(($(date +%s) - start)) s; log: $work/run$i.log, clone: $clone"
