@@ -67,18 +67,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import (
-    LoopbackServer,
-    ModelShape,
-    build_model,
-    peak_allocated,
-    publish,
-    release,
-    reset_peak,
-    run_environment,
-    selective_log_softmax,
-    synchronize,
-)
+from common import LoopbackServer, ModelShape, build_model, selective_log_softmax
+from harness import peak_allocated, publish, release, reset_peak, run_environment, synchronize
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.domain import TokenSequence

@@ -1,422 +1,271 @@
-"""Completion log-probs of one batch, several ways, side by side: time and peak memory.
+"""The log-prob stage alone: hidden rows [N, H] x lm_head [V, H] -> one log-prob per row.
 
-Shape: Qwen2.5-0.5B (hidden 896, 24 layers, 14/2 heads, vocab 151936, tied embeddings), random
-weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x (512 prompt +
-1536 completion) random token ids. Methods, all on the same inputs:
+Methods, side by side on the same bf16 inputs in one run:
 
-1. model body alone: ``model.base_model(...).last_hidden_state`` (the lower bound)
-2. full logits + log_softmax: ``model(ids).logits``, completion rows -> ``.float().log_softmax`` -> gather
-3. TRL-style: ``model(ids, logits_to_keep=C + 1)`` + TRL's row-looped ``selective_log_softmax``
-4. this service's own body pass alone (packed, padding-free attention; inputs already on the device)
-5. this service in-process: ``OfflineScorer.score``, the server's queue, loop and device worker
-   (body -> completion rows -> lm_head log-prob op: the fused Triton kernel on CUDA; also with the
-   eager fp32 chunks, for comparison)
-6. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
+* matmul limit: ``torch.mm(h, W.T)`` in bf16 (cuBLAS), nothing else. Its measured rate is the
+  limit; every other time is reported as a multiple of it.
+* full logits + log_softmax: ``(h @ W.T).float().log_softmax(-1).gather(...)``.
+* eager 256 MiB chunks: this service's CPU path (``chunked_token_logprobs``), fp32 logits per chunk.
+* Liger fused linear cross entropy, ``reduction="none"`` (log p = -loss), liger-kernel 0.8.5.
+* fused Triton kernel: this service's GPU path (``fused_token_logprobs``), without and with entropy.
 
-Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchronized around each;
-the median wall time is reported. Peak memory: peak allocated bytes over the timed runs
-(``common.peak_allocated``) minus what was allocated before the method ran (weights + inputs).
-Error: max |log p - reference| over the first ``--ref-seqs`` sequences, the reference being
-float64 logits from the same bf16 hidden states (``h.double() @ W.double().T``, float64 log_softmax).
+Timing: ``triton.testing.do_bench`` (median; it flushes the L2 cache before each run). Peak extra
+memory: ``max_memory_allocated`` during one more run, minus what was allocated before it (inputs).
+Error: max |log p - reference| over the first ``--ref-rows`` rows, the reference being float64
+logits from the same bf16 inputs (float64 log_softmax).
 
-On a GPU (the run that counts):
+On a GPU (the run that counts; liger-kernel installed):
 
-    PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py
+    PYTHONPATH=service:client python3 benchmarks/bench_logprob_op.py
 
-Smoke test on a CPU (tiny shapes, float32, memory columns n/a):
-
-    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_logprobs.py --smoke
-
-The table is printed last, and also written to ``$OUT/bench_logprobs.md`` when ``OUT`` is set.
+``--sweep`` also times a grid of kernel tile configurations at every shape (how the defaults in
+``ops/fused_logprobs.py`` were picked). The table is printed last, and also written to
+``$OUT/bench_logprob_op.md`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
-from common import (
-    LoopbackServer,
-    ModelShape,
-    build_model,
-    peak_allocated,
-    publish,
-    release,
-    reset_peak,
-    run_environment,
-    selective_log_softmax,
-    synchronize,
+import triton
+import triton.testing
+from harness import GiB, peak_extra_bytes, publish, release, run_environment, time_kernel
+from logprob_service.ops.fused_logprobs import (
+    KernelConfig,
+    LaunchPlan,
+    default_config,
+    device_info,
+    fused_token_logprobs,
+    plan_launch,
 )
-from logprob_client import LogprobClient, Overloaded
-from logprob_service.config import Settings
-from logprob_service.domain import SequenceScores, TokenSequence
-from logprob_service.engine.registry import ModelRegistry
-from logprob_service.models.scorer import CausalLMScorer
-from logprob_service.models.served import serve_model
-from logprob_service.offline import OfflineScorer
-from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs
-from logprob_service.ops.dispatch import LogprobOp
-from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
-from logprob_service.worker.packing import pack
-from transformers import PreTrainedModel
+from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES, chunked_token_logprobs
 
-GiB = 1024**3
-MODEL_NAME = "qwen2.5-0.5b-shape"
-
-
-# ----------------------------------------------------------------------------- setup
-
-
-QWEN25_05B = ModelShape(
-    name="Qwen2.5-0.5B",
-    hidden=896,
-    intermediate=4864,
-    layers=24,
-    heads=14,
-    kv_heads=2,
-    vocab=151936,
-    max_positions=32768,
-)
-TINY = ModelShape(
-    name="tiny Qwen2", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=1000, max_positions=256
-)
+SHAPES = [(24576, 896, 151936), (16384, 3584, 152064), (65536, 4096, 128256)]
+GOAL_X_LIMIT = 1.15
+GOAL_PEAK_GIB = 0.25
+GOAL_ERR = 1e-4
 
 
 @dataclass(frozen=True)
-class Batch:
-    """One batch of B sequences of P prompt + C completion tokens, on the device and on the host."""
-
-    input_ids: torch.Tensor  # [B, L] int64 on the device, L = P + C
-    position_ids: torch.Tensor  # [B, L] int64, 0..L-1 per row
-    prompt_len: int  # P
-    completion_len: int  # C
-    sequences: list[TokenSequence]  # the same B sequences as numpy int64 arrays, for the service
-
-    @property
-    def completion_ids(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_len :]  # [B, C]
-
-    @property
-    def completion_rows(self) -> slice:
-        """Positions whose hidden state predicts completion tokens 0..C-1 (P-1 .. P+C-2)."""
-        return slice(self.prompt_len - 1, self.prompt_len - 1 + self.completion_len)
-
-
-def make_batch(batch: int, prompt_len: int, completion_len: int, vocab: int, device: torch.device, seed: int) -> Batch:
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, size=(batch, prompt_len + completion_len), dtype=np.int64)  # [B, L]
-    sequences = [
-        TokenSequence(prompt_ids=row[:prompt_len].copy(), completion_ids=row[prompt_len:].copy()) for row in ids
-    ]
-    input_ids = torch.from_numpy(ids).to(device)
-    position_ids = torch.arange(ids.shape[1], device=device).expand(batch, -1).contiguous()
-    return Batch(input_ids, position_ids, prompt_len, completion_len, sequences)
-
-
-# ----------------------------------------------------------------------------- the methods
-
-
-def body_alone(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """The decoder body's final hidden states: what every method must compute at least."""
-    out = model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-    return out.last_hidden_state  # [B, L, H]
-
-
-def full_logits_log_softmax(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """The naive way: all logits, then float32 log_softmax of the completion rows, then gather."""
-    logits = model(input_ids=batch.input_ids, use_cache=False).logits  # [B, L, V] bf16
-    logprobs = logits[:, batch.completion_rows].float().log_softmax(-1)  # [B, C, V] fp32
-    return logprobs.gather(-1, batch.completion_ids[..., None]).squeeze(-1)  # [B, C] fp32
-
-
-def trl_style(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-    """TRL GRPOTrainer's per-token log-probs: logits of the last C + 1 positions only.
-
-    TRL also divides the logits by the sampling temperature (a further [B, C, V] copy, even at
-    T = 1); that step is left out here, so this is TRL's best case.
-    """
-    c = batch.completion_len
-    logits = model(input_ids=batch.input_ids, use_cache=False, logits_to_keep=c + 1).logits  # [B, C+1, V] bf16
-    logits = logits[:, :-1]  # [B, C, V]: the last position predicts past the sequence
-    return selective_log_softmax(logits, batch.completion_ids)  # [B, C] bf16
-
-
-def packed_body_alone(scorer: CausalLMScorer, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The service's own body pass (packed, padding-free attention) on inputs already on the device."""
-    return scorer.body(use_cache=False, **inputs).last_hidden_state  # [1, T, H]
-
-
-def packed_inputs(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
-    packed = pack(batch.sequences)
-    cu_seqlens = torch.from_numpy(packed.cu_seqlens).to(device)
-    return {
-        "input_ids": torch.from_numpy(packed.input_ids).to(device)[None],
-        "position_ids": torch.from_numpy(packed.position_ids).to(device)[None],
-        **packed_forward_kwargs(cu_seqlens, packed.max_seqlen),
-    }
-
-
-def service_in_process(scorer: OfflineScorer, batch: Batch) -> list[SequenceScores]:
-    """This service's served path in this process, less the wire (includes the device -> host copy)."""
-    return scorer.score(batch.sequences)  # B x [C] float32 numpy
-
-
-def service_grpc(client: LogprobClient, batch: Batch) -> list[np.ndarray]:
-    """One ScoreTokens call through gRPC on loopback, as a trainer would make it."""
-    prompts = [s.prompt_ids for s in batch.sequences]
-    completions = [s.completion_ids for s in batch.sequences]
-    return client.score(prompts, completions, model=MODEL_NAME)  # B x [C] float32 numpy
-
-
-# ----------------------------------------------------------------------------- measuring
-
-
-@dataclass(frozen=True)
-class Row:
+class Result:
     method: str
-    median_ms: float | None  # None: the method failed (out of memory)
-    peak_extra_gib: float | None  # None: not measured (CPU)
-    max_abs_err: float | None  # None: not applicable (body) or failed
+    ms: float | None  # None: failed (the note says why)
+    peak_gib: float | None
+    err: float | None
     note: str = ""
 
 
-def time_method(
-    fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
-) -> tuple[float, float | None, Any]:
-    """Median ms over ``repeats`` runs after ``warmup`` runs, peak extra GiB, the last output."""
-    release(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    for _ in range(warmup):
-        out = fn()
-        del out
-    release(device)
-    reset_peak(device)
-    times_ms: list[float] = []
-    out = None
-    for _ in range(repeats):
-        out = None  # free the previous output before the next run
-        synchronize(device)
-        start = time.perf_counter()
-        out = fn()
-        synchronize(device)
-        times_ms.append((time.perf_counter() - start) * 1e3)
-    peak = (peak_allocated(device) - base) / GiB if device.type == "cuda" else None
-    return statistics.median(times_ms), peak, out
+def make_inputs(n: int, h: int, v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()  # [N, H]
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 3 / h**0.5).bfloat16()  # [V, H]: logits std ~3
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)  # [N]
+    return hidden, weight, targets
 
 
-def completion_logprobs(out: Any, k: int) -> np.ndarray:
-    """The first ``k`` sequences' completion log-probs from any method's output, as [k, C] float64."""
-    if isinstance(out, torch.Tensor):
-        return out[:k].double().cpu().numpy()
-    if out and isinstance(out[0], SequenceScores):
-        out = [s.logprobs for s in out]
-    return np.stack([np.asarray(lp, dtype=np.float64) for lp in out[:k]])
+def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Float64 log-probs of the first ``rows`` rows: [rows]."""
+    out = []
+    for start in range(0, rows, 128):  # [128, V] float64 slabs
+        x = hidden[start : start + 128].double() @ weight.double().T
+        out.append(x.log_softmax(-1).gather(1, targets[start : start + 128, None]).squeeze(1))
+    return torch.cat(out)
 
 
-def reference_logprobs(model: PreTrainedModel, batch: Batch, k: int) -> np.ndarray:
-    """Float64 log-probs of the first ``k`` sequences' completion tokens: [k, C].
-
-    The hidden states come from the body on the whole batch, with the model's current attention
-    implementation (the same bf16 states the methods that use it compute); only the lm_head and
-    the log_softmax are float64.
-    """
-    hidden = body_alone(model, batch)[:k, batch.completion_rows]  # [k, C, H]
-    weight = model.get_output_embeddings().weight.double()  # [V, H]
-    targets = batch.completion_ids[:k]  # [k, C]
-    ref = []
-    for h, y in zip(hidden, targets, strict=True):  # one sequence at a time: a [C, V] float64 slab
-        logprobs = (h.double() @ weight.T).log_softmax(-1)  # [C, V]
-        ref.append(logprobs.gather(-1, y[:, None]).squeeze(-1).cpu().numpy())
-    del hidden, weight
-    return np.stack(ref)
+def full_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (hidden @ weight.T).float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
 
 
-def run_method(
-    name: str, fn: Callable[[], Any], ref: np.ndarray | None, device: torch.device, warmup: int, repeats: int
-) -> Row:
-    print(f"running: {name}", file=sys.stderr, flush=True)
+def liger_method() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     try:
-        median_ms, peak, out = time_method(fn, device, warmup, repeats)
-    except (torch.OutOfMemoryError, Overloaded):  # the service reports its OOM as Overloaded
-        out = None
-    if out is None:  # released outside the except block: its traceback holds the failed run's tensors
-        release(device)
-        return Row(name, None, None, None, note="out of memory")
-    err_max = None if ref is None else float(np.abs(completion_logprobs(out, len(ref)) - ref).max())
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
+    return lambda hidden, weight, targets: -loss(weight, hidden, targets)
+
+
+def measure(
+    name: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor | None, *, warmup_ms: int, rep_ms: int
+) -> Result:
+    print(f"  {name}", file=sys.stderr, flush=True)
+    try:
+        ms = time_kernel(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        peak_bytes, out = peak_extra_bytes(fn, torch.device("cuda"))
+        peak = peak_bytes / GiB
+    except torch.OutOfMemoryError:
+        release(torch.device("cuda"))
+        return Result(name, None, None, None, note="out of memory")
+    except Exception as exc:  # a peer's kernel failing at a shape is a result, not a crash of the run
+        release(torch.device("cuda"))
+        return Result(name, None, None, None, note=f"failed: {type(exc).__name__}: {str(exc)[:80]}")
+    err = None if ref is None else (out[: len(ref)].double() - ref).abs().max().item()
     del out
-    release(device)
-    return Row(name, median_ms, peak, err_max)
+    release(torch.device("cuda"))
+    return Result(name, ms, peak, err)
 
 
-def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
-    ref = reference_logprobs(model, batch, args.ref_seqs)
-    release(device)
-    scorer = OfflineScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=256)  # auto kernel
-    eager = OfflineScorer(
-        model,
-        logprob_op=LogprobOp("eager", DEFAULT_CHUNK_BYTES),
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_sequences=256,
-    )
-    common = {"device": device, "warmup": args.warmup, "repeats": args.repeats}
-    # The scorer switched the model to packed attention. Its bf16 hidden states differ from SDPA's
-    # by kernel rounding, so the service rows are checked against float64 logits of the packed
-    # body's states: each error column measures the log-prob stage, not two attention kernels.
-    ref_packed = reference_logprobs(model, batch, args.ref_seqs)
-    release(device)
-    # The baselines run as HF users run them.
-    model.set_attn_implementation("sdpa")
-    rows = [
-        run_method("model body alone (lower bound)", lambda: body_alone(model, batch), None, **common),
-        run_method(
-            "full logits + float log_softmax + gather", lambda: full_logits_log_softmax(model, batch), ref, **common
-        ),
-        run_method(
-            "TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common
+def run_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
+    hidden, weight, targets = make_inputs(n, h, v, args.seed)
+    ref = reference(hidden, weight, targets, min(args.ref_rows, n))
+    timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
+    results = [
+        measure("matmul limit (bf16 torch.mm)", lambda: hidden @ weight.T, None, **timing),
+        measure("full logits + log_softmax", lambda: full_logits(hidden, weight, targets), ref, **timing),
+        measure(
+            "eager 256 MiB chunks (fp32 logits)",
+            lambda: chunked_token_logprobs(hidden, weight, targets, chunk_bytes=DEFAULT_CHUNK_BYTES).logprobs,
+            ref,
+            **timing,
         ),
     ]
-    model.set_attn_implementation(PACKED_ATTENTION)
-    inputs = packed_inputs(batch, device)
-    rows.append(
-        run_method(
-            "service's packed body alone (no lm_head)", lambda: packed_body_alone(scorer.scorer, inputs), None, **common
-        )
-    )
-    rows.append(
-        run_method(
-            f"service in-process (OfflineScorer.score), {scorer.scorer.logprob_op.kernel} lm_head",
-            lambda: service_in_process(scorer, batch),
-            ref_packed,
-            **common,
-        )
-    )
-    if scorer.scorer.logprob_op.kernel != "eager":
-        rows.append(
-            run_method(
-                "service in-process, eager 256 MiB chunks lm_head",
-                lambda: service_in_process(eager, batch),
-                ref_packed,
-                **common,
+    liger = liger_method()
+    if liger is None:
+        results.append(Result("Liger fused linear CE", None, None, None, note="liger-kernel not installed"))
+    else:
+        results.append(measure("Liger fused linear CE", lambda: liger(hidden, weight, targets), ref, **timing))
+    results += [
+        measure("fused Triton kernel", lambda: fused_token_logprobs(hidden, weight, targets).logprobs, ref, **timing),
+        measure(
+            "fused Triton kernel + entropy",
+            lambda: fused_token_logprobs(hidden, weight, targets, return_entropy=True).logprobs,
+            ref,
+            **timing,
+        ),
+    ]
+    return results
+
+
+def sweep_configs() -> list[KernelConfig]:
+    """Tiles that fit Hopper's shared memory and registers with a [BLOCK_N, BLOCK_V] fp32 accumulator."""
+    return [
+        KernelConfig(128, 256, 64, 8, 3),
+        KernelConfig(128, 256, 64, 8, 4),
+        KernelConfig(256, 128, 64, 8, 3),
+        KernelConfig(256, 128, 64, 8, 4),
+        KernelConfig(128, 256, 128, 8, 2),
+        KernelConfig(128, 128, 64, 4, 4),
+        KernelConfig(128, 128, 128, 8, 3),
+        KernelConfig(64, 256, 64, 4, 4),
+    ]
+
+
+def run_sweep(n: int, h: int, v: int, args: argparse.Namespace) -> list[str]:
+    """Time tile configurations with the default plan, then the default tiles with other plans."""
+    hidden, weight, targets = make_inputs(n, h, v, args.seed)
+    limit = time_kernel(lambda: hidden @ weight.T, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    dev = device_info(hidden.device)
+    base_cfg = default_config(hidden.dtype)
+    base = plan_launch(n, h, v, hidden.element_size(), base_cfg, dev)
+    candidates = [(cfg, None) for cfg in sweep_configs()]
+    for group in sorted({1, base.group_rows // 2, base.group_rows * 2, triton.cdiv(n, base_cfg.block_n)} - {0}):
+        for splits in sorted({base.splits, max(1, triton.cdiv(dev.num_sms, group))}):
+            candidates.append((base_cfg, LaunchPlan(splits=splits, group_rows=group)))
+    timed = []
+    for cfg, plan in candidates:
+        try:
+            ms = time_kernel(
+                lambda cfg=cfg, plan=plan: fused_token_logprobs(hidden, weight, targets, config=cfg, plan=plan),
+                warmup_ms=args.warmup_ms,
+                rep_ms=args.rep_ms,
             )
-        )
-    settings = Settings(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        models={MODEL_NAME: "random weights, built by benchmarks/bench_logprobs.py"},
-        device=str(device),
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_sequences=256,
-    )
-    registry = ModelRegistry()
-    registry.add(serve_model(MODEL_NAME, "random", scorer.scorer))
-    with LoopbackServer(settings, registry) as target, LogprobClient(target, timeout=600.0) as client:
-        rows.append(
-            run_method("service via gRPC (loopback)", lambda: service_grpc(client, batch), ref_packed, **common)
-        )
-    return rows
+        except Exception as exc:  # out of shared memory / registers: skip that config
+            print(f"  {cfg} {plan}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        timed.append((ms, cfg, plan or base))
+    timed.sort(key=lambda item: item[0])
+    lines = [f"sweep at N={n}, H={h}, V={v} (limit {limit:.2f} ms; default plan {base}); best first:"]
+    lines += [f"  {ms / limit:.3f}x  {ms:.2f} ms  {cfg}  {plan}" for ms, cfg, plan in timed[:10]]
+    return lines
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def format_table(rows: list[Row]) -> str:
-    body_ms = rows[0].median_ms
-
-    def num(value: float | None, fmt: str) -> str:
-        return "n/a" if value is None else format(value, fmt)
-
-    lines = ["| method | median ms | x body | peak extra GiB | max abs err vs fp64 |", "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        ratio = r.median_ms / body_ms if r.median_ms is not None and body_ms else None
-        cells = [
-            r.method,
-            r.note or num(r.median_ms, ".1f"),
-            num(ratio, ".2f"),
-            num(r.peak_extra_gib, ".2f"),
-            num(r.max_abs_err, ".1e"),
-        ]
-        lines.append(f"| {' | '.join(cells)} |")
+def format_shape(n: int, h: int, v: int, results: list[Result]) -> str:
+    limit = results[0].ms
+    tflops = 2 * n * h * v / (limit * 1e-3) / 1e12 if limit else float("nan")
+    lines = [
+        f"### N={n}, H={h}, V={v}: limit {limit:.2f} ms ({tflops:.0f} TFLOP/s bf16)",
+        "",
+        "| method | ms | x limit | peak extra GiB | max abs err vs fp64 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r.ms is None:
+            lines.append(f"| {r.method} | {r.note} | | | |")
+            continue
+        err = "n/a" if r.err is None else f"{r.err:.1e}"
+        lines.append(f"| {r.method} | {r.ms:.2f} | {r.ms / limit:.3f} | {r.peak_gib:.3f} | {err} |")
     return "\n".join(lines)
 
 
-def describe_run(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> str:
-    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
-    cfg = model.config
-    return "\n".join(
-        [
-            *run_environment(device),
-            f"model: Qwen2ForCausalLM, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
-            f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab {cfg.vocab_size}, tied, "
-            f"random weights, {str(model.dtype).removeprefix('torch.')}, sdpa; weights {weights_gib:.2f} GiB",
-            f"batch: {batch.input_ids.shape[0]} x ({batch.prompt_len} prompt + {batch.completion_len} completion) "
-            f"tokens; {args.warmup} warm-up + {args.repeats} timed runs, median; "
-            f"error over the first {args.ref_seqs} sequences; service: default (auto) lm_head kernel, "
-            f"max_batch_tokens {args.max_batch_tokens}",
+def goal_lines(per_shape: list[tuple[tuple[int, int, int], list[Result]]]) -> list[str]:
+    lines = []
+    for (n, h, v), results in per_shape:
+        by_name = {r.method: r for r in results}
+        ours, limit = by_name["fused Triton kernel"], results[0].ms
+        liger = by_name["Liger fused linear CE"]
+        if ours.ms is None or limit is None:
+            lines.append(f"N={n}: fused kernel did not run ({ours.note})")
+            continue
+        x = ours.ms / limit
+        vs_liger = "n/a (Liger did not run)" if liger.ms is None else f"{liger.ms / ours.ms:.2f}x faster than Liger"
+        checks = [
+            f"{x:.3f}x limit ({'met' if x <= GOAL_X_LIMIT else 'NOT met'})",
+            vs_liger + ("" if liger.ms is None or liger.ms > ours.ms else " (NOT met)"),
+            f"peak {ours.peak_gib:.3f} GiB ({'met' if ours.peak_gib <= GOAL_PEAK_GIB else 'NOT met'})",
+            f"err {ours.err:.1e} ({'met' if ours.err <= GOAL_ERR else 'NOT met'})",
         ]
-    )
+        lines.append(f"N={n}, H={h}, V={v}: " + "; ".join(checks))
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny model and batch, cpu, float32: checks the script runs"
-    )
-    parser.add_argument("--device", default=None, help="torch device (default: cuda, or cpu with --smoke)")
-    parser.add_argument(
-        "--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on cuda"
-    )
-    parser.add_argument("--batch", type=int, default=None, help="sequences (default 16; 2 with --smoke)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; 16 with --smoke)")
-    parser.add_argument("--completion-len", type=int, default=None, help="completion tokens (default 1536; 32 --smoke)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default 5; 2 with --smoke)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per method first")
-    parser.add_argument("--ref-seqs", type=int, default=2, help="sequences checked against the float64 reference")
-    parser.add_argument(
-        "--max-batch-tokens", type=int, default=32768, help="the service's token budget per packed micro-batch"
-    )
+    parser.add_argument("--shapes", default=None, help="N,H,V;N,H,V;... (default: the three issue shapes)")
+    parser.add_argument("--ref-rows", type=int, default=512, help="rows checked against the float64 reference")
+    parser.add_argument("--warmup-ms", type=int, default=100)
+    parser.add_argument("--rep-ms", type=int, default=500)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of kernel tile configurations")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    smoke = args.smoke
-    defaults = {
-        "device": "cpu" if smoke else "cuda",
-        "batch": 2 if smoke else 16,
-        "prompt_len": 16 if smoke else 512,
-        "completion_len": 32 if smoke else 1536,
-        "repeats": 2 if smoke else 5,
-    }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.dtype is None:
-        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
-    if min(args.batch, args.prompt_len, args.completion_len, args.repeats) < 1 or args.warmup < 0:
-        parser.error("--batch, --prompt-len, --completion-len and --repeats must be >= 1, --warmup >= 0")
-    args.ref_seqs = max(1, min(args.ref_seqs, args.batch))
+    if args.shapes:
+        args.shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    else:
+        args.shapes = SHAPES
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    shape = TINY if args.smoke else QWEN25_05B
-    if args.prompt_len + args.completion_len > shape.max_positions:
-        raise SystemExit(f"prompt + completion ({args.prompt_len + args.completion_len}) > {shape.max_positions}")
-    model = build_model(shape, device, getattr(torch, args.dtype), args.seed)
-    batch = make_batch(args.batch, args.prompt_len, args.completion_len, shape.vocab, device, args.seed + 1)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_logprob_op.py measures GPU kernels: it needs a CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device())
+    per_shape = []
+    sweeps: list[str] = []
     with torch.inference_mode():
-        rows = run_all(model, batch, args, device)
-    report = f"{describe_run(model, batch, args, device)}\n\n{format_table(rows)}\n"
-    publish(report, "bench_logprobs.md")
+        for n, h, v in args.shapes:
+            print(f"shape N={n}, H={h}, V={v}", file=sys.stderr, flush=True)
+            per_shape.append(((n, h, v), run_shape(n, h, v, args)))
+            if args.sweep:
+                sweeps += run_sweep(n, h, v, args)
+    cfg16 = default_config(torch.bfloat16)
+    header = [
+        "# The log-prob stage alone (bf16 inputs)",
+        "",
+        *run_environment(device),
+        f"timing: triton.testing.do_bench median (warm-up {args.warmup_ms} ms, {args.rep_ms} ms of runs, L2 flushed); "
+        f"error over the first {args.ref_rows} rows; fused kernel tiles {cfg16}",
+    ]
+    sections = ["\n".join(header)] + [format_shape(*shape, results) for shape, results in per_shape]
+    goals = "goals (<= 1.15x limit, faster than Liger, <= 0.25 GiB, <= 1e-4):"
+    sections.append("\n".join([goals, *goal_lines(per_shape)]))
+    if sweeps:
+        sections.append("\n".join(sweeps))
+    report = "\n\n".join(sections) + "\n"
+    publish(report, "bench_logprob_op.md")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ from bench_batching import (
     server_settings,
     workload_for,
 )
-from common import LoopbackServer, ModelShape, build_model, publish, release, run_environment, synchronize
+from common import LoopbackServer, ModelShape, build_model
+from harness import publish, release, run_environment, synchronize
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from common import LoopbackServer, ModelShape, build_model, peak_allocated, publish, reset_peak, run_environment
+from common import LoopbackServer, ModelShape, build_model
+from harness import peak_allocated, publish, reset_peak, run_environment
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts (bench_logprobs.py, bench_batching.py).
+"""What the benchmark scripts share besides timing (``harness.py``): model shapes, TRL's baseline
+log-probs, and the real server on loopback.
 
 The scripts run as ``PYTHONPATH=service:client python3 benchmarks/bench_X.py``, so this folder is
 ``sys.path[0]`` and ``from common import ...`` finds this module (benchmarks/ is not a package).
@@ -7,24 +8,16 @@ The scripts run as ``PYTHONPATH=service:client python3 benchmarks/bench_X.py``, 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import os
-import platform
-import shlex
-import sys
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import transformers
 from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.worker import gpu_memory
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 # ----------------------------------------------------------------------------- models
@@ -133,57 +126,3 @@ class LoopbackServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-
-
-# ----------------------------------------------------------------------------- device
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op off CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def release(device: torch.device) -> None:
-    """Synchronize, then return the caching allocator's free blocks to the device (CUDA only)."""
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def reset_peak(device: torch.device) -> None:
-    """Start a peak-memory measurement (CUDA only). Through ``gpu_memory``, not torch directly: a
-    server in this process resets torch's peak counter at every micro-batch to measure each one."""
-    if device.type == "cuda":
-        gpu_memory.reset_peak(device)
-
-
-def peak_allocated(device: torch.device) -> int:
-    """Highest bytes allocated on ``device`` since ``reset_peak``, across the server's own resets."""
-    return gpu_memory.peak_allocated(device)
-
-
-def run_environment(device: torch.device) -> list[str]:
-    """Report lines: the device, the library versions, the date (UTC) and the command that ran."""
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    command = f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} {Path(sys.executable).name} {shlex.join(sys.argv)}"
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return [
-        f"device: {device_name}",
-        f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-        f"date: {now}",
-        f"command: {command}",
-    ]
-
-
-def publish(report: str, name: str) -> None:
-    """Print ``report`` (the run's last output) and, when ``OUT`` is set, write it to ``$OUT/name``."""
-    print(report)
-    if out_dir := os.environ.get("OUT"):
-        path = Path(out_dir) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report)
-        print(f"written: {path}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 protoc writes absolute imports (``from logprob.v1 import logprob_pb2``); they are rewritten
 to relative ones so the stubs live inside the ``logprob_proto`` package without touching sys.path.
-Run through ``make proto``; tests/unit/test_proto_stubs.py calls ``generate`` into a temporary
+Run through ``make proto``; tests/client/test_proto_stubs.py calls ``generate`` into a temporary
 folder and fails if the committed stubs differ.
 """
 

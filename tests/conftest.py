@@ -1,4 +1,7 @@
-"""Shared fixtures: the source tree on sys.path, Triton's interpreter off the GPU, and seeds.
+"""Shared fixtures: the source tree on sys.path, Triton's interpreter off the GPU, seeds, and a
+real server on loopback (``running``: create_server on port 0, CPU, float32, serving ``default``,
+builtin:tiny-llama, and ``gemma``, a small random Gemma 2 saved as a Hugging Face checkpoint
+directory and loaded from it, the way users serve their own models).
 
 Seeds. No test draws an unseeded random number, so no run of the suite fails by chance and
 every failure can be replayed:
@@ -17,7 +20,6 @@ every failure can be replayed:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import re
@@ -26,7 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import pytest_asyncio
 import torch
+
+from tests.helpers.seeds import SEED_ENV, session_seed, stable_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tests run against the source tree even when the package is not installed (e.g. on the GPU box).
@@ -40,7 +45,11 @@ for sub in ("service", "client"):
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SEED_ENV = "LOGPROB_TEST_SEED"
+from logprob_service.observability.metrics import start_metrics_server  # noqa: E402  (after sys.path)
+
+from tests.helpers.models import make_model  # noqa: E402
+from tests.helpers.server import start, stop, test_settings  # noqa: E402
+
 SWEEP_ENV = "LOGPROB_TEST_SEEDS"
 _SEED = pytest.StashKey[int]()
 
@@ -52,17 +61,6 @@ def sweep_seeds(spec: str) -> list[int]:
         raise pytest.UsageError(f"{SWEEP_ENV}={spec!r}: expected a count K or a range A-B")
     first, last = match.groups()
     return list(range(int(first))) if last is None else list(range(int(first), int(last) + 1))
-
-
-def stable_seed(text: str) -> int:
-    """A seed from ``text`` that is the same on every run and machine (unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
-
-
-def session_seed(name: str) -> int:
-    """The seed of a session- or module-scoped fixture ``name`` (``LOGPROB_TEST_SEED`` moves it too)."""
-    replay = os.environ.get(SEED_ENV)
-    return stable_seed(f"{replay}:{name}") if replay else stable_seed(name)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -116,3 +114,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             ("seed", f"this test ran with seed {seed}; replay it with: {SEED_ENV}={seed} python -m pytest '{nodeid}'")
         )
     return report
+
+
+@pytest.fixture(scope="session")
+def gemma_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gemma2-checkpoint")
+    make_model("gemma2", tied=True, seed=session_seed("gemma2-checkpoint")).save_pretrained(path)
+    return path
+
+
+@pytest_asyncio.fixture
+async def running(gemma_checkpoint: Path):
+    server = await start(test_settings(gemma_checkpoint))
+    yield server
+    await stop(server)
+
+
+@pytest.fixture(scope="session")
+def metrics_url():
+    """/metrics of this process (the series are process-wide), on a free port, as a server serves it."""
+    server = start_metrics_server("127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.server_port}/metrics"
+    server.shutdown()
+    server.server_close()

@@ -17,7 +17,7 @@ from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import chunked_token_logprobs
 
-from tests.models import ARCHITECTURES, ScoreReference, assert_scores_close, make_model, random_sequences
+from tests.helpers.models import ARCHITECTURES, ScoreReference, assert_scores_close, make_model, random_sequences
 
 pytestmark = [
     pytest.mark.gpu,

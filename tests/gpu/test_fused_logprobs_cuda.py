@@ -14,7 +14,7 @@ import torch
 from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs
 
-from tests.op_reference import reference
+from tests.helpers.op_reference import reference
 
 ENTROPY_TOL = 2e-4
 

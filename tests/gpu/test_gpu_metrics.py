@@ -8,9 +8,9 @@ import pytest
 import torch
 from logprob_service.worker import gpu_memory
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_errors import call, request
-from tests.integration.test_metrics import value
+from tests.helpers.calls import call, request
+from tests.helpers.metrics import value
+from tests.helpers.server import start, stop, test_settings
 
 pytestmark = [
     pytest.mark.gpu,

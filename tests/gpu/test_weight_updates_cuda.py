@@ -16,9 +16,8 @@ from logprob_client import AsyncLogprobClient
 from logprob_service.offline import OfflineScorer
 from peft import LoraConfig, get_peft_model
 
-from tests.integration.conftest import start, stop
-from tests.integration.test_weight_updates import as_lists, new_seed, settings
-from tests.models import ScoreReference, make_model, random_sequences
+from tests.helpers.models import ScoreReference, make_model, random_sequences
+from tests.helpers.server import as_lists, new_seed, settings, start, stop
 
 pytestmark = [
     pytest.mark.gpu,

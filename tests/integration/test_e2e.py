@@ -14,19 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from logprob_client import AsyncLogprobClient, LogprobClient, ScoreInput
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.models import as_sequences, assert_scores_close
-
-
-def random_batch(rng: np.random.Generator, n: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    prompts = [rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(n)]
-    completions = [rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(n)]
-    return prompts, completions
-
-
-def assert_matches_reference(running, model_name, prompts, completions, logprobs, temperature=1.0, entropies=None):
-    model = running.scorer(model_name).model
-    assert_scores_close(model, as_sequences(prompts, completions), logprobs, entropies, temperature)
+from tests.helpers.calls import assert_matches_reference, random_batch, trl_layout
+from tests.helpers.server import start, stop, test_settings
 
 
 @pytest.mark.parametrize("model_name", ["default", "gemma"])
@@ -46,19 +35,6 @@ async def test_async_client_lists(running, rng):
     async with AsyncLogprobClient(running.target) as client:
         logprobs = await client.score(prompts, completions)
     assert_matches_reference(running, "default", prompts, completions, logprobs)
-
-
-def trl_layout(rng, prompts, completions, pad_id=0):
-    """Left-padded prompts and right-padded completions with masks, as TRL's GRPOTrainer holds them."""
-    b, p_len, c_len = len(prompts), max(map(len, prompts)), max(map(len, completions))
-    prompt_ids = np.full((b, p_len), pad_id, dtype=np.int64)
-    prompt_mask = np.zeros((b, p_len), dtype=np.int64)
-    completion_ids = np.full((b, c_len), pad_id, dtype=np.int64)
-    completion_mask = np.zeros((b, c_len), dtype=np.int64)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[i, p_len - len(p) :], prompt_mask[i, p_len - len(p) :] = p, 1
-        completion_ids[i, : len(c)], completion_mask[i, : len(c)] = c, 1
-    return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
 @pytest.mark.parametrize("as_torch", [False, True], ids=["numpy", "torch"])

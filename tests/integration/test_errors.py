@@ -7,43 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 import grpc
 import numpy as np
 import pytest
 from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded, Unavailable
-from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from tests.integration.conftest import start, stop, test_settings
-
-
-def request(*seqs, model="", temperature=0.0, request_id="") -> pb.ScoreRequest:
-    return pb.ScoreRequest(
-        request_id=request_id,
-        model=model,
-        temperature=temperature,
-        sequences=[pb.Sequence(prompt_ids=p, completion_ids=c) for p, c in seqs],
-    )
-
-
-async def call(target: str, req: pb.ScoreRequest, timeout: float = 30.0):
-    async with grpc.aio.insecure_channel(target) as channel:
-        return await pb_grpc.LogprobServiceStub(channel).ScoreTokens(req, timeout=timeout)
-
-
-async def expect(target, req, code, *fragments, timeout=30.0) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call(target, req, timeout)
-    err = info.value
-    assert err.code() == code, err.details()
-    for fragment in fragments:
-        assert fragment in err.details(), (fragment, err.details())
-    return err
-
-
-OK = ([1, 2, 3], [4, 5])
+from tests.helpers.calls import OK, Gate, call, expect, request
+from tests.helpers.server import start, stop, test_settings
 
 
 @pytest.mark.parametrize(
@@ -102,35 +74,13 @@ async def test_client_raises_typed_invalid_request_with_server_message(running):
     assert "sequences[0].completion_ids[0]: token id 5000" in info.value.message
 
 
-class Gate:
-    """Holds the scorer of a model until released, counting the sequences of each micro-batch."""
-
-    def __init__(self, running, model="default"):
-        self.scorer = running.scorer(model)
-        self.original = self.scorer.launch
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.calls: list[int] = []
-        self.scorer.launch = self._launch
-
-    def _launch(self, batch, **kwargs):
-        self.calls.append(len(batch.completion_lengths))
-        self.entered.set()
-        assert self.release.wait(30), "test never released the gate"
-        return self.original(batch, **kwargs)
-
-    def restore(self):
-        self.release.set()
-        self.scorer.launch = self.original
-
-
 async def test_queue_full_is_resource_exhausted_with_retry_hint(gemma_checkpoint):
     running = await start(test_settings(gemma_checkpoint, max_queued_tokens=4000))
     gate = Gate(running)
     try:
         big = ([1] * 100, [2] * 100)
         blocker = asyncio.create_task(call(running.target, request(*[big] * 16)))  # 3200 tokens queued
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         err = await expect(
             running.target,
             request(*[big] * 5),  # 1000 more would pass 4000
@@ -155,7 +105,7 @@ async def test_deadline_passed_while_queued_is_dropped_before_compute(running):
     gate = Gate(running)
     try:
         blocker = asyncio.create_task(call(running.target, request(OK)))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         with LogprobClient(running.target) as client, pytest.raises(DeadlineExceeded):
             await asyncio.to_thread(client.score, [[1, 2]], [[3]], timeout=0.3)
         gate.release.set()

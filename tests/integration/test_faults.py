@@ -20,12 +20,10 @@ from logprob_client import DeadlineExceeded, LogprobClient, ScoreInput
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.models.builtin import build_builtin
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_e2e import assert_matches_reference
-from tests.integration.test_errors import Gate, request
-from tests.integration.test_limits import random_sequence
-from tests.models import as_sequences, assert_scores_close
-from tests.waiting import eventually
+from tests.helpers.calls import Gate, assert_matches_reference, random_sequence, request
+from tests.helpers.models import as_sequences, assert_scores_close
+from tests.helpers.server import start, stop, test_settings
+from tests.helpers.waiting import eventually
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from load_test import ServerProcess
@@ -103,7 +101,7 @@ async def test_client_disconnecting_mid_request(running, rng):
     try:
         held = random_sequence(rng, 3, 2)
         other = asyncio.create_task(score(running.target, held))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         # A client queues a request and a stream of two, then its connection goes away.
         channel = grpc.aio.insecure_channel(running.target)
         stub = pb_grpc.LogprobServiceStub(channel)
@@ -141,7 +139,7 @@ async def test_deadline_expiring_while_queued_is_not_retried(running, caplog, rn
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         held = asyncio.create_task(score(running.target, random_sequence(rng, 3, 2)))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         late = random_sequence(rng, 4, 3)  # 7 tokens: its log lines are told apart by that
         with LogprobClient(running.target) as client, pytest.raises(DeadlineExceeded):
             await asyncio.to_thread(client.score, [late[0]], [late[1]], timeout=0.5)
@@ -166,7 +164,7 @@ async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog, 
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         held = asyncio.create_task(score(running.target, random_sequence(rng, 150, 100)))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         p, c = random_sequence(rng, 60, 41)  # 101 tokens: 250 + 101 > 300
         with LogprobClient(running.target, timeout=30) as client:
             pending = client.score_async([p], [c])

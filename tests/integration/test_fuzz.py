@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.engine.validation import MIN_TEMPERATURE
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_e2e import assert_matches_reference, random_batch
+from tests.helpers.calls import assert_matches_reference, random_batch
+from tests.helpers.server import start, stop, test_settings
 
 MAX_MESSAGE_BYTES = 4 * 1024**2
 FUZZ = settings(

@@ -12,14 +12,9 @@ import pytest
 from logprob_client import LogprobClient
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_e2e import assert_matches_reference
-from tests.integration.test_errors import Gate, expect, request
-from tests.waiting import eventually
-
-
-def random_sequence(rng, prompt: int, completion: int) -> tuple[list[int], list[int]]:
-    return rng.integers(0, 4096, prompt).tolist(), rng.integers(0, 4096, completion).tolist()
+from tests.helpers.calls import Gate, assert_matches_reference, expect, random_sequence, request
+from tests.helpers.server import start, stop, test_settings
+from tests.helpers.waiting import eventually
 
 
 async def score_raw(target, req, token=None):
@@ -50,7 +45,7 @@ async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_ch
         # The greedy client queues 1000 tokens (its whole share); the first is held on the device.
         held = [asyncio.create_task(score_raw(running.target, request(s), greedy)) for s in seqs[:5]]
         await eventually(lambda: scheduler.admission.queued_tokens == 1000, "the greedy client's 1000 tokens")
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         metadata = (("authorization", f"Bearer {greedy}"),)
         async with grpc.aio.insecure_channel(running.target) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -80,7 +75,7 @@ async def test_without_authentication_the_client_is_its_ip_address(gemma_checkpo
     gate = Gate(running)
     try:
         first = asyncio.create_task(score_raw(running.target, request(random_sequence(rng, 100, 100))))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         # Another connection from the same host is the same client.
         await expect(
             running.target,
@@ -105,7 +100,7 @@ async def test_rpcs_beyond_the_connection_limit_wait_for_a_stream(gemma_checkpoi
         with LogprobClient(running.target) as client:
             # Six calls on one connection: two streams are open at a time, so two reach the server.
             pending = [client.score_async([p], [c]) for p, c in seqs[:6]]
-            await asyncio.to_thread(gate.entered.wait, 10)
+            await gate.wait_entered()
             await eventually(lambda: scheduler.admission.queued_tokens == 10, "two calls")
             await asyncio.sleep(0.5)
             assert scheduler.admission.queued_tokens == 10, "more RPCs arrived than the connection limit allows"

@@ -18,9 +18,8 @@ from logprob_client import AsyncLogprobClient, FailedPrecondition
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from tests.integration.conftest import start, stop
-from tests.integration.test_weight_updates import as_lists, assert_scores_match, live, new_seed, settings
-from tests.models import make_model, random_sequences
+from tests.helpers.models import make_model, random_sequences
+from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
 
 pytestmark = pytest.mark.numerical
 

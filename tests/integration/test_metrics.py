@@ -19,21 +19,9 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service import __version__
 from prometheus_client import REGISTRY
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_errors import Gate, call, expect, request
-
-
-def value(name: str, **labels: str) -> float:
-    """A sample's value; 0 for a series that does not exist yet."""
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-def snapshot(*names: str, **labels: str) -> dict[str, float]:
-    return {name: value(name, **labels) for name in names}
-
-
-def moved(before: dict[str, float], **labels: str) -> dict[str, float]:
-    return {name: value(name, **labels) - was for name, was in before.items()}
+from tests.helpers.calls import Gate, call, expect, request
+from tests.helpers.metrics import moved, snapshot, value
+from tests.helpers.server import start, stop, test_settings
 
 
 def random_sequences(rng: np.random.Generator, n: int) -> list[tuple[list[int], list[int]]]:
@@ -153,7 +141,7 @@ async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_c
     try:
         big = ([1] * 100, [2] * 100)
         blocker = asyncio.create_task(call(running.target, request(*[big] * 16)))  # 3200 tokens
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         assert value("logprob_queue_requests", model="default") == 1
         assert value("logprob_queue_tokens", model="default") == 3200
         await expect(running.target, request(*[big] * 5), grpc.StatusCode.RESOURCE_EXHAUSTED)

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 from logprob_client import LogprobClient
 
-from tests.integration.test_e2e import assert_matches_reference, random_batch, trl_layout
-from tests.integration.test_errors import Gate
+from tests.helpers.calls import Gate, assert_matches_reference, random_batch, trl_layout
 
 
 def dense_batch(rng: np.random.Generator, rows: int):

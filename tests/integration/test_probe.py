@@ -6,9 +6,9 @@ import asyncio
 import os
 import sys
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_cli import ROOT
-from tests.integration.test_errors import OK, Gate, call, request
+from tests.helpers.calls import OK, Gate, call, request
+from tests.helpers.processes import ROOT
+from tests.helpers.server import start, stop, test_settings
 
 
 async def probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -45,7 +45,7 @@ async def test_probe_follows_the_server_from_warm_up_to_drain(gemma_checkpoint):
         # Drain with a request in flight: the first step turns health NOT_SERVING...
         gate = Gate(running)
         in_flight = asyncio.create_task(call(running.target, request(OK, request_id="in-flight")))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         await running.service.state.draining()
         assert await probe("--address", running.target) == (1, "NOT_SERVING")
         # ...the next closes the port while the in-flight request finishes: still a failing probe.

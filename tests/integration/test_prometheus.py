@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from tests.deploy import NO_PROMETHEUS, ROOT, dashboard, dashboard_queries, which
-from tests.integration.test_errors import call, request
+from tests.helpers.calls import call, request
+from tests.helpers.deploy import NO_PROMETHEUS, ROOT, dashboard, dashboard_queries, which
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import promstats

@@ -18,9 +18,9 @@ from logprob_client import LogprobClient
 from logprob_service.models.builtin import build_builtin
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_cli import free_port, launch, wait_serving
-from tests.models import ScoreReference, as_sequences
-from tests.waiting import wait_until
+from tests.helpers.models import ScoreReference, as_sequences
+from tests.helpers.processes import free_port, launch, wait_serving
+from tests.helpers.waiting import wait_until
 
 SEQUENCES_PER_CALL = 4
 SEQUENCES_PER_RPC = 2  # so each call is 2 RPCs in flight together

@@ -10,9 +10,9 @@ import torch
 from logprob_client import AsyncLogprobClient, Overloaded
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_errors import OK, Gate, call, request
-from tests.models import as_sequences, assert_scores_close
+from tests.helpers.calls import OK, Gate, call, request
+from tests.helpers.models import as_sequences, assert_scores_close
+from tests.helpers.server import start, stop, test_settings
 
 
 class LaunchSpy:
@@ -95,7 +95,7 @@ async def test_cancelled_rpc_leaves_the_queue_without_compute(running):
     scheduler = running.service.scheduler
     try:
         blocker = asyncio.create_task(call(running.target, request(OK)))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        await gate.wait_entered()
         async with grpc.aio.insecure_channel(running.target) as channel:
             queued = pb_grpc.LogprobServiceStub(channel).ScoreTokens(request(([1] * 40, [2] * 60)))
             for _ in range(100):

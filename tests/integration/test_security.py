@@ -30,10 +30,10 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.security import tls as transport
 from prometheus_client import REGISTRY
 
-from tests.certs import OTHER_NAME, make_pki
-from tests.integration.conftest import start, stop, test_settings
-from tests.integration.test_cli import free_port, launch
-from tests.integration.test_e2e import assert_matches_reference, random_batch
+from tests.helpers.calls import assert_matches_reference, random_batch
+from tests.helpers.certs import OTHER_NAME, make_pki
+from tests.helpers.processes import free_port, launch
+from tests.helpers.server import start, stop, test_settings
 
 DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 

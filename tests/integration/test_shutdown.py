@@ -10,16 +10,16 @@ from grpc_health.v1 import health_pb2
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.health import Phase
 
-from tests.integration.conftest import start, test_settings
-from tests.integration.test_errors import OK, Gate, call, request
-from tests.waiting import eventually
+from tests.helpers.calls import OK, Gate, call, request
+from tests.helpers.server import start, test_settings
+from tests.helpers.waiting import eventually
 
 
 async def test_drain_finishes_in_flight_work_and_refuses_new(gemma_checkpoint):
     running = await start(test_settings(gemma_checkpoint))
     gate = Gate(running)
     in_flight = asyncio.create_task(call(running.target, request(OK, request_id="in-flight")))
-    await asyncio.to_thread(gate.entered.wait, 10)
+    await gate.wait_entered()
     drain = asyncio.create_task(running.service.drain(running.server, grace_s=20))
     await eventually(lambda: running.service.state.phase is Phase.DRAINING, "the drain to begin")
     # Draining: health says NOT_SERVING and a new call is refused.
@@ -47,7 +47,7 @@ async def test_drain_refuses_new_calls_at_once_on_a_connection_already_open(gemm
             await stub.ScoreTokens(request(OK), timeout=30)  # the connection is open
             gate = Gate(running)
             in_flight = stub.ScoreTokens(request(OK, request_id="in-flight"), timeout=30)
-            await asyncio.to_thread(gate.entered.wait, 10)
+            await gate.wait_entered()
             drain = asyncio.create_task(running.service.drain(running.server, grace_s=20))
             await eventually(lambda: running.service.state.phase is Phase.DRAINING, "the drain to begin")
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -26,8 +26,8 @@ from logprob_client.integrations.trl import RemoteReference, RemoteReferenceGRPO
 from logprob_service.models.builtin import build_builtin, tiny_llama_tokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from tests.integration.conftest import start, stop, test_settings
-from tests.models import ScoreReference, as_sequences
+from tests.helpers.models import ScoreReference, as_sequences
+from tests.helpers.server import start, stop, test_settings
 
 STEPS = 3
 BETA = 0.1  # the KL coefficient

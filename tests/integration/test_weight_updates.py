@@ -17,28 +17,15 @@ from logprob_client import AsyncLogprobClient, FailedPrecondition, InvalidReques
 from logprob_client.weights import update_requests
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.config import Settings
 from logprob_service.models.weights import model_fingerprint
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import session_seed
-from tests.integration.conftest import start, stop
-from tests.models import ScoreReference, assert_scores_close, make_model, random_sequences
-from tests.waiting import eventually
+from tests.helpers.models import ScoreReference, make_model, random_sequences
+from tests.helpers.seeds import session_seed
+from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
+from tests.helpers.waiting import eventually
 
 ATOL = 1e-5
-
-
-def new_seed(rng: np.random.Generator) -> int:
-    """A seed for a random model, drawn from the test's generator."""
-    return int(rng.integers(1 << 30))
-
-
-def settings(models: dict[str, str], **overrides) -> Settings:
-    values = dict(
-        host="127.0.0.1", port=0, metrics_port=0, models=models, device="cpu", max_batch_tokens=256, grace_period_s=5
-    )
-    return Settings(**(values | overrides))
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +40,6 @@ async def served(checkpoint: Path):
     running = await start(settings({"policy": str(checkpoint)}))
     yield running
     await stop(running)
-
-
-def as_lists(sequences) -> tuple[list[list[int]], list[list[int]]]:
-    return [s.prompt_ids.tolist() for s in sequences], [s.completion_ids.tolist() for s in sequences]
-
-
-def assert_scores_match(model, sequences, logprobs) -> None:
-    assert_scores_close(model, sequences, logprobs)
-
-
-async def live(client: AsyncLogprobClient, name: str):
-    return next(m for m in await client.list_models() if m.name == name)
 
 
 async def test_after_an_update_scores_are_those_of_the_new_weights(served, tmp_path, rng):

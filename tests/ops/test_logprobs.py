@@ -10,8 +10,8 @@ import pytest
 import torch
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, rows_per_chunk
 
-from tests import tolerances
-from tests.op_reference import random_case, reference
+from tests.helpers import tolerances
+from tests.helpers.op_reference import random_case, reference
 
 pytestmark = pytest.mark.numerical
 

@@ -29,7 +29,7 @@ import pytest
 import yaml
 from logprob_service.config import Settings
 
-from tests.deploy import (
+from tests.helpers.deploy import (
     COMPOSE,
     DOCKERFILE,
     GRAFANA_DIR,

@@ -31,8 +31,8 @@ from logprob_service.ops.attention import (
 )
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-from tests.models import ARCHITECTURES, COMMON, VOCAB, make_model
-from tests.unit.test_packed_attention import own_hidden, packed_hidden
+from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, make_model
+from tests.helpers.packed import own_hidden, packed_hidden
 
 pytestmark = [
     pytest.mark.gpu,

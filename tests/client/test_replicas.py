@@ -16,7 +16,7 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.server import server_options
 from logprob_service.config import Settings
 
-from tests.fake_server import serving
+from tests.helpers.fake_server import serving
 
 
 class Replica(pb_grpc.LogprobServiceServicer):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy import (
+from tests.helpers.deploy import (
     GRAFANA_DIR,
     NO_PROMETHEUS,
     PROMETHEUS_DIR,

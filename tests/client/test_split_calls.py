@@ -17,7 +17,7 @@ from logprob_client import AsyncLogprobClient, Cancelled, InvalidRequest, Logpro
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from tests.fake_server import serving
+from tests.helpers.fake_server import serving
 
 BAD_TOKEN = 999_999  # the servicer refuses a request holding it
 ARRIVAL_TIMEOUT_S = 10.0

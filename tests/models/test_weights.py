@@ -11,7 +11,7 @@ from logprob_client.weights import update_requests
 from logprob_service.errors import InvalidArgument
 from logprob_service.models.weights import UpdatableWeights, fingerprint, model_digests, tensor_digests
 
-from tests.models import make_model
+from tests.helpers.models import make_model
 
 
 def test_tied_weights_answer_to_either_name_and_count_once(seed):

@@ -28,8 +28,9 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager_attention
 
-from tests import tolerances
-from tests.models import ARCHITECTURES, COMMON, VOCAB, make_model
+from tests.helpers import tolerances
+from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, make_model
+from tests.helpers.packed import own_hidden, packed_hidden
 
 pytestmark = pytest.mark.numerical
 
@@ -82,22 +83,6 @@ def pack(rng: np.random.Generator, lengths: list[int]) -> tuple[list[torch.Tenso
         "cu_seqlens": cu,
     }
     return seqs, packed
-
-
-@torch.no_grad()
-def packed_hidden(model: PreTrainedModel, packed: dict[str, torch.Tensor], max_len: int) -> torch.Tensor:
-    out = model.base_model(
-        input_ids=packed["input_ids"],
-        position_ids=packed["position_ids"],
-        use_cache=False,
-        **packed_forward_kwargs(packed["cu_seqlens"], max_len),
-    )
-    return out.last_hidden_state[0]  # [T, H]
-
-
-@torch.no_grad()
-def own_hidden(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
-    return model.base_model(input_ids=ids[None], use_cache=False).last_hidden_state[0]  # [L, H]
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from logprob_client import (
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from tests.fake_server import serving
+from tests.helpers.fake_server import serving
 
 
 class Flaky(pb_grpc.LogprobServiceServicer):

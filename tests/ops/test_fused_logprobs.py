@@ -27,8 +27,8 @@ from logprob_service.ops.fused_logprobs import (  # noqa: E402  (after the impor
 )
 from logprob_service.ops.logprobs import LogitTransform  # noqa: E402
 
-from tests import tolerances  # noqa: E402
-from tests.op_reference import random_case, reference  # noqa: E402
+from tests.helpers import tolerances  # noqa: E402
+from tests.helpers.op_reference import random_case, reference  # noqa: E402
 
 pytestmark = pytest.mark.numerical
 

@@ -16,7 +16,7 @@ from logprob_service.domain import TokenSequence
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 
-from tests.models import ARCHITECTURES, VOCAB, ScoreReference, assert_scores_close, make_model, random_sequences
+from tests.helpers.models import ARCHITECTURES, VOCAB, ScoreReference, assert_scores_close, make_model, random_sequences
 
 pytestmark = pytest.mark.numerical
 

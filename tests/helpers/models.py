@@ -24,7 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from tests import tolerances
+from tests.helpers import tolerances
 
 VOCAB = 517  # odd on purpose: no power-of-two assumptions
 COMMON = dict(

@@ -1,29 +1,17 @@
-"""A real server on loopback: create_server on port 0, CPU, float32.
-
-Two models: ``default`` (builtin:tiny-llama) and ``gemma`` (a small random Gemma 2 saved as a
-Hugging Face checkpoint directory and loaded from it, the way users serve their own models).
-"""
+"""A real server in the test's event loop, on loopback (create_server on port 0, CPU, float32),
+and what tests need to reach it and check its models."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import grpc
-import pytest
-import pytest_asyncio
+import numpy as np
+from logprob_client import AsyncLogprobClient
 from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
-from logprob_service.observability.metrics import start_metrics_server
 
-from tests.conftest import session_seed
-from tests.models import make_model
-
-
-@pytest.fixture(scope="session")
-def gemma_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("gemma2-checkpoint")
-    make_model("gemma2", tied=True, seed=session_seed("gemma2-checkpoint")).save_pretrained(path)
-    return path
+from tests.helpers.models import assert_scores_close
 
 
 def test_settings(gemma_checkpoint: Path, **overrides) -> Settings:
@@ -40,9 +28,6 @@ def test_settings(gemma_checkpoint: Path, **overrides) -> Settings:
     )
     values.update(overrides)
     return Settings(**values)
-
-
-test_settings.__test__ = False  # a helper, not a test
 
 
 class Running:
@@ -72,17 +57,28 @@ async def stop(running: Running) -> None:
     await running.service.close()
 
 
-@pytest_asyncio.fixture
-async def running(gemma_checkpoint: Path):
-    server = await start(test_settings(gemma_checkpoint))
-    yield server
-    await stop(server)
+test_settings.__test__ = False  # a helper, not a test
 
 
-@pytest.fixture(scope="session")
-def metrics_url():
-    """/metrics of this process (the series are process-wide), on a free port, as a server serves it."""
-    server = start_metrics_server("127.0.0.1", 0)
-    yield f"http://127.0.0.1:{server.server_port}/metrics"
-    server.shutdown()
-    server.server_close()
+def new_seed(rng: np.random.Generator) -> int:
+    """A seed for a random model, drawn from the test's generator."""
+    return int(rng.integers(1 << 30))
+
+
+def settings(models: dict[str, str], **overrides) -> Settings:
+    values = dict(
+        host="127.0.0.1", port=0, metrics_port=0, models=models, device="cpu", max_batch_tokens=256, grace_period_s=5
+    )
+    return Settings(**(values | overrides))
+
+
+def as_lists(sequences) -> tuple[list[list[int]], list[list[int]]]:
+    return [s.prompt_ids.tolist() for s in sequences], [s.completion_ids.tolist() for s in sequences]
+
+
+def assert_scores_match(model, sequences, logprobs) -> None:
+    assert_scores_close(model, sequences, logprobs)
+
+
+async def live(client: AsyncLogprobClient, name: str):
+    return next(m for m in await client.list_models() if m.name == name)

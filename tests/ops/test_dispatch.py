@@ -7,8 +7,8 @@ import torch
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
 from logprob_service.ops.logprobs import LogitTransform
 
-from tests import tolerances
-from tests.op_reference import random_case, reference
+from tests.helpers import tolerances
+from tests.helpers.op_reference import random_case, reference
 
 pytestmark = pytest.mark.numerical
 

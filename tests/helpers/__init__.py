@@ -1,0 +1,1 @@
+"""What the tests share: models and references, tolerances, servers, calls, waits (no tests here)."""

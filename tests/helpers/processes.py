@@ -1,0 +1,44 @@
+"""``logprob-service serve`` in a subprocess on loopback, as users run it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from logprob_service.api.probe import check as health_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited early with {proc.returncode}"
+        if health_check(target, timeout_s=1)[0]:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{target} never became SERVING")
+
+
+def launch(*args: str, env: dict | None = None, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """``logprob-service serve`` in a subprocess; its output to ``stdout`` (read it, or the server
+    blocks once the pipe is full; a file does not fill)."""
+    path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "logprob_service.cli", "serve", *args],
+        env=full_env,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )

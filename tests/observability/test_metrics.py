@@ -1,0 +1,46 @@
+"""Prometheus series from stats records and from the live registries (``observability.metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from logprob_service.domain import ModelInfo, Timings
+from logprob_service.engine.registry import ModelRegistry
+from logprob_service.observability import metrics
+from logprob_service.stats import BatchLaunched, QueueChanged, RequestScored
+
+from tests.helpers.metrics import value
+
+
+@dataclass
+class Served:
+    info: ModelInfo
+
+
+def info(name: str, version: int = 0) -> ModelInfo:
+    return ModelInfo(name, "src", "LlamaForCausalLM", 100, 64, "float32", "cpu", version, f"fp-{version}")
+
+
+def test_records_move_their_series():
+    sink = metrics.PrometheusStats()
+    before = value("logprob_tokens_scored_total", model="obs-m"), value("logprob_queue_tokens", model="obs-m")
+    sink.record(QueueChanged("obs-m", tokens=30))
+    sink.record(BatchLaunched("obs-m", tokens=30, sequences=2))
+    sink.record(RequestScored("obs-m", tokens=30, sequences=2, timings=Timings(1, 2, 3_000_000)))
+    assert value("logprob_tokens_scored_total", model="obs-m") == before[0] + 30
+    assert value("logprob_queue_tokens", model="obs-m") == before[1] + 30
+    assert value("logprob_request_duration_seconds_sum", model="obs-m") >= 0.003
+
+
+def test_models_are_read_from_the_live_registry_and_labels_stay_bounded():
+    registry = ModelRegistry()
+    served = Served(info("obs-live"))
+    registry.add(served)
+    metrics.track(registry)
+    assert metrics.model_label("obs-live") == "obs-live" and metrics.model_label("nobody") == ""
+    assert value("logprob_model_version", model="obs-live") == 0
+    served.info = info("obs-live", version=3)  # a weight swap: no one republishes anything
+    assert value("logprob_model_version", model="obs-live") == 3
+    labels = dict(model="obs-live", architecture="LlamaForCausalLM", source="src", dtype="float32", device="cpu")
+    assert value("logprob_model_info", **labels, version="3", fingerprint="fp-3") == 1
+    assert value("logprob_model_info", **labels, version="0", fingerprint="fp-0") == 0  # gone with the swap
