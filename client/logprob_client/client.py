@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict, Unpack
 
 import grpc
 import numpy as np
@@ -33,6 +34,61 @@ from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, update_requests
 from .wire import ModelInfo, Options, ScoreInput, collect, model_info, result, score_request
 
 DEFAULT_TIMEOUT_S = 120.0
+
+
+class ScoreKeywords(TypedDict, total=False):
+    """The keywords of ``score``, ``score_async`` and ``score_many`` (all optional).
+
+    ``model``: the model to score with (default: the client's); ``temperature``: the sampling
+    temperature the log-probs are taken at (1.0); ``return_entropy``: also return each token's
+    entropy, as a second value (False); ``min_version``: score only with weights of at least this
+    version, waiting for it within the deadline (0: any); ``timeout``: this call's deadline in
+    seconds (the client's). ``score`` and ``score_async`` also take ``prompt_mask`` and
+    ``completion_mask`` (dense inputs, ``logprob_client.inputs``); ``score_many`` takes
+    ``return_exceptions`` (a failed batch's error takes its place instead of being raised).
+    """
+
+    model: str | None
+    temperature: float
+    return_entropy: bool
+    min_version: int
+    timeout: float | None
+    prompt_mask: Any
+    completion_mask: Any
+    return_exceptions: bool
+
+
+class UpdateKeywords(TypedDict, total=False):
+    """The keywords of ``update_weights``: ``version`` (0: the live one + 1), ``partial`` (False: every
+    weight must come; True: only those given are replaced), ``chunk_bytes`` (the size of the pieces
+    tensors are streamed in), ``timeout`` (seconds)."""
+
+    version: int
+    partial: bool
+    chunk_bytes: int
+    timeout: float | None
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """A scoring call, prepared: each batch's layout and requests, and how to answer."""
+
+    calls: list[tuple[Prepared, list[pb.ScoreRequest]]]
+    return_entropy: bool
+    timeout: float
+    return_exceptions: bool
+
+    @property
+    def requests(self) -> list[pb.ScoreRequest]:
+        return [request for _, requests in self.calls for request in requests]
+
+    def result(self, responses: Sequence[pb.ScoreResponse]) -> Any:
+        """The one batch's answer from its responses, in part order."""
+        ((prepared, _),) = self.calls
+        return result(prepared, responses, self.return_entropy)
+
+    def collected(self, responses: dict[str, pb.ScoreResponse]) -> list[Any]:
+        return collect(self.calls, responses, self.return_entropy, self.return_exceptions)
 
 
 class _Client:
@@ -80,29 +136,53 @@ class _Client:
     def max_attempts(self) -> int:
         return self.connection.max_attempts
 
-    def options(self, model: str | None, temperature: float, return_entropy: bool, min_version: int) -> Options:
+    def prepare(
+        self,
+        inputs: Iterable[ScoreInput],
+        *,
+        model: str | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        min_version: int = 0,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> _Scoring:
+        """Check the options and build every batch's requests, one per part (none when every
+        completion is masked out: that answer is all zeros, made locally, as the server would
+        refuse an empty request)."""
         if not (temperature > 0 and np.isfinite(temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         if min_version < 0:
             raise ValueError(f"min_version must be >= 0 (0: any version), got {min_version}")
-        return Options(model or self.model, temperature, return_entropy, min_version)
+        options = Options(model or self.model, temperature, return_entropy, min_version)
+        calls = []
+        for inp in inputs:
+            prepared = prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
+            if not prepared.sequences and prepared.dense_shape is not None:
+                calls.append((prepared, []))
+                continue
+            seqs = prepared.sequences
+            parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits)
+            calls.append((prepared, [score_request(seqs[part], options) for part in parts]))
+        return _Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions)
 
-    def prepare_call(self, inp: ScoreInput, options: Options) -> tuple[Prepared, list[pb.ScoreRequest]]:
-        """The prepared input and its requests, one per part (none when every completion is masked
-        out: that answer is all zeros, made locally, as the server would refuse an empty request)."""
-        prepared = prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
-        if not prepared.sequences and prepared.dense_shape is not None:
-            return prepared, []
-        seqs = prepared.sequences
-        parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits)
-        return prepared, [score_request(seqs[part], options) for part in parts]
+    def prepare_one(self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords) -> _Scoring:
+        """``prepare`` of one batch given as ``score`` takes it."""
+        masks = {name: keywords.pop(name, None) for name in ("prompt_mask", "completion_mask")}  # type: ignore[misc]
+        return self.prepare([ScoreInput(prompt_ids, completion_ids, **masks)], **keywords)
 
-    def prepare_many(
-        self, inputs: Iterable[ScoreInput], options: Options
-    ) -> tuple[list[tuple[Prepared, list[pb.ScoreRequest]]], list[pb.ScoreRequest]]:
-        """Every batch's prepared call, and all their requests, to stream."""
-        calls = [self.prepare_call(inp, options) for inp in inputs]
-        return calls, [request for _, requests in calls for request in requests]
+    @staticmethod
+    def update(
+        model: str,
+        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int = 0,
+        partial: bool = False,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+    ) -> tuple[Iterator[pb.UpdateWeightsRequest], float | None]:
+        """An UpdateWeights stream (read lazily, one tensor at a time) and its timeout."""
+        return update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes), timeout
 
     @staticmethod
     def load_request(model: str, path: str, version: int, partial: bool) -> pb.LoadWeightsRequest:
@@ -121,72 +201,27 @@ class LogprobClient(_Client):
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
-    def score(
-        self,
-        prompt_ids: Any,
-        completion_ids: Any,
-        *,
-        model: str | None = None,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        min_version: int = 0,
-        prompt_mask: Any = None,
-        completion_mask: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
+    def score(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> Any:
         """Log-probs of every completion token (and entropies, as a second value, when asked).
 
         Lists in -> list of float32 arrays out; 2-D arrays/tensors in -> one (B, C) array/tensor
-        out (see ``logprob_client.inputs``).
+        out (see ``logprob_client.inputs``). Keywords: ``ScoreKeywords``.
         """
-        return self.score_async(
-            prompt_ids,
-            completion_ids,
-            model=model,
-            temperature=temperature,
-            return_entropy=return_entropy,
-            min_version=min_version,
-            prompt_mask=prompt_mask,
-            completion_mask=completion_mask,
-            timeout=timeout,
-        ).result()
+        return self.score_async(prompt_ids, completion_ids, **keywords).result()
 
-    def score_async(
-        self,
-        prompt_ids: Any,
-        completion_ids: Any,
-        *,
-        model: str | None = None,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        min_version: int = 0,
-        prompt_mask: Any = None,
-        completion_mask: Any = None,
-        timeout: float | None = None,
-    ) -> ScoreFuture:
+    def score_async(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> ScoreFuture:
         """``score`` without waiting: the RPCs are sent before this returns, and ``.result()``
         gives what ``score`` would have returned. The inputs are read before it returns, so the
         caller may reuse their buffers at once.
         """
-        inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
-        prepared, requests = self.prepare_call(inp, self.options(model, temperature, return_entropy, min_version))
+        scoring = self.prepare_one(prompt_ids, completion_ids, keywords)
         calls = [
-            self._stub.ScoreTokens.future(request, timeout=timeout or self.timeout, wait_for_ready=True)
-            for request in requests
+            self._stub.ScoreTokens.future(request, timeout=scoring.timeout, wait_for_ready=True)
+            for request in scoring.requests
         ]
-        return ScoreFuture(calls, lambda responses: result(prepared, responses, return_entropy))
+        return ScoreFuture(calls, scoring.result)
 
-    def score_many(
-        self,
-        inputs: Iterable[ScoreInput],
-        *,
-        model: str | None = None,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        min_version: int = 0,
-        timeout: float | None = None,
-        return_exceptions: bool = False,
-    ) -> list[Any]:
+    def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
         """Score several batches pipelined over one stream; results in input order.
 
         A batch larger than the RPC limits goes as several requests on the stream. A failed
@@ -194,35 +229,26 @@ class LogprobClient(_Client):
         broken by UNAVAILABLE or RESOURCE_EXHAUSTED (a server restart) is resumed on a new one
         with the requests still unanswered (``resume.py``).
         """
-        calls, requests = self.prepare_many(inputs, self.options(model, temperature, return_entropy, min_version))
-        resume = StreamResume(requests, timeout or self.timeout, self.max_attempts)
-        while True:
-            error = None
-            try:
-                stream = self._stub.ScoreTokensStream(
-                    iter(resume.next_stream()), timeout=resume.remaining_s(), wait_for_ready=True
-                )
-                for response in stream:
-                    resume.take(response)
-            except grpc.RpcError as err:
-                error = err
-            delay = resume.retry_after_s(error)
-            if delay is None:
-                return collect(calls, resume.responses, return_entropy, return_exceptions)
+        scoring = self.prepare(inputs, **keywords)
+        resume = StreamResume(scoring.requests, scoring.timeout, self.max_attempts)
+        while (delay := resume.retry_after_s(self._stream_once(resume))) is not None:
             time.sleep(delay)
+        return scoring.collected(resume.responses)
+
+    def _stream_once(self, resume: StreamResume) -> grpc.RpcError | None:
+        """Send the unanswered requests on one stream and take its answers; how it broke, if it did."""
+        try:
+            for response in self._stub.ScoreTokensStream(**resume.next_stream()):
+                resume.take(response)
+        except grpc.RpcError as err:
+            return err
+        return None
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         return [model_info(m) for m in self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout).models]
 
     def update_weights(
-        self,
-        model: str,
-        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
-        *,
-        version: int = 0,
-        partial: bool = False,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout: float | None = None,
+        self, model: str, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], **keywords: Unpack[UpdateKeywords]
     ) -> UpdateResult:
         """Push new weights for ``model``; they go live at once, as ``version`` (0: live + 1).
 
@@ -230,8 +256,9 @@ class LogprobClient(_Client):
         the served dtype; for a LoRA model, its PEFT adapter state dict). ``partial=False`` needs
         every weight; ``True`` replaces only those given. Tensors are streamed one
         ``chunk_bytes`` piece at a time. Needs the admin scope where authentication is on.
+        Keywords: ``UpdateKeywords``.
         """
-        requests = update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
+        requests, timeout = self.update(model, weights, **keywords)
         return UpdateResult.from_proto(self._call(self._stub.UpdateWeights, requests, timeout))
 
     def load_weights(
@@ -264,25 +291,12 @@ class AsyncLogprobClient(_Client):
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
-    async def score(
-        self,
-        prompt_ids: Any,
-        completion_ids: Any,
-        *,
-        model: str | None = None,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        min_version: int = 0,
-        prompt_mask: Any = None,
-        completion_mask: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
+    async def score(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> Any:
         """See ``LogprobClient.score``; for overlap, ``asyncio.create_task(client.score(...))``."""
-        inp = ScoreInput(prompt_ids, completion_ids, prompt_mask, completion_mask)
-        prepared, requests = self.prepare_call(inp, self.options(model, temperature, return_entropy, min_version))
+        scoring = self.prepare_one(prompt_ids, completion_ids, keywords)
         calls = [
-            self._stub.ScoreTokens(request, timeout=timeout or self.timeout, wait_for_ready=True)
-            for request in requests
+            self._stub.ScoreTokens(request, timeout=scoring.timeout, wait_for_ready=True)
+            for request in scoring.requests
         ]
         try:
             responses = await asyncio.gather(*calls)
@@ -290,53 +304,34 @@ class AsyncLogprobClient(_Client):
             for call in calls:
                 call.cancel()
             raise error_from_rpc(err) from None
-        return result(prepared, responses, return_entropy)
+        return scoring.result(responses)
 
-    async def score_many(
-        self,
-        inputs: Iterable[ScoreInput],
-        *,
-        model: str | None = None,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        min_version: int = 0,
-        timeout: float | None = None,
-        return_exceptions: bool = False,
-    ) -> list[Any]:
+    async def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
         """See ``LogprobClient.score_many``."""
-        calls, requests = self.prepare_many(inputs, self.options(model, temperature, return_entropy, min_version))
-        resume = StreamResume(requests, timeout or self.timeout, self.max_attempts)
-        while True:
-            error = None
-            try:
-                stream = self._stub.ScoreTokensStream(
-                    iter(resume.next_stream()), timeout=resume.remaining_s(), wait_for_ready=True
-                )
-                async for response in stream:
-                    resume.take(response)
-            except grpc.RpcError as err:
-                error = err
-            delay = resume.retry_after_s(error)
-            if delay is None:
-                return collect(calls, resume.responses, return_entropy, return_exceptions)
+        scoring = self.prepare(inputs, **keywords)
+        resume = StreamResume(scoring.requests, scoring.timeout, self.max_attempts)
+        while (delay := resume.retry_after_s(await self._stream_once(resume))) is not None:
             await asyncio.sleep(delay)
+        return scoring.collected(resume.responses)
+
+    async def _stream_once(self, resume: StreamResume) -> grpc.RpcError | None:
+        """See ``LogprobClient._stream_once``."""
+        try:
+            async for response in self._stub.ScoreTokensStream(**resume.next_stream()):
+                resume.take(response)
+        except grpc.RpcError as err:
+            return err
+        return None
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         response = await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
         return [model_info(m) for m in response.models]
 
     async def update_weights(
-        self,
-        model: str,
-        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
-        *,
-        version: int = 0,
-        partial: bool = False,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout: float | None = None,
+        self, model: str, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], **keywords: Unpack[UpdateKeywords]
     ) -> UpdateResult:
         """See ``LogprobClient.update_weights``."""
-        requests = update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
+        requests, timeout = self.update(model, weights, **keywords)
         return UpdateResult.from_proto(await self._call(self._stub.UpdateWeights, requests, timeout))
 
     async def load_weights(

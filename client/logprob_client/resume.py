@@ -13,6 +13,7 @@ harm; answers are kept by ``request_id``, one per request, so none is counted tw
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import grpc
 from logprob_proto import logprob_pb2 as pb
@@ -34,9 +35,10 @@ class StreamResume:
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
 
-    def next_stream(self) -> list[pb.ScoreRequest]:
+    def next_stream(self) -> dict[str, Any]:
+        """The arguments of the next ``ScoreTokensStream`` call: the requests still unanswered."""
         self.streams += 1
-        return self.pending
+        return {"request_iterator": iter(self.pending), "timeout": self.remaining_s(), "wait_for_ready": True}
 
     def take(self, response: pb.ScoreResponse) -> None:
         self.responses[response.request_id] = response

@@ -29,15 +29,24 @@ _FACTORIES = {
 }
 
 
-async def service_handler(
-    continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-    details: grpc.HandlerCallDetails,
-) -> tuple[grpc.RpcMethodHandler | None, str | None]:
-    """The handler of a call, and its method name when it is one of this service's RPCs (None for
-    health checks and reflection, which the interceptors leave alone)."""
-    handler = await continuation(details)
-    service, _, rpc = details.method.lstrip("/").partition("/")
-    return handler, rpc if handler is not None and service == SERVICE_NAME else None
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """An interceptor of this service's RPCs: ``wrap`` gets the handler of each one, and health
+    checks and reflection pass untouched."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        service, _, rpc = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != SERVICE_NAME:
+            return handler
+        return self.wrap(handler, rpc, handler_call_details)
+
+    def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """The handler that runs instead of ``handler`` for a call of ``rpc``."""
+        raise NotImplementedError
 
 
 def behaviour_of(handler: grpc.RpcMethodHandler) -> Behaviour:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,15 +65,8 @@ async def _guarded(
             account(grpc.StatusCode.OK)
 
 
-class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler, rpc = await handlers.service_handler(continuation, handler_call_details)
-        if rpc is None:
-            return handler
+class ExceptionToStatusInterceptor(handlers.ServiceInterceptor):
+    def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         inner = handlers.behaviour_of(handler)
         client_streaming = bool(handler.request_streaming)
         # A scoring stream accounts for each of its requests itself (servicer.py).

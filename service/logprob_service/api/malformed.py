@@ -13,7 +13,7 @@ the deserializer returns a ``Malformed`` marker instead, and the handler's behav
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,14 +41,9 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler, rpc = await handlers.service_handler(continuation, handler_call_details)
-        if rpc is None or handler.request_deserializer is None:
+class MalformedMessageInterceptor(handlers.ServiceInterceptor):
+    def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if handler.request_deserializer is None:
             return handler
         inner = handlers.behaviour_of(handler)
         deserializer = _tolerant(handler.request_deserializer)

@@ -48,29 +48,29 @@ TOKEN_BUCKETS = tuple(2**k for k in range(4, 21))  # 16 .. 1M tokens
 SEQUENCE_BUCKETS = tuple(2**k for k in range(13))  # 1 .. 4096 sequences
 MEMORY_BUCKETS = (*(int(m * 2**k) for k in range(26, 38) for m in (1, 1.5)), 2**38)  # 64 MiB .. 256 GiB
 
+
+def _latency_seconds(name: str, doc: str) -> Histogram:
+    """A per-model latency histogram in seconds, on the shared buckets."""
+    return Histogram(name, doc, ["model"], buckets=LATENCY_BUCKETS)
+
+
 # Requests and their latency.
 REQUESTS = Counter(
     "logprob_requests",
     "Requests answered, by model, RPC and final gRPC status code.",
     ["model", "rpc", "code"],
 )
-REQUEST_DURATION = Histogram(
+REQUEST_DURATION = _latency_seconds(
     "logprob_request_duration_seconds",
     "Scored requests: arrival at the scheduler to result (the response's metadata.total_ns).",
-    ["model"],
-    buckets=LATENCY_BUCKETS,
 )
-QUEUE_DURATION = Histogram(
+QUEUE_DURATION = _latency_seconds(
     "logprob_request_queue_duration_seconds",
     "Scored requests: arrival to the first micro-batch holding them (metadata.queue_ns).",
-    ["model"],
-    buckets=LATENCY_BUCKETS,
 )
-COMPUTE_DURATION = Histogram(
+COMPUTE_DURATION = _latency_seconds(
     "logprob_request_compute_duration_seconds",
     "Scored requests: device time of the micro-batches holding them, launch to results (metadata.compute_ns).",
-    ["model"],
-    buckets=LATENCY_BUCKETS,
 )
 TOKENS_SCORED = Counter("logprob_tokens_scored", "Prompt + completion tokens scored.", ["model"])
 SEQUENCES_SCORED = Counter("logprob_sequences_scored", "Sequences scored.", ["model"])
@@ -100,19 +100,16 @@ BATCH_PEAK_MEMORY = Histogram(
 
 # What is running.
 BUILD = Info("logprob_build", "Versions of the running service and its main libraries.")
-WEIGHT_UPDATE_DURATION = Histogram(
+WEIGHT_UPDATE_DURATION = _latency_seconds(
     "logprob_weight_update_seconds",
     "Weight updates that went live: from their first message to the end of the swap.",
-    ["model"],
-    buckets=LATENCY_BUCKETS,
 )
-WEIGHT_SWAP_DURATION = Histogram(
+WEIGHT_SWAP_DURATION = _latency_seconds(
     "logprob_weight_swap_seconds",
     "The swap alone of each weight update: scoring of the model paused for this long.",
-    ["model"],
-    buckets=LATENCY_BUCKETS,
 )
 WEIGHT_UPDATE_BYTES = Counter("logprob_weight_update_bytes", "Bytes of weights replaced by updates.", ["model"])
+
 _registries: weakref.WeakSet[ModelRegistry] = weakref.WeakSet()  # the servers of this process
 
 

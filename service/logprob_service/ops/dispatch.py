@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict, Unpack
 
 import torch
 
 from logprob_service.ops.logprobs import (
     DEFAULT_CHUNK_BYTES,
-    IDENTITY,
     LogitTransform,
     TokenScores,
     chunked_token_logprobs,
@@ -28,6 +27,14 @@ log = logging.getLogger(__name__)
 LogprobKernel = Literal["auto", "triton", "eager"]
 
 
+class OpOptions(TypedDict, total=False):
+    """What every implementation of the op takes beside its three tensors."""
+
+    bias: torch.Tensor | None  # [V], or None
+    transform: LogitTransform  # scale, softcap, temperature (default: none)
+    return_entropy: bool
+
+
 @dataclass(frozen=True)
 class LogprobOp:
     """The log-prob stage with its implementation fixed: ``op(hidden, weight, targets, ...)``."""
@@ -36,31 +43,15 @@ class LogprobOp:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # eager only
 
     def __call__(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None = None,
-        transform: LogitTransform = IDENTITY,
-        return_entropy: bool = False,
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Unpack[OpOptions]
     ) -> TokenScores:
-        """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs (and entropies)."""
+        """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs (and entropies);
+        ``options``: ``bias``, ``transform``, ``return_entropy`` (``logprobs.chunked_token_logprobs``)."""
         if self.kernel == "triton":
             from logprob_service.ops.fused_logprobs import fused_token_logprobs
 
-            return fused_token_logprobs(
-                hidden, weight, targets, bias=bias, transform=transform, return_entropy=return_entropy
-            )
-        return chunked_token_logprobs(
-            hidden,
-            weight,
-            targets,
-            bias=bias,
-            transform=transform,
-            return_entropy=return_entropy,
-            chunk_bytes=self.chunk_bytes,
-        )
+            return fused_token_logprobs(hidden, weight, targets, **options)
+        return chunked_token_logprobs(hidden, weight, targets, chunk_bytes=self.chunk_bytes, **options)
 
 
 def _triton_importable() -> bool:

@@ -12,7 +12,7 @@ Every LogprobService call, authenticated or not, then runs with its client ident
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -52,24 +52,17 @@ def authorize(tokens: TokenTable, rpc: str, metadata: Sequence[tuple[str, Any]])
     return principal
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(handlers.ServiceInterceptor):
     """Outermost interceptor: checks credentials (when ``tokens`` is set) and names the client."""
 
     def __init__(self, tokens: TokenTable | None) -> None:
         self._tokens = tokens
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler, rpc = await handlers.service_handler(continuation, handler_call_details)
-        if rpc is None:
-            return handler
+    def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         principal = None
         if self._tokens is not None:
             try:
-                principal = authorize(self._tokens, rpc, handler_call_details.invocation_metadata or ())
+                principal = authorize(self._tokens, rpc, details.invocation_metadata or ())
             except LogprobError as err:
                 return handlers.rebuild(handler, _refusal(rpc, err))
         inner = handlers.behaviour_of(handler)
