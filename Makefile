@@ -48,9 +48,10 @@ format: install
 	$(BIN)/ruff check --fix .
 
 bench: install  ## the benchmarks (meant for a GPU host)
-	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprobs.py
+	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_scoring.py
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_batching.py
-	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprob_op.py
+	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_logprobs.py
+	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_attention.py
 	PYTHONPATH=service:client $(BIN)/python benchmarks/bench_metrics.py
 
 example: install  ## TRL GRPO on builtin:tiny-llama (CPU) with the reference on a local service

@@ -16,11 +16,11 @@ logits from the same bf16 inputs (float64 log_softmax).
 
 On a GPU (the run that counts; liger-kernel installed):
 
-    PYTHONPATH=service:client python3 benchmarks/bench_logprob_op.py
+    PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py
 
 ``--sweep`` also times a grid of kernel tile configurations at every shape (how the defaults in
 ``ops/fused_logprobs.py`` were picked). The table is printed last, and also written to
-``$OUT/bench_logprob_op.md`` when ``OUT`` is set.
+``$OUT/bench_logprobs.md`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_logprob_op.py measures GPU kernels: it needs a CUDA device")
+        raise SystemExit("bench_logprobs.py measures GPU kernels: it needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
     per_shape = []
     sweeps: list[str] = []
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if sweeps:
         sections.append("\n".join(sweeps))
     report = "\n\n".join(sections) + "\n"
-    publish(report, "bench_logprob_op.md")
+    publish(report, "bench_logprobs.md")
 
 
 if __name__ == "__main__":

@@ -21,13 +21,13 @@ float64 logits from the same bf16 hidden states (``h.double() @ W.double().T``, 
 
 On a GPU (the run that counts):
 
-    PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py
+    PYTHONPATH=service:client python3 benchmarks/bench_scoring.py
 
 Smoke test on a CPU (tiny shapes, float32, memory columns n/a):
 
-    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_logprobs.py --smoke
+    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_scoring.py --smoke
 
-The table is printed last, and also written to ``$OUT/bench_logprobs.md`` when ``OUT`` is set.
+The table is printed last, and also written to ``$OUT/bench_scoring.md`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         host="127.0.0.1",
         port=0,
         metrics_port=0,
-        models={MODEL_NAME: "random weights, built by benchmarks/bench_logprobs.py"},
+        models={MODEL_NAME: "random weights, built by benchmarks/bench_scoring.py"},
         device=str(device),
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sequences=256,
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         rows = run_all(model, batch, args, device)
     report = f"{describe_run(model, batch, args, device)}\n\n{format_table(rows)}\n"
-    publish(report, "bench_logprobs.md")
+    publish(report, "bench_scoring.md")
 
 
 if __name__ == "__main__":
