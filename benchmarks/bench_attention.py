@@ -22,9 +22,9 @@ of 65,536 and of 131,072 tokens, 28/4, D 128 (7B); (e) 16,384 queries against 13
 
 Model FLOPs: 4 * H * D per (query, allowed key) pair, i.e. 4*H*D * sum_s (Lq*(Lk - Lq) + Lq^2/2):
 2 * sum_s L_s^2 * H * D for causal self-attention. Padding is not counted (it is wasted work).
-Timing: CUDA events around each call after 3 warm-ups, median of ``--iters`` (>= 10) runs, each
-call alone (synchronized), so a backend's host-side launch latency counts; TFLOP/s are from this
-median. "ms back-to-back" is the mean of ``--iters`` calls enqueued without syncs, the GPU time per
+Timing: the harness's kernel timing (``harness.time_kernel``: median device time over runs, the
+L2 cache flushed before each); TFLOP/s are from this median. "ms back-to-back" is the mean of
+``--iters`` calls enqueued without syncs, the GPU time per
 call when the host runs ahead as it does in a model's forward.
 Check column: max |out - FA2 varlen out| over the real rows (FA2 varlen being the service's
 current path), so a fast wrong backend shows.
@@ -37,11 +37,8 @@ The table is printed last, and also written to ``$OUT/bench_attention.md`` when 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
-import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -51,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from harness import matmul_tflops, publish, run_environment, time_kernel
 from logprob_service.ops import attention as attn
 from logprob_service.ops import cudnn_attention as cda
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,21 +99,6 @@ def cases(seed: int) -> list[Case]:
     ]
 
 
-def time_ms(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def back_to_back_ms(fn: Callable[[], object], iters: int) -> float:
     """Mean of ``iters`` calls enqueued with no sync between them: the GPU's time per call once the
     host runs ahead (as in a model's forward), without the host's launch latency of one lone call."""
@@ -128,13 +111,6 @@ def back_to_back_ms(fn: Callable[[], object], iters: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
-    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
-    ms = time_ms(lambda: a @ b, 10)
-    return 2 * 8192**3 / ms / 1e9
 
 
 def cumulative(lengths: tuple[int, ...]) -> torch.Tensor:
@@ -184,7 +160,7 @@ def run_case(case: Case, iters: int, seed: int) -> tuple[list[Row], dict[str, fl
                 check = "reference"
             else:
                 check = f"{(out.float() - reference[0].float()).abs().max().item():.2e}"
-            ms = time_ms(fn, iters)
+            ms = time_kernel(fn)
             rows.append(Row(case.name, backend, ms, case.flops / ms / 1e9, back_to_back_ms(fn, iters), check))
         except Exception as exc:  # one backend's failure must not cost the others' rows
             rows.append(Row(case.name, backend, None, None, None, f"{type(exc).__name__}: {str(exc)[:90]}"))
@@ -329,10 +305,9 @@ def main() -> None:
         sys.exit("bench_attention needs a CUDA device")
     iters = max(10, args.iters)
     header = [
-        f"device: {torch.cuda.get_device_name()}",
-        f"date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}",
+        *run_environment(torch.device("cuda")),
         *versions(),
-        f"bf16 matmul 8192^3 in this run: {matmul_rate():.0f} TFLOP/s",
+        f"bf16 matmul 8192^3 in this run: {matmul_tflops(torch.device('cuda')):.0f} TFLOP/s",
     ]
     rows: list[Row] = []
     builds: dict[str, float] = {}
@@ -356,10 +331,7 @@ def main() -> None:
         b2b = f"{row.back_to_back_ms:.3f}" if row.back_to_back_ms is not None else "-"
         lines.append(f"| {row.case} | {row.backend} | {ms} | {tf} | {b2b} | {row.check} |")
     lines += ["", "cuDNN-FE graph builds (s):", *(f"  {name}: {s:.3f}" for name, s in builds.items())]
-    report = "\n".join(lines)
-    print(report)
-    if out_dir := os.environ.get("OUT"):
-        Path(out_dir, "bench_attention.md").write_text(report + "\n")
+    publish("\n".join(lines), "bench_attention.md")
 
 
 if __name__ == "__main__":

@@ -67,13 +67,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import LoopbackServer, ModelShape, build_model, selective_log_softmax
+from common import SHAPES, TINY, LoopbackServer, ModelShape, build_model, selective_log_softmax
 from harness import peak_allocated, publish, release, reset_peak, run_environment, synchronize
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.domain import TokenSequence
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import PACKED_ATTENTION, register_packed_attention
@@ -84,13 +84,6 @@ MODEL_NAME = "bench"
 
 
 # ----------------------------------------------------------------------------- models
-
-
-SHAPES = {
-    "0.5b": ModelShape("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, 32768),
-    "1.5b": ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072),
-}
-TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)
 
 
 # ----------------------------------------------------------------------------- workload
@@ -560,12 +553,17 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
 
     register_packed_attention()
     model.set_attn_implementation(PACKED_ATTENTION)  # for (b) and (c); constructing a scorer also does this
-    scorer = OfflineScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences)
+    options = ScoringOptions(attention_backend=args.attention_backend)
+    scorer = OfflineScorer(
+        model, options=options, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences
+    )
     in_process = run_in_process(harness, scorer, workload)
     via_grpc = run_grpc(harness, scorer, workload, args)
     sweep = []
     for value in args.sweep_batch_tokens:
-        sweep_scorer = OfflineScorer(model, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences)
+        sweep_scorer = OfflineScorer(
+            model, options=options, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences
+        )
         sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
     return ShapeReport(describe_model(shape, model), [baseline, in_process, via_grpc], sweep)
 
@@ -735,6 +733,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--warmup", type=int, default=1, help="untimed passes per method first")
     add("--repeats", type=int, default=None, help="timed passes per method (default 3; 2 with --smoke)")
     add("--sample-ms", type=float, default=100.0, help="GPU utilization sampling interval")
+    add("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"], help="the service's")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     smoke = args.smoke

@@ -40,13 +40,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import LoopbackServer, ModelShape, build_model, selective_log_softmax
+from common import SHAPES, TINY, LoopbackServer, build_model, selective_log_softmax
 from harness import GiB, publish, release, run_environment, time_calls
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import Settings
 from logprob_service.domain import SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs
@@ -59,21 +59,6 @@ MODEL_NAME = "qwen2.5-0.5b-shape"
 
 
 # ----------------------------------------------------------------------------- setup
-
-
-QWEN25_05B = ModelShape(
-    name="Qwen2.5-0.5B",
-    hidden=896,
-    intermediate=4864,
-    layers=24,
-    heads=14,
-    kv_heads=2,
-    vocab=151936,
-    max_positions=32768,
-)
-TINY = ModelShape(
-    name="tiny Qwen2", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=1000, max_positions=256
-)
 
 
 @dataclass(frozen=True)
@@ -223,9 +208,11 @@ def run_method(
 def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
     ref = reference_logprobs(model, batch, args.ref_seqs)
     release(device)
-    scorer = OfflineScorer(model, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=256)  # auto kernel
+    options = ScoringOptions(attention_backend=args.attention_backend)
+    scorer = OfflineScorer(model, options=options, max_batch_tokens=args.max_batch_tokens)  # auto lm_head kernel
     eager = OfflineScorer(
         model,
+        options=options,
         logprob_op=LogprobOp("eager", DEFAULT_CHUNK_BYTES),
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sequences=256,
@@ -347,6 +334,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-batch-tokens", type=int, default=32768, help="the service's token budget per packed micro-batch"
     )
+    parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the model's (ignored with --smoke)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     smoke = args.smoke
@@ -373,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    shape = TINY if args.smoke else QWEN25_05B
+    shape = TINY if args.smoke else SHAPES[args.shape]
     if args.prompt_len + args.completion_len > shape.max_positions:
         raise SystemExit(f"prompt + completion ({args.prompt_len + args.completion_len}) > {shape.max_positions}")
     model = build_model(shape, device, getattr(torch, args.dtype), args.seed)

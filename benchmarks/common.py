@@ -37,6 +37,15 @@ class ModelShape:
     max_positions: int
 
 
+# The shapes the benchmarks run: Qwen2.5's (random weights: speed and memory depend on shapes only).
+SHAPES = {
+    "0.5b": ModelShape("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, 32768),
+    "1.5b": ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072),
+    "7b": ModelShape("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, 1 << 21),
+}
+TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)
+
+
 def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
     """A Qwen2ForCausalLM of ``shape`` with seeded random weights, in eval mode, SDPA attention."""
     config = Qwen2Config(

@@ -36,6 +36,7 @@ class ModelInfo:
     source: str
     device: str
     base_model: str = ""  # a LoRA model's base, whose weights it shares
+    attention: str = ""  # which attention backend serves which kind of row
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def model_info(m: pb.ModelInfo) -> ModelInfo:
         source=m.source,
         device=m.device,
         base_model=m.base_model,
+        attention=m.attention,
     )
 
 

@@ -92,6 +92,26 @@ class Settings(BaseSettings):
         ge=MiB,
         description="Eager lm_head path: byte budget of one (rows, vocab) float32 logit slab.",
     )
+    attention_backend: Literal["auto", "cudnn", "flash", "exact"] = Field(
+        "auto",
+        description=(
+            "Packed attention: auto (torch's cuDNN SDPA for a lone sequence, else cuDNN's ragged kernel when "
+            "nvidia-cudnn-frontend is installed, else FlashAttention-2 varlen, else the exact loop), or the "
+            "backend to start from (cudnn, flash, exact); a backend that cannot compute a layer exactly "
+            "(softcapping, dtype) hands it to the next."
+        ),
+    )
+    long_sequence_tokens: int = Field(
+        65536,
+        ge=1,
+        description=(
+            "A micro-batch of one sequence longer than this runs layer by layer in chunks of chunk_tokens: "
+            "memory beyond the weights grows linearly with its length, never with the MLP width."
+        ),
+    )
+    chunk_tokens: int = Field(
+        32768, ge=1, description="Tokens of one chunk of a long sequence (see long_sequence_tokens)."
+    )
     max_batch_tokens: int = Field(
         32768,
         ge=1,

@@ -81,3 +81,4 @@ class ModelInfo:
     version: int
     fingerprint: str
     base_model: str = ""  # a LoRA model's base, whose weights it shares
+    attention: str = ""  # which attention backend serves which kind of row (ops.attention)

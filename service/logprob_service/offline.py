@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from logprob_service.domain import ScoreJob, SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
-from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import ServedModel, serve_model
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.stats import NO_STATS, StatsSink
@@ -35,6 +35,7 @@ class OfflineScorer:
         model: PreTrainedModel | ServedModel,
         *,
         logprob_op: LogprobOp | None = None,
+        options: ScoringOptions | None = None,
         max_batch_tokens: int = 32768,
         max_batch_sequences: int = 256,
         stats: StatsSink = NO_STATS,
@@ -42,7 +43,8 @@ class OfflineScorer:
         if isinstance(model, ServedModel):
             self.served = model
         else:
-            self.served = serve_model("offline", "in-process", CausalLMScorer(model, logprob_op=logprob_op))
+            scorer = CausalLMScorer(model, logprob_op=logprob_op, options=options)
+            self.served = serve_model("offline", "in-process", scorer)
         self.registry = ModelRegistry()
         self.registry.add(self.served)
         self.executor = DeviceExecutor(stats)

@@ -20,10 +20,15 @@ import functools
 import numpy as np
 import pytest
 import torch
+from logprob_service.domain import TokenSequence
 from logprob_service.models.loading import attention_implementation
+from logprob_service.models.scorer import ScoringOptions
+from logprob_service.offline import OfflineScorer
 from logprob_service.ops import attention as attn
+from logprob_service.ops import cudnn_attention
 from logprob_service.ops.attention import (
     PACKED_ATTENTION,
+    attention_implementation_name,
     exact_packed_attention,
     packed_attention_forward,
     packed_forward_kwargs,
@@ -31,7 +36,7 @@ from logprob_service.ops.attention import (
 )
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, make_model
+from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, ScoreReference, make_model
 from tests.helpers.packed import own_hidden, packed_hidden
 
 pytestmark = [
@@ -105,17 +110,19 @@ def count_varlen_calls(monkeypatch: pytest.MonkeyPatch, *, hide_enable_gqa: bool
 def _setup(monkeypatch: pytest.MonkeyPatch) -> None:
     register_packed_attention()
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(attn, "_warned_reasons", set())  # each test sees its own slow-path warnings
+    monkeypatch.setattr(attn, "_warned", set())  # each test sees its own slow-path warnings
 
 
-def compare_bf16(arch: str, seed: int, monkeypatch: pytest.MonkeyPatch, **count_kwargs) -> tuple[list[int], int]:
+def compare_bf16(
+    arch: str, seed: int, monkeypatch: pytest.MonkeyPatch, preference: str = "flash", **count_kwargs
+) -> tuple[list[int], int]:
     """Packed bf16 forward vs the model's own bf16 forward, per sequence (see the module doc).
     Returns (varlen calls, number of layers)."""
     rng = np.random.default_rng(seed)
     reference = make_any(arch, seed=seed, dtype=torch.bfloat16)
     exact32 = copy.deepcopy(reference).float()  # same bf16-rounded weights, float32 compute
     packed_model = make_any(arch, seed=seed, dtype=torch.bfloat16)
-    packed_model.set_attn_implementation(PACKED_ATTENTION)
+    packed_model.set_attn_implementation(attention_implementation_name(preference))
     calls = count_varlen_calls(monkeypatch, **count_kwargs)
 
     lengths = random_lengths(rng)
@@ -204,8 +211,9 @@ def test_varlen_op_matches_exact_attention(window, heads, kv_heads, head_dim, hi
     calls = count_varlen_calls(monkeypatch, hide_enable_gqa=hide_enable_gqa)
 
     got, _ = packed_attention_forward(
-        module, q, k, v, None, scaling=scale, sliding_window=window, **packed_forward_kwargs(cu, max(lengths))
-    )
+        module, q, k, v, None, scaling=scale, sliding_window=window, preference="flash",
+        **packed_forward_kwargs(cu, max(lengths)),
+    )  # fmt: skip
     expected = exact_packed_attention(
         q[0].float(), k[0].float(), v[0].float(), cu.tolist(), scale=scale, sliding_window=window, softcap=None
     )
@@ -215,3 +223,60 @@ def test_varlen_op_matches_exact_attention(window, heads, kv_heads, head_dim, hi
     if window == 1:  # each token sees only itself: the output is its own value row
         own_v = v[0].repeat_interleave(heads // kv_heads, dim=0).transpose(0, 1)  # [T, H, D]
         torch.testing.assert_close(got[0], own_v, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------- the backends auto picks
+
+needs_cudnn = pytest.mark.skipif(not cudnn_attention.available(), reason="nvidia-cudnn-frontend is not installed")
+
+
+@pytest.mark.parametrize("preference", ["auto", pytest.param("cudnn", marks=needs_cudnn)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding"])
+def test_bf16_packed_rows_on_every_backend_match_the_models_own_forward(arch, preference, monkeypatch, seed):
+    calls, _ = compare_bf16(arch, seed, monkeypatch, preference=preference)
+    assert calls == [] or not cudnn_attention.available(), "cuDNN's ragged kernel serves packed rows before FA2"
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``ops.attention``'s reference to a backend function."""
+    owner = cudnn_attention if name == "cudnn_varlen_attention" else attn
+    real, calls = getattr(owner, name), []
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return calls
+
+
+@needs_cudnn
+def test_auto_takes_sdpa_cudnn_for_one_sequence_and_cudnn_for_packed_rows(monkeypatch, seed):
+    model = make_any("qwen2", seed=seed, dtype=torch.bfloat16)
+    model.set_attn_implementation(attention_implementation_name("auto"))
+    sdpa, ragged = spy(monkeypatch, "sdpa_cudnn_attention"), spy(monkeypatch, "cudnn_varlen_attention")
+    rng = np.random.default_rng(seed)
+    _, one = packed_row(rng, [200])
+    packed_hidden(model, one, 200)
+    assert sdpa == [200] * model.config.num_hidden_layers and ragged == []
+    sdpa.clear()
+    _, several = packed_row(rng, [50, 1, 120])
+    packed_hidden(model, several, 120)
+    assert ragged == [171] * model.config.num_hidden_layers and sdpa == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_bf16_long_sequence_in_chunks_is_as_exact_as_the_models_own_forward(arch, seed):
+    """A sequence longer than the chunk threshold, scored layer by layer in chunks (the 1M-token
+    path, at a size a float64 reference can check): as exact as the model's own bf16 forward
+    (tests/helpers/tolerances.py), and not further from the unchunked service than that allows."""
+    rng = np.random.default_rng(seed)
+    model = make_any(arch, seed=seed, dtype=torch.bfloat16)
+    seq = TokenSequence(rng.integers(0, VOCAB, 500), rng.integers(0, VOCAB, 2500))
+    reference = ScoreReference(model, [seq], dtype=torch.bfloat16)
+    for options in (
+        ScoringOptions(long_sequence_tokens=10**9),
+        ScoringOptions(long_sequence_tokens=1024, chunk_tokens=700),
+    ):
+        with OfflineScorer(model, options=options) as scorer:
+            reference.check([scorer.score([seq])[0].logprobs])

@@ -13,6 +13,7 @@ from logprob_service.models.loading import attention_implementation
 from logprob_service.ops import attention as attn
 from logprob_service.ops.attention import (
     PACKED_ATTENTION,
+    attention_implementation_name,
     exact_packed_attention,
     packed_attention_forward,
     packed_forward_kwargs,
@@ -179,11 +180,14 @@ def test_partial_boundaries_raise_a_clear_error(seed):
 # --------------------------------------------------------------------------- conventions and the op
 
 
-def test_registration_is_idempotent_and_global():
+@pytest.mark.parametrize("preference", ["auto", "cudnn", "flash", "exact"])
+def test_registration_is_idempotent_and_global(preference):
     register_packed_attention()
     register_packed_attention()
-    assert ALL_ATTENTION_FUNCTIONS[PACKED_ATTENTION] is packed_attention_forward
-    assert AttentionInterface()[PACKED_ATTENTION] is packed_attention_forward  # every instance sees it
+    name = attention_implementation_name(preference)
+    assert name == (PACKED_ATTENTION if preference == "auto" else f"{PACKED_ATTENTION}_{preference}")
+    for registered in (ALL_ATTENTION_FUNCTIONS[name], AttentionInterface()[name]):  # every instance sees it
+        assert registered.func is packed_attention_forward and registered.keywords == {"preference": preference}
 
 
 def test_packed_forward_kwargs():

@@ -29,6 +29,7 @@ from logprob_service.engine.validation import RequestLimits
 from logprob_service.engine.weight_updates import WeightUpdater
 from logprob_service.models.loading import ModelLoadError, resolve_device, resolve_dtype
 from logprob_service.models.lora import split_lora_source
+from logprob_service.models.scorer import ScoringOptions
 from logprob_service.models.served import load_served_model, serve_lora_model
 from logprob_service.observability import metrics
 from logprob_service.ops.dispatch import select_logprob_op
@@ -101,6 +102,7 @@ class Service:
                     device=device,
                     dtype=dtype,
                     logprob_op=logprob_op,
+                    options=ScoringOptions(s.attention_backend, s.long_sequence_tokens, s.chunk_tokens),
                     trust_remote_code=s.trust_remote_code,
                 ),
             )

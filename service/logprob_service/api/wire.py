@@ -84,6 +84,7 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
         version=info.version,
         fingerprint=info.fingerprint,
         base_model=info.base_model,
+        attention=info.attention,
         limits=pb.ModelLimits(
             max_sequence_tokens=info.max_positions or 0,
             max_sequences_per_request=limits.max_sequences_per_request,

@@ -20,7 +20,14 @@ import torch
 from transformers import PreTrainedModel
 
 from logprob_service.domain import SequenceScores
-from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs, register_packed_attention
+from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
+from logprob_service.ops.attention import (
+    AttentionBackend,
+    attention_implementation_name,
+    describe_backends,
+    packed_forward_kwargs,
+    register_packed_attention,
+)
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
 from logprob_service.ops.logprobs import LogitTransform
 
@@ -37,6 +44,16 @@ def config_logit_transform(config: object) -> LogitTransform:
         scale /= float(scaling)
     softcap = getattr(config, "final_logit_softcapping", None)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How a scorer runs its model's body (the settings of the same names)."""
+
+    attention_backend: AttentionBackend = "auto"
+    # A micro-batch of one sequence longer than this runs layer by layer in chunks (models.chunked).
+    long_sequence_tokens: int = 65536
+    chunk_tokens: int = 32768
 
 
 @dataclass(frozen=True)
@@ -80,16 +97,40 @@ class CausalLMScorer:
     """Scores packed micro-batches with one model; used from the executor's device thread only.
     (Any number of sequences, in micro-batches, in this process: ``logprob_service.offline``.)"""
 
-    def __init__(self, model: PreTrainedModel, *, logprob_op: LogprobOp | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        logprob_op: LogprobOp | None = None,
+        options: ScoringOptions | None = None,
+    ) -> None:
         register_packed_attention()
-        model.set_attn_implementation(PACKED_ATTENTION)
+        options = options or ScoringOptions()
+        model.set_attn_implementation(attention_implementation_name(options.attention_backend))
         self.model = model
         self.body = model.base_model
+        install_chunking(self.body)
         head = model.get_output_embeddings()
         self.head_weight: torch.Tensor = head.weight  # [V, H]; the input embedding when tied
         self.head_bias: torch.Tensor | None = getattr(head, "bias", None)
         self.transform = config_logit_transform(model.config)
         self.logprob_op = logprob_op or select_logprob_op("auto", self.head_weight.device)
+        self.options = options
+
+    def attention_plan(self) -> str:
+        """Which attention backend serves which kind of row on this device, for ``ListModels`` and logs."""
+        config = self.model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return describe_backends(
+            self.options.attention_backend,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            dtype=self.head_weight.dtype,
+            device=self.device,
+            softcap=getattr(config, "attn_logit_softcapping", None),
+        )
 
     @property
     def device(self) -> torch.device:
@@ -107,14 +148,24 @@ class CausalLMScorer:
         input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
         position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
         cu_seqlens = self._to_device(batch.cu_seqlens)  # [n + 1]
+        chunking = {}
+        if len(batch.completion_lengths) == 1 and batch.num_tokens > self.options.long_sequence_tokens:
+            chunking = {CHUNK_KWARG: self.options.chunk_tokens}  # memory linear in T, not in T x MLP width
         out = self.body(
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=False,
             **packed_forward_kwargs(cu_seqlens, batch.max_seqlen),
+            **chunking,
         )
-        rows = out.last_hidden_state[0].index_select(0, self._to_device(batch.rows))  # [N, H]
-        del out  # free the [T, H] states before the lm_head slabs are allocated
+        hidden = out.last_hidden_state[0]  # [T, H]
+        del out
+        first, n = int(batch.rows[0]), len(batch.rows)
+        if batch.rows[-1] - first + 1 == n:  # one sequence's rows, back to back: a view, no [N, H] copy
+            rows = hidden.narrow(0, first, n)  # [N, H]
+        else:
+            rows = hidden.index_select(0, self._to_device(batch.rows))  # [N, H]
+        del hidden  # the index_select copy frees the [T, H] states before the lm_head slabs are allocated
         transform = LogitTransform(self.transform.scale, self.transform.softcap, temperature)
         scores = self.logprob_op(
             rows,

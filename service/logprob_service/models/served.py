@@ -7,11 +7,12 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig
 
 from logprob_service.domain import ModelInfo
 from logprob_service.models.loading import load_causal_lm
 from logprob_service.models.lora import AdapterHost
-from logprob_service.models.scorer import CausalLMScorer
+from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
 from logprob_service.ops.dispatch import LogprobOp
 
@@ -54,12 +55,29 @@ class ServedModel:
         self.info = dataclasses.replace(self.info, version=version, fingerprint=fingerprint(self.digests))
 
 
+def context_length(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model is made for: ``max_position_embeddings``, or, with a RoPE
+    scaling that stretches an original context by a factor (YaRN, linear, dynamic, LongRoPE), that
+    product when it is longer. None when the config sets none."""
+    base = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    candidates = [base or 0]
+    for params in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
+        factor = params.get("factor")
+        if factor and params.get("rope_type", params.get("type")) in STRETCHING_ROPE:
+            candidates.append(int(float(factor) * (params.get("original_max_position_embeddings") or base or 0)))
+    return max(candidates) or None
+
+
+STRETCHING_ROPE = frozenset({"yarn", "linear", "dynamic", "longrope"})
+
+
 def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
     """Describe a loaded model for the registry."""
     model = scorer.model
     config = model.config
     vocab = min(model.get_input_embeddings().weight.shape[0], scorer.head_weight.shape[0])
-    max_positions = getattr(config, "max_position_embeddings", None)
+    max_positions = context_length(config)
     digests = model_digests(model)
     info = ModelInfo(
         name=name,
@@ -71,6 +89,7 @@ def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
         device=str(scorer.device),
         version=0,
         fingerprint=fingerprint(digests),
+        attention=scorer.attention_plan(),
     )
     return ServedModel(info=info, scorer=scorer, digests=digests)
 
@@ -101,10 +120,11 @@ def load_served_model(
     device: torch.device,
     dtype: torch.dtype,
     logprob_op: LogprobOp,
+    options: ScoringOptions | None = None,
     trust_remote_code: bool = False,
 ) -> ServedModel:
     log.info("loading model %r from %s on %s as %s", name, source, device, dtype)
     model = load_causal_lm(source, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    served = serve_model(name, source, CausalLMScorer(model, logprob_op=logprob_op))
+    served = serve_model(name, source, CausalLMScorer(model, logprob_op=logprob_op, options=options))
     log.info("model %r ready (lm_head: %s): %s", name, logprob_op.kernel, served.info)
     return served

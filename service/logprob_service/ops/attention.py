@@ -35,13 +35,31 @@ Conventions, checked against transformers 5 (5.17 and 5.23 agree):
   batch row as one whole sequence, so a model switched to this implementation still answers
   ordinary unpadded calls exactly.
 
-Two ways to compute it:
+Backends, chosen per call (``choose_backend``): the first of the preference's order that can
+compute the call exactly, so a model whose layers differ (Gemma 2's softcap) falls back layer by
+layer and says why once:
 
-* Fast path (CUDA, fp16/bf16, no softcap): ``torch.nn.attention.varlen.varlen_attn`` (flash
-  attention varlen) over the whole row: no padding, no mask, O(T) memory.
-* Exact fallback (CPU; CUDA when the fast path cannot express the semantics): a loop over the
-  sequences that computes each one as the eager implementation does, in blocks of query rows so
-  that one block's scores stay under ``FALLBACK_SCORE_BYTES`` (memory O(block x L), not O(L^2)).
+* ``sdpa-cudnn``: one whole sequence in the row (known from ``cu_seqlens``' length, no host
+  sync): torch's SDPA on its cuDNN flash kernel, causal, GQA read natively; the fastest measured
+  for long single rows (``benchmarks/bench_attention.py``).
+* ``cudnn``: cuDNN's fused flash attention on the ragged packed row (``ops.cudnn_attention``,
+  the optional ``nvidia-cudnn-frontend`` package): GQA native, causal aligned bottom-right,
+  sliding windows; 1.6-2.1x FlashAttention-2's varlen kernel on an H200.
+* ``flash``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen), K/V heads
+  repeated where this torch's kernel has no GQA.
+* ``exact``: a loop over the sequences that computes each one as the eager implementation does,
+  in blocks of query rows so that one block's scores stay under ``FALLBACK_SCORE_BYTES``
+  (memory O(block x L), not O(L^2)): the CPU, float32, softcapped attention.
+
+Preferences (the ``attention_backend`` setting): ``auto`` tries them in that order; ``cudnn``,
+``flash`` and ``exact`` start at that backend (``sdpa-cudnn`` belongs to ``auto`` alone), each
+falling back to the later ones when it cannot run a call. One implementation name is registered
+per preference (``attention_implementation_name``).
+
+Chunks of a long sequence (``models.chunked``): a layer called with a ``KVChunk`` writes the
+chunk's keys and values into the layer's K/V buffers and attends the chunk's queries to every key
+so far, causal aligned bottom-right: query i of a chunk of Lq queries over Lk keys sees keys
+j <= i + Lk - Lq, as in one pass over the whole sequence.
 """
 
 from __future__ import annotations
@@ -51,9 +69,14 @@ import inspect
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from logprob_service.ops import cudnn_attention
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +91,40 @@ FALLBACK_SCORE_BYTES = 256 * 1024**2
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
-_warned_reasons: set[str] = set()
+_warned: set[tuple[str, ...]] = set()
 
 
 # --------------------------------------------------------------------------- registration
 
 
+AttentionBackend = Literal["auto", "cudnn", "flash", "exact"]
+ORDER: dict[str, tuple[str, ...]] = {
+    "auto": ("sdpa-cudnn", "cudnn", "flash", "exact"),
+    "cudnn": ("cudnn", "flash", "exact"),
+    "flash": ("flash", "exact"),
+    "exact": ("exact",),
+}
+
+
+def attention_implementation_name(preference: AttentionBackend = "auto") -> str:
+    """The transformers attention implementation of ``preference``: ``model.set_attn_implementation(name)``."""
+    return PACKED_ATTENTION if preference == "auto" else f"{PACKED_ATTENTION}_{preference}"
+
+
 def register_packed_attention() -> None:
-    """Register ``PACKED_ATTENTION`` with transformers' ``AttentionInterface`` (class-wide, idempotent).
+    """Register one implementation per preference with transformers' ``AttentionInterface``
+    (class-wide, idempotent).
 
     Deliberately no mask function (see the module docstring): with one, transformers would scan
     ``position_ids`` for packed sequences before every forward, a host sync per mask kind.
     """
     from transformers import AttentionInterface
 
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    for preference in ORDER:
+        AttentionInterface.register(
+            attention_implementation_name(preference),
+            functools.partial(packed_attention_forward, preference=preference),
+        )
 
 
 def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
@@ -107,6 +149,32 @@ def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, A
 # --------------------------------------------------------------------------- attention function
 
 
+@dataclass
+class KVChunk:
+    """One chunk of a long sequence in its layer (``models.chunked``): rows [start, end) of ``total``.
+
+    The chunk's attention allocates the layer's K/V buffers at its first chunk (it knows the key
+    heads, head dim and dtype), writes its rotated keys and values there, and attends to rows [0, end)."""
+
+    buffers: dict[str, torch.Tensor]  # "key", "value": [total, KV, D], shared by the layer's chunks
+    start: int
+    end: int
+    total: int
+
+    def write(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this chunk's key/value ([Lq, KV, D]) and return the keys/values of rows [0, end)."""
+        if not self.buffers:
+            for name, t in (("key", key), ("value", value)):
+                self.buffers[name] = t.new_empty(self.total, *t.shape[1:])
+        self.buffers["key"][self.start : self.end] = key
+        self.buffers["value"][self.start : self.end] = value
+        return self.buffers["key"][: self.end], self.buffers["value"][: self.end]
+
+
+KV_CHUNK = "logprob_kv_chunk"
+"""The keyword argument a chunk's attention call gets: its ``KVChunk``."""
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -116,40 +184,137 @@ def packed_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     softcap: float | None = None,
+    *,
+    preference: AttentionBackend = "auto",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function for one packed row.
 
     query: [1, H, T, D]; key, value: [1, KV, T, D] (H a multiple of KV). Returns
     (attn_output [1, T, H, D], None): no attention weights are ever materialized.
-    Without the varlen kwargs, query is [B, H, T, D] and each row is one sequence.
+    Without the varlen kwargs, query is [B, H, T, D] and each row is one sequence; with a
+    ``KV_CHUNK``, the row is a chunk of one long sequence (see the module docstring).
     """
-    if all(kwargs.get(name) is None for name in VARLEN_KWARGS):
-        return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
+    chunk: KVChunk | None = kwargs.get(KV_CHUNK)
+    if chunk is None and all(kwargs.get(name) is None for name in VARLEN_KWARGS):
+        return _unpacked_attention(
+            module, query, key, value, attention_mask, scaling, dropout, softcap, preference=preference, **kwargs
+        )
     _check_supported(module, query, key, attention_mask, dropout, kwargs)
-    cu_q, cu_k, max_q, max_k = _varlen_kwargs(kwargs, query.device)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     # Models pass the window per layer as an argument (None on full-attention layers); the module
     # attribute only stands in for a model that does not pass the argument at all.
     sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    q = query[0].transpose(0, 1)  # [T, H, D], a view: backends copy what they need
+    if chunk is not None:
+        k, v = chunk.write(key[0].transpose(0, 1), value[0].transpose(0, 1))  # [end, KV, D]: all keys so far
+        lengths = torch.tensor([0, q.shape[0], 0, k.shape[0]], dtype=torch.int32, device=q.device)
+        cu_q, cu_k, max_q, max_k = lengths[:2], lengths[2:], q.shape[0], k.shape[0]
+    else:
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KV, D]
+        cu_q, cu_k, max_q, max_k = _varlen_kwargs(kwargs, query.device)
+    out = packed_attention(
+        q, k, v, cu_q, cu_k, max_q, max_k,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, preference=preference,
+    )  # fmt: skip
+    return out.unsqueeze(0), None  # [1, Tq, H, D]
 
-    reason = fast_path_blocker(query, key, value, softcap=softcap)
-    if reason is None:
-        out = varlen_attention(
-            _to_thd(query), _to_thd(key), _to_thd(value), cu_q, cu_k, max_q, max_k,
+
+def choose_backend(
+    preference: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    one_square: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> tuple[str, list[str]]:
+    """The backend that computes this call, and why each one before it in the order could not.
+
+    q: [Tq, H, D]; k, v: [Tk, KV, D] (any strides). ``one_square``: one sequence whose queries are
+    its keys (the row is self-attention over one whole sequence)."""
+    window = varlen_window_size(sliding_window)
+    reasons = []
+    for backend in ORDER[preference]:
+        if backend == "sdpa-cudnn":
+            reason = sdpa_cudnn_blocker(q, k, v, one_square=one_square, sliding_window=sliding_window, softcap=softcap)
+        elif backend == "cudnn":
+            reason = cudnn_attention.cudnn_blocker(q, k, v, window_size=window, softcap=softcap)
+        elif backend == "flash":
+            reason = fast_path_blocker(q, k, v, softcap=softcap)
+        else:
+            return backend, reasons
+        if reason is None:
+            return backend, reasons
+        reasons.append(f"{backend}: {reason}")
+    raise AssertionError("every order ends with the exact backend")
+
+
+def describe_backends(
+    preference: AttentionBackend,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    softcap: float | None,
+) -> str:
+    """Which backend serves each kind of row of a model (full-attention layers), and why not faster."""
+    q = torch.empty(2, heads, head_dim, dtype=dtype, device=device)
+    k = torch.empty(2, kv_heads, head_dim, dtype=dtype, device=device)
+    plan, why = [], {}
+    for rows, one_square in (("packed rows and chunks", False), ("one whole sequence", True)):
+        backend, reasons = choose_backend(
+            preference, q, k, k, one_square=one_square, sliding_window=None, softcap=softcap
+        )
+        plan.append(f"{rows}: {backend}")
+        why.update(dict.fromkeys(r.split(": ", 1)[1] for r in reasons if not r.startswith("sdpa-cudnn: more than")))
+    return ", ".join(plan) + (f" (faster ones cannot: {'; '.join(why)})" if why else "")
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    preference: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """Causal attention of each packed sequence's queries over its keys, aligned bottom-right.
+
+    q: [Tq, H, D]; k, v: [Tk, KV, D]; cu_q, cu_k: int32 [n+1] on q's device (sequence s: query
+    rows [cu_q[s], cu_q[s+1]), key rows [cu_k[s], cu_k[s+1]), Lq <= Lk) -> [Tq, H, D]."""
+    one_square = cu_q.numel() == 2 and q.shape[0] == k.shape[0]
+    backend, reasons = choose_backend(
+        preference, q, k, v, one_square=one_square, sliding_window=sliding_window, softcap=softcap
+    )
+    if reasons and q.device.type == "cuda":
+        _warn_once(backend, reasons)
+    if backend == "sdpa-cudnn":
+        return sdpa_cudnn_attention(q, k, v, scale=scale)
+    if backend == "cudnn":
+        return cudnn_attention.cudnn_varlen_attention(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=varlen_window_size(sliding_window)
+        )
+    if backend == "flash":
+        return varlen_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k,
             scale=scale, window_size=varlen_window_size(sliding_window),
         )  # fmt: skip
-        return out.unsqueeze(0), None  # [1, T, H, D]
-
-    if query.device.type == "cuda":
-        _warn_once(reason)
-    bounds = cu_q.tolist()  # one host sync per layer: the slow path loops on the host anyway
-    if cu_k is not cu_q and cu_k.tolist() != bounds:
-        raise ValueError("packed self-attention needs cu_seq_lens_k == cu_seq_lens_q (no cache)")
-    out = exact_packed_attention(
-        query[0], key[0], value[0], bounds, scale=scale, sliding_window=sliding_window, softcap=softcap
-    )  # [T, H, D]
-    return out.unsqueeze(0), None
+    bounds_q = cu_q.tolist()  # one host sync per layer: the exact path loops on the host anyway
+    bounds_k = bounds_q if cu_k is cu_q else cu_k.tolist()
+    return exact_packed_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), bounds_q, bounds_k,
+        scale=scale, sliding_window=sliding_window, softcap=softcap,
+    )  # fmt: skip
 
 
 def _unpacked_attention(
@@ -161,6 +326,8 @@ def _unpacked_attention(
     scaling: float | None,
     dropout: float,
     softcap: float | None,
+    *,
+    preference: AttentionBackend,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """B rows of T tokens, each row one sequence: the same as a packed row of B sequences."""
@@ -172,7 +339,7 @@ def _unpacked_attention(
     cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device)
     out, _ = packed_attention_forward(
         module, one_row(query), one_row(key), one_row(value), attention_mask, scaling, dropout, softcap,
-        **kwargs, **packed_forward_kwargs(cu_seqlens, t),
+        preference=preference, **kwargs, **packed_forward_kwargs(cu_seqlens, t),
     )  # fmt: skip
     return out.reshape(b, t, h, value.shape[-1]), None
 
@@ -228,23 +395,63 @@ def _varlen_kwargs(kwargs: dict[str, Any], device: torch.device) -> tuple[torch.
     return cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
 
 
-def _to_thd(x: torch.Tensor) -> torch.Tensor:
-    """[1, heads, T, D] -> [T, heads, D], the layout varlen kernels index.
-
-    Made contiguous: HF hands over a transposed view (row stride D, head stride T*D), and only
-    a contiguous last dim is documented as enough for flash attention; the copy (one [T, heads, D]
-    per tensor per layer) is cheap next to the layer's GEMMs.
-    """
-    return x[0].transpose(0, 1).contiguous()
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned_reasons:
-        _warned_reasons.add(reason)
-        log.warning("packed attention on CUDA falls back to the exact per-sequence loop (slower) because of %s", reason)
+def _warn_once(backend: str, reasons: list[str]) -> None:
+    """Say once per cause why a call on CUDA runs on a slower backend than the preference's first."""
+    key = (backend, *reasons)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("packed attention runs on %s (slower) because of %s", backend, "; ".join(reasons))
 
 
 # --------------------------------------------------------------------------- fast path
+
+
+@functools.cache
+def _sdpa_cudnn_refused(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> str | None:
+    """Whether torch's SDPA refuses its cuDNN kernel for this kind of call: asked once, on a tiny one."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return "torch's cuDNN SDPA backend switched off"
+    q = torch.zeros(1, groups, 8, head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(1, 1, 8, head_dim, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=groups > 1)
+    except RuntimeError as err:
+        return f"torch's cuDNN SDPA refused it ({str(err).splitlines()[0][:100]})"
+    return None
+
+
+def sdpa_cudnn_blocker(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    one_square: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> str | None:
+    """None when ``sdpa_cudnn_attention`` computes this call exactly. q: [Tq, H, D]; k, v: [Tk, KV, D]."""
+    if not one_square:
+        return "more than one sequence in the row, or a chunk"  # SDPA's causal mask is top-left for Lq < Lk
+    if q.device.type != "cuda":
+        return "a device other than CUDA"
+    if softcap is not None or sliding_window is not None:
+        return "attention softcapping or a sliding window"
+    if q.dtype not in _FLASH_DTYPES:
+        return f"dtype {q.dtype}"
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1] or q.shape[-2] % k.shape[-2]:
+        return "head dims or head counts it does not take"
+    return _sdpa_cudnn_refused(q.device, q.dtype, q.shape[-1], q.shape[-2] // k.shape[-2])
+
+
+def sdpa_cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Causal attention of one whole sequence on torch's cuDNN SDPA kernel. q: [T, H, D]; k, v: [T, KV, D]."""
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip  # [1, H, T, D]
+    return out[0].transpose(0, 1)  # [T, H, D]
 
 
 def varlen_window_size(sliding_window: int | None) -> tuple[int, int]:
@@ -341,7 +548,8 @@ def exact_packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: list[int],
+    cu_q: list[int],
+    cu_k: list[int] | None = None,
     *,
     scale: float,
     sliding_window: int | None,
@@ -350,16 +558,22 @@ def exact_packed_attention(
 ) -> torch.Tensor:
     """Eager-exact attention of each sequence of a packed row, on its own.
 
-    q: [H, T, D]; k: [KV, T, D]; v: [KV, T, Dv]; ``cu_seqlens``: host list [n+1] -> [T, H, Dv].
+    q: [H, Tq, D]; k: [KV, Tk, D]; v: [KV, Tk, Dv]; ``cu_q`` / ``cu_k``: host lists [n+1] of query
+    and key boundaries (``cu_k`` defaults to ``cu_q``: self-attention) -> [Tq, H, Dv]. A sequence
+    with fewer queries than keys holds its last queries (aligned bottom-right).
     """
+    cu_k = cu_q if cu_k is None else cu_k
     heads, total, _ = q.shape
-    if cu_seqlens[0] != 0 or cu_seqlens[-1] != total or any(a > b for a, b in itertools.pairwise(cu_seqlens)):
-        raise ValueError(f"cu_seqlens must rise from 0 to T={total}, got {cu_seqlens[:4]}...{cu_seqlens[-2:]}")
-    out = q.new_empty(total, heads, v.shape[-1])  # [T, H, Dv]
-    for start, end in itertools.pairwise(cu_seqlens):
-        if end > start:
-            out[start:end] = sequence_attention(
-                q[:, start:end], k[:, start:end], v[:, start:end],
+    for name, bounds, end in (("cu_q", cu_q, total), ("cu_k", cu_k, k.shape[1])):
+        if bounds[0] != 0 or bounds[-1] != end or any(a > b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"{name} must rise from 0 to T={end}, got {bounds[:4]}...{bounds[-2:]}")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_q and cu_k must delimit as many sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}")
+    out = q.new_empty(total, heads, v.shape[-1])  # [Tq, H, Dv]
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k)):
+        if qe > qs:
+            out[qs:qe] = sequence_attention(
+                q[:, qs:qe], k[:, ks:ke], v[:, ks:ke],
                 scale=scale, sliding_window=sliding_window, softcap=softcap, score_bytes=score_bytes,
             )  # fmt: skip
     return out
@@ -377,36 +591,42 @@ def sequence_attention(
 ) -> torch.Tensor:
     """Causal attention of one sequence, as transformers' eager implementation computes it.
 
-    q: [H, L, D]; k: [KV, L, D]; v: [KV, L, Dv] -> [L, H, Dv]. Query rows go in blocks whose
-    float32 scores fit ``score_bytes`` (default ``FALLBACK_SCORE_BYTES``); each block reads only
-    the keys it can see (causal, and the window), so a row's result does not depend on the blocking.
+    q: [H, Lq, D]; k: [KV, Lk, D]; v: [KV, Lk, Dv] -> [Lq, H, Dv], Lq <= Lk: the queries are the
+    sequence's last Lq positions (query i sits at position i + Lk - Lq). Query rows go in blocks
+    whose float32 scores fit ``score_bytes`` (default ``FALLBACK_SCORE_BYTES``); each block reads
+    only the keys it can see (causal, and the window), so a row's result does not depend on the
+    blocking.
     """
     heads, length, _ = q.shape
-    kv_heads = k.shape[0]
+    kv_heads, keys = k.shape[0], k.shape[1]
+    if length > keys:
+        raise ValueError(f"{length} queries but only {keys} keys: queries are the last positions of the keys")
+    offset = keys - length  # position of query row 0
     groups = heads // kv_heads
-    qg = q.unflatten(0, (kv_heads, groups))  # [KV, G, L, D]: query head h reads kv head h // G
+    qg = q.unflatten(0, (kv_heads, groups))  # [KV, G, Lq, D]: query head h reads kv head h // G
     budget = FALLBACK_SCORE_BYTES if score_bytes is None else score_bytes  # read at call time
-    rows = max(1, budget // (4 * heads * length))  # float32 scores of one query row: heads x <= L keys
-    out = q.new_empty(length, heads, v.shape[-1])  # [L, H, Dv]
+    rows = max(1, budget // (4 * heads * keys))  # float32 scores of one query row: heads x <= Lk keys
+    out = q.new_empty(length, heads, v.shape[-1])  # [Lq, H, Dv]
     for q0 in range(0, length, rows):
         q1 = min(length, q0 + rows)
-        k0 = 0 if sliding_window is None else max(0, q0 - sliding_window + 1)  # first key the block's rows see
-        scores = qg[:, :, q0:q1] @ k[:, None, k0:q1].transpose(-1, -2)  # [KV, G, Lq, Lk], model dtype
+        p0, p1 = q0 + offset, q1 + offset  # the block's positions
+        k0 = 0 if sliding_window is None else max(0, p0 - sliding_window + 1)  # first key the block's rows see
+        scores = qg[:, :, q0:q1] @ k[:, None, k0:p1].transpose(-1, -2)  # [KV, G, Lq, Lk], model dtype
         scores = scores * scale  # after the matmul, as eager does
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        allowed = _allowed(q0, q1, k0, sliding_window, q.device)  # [Lq, Lk]
+        allowed = _allowed(p0, p1, k0, sliding_window, q.device)  # [Lq, Lk]
         # -inf instead of eager's additive finfo.min: both give exactly 0 after the softmax, and
         # every row keeps at least itself, so no row is all -inf.
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = probs @ v[:, None, k0:q1]  # [KV, G, Lq, Dv]
+        o = probs @ v[:, None, k0:p1]  # [KV, G, Lq, Dv]
         out[q0:q1] = o.flatten(0, 1).transpose(0, 1)  # [Lq, H, Dv]
     return out
 
 
 def _allowed(q0: int, q1: int, k0: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """[Lq, Lk] bool: query i in [q0, q1) may see key j in [k0, q1) (positions within the sequence).
+    """[Lq, Lk] bool: the query at position i in [q0, q1) may see the key at position j in [k0, q1).
 
     Same predicate as transformers' ``causal_mask_function`` and ``sliding_window_overlay``:
     j <= i, and j > i - w when a window w is set.

@@ -63,12 +63,16 @@ def launch_splitting_on_oom(
         torch.cuda.empty_cache()
     if len(indices) == 1:
         seq = sequences[indices[0]]
+        room = ""
+        if scorer.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(scorer.device)
+            room = f" ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free on {scorer.device} with the models loaded)"
         return [
             Part(
                 indices,
                 error=Overloaded(
                     f"a sequence of {seq.num_tokens} tokens ({len(seq.prompt_ids)} prompt + "
-                    f"{len(seq.completion_ids)} completion) does not fit in device memory even alone",
+                    f"{len(seq.completion_ids)} completion) does not fit in device memory even alone{room}",
                     retry_after_s=5.0,
                 ),
             )

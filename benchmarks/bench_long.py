@@ -1,0 +1,138 @@
+"""One long sequence at the Qwen2.5-7B shape: the service against HF's own body on SDPA.
+
+    PYTHONPATH=service:client python3 benchmarks/bench_long.py                         # 32K .. 512K
+    PYTHONPATH=service:client python3 benchmarks/bench_long.py --lengths 1048576 --no-hf   # 1M alone
+
+For each length T: one sequence of 1024 prompt + T - 1024 completion tokens (random ids, random
+bf16 weights: speed and memory depend on shapes only), scored by
+
+* the service in-process (``OfflineScorer``: the server's queue, loop and device worker; a lone
+  sequence longer than ``--long-sequence-tokens`` runs layer by layer in ``--chunk-tokens``
+  chunks, ``models.chunked``), log-probs of every completion token;
+* HF's body, ``model.model(input_ids)`` on SDPA (hidden states only: no logits), where it fits
+  (``--hf-max``); out of memory is reported as such.
+
+Columns: wall seconds of one call (the device synchronized; the first length is preceded by a
+short warm-up call), peak bytes allocated beyond the weights, and achieved TFLOP/s of model
+FLOPs: attention 2 * T^2 * hidden * layers (causal: half of 4 T^2 hidden) plus 2 * params * T
+(params without the input embedding, which is a lookup). Where HF ran, "max |dlogp|" compares
+the service's log-probs of the last 256 completion tokens with log-probs from HF's hidden states
+and float32 logits (bf16 bodies: differences of a few 1e-2 are kernel rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+import torch
+from common import SHAPES, build_model
+from harness import GiB, matmul_tflops, peak_allocated, publish, release, reset_peak, run_environment, synchronize
+from logprob_service.domain import TokenSequence
+from logprob_service.models.scorer import ScoringOptions
+from logprob_service.offline import OfflineScorer
+
+PROMPT = 1024
+CHECKED = 256  # completion tokens compared with HF's
+
+
+def model_flops(model: torch.nn.Module, tokens: int) -> float:
+    config = model.config
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        params += model.get_input_embeddings().weight.numel()  # tied: the lm_head matmul still runs
+    attention = 2 * tokens**2 * config.hidden_size * config.num_hidden_layers
+    return attention + 2 * params * tokens
+
+
+def timed(fn, device: torch.device) -> tuple[float, int, object]:
+    """(seconds, peak bytes beyond what was allocated before, the result) of one call."""
+    release(device)
+    base = torch.cuda.memory_allocated(device)
+    reset_peak(device)
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, peak_allocated(device) - base, out
+
+
+@torch.no_grad()
+def hf_tail_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> tuple[float, int, np.ndarray]:
+    """HF's body on SDPA, then float32 log-probs of the last CHECKED completion tokens."""
+    model.set_attn_implementation("sdpa")
+    seconds, peak, hidden = timed(lambda: model.model(input_ids=ids[None]).last_hidden_state[0], ids.device)
+    rows = hidden[-CHECKED - 1 : -1].float()  # the rows predicting the last CHECKED tokens
+    del hidden
+    logits = rows @ model.get_output_embeddings().weight.float().T
+    logp = logits.log_softmax(-1).gather(1, targets[-CHECKED:, None]).squeeze(1)
+    return seconds, peak, logp.cpu().numpy()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="32768,131072,262144,524288", help="comma-separated T")
+    parser.add_argument("--hf-max", type=int, default=524288, help="longest T for HF's body")
+    parser.add_argument("--no-hf", action="store_true", help="the service alone")
+    parser.add_argument("--long-sequence-tokens", type=int, default=65536)
+    parser.add_argument("--chunk-tokens", type=int, default=32768)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    shape = SHAPES["7b"]
+    model = build_model(shape, device, torch.bfloat16, args.seed)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    options = ScoringOptions(args.attention_backend, args.long_sequence_tokens, args.chunk_tokens)
+    scorer = OfflineScorer(model, options=options, max_batch_tokens=32768)
+    packed = model.config._attn_implementation  # the scorer's; HF's runs switch to sdpa and back
+    rng = np.random.default_rng(args.seed)
+    header = [
+        *run_environment(device),
+        f"model: {shape.name} shape, bf16, random weights {weights / GiB:.1f} GiB; attention: "
+        f"{scorer.served.info.attention}; chunks of {args.chunk_tokens} above {args.long_sequence_tokens} tokens",
+        f"bf16 matmul 8192^3 in this run: {matmul_tflops(device):.0f} TFLOP/s",
+    ]
+    warm = TokenSequence(rng.integers(0, shape.vocab, PROMPT), rng.integers(0, shape.vocab, 4096))
+    scorer.score([warm])  # kernels compiled, graphs built: not in the first length's time
+    rows = []
+    for total in lengths:
+        seq = TokenSequence(rng.integers(0, shape.vocab, PROMPT), rng.integers(0, shape.vocab, total - PROMPT))
+        print(f"  T={total}: service", flush=True)
+        s_sec, s_peak, scores = timed(lambda seq=seq: scorer.score([seq])[0].logprobs, device)
+        flops = model_flops(model, total)
+        row = {"T": total, "service s": s_sec, "service GiB": s_peak / GiB, "service TF/s": flops / s_sec / 1e12}
+        if not args.no_hf and total <= args.hf_max:
+            print(f"  T={total}: HF body", flush=True)
+            ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids])).to(device)
+            try:
+                h_sec, h_peak, hf = hf_tail_logprobs(model, ids, ids)
+                row |= {"HF s": h_sec, "HF GiB": h_peak / GiB, "HF TF/s": flops / h_sec / 1e12}
+                row["max |dlogp|"] = float(np.abs(scores[-CHECKED:] - hf).max())
+            except torch.OutOfMemoryError:
+                row["HF s"] = "out of memory"
+            finally:
+                del ids
+                gc.collect()
+                release(device)
+                model.set_attn_implementation(packed)
+        rows.append(row)
+    columns = ["T", "service s", "service GiB", "service TF/s", "HF s", "HF GiB", "HF TF/s", "x HF", "max |dlogp|"]
+    lines = [*header, "", "| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    for row in rows:
+        if isinstance(row.get("HF s"), float):
+            row["x HF"] = row["service s"] / row["HF s"]
+        cells = []
+        for c in columns:
+            v = row.get(c, "-")
+            cells.append(f"{v:,}" if c == "T" else f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("(x HF: service seconds / HF body seconds; the service's include the lm_head stage and the copy out)")
+    publish("\n".join(lines), "bench_long.md")
+
+
+if __name__ == "__main__":
+    main()
