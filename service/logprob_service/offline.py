@@ -12,8 +12,10 @@ check and time is what the server does, less the wire.
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from transformers import PreTrainedModel
 
@@ -25,6 +27,9 @@ from logprob_service.models.served import ServedModel, serve_model
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.stats import NO_STATS, StatsSink
 from logprob_service.worker.executor import DeviceExecutor
+
+T = TypeVar("T")
+UNLIMITED = 2**62
 
 
 class OfflineScorer:
@@ -50,7 +55,29 @@ class OfflineScorer:
         self.executor = DeviceExecutor(stats)
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_sequences = max_batch_sequences
-        self._stats = stats
+        # One event loop on a thread of its own, with one scheduler, for the scorer's life: a call
+        # costs a hand-over to it, and works from any thread, a coroutine's included.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="logprob-offline", daemon=True)
+        self._thread.start()
+        self._scheduler = self._run(self._start(stats))
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _start(self, stats: StatsSink) -> Scheduler:
+        scheduler = Scheduler(
+            self.registry,
+            self.executor,
+            max_queued_tokens=UNLIMITED,  # one caller: nothing to share or to refuse
+            max_queued_tokens_per_client=UNLIMITED,
+            max_batch_tokens=self.max_batch_tokens,
+            max_batch_sequences=self.max_batch_sequences,
+            max_wait_ms=0,  # a call's whole job is queued before the loop looks: nothing more will come
+            stats=stats,
+        )
+        scheduler.start()
+        return scheduler
 
     @property
     def scorer(self) -> CausalLMScorer:
@@ -67,27 +94,13 @@ class OfflineScorer:
             temperature=temperature,
             return_entropy=return_entropy,
         )
-        return asyncio.run(self._score(job))
-
-    async def _score(self, job: ScoreJob) -> list[SequenceScores]:
-        # A scheduler per call: its asyncio primitives belong to this call's event loop.
-        scheduler = Scheduler(
-            self.registry,
-            self.executor,
-            max_queued_tokens=max(job.num_tokens, 1),
-            max_queued_tokens_per_client=max(job.num_tokens, 1),
-            max_batch_tokens=self.max_batch_tokens,
-            max_batch_sequences=self.max_batch_sequences,
-            max_wait_ms=0,  # the whole job is queued before the loop looks: nothing more will come
-            stats=self._stats,
-        )
-        scheduler.start()
-        try:
-            return (await scheduler.submit(job)).scores
-        finally:
-            await scheduler.close()
+        return self._run(self._scheduler.submit(job)).scores
 
     def close(self) -> None:
+        self._run(self._scheduler.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
         self.executor.shutdown()
 
     def __enter__(self) -> OfflineScorer:

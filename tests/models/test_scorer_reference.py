@@ -87,3 +87,11 @@ def test_packed_micro_batches_at_the_exact_token_budget(arch, rng):
     scorer = OfflineScorer(model, max_batch_tokens=budget, max_batch_sequences=5)
     out = scorer.score(sequences, return_entropy=True)
     assert_scores_close(model, sequences, [s.logprobs for s in out], [s.entropies for s in out])
+
+
+async def test_offline_scoring_works_from_inside_an_event_loop(rng, seed):
+    model = make_model("llama", tied=False, seed=seed)
+    sequences = random_sequences(rng, 3)
+    with OfflineScorer(model) as scorer:
+        out = scorer.score(sequences)  # a coroutine calling the blocking API: its loop is already running
+    assert_scores_close(model, sequences, [s.logprobs for s in out])

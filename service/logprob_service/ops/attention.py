@@ -106,9 +106,14 @@ ORDER: dict[str, tuple[str, ...]] = {
 }
 
 
+# transformers takes any implementation name with "flash" in it for a FlashAttention build it must
+# import, so the names avoid the word.
+_NAME_SUFFIX = {"auto": "", "cudnn": "_cudnn", "flash": "_fa2varlen", "exact": "_exact"}
+
+
 def attention_implementation_name(preference: AttentionBackend = "auto") -> str:
     """The transformers attention implementation of ``preference``: ``model.set_attn_implementation(name)``."""
-    return PACKED_ATTENTION if preference == "auto" else f"{PACKED_ATTENTION}_{preference}"
+    return PACKED_ATTENTION + _NAME_SUFFIX[preference]
 
 
 def register_packed_attention() -> None:
