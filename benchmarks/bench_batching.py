@@ -76,7 +76,6 @@ from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
-from logprob_service.ops.attention import PACKED_ATTENTION, register_packed_attention
 from transformers import PreTrainedModel
 
 GiB = 1024**3
@@ -551,20 +550,18 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
     workload = workload_for(args, shape.vocab)
     baseline = run_baseline(harness, model, workload)
 
-    register_packed_attention()
-    model.set_attn_implementation(PACKED_ATTENTION)  # for (b) and (c); constructing a scorer also does this
-    options = ScoringOptions(attention_backend=args.attention_backend)
-    scorer = OfflineScorer(
+    options = ScoringOptions(attention_backend=args.attention_backend)  # the scorer switches the model to it
+    with OfflineScorer(
         model, options=options, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences
-    )
-    in_process = run_in_process(harness, scorer, workload)
-    via_grpc = run_grpc(harness, scorer, workload, args)
+    ) as scorer:
+        in_process = run_in_process(harness, scorer, workload)
+        via_grpc = run_grpc(harness, scorer, workload, args)
     sweep = []
     for value in args.sweep_batch_tokens:
-        sweep_scorer = OfflineScorer(
+        with OfflineScorer(
             model, options=options, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences
-        )
-        sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
+        ) as sweep_scorer:
+            sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
     return ShapeReport(describe_model(shape, model), [baseline, in_process, via_grpc], sweep)
 
 

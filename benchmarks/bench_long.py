@@ -2,6 +2,7 @@
 
     PYTHONPATH=service:client python3 benchmarks/bench_long.py                         # 32K .. 512K
     PYTHONPATH=service:client python3 benchmarks/bench_long.py --lengths 1048576 --no-hf   # 1M alone
+    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_long.py --smoke             # CPU check
 
 For each length T: one sequence of 1024 prompt + T - 1024 completion tokens (random ids, random
 bf16 weights: speed and memory depend on shapes only), scored by
@@ -24,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 
 import numpy as np
 import torch
-from common import SHAPES, build_model
-from harness import GiB, matmul_tflops, peak_allocated, publish, release, reset_peak, run_environment, synchronize
+from common import SHAPES, TINY, build_model
+from harness import GiB, matmul_tflops, publish, release, run_environment, time_calls
 from logprob_service.domain import TokenSequence
 from logprob_service.models.scorer import ScoringOptions
 from logprob_service.offline import OfflineScorer
@@ -47,27 +47,21 @@ def model_flops(model: torch.nn.Module, tokens: int) -> float:
     return attention + 2 * params * tokens
 
 
-def timed(fn, device: torch.device) -> tuple[float, int, object]:
-    """(seconds, peak bytes beyond what was allocated before, the result) of one call."""
-    release(device)
-    base = torch.cuda.memory_allocated(device)
-    reset_peak(device)
-    synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return time.perf_counter() - start, peak_allocated(device) - base, out
+def once(fn, device: torch.device) -> tuple[float, float, object]:
+    """(seconds, GiB beyond what was allocated before (0 off CUDA), the result) of one call."""
+    timing = time_calls(fn, device, warmup=0, repeats=1)
+    return timing.median_ms / 1e3, (timing.peak_extra_bytes or 0) / GiB, timing.out
 
 
 @torch.no_grad()
-def hf_tail_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> tuple[float, int, np.ndarray]:
-    """HF's body on SDPA, then float32 log-probs of the last CHECKED completion tokens."""
+def hf_tail_logprobs(model: torch.nn.Module, ids: torch.Tensor, checked: int) -> tuple[float, float, np.ndarray]:
+    """HF's body on SDPA, then float32 log-probs of the last ``checked`` tokens."""
     model.set_attn_implementation("sdpa")
-    seconds, peak, hidden = timed(lambda: model.model(input_ids=ids[None]).last_hidden_state[0], ids.device)
-    rows = hidden[-CHECKED - 1 : -1].float()  # the rows predicting the last CHECKED tokens
+    seconds, peak, hidden = once(lambda: model.model(input_ids=ids[None]).last_hidden_state[0], ids.device)
+    rows = hidden[-checked - 1 : -1].float()  # the rows predicting the last ``checked`` tokens
     del hidden
     logits = rows @ model.get_output_embeddings().weight.float().T
-    logp = logits.log_softmax(-1).gather(1, targets[-CHECKED:, None]).squeeze(1)
+    logp = logits.log_softmax(-1).gather(1, ids[-checked:, None]).squeeze(1)
     return seconds, peak, logp.cpu().numpy()
 
 
@@ -80,11 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=32768)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, short lengths, cpu, float32")
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
+    if args.smoke:
+        args.lengths, args.long_sequence_tokens, args.chunk_tokens = "1200,2048", 1100, 300
+    device = torch.device("cpu" if args.smoke else "cuda")
     lengths = [int(x) for x in args.lengths.split(",")]
-    shape = SHAPES["7b"]
-    model = build_model(shape, device, torch.bfloat16, args.seed)
+    shape = TINY if args.smoke else SHAPES["7b"]
+    model = build_model(shape, device, torch.float32 if args.smoke else torch.bfloat16, args.seed)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     options = ScoringOptions(args.attention_backend, args.long_sequence_tokens, args.chunk_tokens)
     scorer = OfflineScorer(model, options=options, max_batch_tokens=32768)
@@ -92,26 +89,28 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(args.seed)
     header = [
         *run_environment(device),
-        f"model: {shape.name} shape, bf16, random weights {weights / GiB:.1f} GiB; attention: "
-        f"{scorer.served.info.attention}; chunks of {args.chunk_tokens} above {args.long_sequence_tokens} tokens",
-        f"bf16 matmul 8192^3 in this run: {matmul_tflops(device):.0f} TFLOP/s",
+        f"model: {shape.name} shape, {scorer.served.info.dtype}, random weights {weights / GiB:.1f} GiB; "
+        f"attention: {scorer.served.info.attention}",
+        f"chunks of {args.chunk_tokens} tokens above {args.long_sequence_tokens}",
+        f"bf16 matmul 8192^3 in this run: {matmul_tflops(device):.0f} TFLOP/s" if device.type == "cuda" else "",
     ]
-    warm = TokenSequence(rng.integers(0, shape.vocab, PROMPT), rng.integers(0, shape.vocab, 4096))
+    warm = TokenSequence(rng.integers(0, shape.vocab, PROMPT), rng.integers(0, shape.vocab, 64 if args.smoke else 4096))
     scorer.score([warm])  # kernels compiled, graphs built: not in the first length's time
     rows = []
     for total in lengths:
         seq = TokenSequence(rng.integers(0, shape.vocab, PROMPT), rng.integers(0, shape.vocab, total - PROMPT))
         print(f"  T={total}: service", flush=True)
-        s_sec, s_peak, scores = timed(lambda seq=seq: scorer.score([seq])[0].logprobs, device)
+        s_sec, s_peak, scores = once(lambda seq=seq: scorer.score([seq])[0].logprobs, device)
         flops = model_flops(model, total)
-        row = {"T": total, "service s": s_sec, "service GiB": s_peak / GiB, "service TF/s": flops / s_sec / 1e12}
+        row = {"T": total, "service s": s_sec, "service GiB": s_peak, "service TF/s": flops / s_sec / 1e12}
         if not args.no_hf and total <= args.hf_max:
             print(f"  T={total}: HF body", flush=True)
             ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids])).to(device)
             try:
-                h_sec, h_peak, hf = hf_tail_logprobs(model, ids, ids)
-                row |= {"HF s": h_sec, "HF GiB": h_peak / GiB, "HF TF/s": flops / h_sec / 1e12}
-                row["max |dlogp|"] = float(np.abs(scores[-CHECKED:] - hf).max())
+                checked = min(CHECKED, total - PROMPT)
+                h_sec, h_peak, hf = hf_tail_logprobs(model, ids, checked)
+                row |= {"HF s": h_sec, "HF GiB": h_peak, "HF TF/s": flops / h_sec / 1e12}
+                row["max |dlogp|"] = float(np.abs(scores[-checked:] - hf).max())
             except torch.OutOfMemoryError:
                 row["HF s"] = "out of memory"
             finally:
@@ -132,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("(x HF: service seconds / HF body seconds; the service's include the lm_head stage and the copy out)")
     publish("\n".join(lines), "bench_long.md")
+    scorer.close()
 
 
 if __name__ == "__main__":

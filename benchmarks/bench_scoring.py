@@ -49,7 +49,7 @@ from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
-from logprob_service.ops.attention import PACKED_ATTENTION, packed_forward_kwargs
+from logprob_service.ops.attention import packed_forward_kwargs
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
 from logprob_service.worker.packing import pack
@@ -224,6 +224,7 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
     ref_packed = reference_logprobs(model, batch, args.ref_seqs)
     release(device)
     # The baselines run as HF users run them.
+    packed = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     rows = [
         run_method("model body alone (lower bound)", lambda: body_alone(model, batch), None, **common),
@@ -234,7 +235,7 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
             "TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common
         ),
     ]
-    model.set_attn_implementation(PACKED_ATTENTION)
+    model.set_attn_implementation(packed)  # the scorers' own, after the baselines' sdpa
     inputs = packed_inputs(batch, device)
     rows.append(
         run_method(
@@ -273,6 +274,8 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         rows.append(
             run_method("service via gRPC (loopback)", lambda: service_grpc(client, batch), ref_packed, **common)
         )
+    scorer.close()
+    eager.close()
     return rows
 
 

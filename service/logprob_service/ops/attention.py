@@ -243,7 +243,9 @@ def choose_backend(
     reasons = []
     for backend in ORDER[preference]:
         if backend == "sdpa-cudnn":
-            reason = sdpa_cudnn_blocker(q, k, v, one_square=one_square, sliding_window=sliding_window, softcap=softcap)
+            if not one_square:
+                continue  # not a slower choice: SDPA's causal mask has no place for several sequences
+            reason = sdpa_cudnn_blocker(q, k, v, sliding_window=sliding_window, softcap=softcap)
         elif backend == "cudnn":
             reason = cudnn_attention.cudnn_blocker(q, k, v, window_size=window, softcap=softcap)
         elif backend == "flash":
@@ -275,7 +277,7 @@ def describe_backends(
             preference, q, k, k, one_square=one_square, sliding_window=None, softcap=softcap
         )
         plan.append(f"{rows}: {backend}")
-        why.update(dict.fromkeys(r.split(": ", 1)[1] for r in reasons if not r.startswith("sdpa-cudnn: more than")))
+        why.update(dict.fromkeys(reason.split(": ", 1)[1] for reason in reasons))
     return ", ".join(plan) + (f" (faster ones cannot: {'; '.join(why)})" if why else "")
 
 
@@ -427,17 +429,10 @@ def _sdpa_cudnn_refused(device: torch.device, dtype: torch.dtype, head_dim: int,
 
 
 def sdpa_cudnn_blocker(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    one_square: bool,
-    sliding_window: int | None,
-    softcap: float | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sliding_window: int | None, softcap: float | None
 ) -> str | None:
-    """None when ``sdpa_cudnn_attention`` computes this call exactly. q: [Tq, H, D]; k, v: [Tk, KV, D]."""
-    if not one_square:
-        return "more than one sequence in the row, or a chunk"  # SDPA's causal mask is top-left for Lq < Lk
+    """None when ``sdpa_cudnn_attention`` computes this call, one whole sequence (queries = keys: SDPA's
+    causal mask is aligned top-left), exactly. q: [T, H, D]; k, v: [T, KV, D]."""
     if q.device.type != "cuda":
         return "a device other than CUDA"
     if softcap is not None or sliding_window is not None:
