@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_service.domain import TokenSequence
+from logprob_service.models.chunked import _RowSlices
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
@@ -78,3 +79,11 @@ def test_queries_of_a_chunk_see_their_keys_aligned_bottom_right(window, seed):
         torch.testing.assert_close(tail, whole[start:], atol=PACKED_HIDDEN_FP32, rtol=0)
     with pytest.raises(ValueError, match="queries but only"):
         sequence_attention(q, k[:, :10], v[:, :10], **kwargs)
+
+
+def test_the_final_norm_by_row_slices_gives_every_row_its_own_value(seed):
+    norm = make_model("llama", tied=False, seed=seed).base_model.norm
+    x = torch.randn(1, 100, 64, generator=torch.Generator().manual_seed(seed)) * 3
+    whole = norm(x)
+    sliced = _RowSlices(norm.forward, rows=7)  # 15 slices, the last ragged
+    torch.testing.assert_close(sliced(x), whole, atol=0, rtol=0)  # a row's value never depends on its slice

@@ -24,5 +24,5 @@ def test_list_models_says_which_attention_serves_the_model(seed):
         make_model("llama", tied=False, seed=seed), options=ScoringOptions(attention_backend="exact")
     )
     info = serve_model("m", "test", scorer).info
-    assert info.attention == "packed rows and chunks: exact, one whole sequence: exact"
+    assert info.attention == "packed rows: exact, one sequence (or its chunks): exact"
     assert "a device other than CUDA" in serve_model("m", "test", CausalLMScorer(scorer.model)).info.attention

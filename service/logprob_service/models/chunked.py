@@ -14,11 +14,12 @@ row in chunks of ``chunk_tokens`` tokens, in order:
 
 A chunk's output overwrites its own input rows in place: later chunks of the same layer need only
 their own inputs and the K/V buffers, and the next layer starts once this one has done every
-chunk. What stays alive beyond the weights: the residual stream [T, hidden] (and, at the end, the
-final norm's output), the rotary tables [T, head_dim], one layer's K and V [T, KV heads, head_dim],
-and one chunk's intermediates. So memory grows linearly in T with a small constant and never with
-the MLP width. The arithmetic is the unchunked one (each query sees exactly its causal keys), up
-to the summation order of the kernels at other shapes.
+chunk. The final norm goes by row slices too. What stays alive beyond the weights: the residual
+stream [T, hidden] (and, at the end, the final norm's output), the rotary tables [T, head_dim],
+one layer's K and V [T, KV heads, head_dim], and one chunk's intermediates. So memory grows
+linearly in T with a small constant and never with the MLP width. The arithmetic is the unchunked
+one (each query sees exactly its causal keys), up to the summation order of the kernels at other
+shapes.
 
 Packed rows of one sequence only (positions 0..T-1): the scheduler scores a sequence longer than
 its micro-batch budget alone, and only such a sequence is chunked.
@@ -74,9 +75,35 @@ class _LayerChunking:
         return x
 
 
+NORM_ROWS = 32768
+"""Rows of one slice of the final norm (its float32 temporaries: 2 x rows x hidden x 4 bytes)."""
+
+
+@dataclass
+class _RowSlices:
+    """A row-wise module's ``forward`` (the final RMSNorm) over slices of at most ``rows`` rows.
+
+    Run on a whole long row, an RMSNorm holds two float32 copies of its [T, hidden] input (the
+    upcast and its square): at a million tokens of a 7B model, 29 GiB. By slices, only one slice's;
+    each row's values are the same."""
+
+    original: Callable[..., Any]
+    rows: int = NORM_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] <= self.rows:
+            return self.original(x)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[-2], self.rows):
+            out[..., start : start + self.rows, :] = self.original(x[..., start : start + self.rows, :])
+        return out
+
+
 def install_chunking(body: nn.Module) -> None:
     """Let every decoder layer of ``body`` run chunked when the body is called with
-    ``CHUNK_KWARG=n`` (idempotent; without the argument the layers run as before)."""
+    ``CHUNK_KWARG=n``, and its final norm go by row slices (idempotent; short rows run as before)."""
     for layer in body.layers:
         if not isinstance(layer.forward, _LayerChunking):
             layer.forward = _LayerChunking(layer.forward)  # an instance attribute: names and weights stay
+    if not isinstance(body.norm.forward, _RowSlices):
+        body.norm.forward = _RowSlices(body.norm.forward)
