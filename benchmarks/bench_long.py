@@ -15,11 +15,12 @@ bf16 weights: speed and memory depend on shapes only), scored by
 
 Columns: wall seconds of one call (the device synchronized; the first length is preceded by a
 short warm-up call; "first call" pays the cuDNN plans of the length's new chunk shapes once, and
-"service s" is a second call up to ``--warm-up-to``), peak bytes allocated beyond the weights, and achieved TFLOP/s of model
-FLOPs: attention 2 * T^2 * hidden * layers (causal: half of 4 T^2 hidden) plus 2 * params * T
-(params without the input embedding, which is a lookup). Where HF ran, "max |dlogp|" compares
-the service's log-probs of the last 256 completion tokens with log-probs from HF's hidden states
-and float32 logits (bf16 bodies: differences of a few 1e-2 are kernel rounding).
+"service s" is a second call up to ``--warm-up-to``), peak bytes allocated beyond the weights, and
+achieved TFLOP/s of model FLOPs: attention 2 * T^2 * hidden * layers (causal: half of 4 T^2
+hidden) plus 2 * params * T (params without the input embedding, which is a lookup). Where HF ran,
+"max |dlogp|" compares the service's log-probs of the last 256 completion tokens with log-probs
+from HF's hidden states and float32 logits (bf16 bodies: differences of a few 1e-2 are kernel
+rounding).
 """
 
 from __future__ import annotations
