@@ -43,7 +43,7 @@ import torch
 from common import SHAPES, TINY, LoopbackServer, build_model, selective_log_softmax
 from harness import GiB, publish, release, run_environment, time_calls
 from logprob_client import LogprobClient, Overloaded
-from logprob_service.config import Settings
+from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
@@ -335,7 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per method first")
     parser.add_argument("--ref-seqs", type=int, default=2, help="sequences checked against the float64 reference")
     parser.add_argument(
-        "--max-batch-tokens", type=int, default=32768, help="the service's token budget per packed micro-batch"
+        "--max-batch-tokens",
+        type=int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="the service's token budget per packed micro-batch",
     )
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the model's (ignored with --smoke)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"])

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# One RPC's default share: the server's default micro-batch (--max-batch-tokens 32768,
-# --max-batch-sequences 256), so each part is about one micro-batch of work, well inside the
-# server's default per-request limits (4096 sequences, 1M tokens).
+# One RPC's default share: half the server's default micro-batch (--max-batch-tokens 65536,
+# --max-batch-sequences 256), so the server starts on the first part while the next is on the
+# wire and packs two parts into one micro-batch, well inside its default per-request limits
+# (4096 sequences, 1M tokens).
 DEFAULT_MAX_SEQUENCES_PER_RPC = 256
 DEFAULT_MAX_TOKENS_PER_RPC = 32768
 

@@ -22,6 +22,14 @@ from pydantic_settings import (
 
 MiB = 1024**2
 DEFAULT_MODEL_SOURCE = "builtin:tiny-llama"
+# Defaults shared with the code that runs without settings (ScoringOptions, OfflineScorer).
+DEFAULT_LONG_SEQUENCE_TOKENS = 65536
+DEFAULT_CHUNK_TOKENS = 32768
+# One packed micro-batch: as many tokens as the longest sequence run whole, so packing adds no
+# peak memory that one such sequence does not already take (1.5% more tokens/s than 32768 on the
+# GRPO workload at the 0.5B shape, H200; benchmarks/RESULTS.md).
+DEFAULT_MAX_BATCH_TOKENS = DEFAULT_LONG_SEQUENCE_TOKENS
+DEFAULT_MAX_BATCH_SEQUENCES = 256
 # Settings that hold secrets: read from the environment (or the config file), never from a flag,
 # which would show in `ps`, shell history and process listings.
 ENV_ONLY_SETTINGS = frozenset({"auth_tokens"})
@@ -102,7 +110,7 @@ class Settings(BaseSettings):
         ),
     )
     long_sequence_tokens: int = Field(
-        65536,
+        DEFAULT_LONG_SEQUENCE_TOKENS,
         ge=1,
         description=(
             "A micro-batch of one sequence longer than this runs layer by layer in chunks of chunk_tokens: "
@@ -110,17 +118,19 @@ class Settings(BaseSettings):
         ),
     )
     chunk_tokens: int = Field(
-        32768, ge=1, description="Tokens of one chunk of a long sequence (see long_sequence_tokens)."
+        DEFAULT_CHUNK_TOKENS, ge=1, description="Tokens of one chunk of a long sequence (see long_sequence_tokens)."
     )
     max_batch_tokens: int = Field(
-        32768,
+        DEFAULT_MAX_BATCH_TOKENS,
         ge=1,
         description=(
             "Real tokens (prompt + completion, no padding) in one packed micro-batch; "
             "a longer sequence is scored alone."
         ),
     )
-    max_batch_sequences: int = Field(256, ge=1, description="Sequences in one packed micro-batch.")
+    max_batch_sequences: int = Field(
+        DEFAULT_MAX_BATCH_SEQUENCES, ge=1, description="Sequences in one packed micro-batch."
+    )
     max_wait_ms: float = Field(
         2.0, ge=0, description="When the device is idle: how long to wait for more work to fill a micro-batch."
     )

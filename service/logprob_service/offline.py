@@ -5,7 +5,7 @@
 the token budget, two in flight, results in order. Tests and benchmarks use it, so what they
 check and time is what the server does, less the wire.
 
-    scorer = OfflineScorer(model, max_batch_tokens=32768)
+    scorer = OfflineScorer(model)
     scores = scorer.score(sequences, temperature=0.9, return_entropy=True)   # list[SequenceScores]
 """
 
@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from transformers import PreTrainedModel
 
+from logprob_service.config import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS
 from logprob_service.domain import ScoreJob, SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
@@ -41,8 +42,8 @@ class OfflineScorer:
         *,
         logprob_op: LogprobOp | None = None,
         options: ScoringOptions | None = None,
-        max_batch_tokens: int = 32768,
-        max_batch_sequences: int = 256,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
         stats: StatsSink = NO_STATS,
     ) -> None:
         if isinstance(model, ServedModel):

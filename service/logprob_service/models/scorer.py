@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS
 from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.ops.attention import (
@@ -52,8 +53,8 @@ class ScoringOptions:
 
     attention_backend: AttentionBackend = "auto"
     # A micro-batch of one sequence longer than this runs layer by layer in chunks (models.chunked).
-    long_sequence_tokens: int = 65536
-    chunk_tokens: int = 32768
+    long_sequence_tokens: int = DEFAULT_LONG_SEQUENCE_TOKENS
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
