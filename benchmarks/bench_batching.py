@@ -67,13 +67,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import SHAPES, TINY, LoopbackServer, ModelShape, build_model, selective_log_softmax
+from common import (
+    SHAPES,
+    TINY,
+    LoopbackServer,
+    ModelShape,
+    add_scoring_arguments,
+    build_model,
+    scoring_options,
+    selective_log_softmax,
+)
 from harness import peak_allocated, publish, release, reset_peak, run_environment, synchronize
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import TokenSequence
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.models.compiled import eager_layers
+from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
 from transformers import PreTrainedModel
@@ -547,7 +557,8 @@ def run_baseline(harness: Harness, model: PreTrainedModel, workload: Workload) -
         f"(a) trainer baseline: pad, sdpa, logits_to_keep, selective_log_softmax, "
         f"micro-batches of {workload.group_size}"
     )
-    return harness.measure(method, lambda: baseline_pass(model, groups, harness.device))
+    with eager_layers(model.base_model):  # stock layers, whatever a scorer did to the model before
+        return harness.measure(method, lambda: baseline_pass(model, groups, harness.device))
 
 
 def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dtype: torch.dtype) -> ShapeReport:
@@ -556,19 +567,22 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
     workload = workload_for(args, shape.vocab)
     baseline = run_baseline(harness, model, workload)
 
-    options = ScoringOptions(attention_backend=args.attention_backend)  # the scorer switches the model to it
+    options = scoring_options(args)  # the scorer switches the model to its attention, compiles its layers
     with OfflineScorer(
         model, options=options, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences
     ) as scorer:
         in_process = run_in_process(harness, scorer, workload)
         via_grpc = run_grpc(harness, scorer, workload, args)
+        service = f"service: attention {scorer.served.info.attention}; " + (
+            "norms + MLPs compiled" if scorer.scorer.layers_compiled else "layers eager"
+        )
     sweep = []
     for value in args.sweep_batch_tokens:
         with OfflineScorer(
             model, options=options, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences
         ) as sweep_scorer:
             sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
-    return ShapeReport(shape, describe_model(shape, model), [baseline, in_process, via_grpc], sweep)
+    return ShapeReport(shape, f"{describe_model(shape, model)}\n{service}", [baseline, in_process, via_grpc], sweep)
 
 
 def workload_for(args: argparse.Namespace, vocab: int) -> Workload:
@@ -746,7 +760,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--warmup", type=int, default=1, help="untimed passes per method first")
     add("--repeats", type=int, default=None, help="timed passes per method (default 3; 2 with --smoke)")
     add("--sample-ms", type=float, default=100.0, help="GPU utilization sampling interval")
-    add("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"], help="the service's")
+    add_scoring_arguments(parser)
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     smoke = args.smoke

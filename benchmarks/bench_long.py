@@ -30,10 +30,10 @@ import gc
 
 import numpy as np
 import torch
-from common import SHAPES, TINY, build_model
+from common import SHAPES, TINY, add_scoring_arguments, build_model, scoring_options
 from harness import GiB, matmul_tflops, publish, release, run_environment, time_calls
 from logprob_service.domain import TokenSequence
-from logprob_service.models.scorer import ScoringOptions
+from logprob_service.models.compiled import eager_layers
 from logprob_service.offline import OfflineScorer
 
 PROMPT = 1024
@@ -59,7 +59,8 @@ def once(fn, device: torch.device) -> tuple[float, float, object]:
 def hf_tail_logprobs(model: torch.nn.Module, ids: torch.Tensor, checked: int) -> tuple[float, float, np.ndarray]:
     """HF's body on SDPA, then float32 log-probs of the last ``checked`` tokens."""
     model.set_attn_implementation("sdpa")
-    seconds, peak, hidden = once(lambda: model.model(input_ids=ids[None]).last_hidden_state[0], ids.device)
+    with eager_layers(model.model):
+        seconds, peak, hidden = once(lambda: model.model(input_ids=ids[None]).last_hidden_state[0], ids.device)
     rows = hidden[-checked - 1 : -1].float()  # the rows predicting the last ``checked`` tokens
     del hidden
     logits = rows @ model.get_output_embeddings().weight.float().T
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="the service alone")
     parser.add_argument("--long-sequence-tokens", type=int, default=65536)
     parser.add_argument("--chunk-tokens", type=int, default=32768)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"])
+    add_scoring_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny model, short lengths, cpu, float32")
     args = parser.parse_args(argv)
@@ -88,14 +89,15 @@ def main(argv: list[str] | None = None) -> None:
     shape = TINY if args.smoke else SHAPES["7b"]
     model = build_model(shape, device, torch.float32 if args.smoke else torch.bfloat16, args.seed)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    options = ScoringOptions(args.attention_backend, args.long_sequence_tokens, args.chunk_tokens)
+    options = scoring_options(args, long_sequence_tokens=args.long_sequence_tokens, chunk_tokens=args.chunk_tokens)
     scorer = OfflineScorer(model, options=options, max_batch_tokens=32768)
     packed = model.config._attn_implementation  # the scorer's; HF's runs switch to sdpa and back
     rng = np.random.default_rng(args.seed)
     header = [
         *run_environment(device),
         f"model: {shape.name} shape, {scorer.served.info.dtype}, random weights {weights / GiB:.1f} GiB; "
-        f"attention: {scorer.served.info.attention}",
+        f"attention: {scorer.served.info.attention}; "
+        + ("norms + MLPs compiled" if scorer.served.scorer.layers_compiled else "layers eager"),
         f"chunks of {args.chunk_tokens} tokens above {args.long_sequence_tokens}",
         f"bf16 matmul 8192^3 in this run: {matmul_tflops(device):.0f} TFLOP/s" if device.type == "cuda" else "",
     ]

@@ -40,13 +40,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import SHAPES, TINY, LoopbackServer, build_model, selective_log_softmax
+from common import (
+    SHAPES,
+    TINY,
+    LoopbackServer,
+    add_scoring_arguments,
+    build_model,
+    scoring_options,
+    selective_log_softmax,
+)
 from harness import GiB, publish, release, run_environment, time_calls
 from logprob_client import LogprobClient, Overloaded
 from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.models.compiled import eager_layers
+from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import packed_forward_kwargs
@@ -208,7 +217,7 @@ def run_method(
 def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
     ref = reference_logprobs(model, batch, args.ref_seqs)
     release(device)
-    options = ScoringOptions(attention_backend=args.attention_backend)
+    options = scoring_options(args)
     scorer = OfflineScorer(model, options=options, max_batch_tokens=args.max_batch_tokens)  # auto lm_head kernel
     eager = OfflineScorer(
         model,
@@ -223,25 +232,40 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
     # body's states: each error column measures the log-prob stage, not two attention kernels.
     ref_packed = reference_logprobs(model, batch, args.ref_seqs)
     release(device)
-    # The baselines run as HF users run them.
+    # The baselines run as HF users run them: sdpa, every layer eager.
     packed = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
-    rows = [
-        run_method("model body alone (lower bound)", lambda: body_alone(model, batch), None, **common),
-        run_method(
-            "full logits + float log_softmax + gather", lambda: full_logits_log_softmax(model, batch), ref, **common
-        ),
-        run_method(
-            "TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common
-        ),
-    ]
+    with eager_layers(model.base_model):
+        rows = [
+            run_method("model body alone (lower bound)", lambda: body_alone(model, batch), None, **common),
+            run_method(
+                "full logits + float log_softmax + gather", lambda: full_logits_log_softmax(model, batch), ref, **common
+            ),
+            run_method(
+                "TRL: logits_to_keep + row-looped selective_log_softmax", lambda: trl_style(model, batch), ref, **common
+            ),
+        ]
     model.set_attn_implementation(packed)  # the scorers' own, after the baselines' sdpa
     inputs = packed_inputs(batch, device)
+    layers = "norms + MLPs compiled" if scorer.scorer.layers_compiled else "layers eager"
     rows.append(
         run_method(
-            "service's packed body alone (no lm_head)", lambda: packed_body_alone(scorer.scorer, inputs), None, **common
+            f"service's packed body alone (no lm_head), {layers}",
+            lambda: packed_body_alone(scorer.scorer, inputs),
+            None,
+            **common,
         )
     )
+    if scorer.scorer.layers_compiled:
+        with eager_layers(model.base_model):
+            rows.append(
+                run_method(
+                    "service's packed body alone (no lm_head), layers eager",
+                    lambda: packed_body_alone(scorer.scorer, inputs),
+                    None,
+                    **common,
+                )
+            )
     rows.append(
         run_method(
             f"service in-process (OfflineScorer.score), {scorer.scorer.logprob_op.kernel} lm_head",
@@ -341,7 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the service's token budget per packed micro-batch",
     )
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the model's (ignored with --smoke)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"])
+    add_scoring_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     smoke = args.smoke

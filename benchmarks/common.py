@@ -7,6 +7,7 @@ The scripts run as ``PYTHONPATH=service:client python3 benchmarks/bench_X.py``, 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 from collections.abc import Coroutine
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
+from logprob_service.models.scorer import ScoringOptions
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 # ----------------------------------------------------------------------------- models
@@ -72,6 +74,18 @@ def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, see
 
 
 # ----------------------------------------------------------------------------- TRL's log-probs
+
+
+def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
+    """The service's body settings a benchmark can change (the server settings of the same names)."""
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cudnn", "flash", "exact"])
+    parser.add_argument(
+        "--compile-layers", default="auto", choices=["auto", "on", "off"], help="torch.compile norms and MLPs"
+    )
+
+
+def scoring_options(args: argparse.Namespace, **settings: Any) -> ScoringOptions:
+    return ScoringOptions(attention_backend=args.attention_backend, compile_layers=args.compile_layers, **settings)
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

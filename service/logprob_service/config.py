@@ -120,6 +120,13 @@ class Settings(BaseSettings):
     chunk_tokens: int = Field(
         DEFAULT_CHUNK_TOKENS, ge=1, description="Tokens of one chunk of a long sequence (see long_sequence_tokens)."
     )
+    compile_layers: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "torch.compile the decoder layers' norms and MLPs to fuse their elementwise kernels: auto (on cuda; "
+            "left eager, with a warning, if compiling fails), on (also on cpu; a failure stops the start), off."
+        ),
+    )
     max_batch_tokens: int = Field(
         DEFAULT_MAX_BATCH_TOKENS,
         ge=1,

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from logprob_service.domain import TokenSequence
+from logprob_service.models.compiled import eager_layers
 from logprob_service.models.loading import attention_implementation
 from transformers import (
     CohereConfig,
@@ -113,7 +114,8 @@ def stock_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torc
     cached = copies.get(dtype)
     if cached is not None and cached[0] == state:
         return cached[1]
-    reference = copy.deepcopy(model).to("cpu", dtype).eval()
+    with eager_layers(getattr(model, "base_model", model)):  # a deep copy keeps compiled forwards' binding
+        reference = copy.deepcopy(model).to("cpu", dtype).eval()
     config = getattr(reference, "config", None)
     if config is not None and hasattr(reference, "set_attn_implementation"):
         reference.set_attn_implementation(attention_implementation(config))

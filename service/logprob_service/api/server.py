@@ -102,7 +102,9 @@ class Service:
                     device=device,
                     dtype=dtype,
                     logprob_op=logprob_op,
-                    options=ScoringOptions(s.attention_backend, s.long_sequence_tokens, s.chunk_tokens),
+                    options=ScoringOptions(
+                        s.attention_backend, s.long_sequence_tokens, s.chunk_tokens, s.compile_layers
+                    ),
                     trust_remote_code=s.trust_remote_code,
                 ),
             )

@@ -13,7 +13,9 @@ waits for that copy. The thread can launch the next micro-batch before fetching 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from transformers import PreTrainedModel
 from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS
 from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
+from logprob_service.models.compiled import compile_layers, uncompile_layers
 from logprob_service.ops.attention import (
     AttentionBackend,
     attention_implementation_name,
@@ -31,6 +34,10 @@ from logprob_service.ops.attention import (
 )
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
 from logprob_service.ops.logprobs import LogitTransform
+
+log = logging.getLogger(__name__)
+
+CompileLayers = Literal["auto", "on", "off"]
 
 
 def config_logit_transform(config: object) -> LogitTransform:
@@ -55,6 +62,8 @@ class ScoringOptions:
     # A micro-batch of one sequence longer than this runs layer by layer in chunks (models.chunked).
     long_sequence_tokens: int = DEFAULT_LONG_SEQUENCE_TOKENS
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # torch.compile the layers' norms and MLPs (models.compiled): auto = on cuda, eager if it fails.
+    compile_layers: CompileLayers = "auto"
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,43 @@ class CausalLMScorer:
         self.transform = config_logit_transform(model.config)
         self.logprob_op = logprob_op or select_logprob_op("auto", self.head_weight.device)
         self.options = options
+        self.layers_compiled = self._compile_layers(options.compile_layers)
+
+    def _compile_layers(self, setting: CompileLayers) -> bool:
+        """Compile the layers' norms and MLPs as the setting says; compiles now, on a short probe
+        row, so that a failure shows here and not in the first request."""
+        if setting == "off" or (setting == "auto" and self.device.type != "cuda"):
+            return False
+        compile_layers(self.body)
+        try:
+            self._probe()
+        except Exception as err:
+            uncompile_layers(self.body)
+            if setting == "on":
+                raise RuntimeError(f"compile_layers=on: compiling the decoder layers failed: {err}") from err
+            log.warning("decoder layers left eager: compiling them failed: %s", err)
+            return False
+        return True
+
+    def run_layers_eagerly(self, why: str) -> None:
+        """Undo ``compile_layers`` for good (a LoRA base: PEFT's layers are not traced)."""
+        if self.layers_compiled:
+            uncompile_layers(self.body)
+            self.layers_compiled = False
+            log.info("decoder layers run eagerly from now on: %s", why)
+
+    @torch.inference_mode()
+    def _probe(self) -> None:
+        lengths = np.array([0, 5, 16], dtype=np.int32)  # two sequences, so the packed attention path runs
+        tokens = int(lengths[-1])
+        ids = torch.arange(1, tokens + 1, device=self.device) % self.head_weight.shape[0]
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in np.diff(lengths)])).to(self.device)
+        self.body(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            **packed_forward_kwargs(torch.from_numpy(lengths).to(self.device), int(np.diff(lengths).max())),
+        )
 
     def attention_plan(self) -> str:
         """Which attention backend serves which kind of row on this device, for ``ListModels`` and logs."""
