@@ -7,7 +7,9 @@ weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x
 1. model body alone: ``model.base_model(...).last_hidden_state`` (the lower bound)
 2. full logits + log_softmax: ``model(ids).logits``, completion rows -> ``.float().log_softmax`` -> gather
 3. TRL-style: ``model(ids, logits_to_keep=C + 1)`` + TRL's row-looped ``selective_log_softmax``
-4. this service's own body pass alone (packed, padding-free attention; inputs already on the device)
+4. this service's own body pass alone (packed, padding-free attention; inputs already on the device):
+   as the server runs it (by default its layers' norms and MLPs compiled, ``--compile-layers``),
+   and again with every layer eager when they are compiled
 5. this service in-process: ``OfflineScorer.score``, the server's queue, loop and device worker
    (body -> completion rows -> lm_head log-prob op: the fused Triton kernel on CUDA; also with the
    eager fp32 chunks, for comparison)
@@ -17,7 +19,8 @@ Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchroni
 the median wall time is reported. Peak memory: peak allocated bytes over the timed runs
 (``harness.time_calls``) minus what was allocated before the method ran (weights + inputs).
 Error: max |log p - reference| over the first ``--ref-seqs`` sequences, the reference being
-float64 logits from the same bf16 hidden states (``h.double() @ W.double().T``, float64 log_softmax).
+float64 logits from the same bf16 hidden states (``h.double() @ W.double().T``, float64 log_softmax):
+HF's body's for the HF methods, the service's packed body's for the service's.
 
 On a GPU (the run that counts):
 
@@ -177,14 +180,14 @@ def completion_logprobs(out: Any, k: int) -> np.ndarray:
     return np.stack([np.asarray(lp, dtype=np.float64) for lp in out[:k]])
 
 
-def reference_logprobs(model: PreTrainedModel, batch: Batch, k: int) -> np.ndarray:
+def reference_logprobs(model: PreTrainedModel, hidden: torch.Tensor, batch: Batch, k: int) -> np.ndarray:
     """Float64 log-probs of the first ``k`` sequences' completion tokens: [k, C].
 
-    The hidden states come from the body on the whole batch, with the model's current attention
-    implementation (the same bf16 states the methods that use it compute); only the lm_head and
-    the log_softmax are float64.
+    ``hidden``: [B, L, H], the final bf16 hidden states of the batch as the methods to be checked
+    compute them; only the lm_head and the log_softmax are float64, so the error columns measure
+    the log-prob stage, not two bodies' bf16 rounding.
     """
-    hidden = body_alone(model, batch)[:k, batch.completion_rows]  # [k, C, H]
+    hidden = hidden[:k, batch.completion_rows]  # [k, C, H]
     weight = model.get_output_embeddings().weight.double()  # [V, H]
     targets = batch.completion_ids[:k]  # [k, C]
     ref = []
@@ -215,7 +218,7 @@ def run_method(
 
 
 def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
-    ref = reference_logprobs(model, batch, args.ref_seqs)
+    ref = reference_logprobs(model, body_alone(model, batch), batch, args.ref_seqs)  # HF's own states
     release(device)
     options = scoring_options(args)
     scorer = OfflineScorer(model, options=options, max_batch_tokens=args.max_batch_tokens)  # auto lm_head kernel
@@ -227,10 +230,14 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         max_batch_sequences=256,
     )
     common = {"device": device, "warmup": args.warmup, "repeats": args.repeats}
-    # The scorer switched the model to packed attention. Its bf16 hidden states differ from SDPA's
-    # by kernel rounding, so the service rows are checked against float64 logits of the packed
-    # body's states: each error column measures the log-prob stage, not two attention kernels.
-    ref_packed = reference_logprobs(model, batch, args.ref_seqs)
+    # The service's bf16 hidden states differ from HF's by kernel rounding (other attention
+    # kernels, fused norms), so its rows are checked against float64 logits of its own packed
+    # body's states, as [B, L, H] (every sequence has L tokens).
+    inputs = packed_inputs(batch, device)
+    with torch.inference_mode():
+        states = packed_body_alone(scorer.scorer, inputs).view(*batch.input_ids.shape, -1)
+    ref_packed = reference_logprobs(model, states, batch, args.ref_seqs)
+    del states
     release(device)
     # The baselines run as HF users run them: sdpa, every layer eager.
     packed = model.config._attn_implementation
@@ -246,7 +253,6 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
             ),
         ]
     model.set_attn_implementation(packed)  # the scorers' own, after the baselines' sdpa
-    inputs = packed_inputs(batch, device)
     layers = "norms + MLPs compiled" if scorer.scorer.layers_compiled else "layers eager"
     rows.append(
         run_method(
