@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -217,11 +218,20 @@ def run_method(
     return Row(name, median_ms, peak, err_max)
 
 
-def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device) -> list[Row]:
+def run_all(
+    model: PreTrainedModel, batch: Batch, args: argparse.Namespace, device: torch.device
+) -> tuple[list[Row], str]:
+    """The rows of the table, and a line on how the service's scorer was built."""
     ref = reference_logprobs(model, body_alone(model, batch), batch, args.ref_seqs)  # HF's own states
     release(device)
     options = scoring_options(args)
+    start = time.perf_counter()
     scorer = OfflineScorer(model, options=options, max_batch_tokens=args.max_batch_tokens)  # auto lm_head kernel
+    built = (
+        f"service: attention {scorer.served.info.attention}; "
+        + ("norms + MLPs compiled" if scorer.scorer.layers_compiled else "layers eager")
+        + f"; scorer built in {time.perf_counter() - start:.1f} s"
+    )
     eager = OfflineScorer(
         model,
         options=options,
@@ -306,7 +316,7 @@ def run_all(model: PreTrainedModel, batch: Batch, args: argparse.Namespace, devi
         )
     scorer.close()
     eager.close()
-    return rows
+    return rows, built
 
 
 # ----------------------------------------------------------------------------- report
@@ -404,8 +414,8 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(shape, device, getattr(torch, args.dtype), args.seed)
     batch = make_batch(args.batch, args.prompt_len, args.completion_len, shape.vocab, device, args.seed + 1)
     with torch.inference_mode():
-        rows = run_all(model, batch, args, device)
-    report = f"{describe_run(model, batch, args, device)}\n\n{format_table(rows)}\n"
+        rows, built = run_all(model, batch, args, device)
+    report = f"{describe_run(model, batch, args, device)}\n{built}\n\n{format_table(rows)}\n"
     publish(report, "bench_scoring.md")
 
 

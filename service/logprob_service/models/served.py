@@ -127,5 +127,6 @@ def load_served_model(
     log.info("loading model %r from %s on %s as %s", name, source, device, dtype)
     model = load_causal_lm(source, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     served = serve_model(name, source, CausalLMScorer(model, logprob_op=logprob_op, options=options))
-    log.info("model %r ready (lm_head: %s): %s", name, logprob_op.kernel, served.info)
+    layers = "norms and MLPs compiled" if served.scorer.layers_compiled else "eager"
+    log.info("model %r ready (lm_head: %s, layers: %s): %s", name, logprob_op.kernel, layers, served.info)
     return served
