@@ -30,9 +30,9 @@ pytestmark = [
 @pytest.mark.parametrize("kernel", ["triton", "eager"])
 def test_float32_model_on_cuda_matches_full_logits_reference(arch, kernel, rng):
     model = make_model(arch, tied=arch in ("gemma2", "qwen2"), seed=int(rng.integers(1 << 30))).cuda()
-    scorer = OfflineScorer(model, logprob_op=LogprobOp(kernel), max_batch_tokens=200)
     sequences = random_sequences(rng, 8)
-    out = scorer.score(sequences, temperature=0.9, return_entropy=True)
+    with OfflineScorer(model, logprob_op=LogprobOp(kernel), max_batch_tokens=200) as scorer:
+        out = scorer.score(sequences, temperature=0.9, return_entropy=True)
     assert_scores_close(model, sequences, [s.logprobs for s in out], [s.entropies for s in out], 0.9)
 
 
@@ -53,8 +53,8 @@ def test_bf16_lm_head_stage_keeps_fp32_logits(n, h, v, seed):
 @torch.no_grad()
 def test_bf16_model_end_to_end_against_its_own_logits(rng):
     model = make_model("qwen2", tied=True, seed=int(rng.integers(1 << 30)), dtype=torch.bfloat16).cuda()
-    scorer = OfflineScorer(model)
-    assert scorer.scorer.logprob_op.kernel == "triton"  # the default on CUDA
     sequences = random_sequences(rng, 6)
-    out = scorer.score(sequences)
+    with OfflineScorer(model) as scorer:
+        assert scorer.scorer.logprob_op.kernel == "triton"  # the default on CUDA
+        out = scorer.score(sequences)
     ScoreReference(model, sequences, dtype=torch.bfloat16).check([s.logprobs for s in out])

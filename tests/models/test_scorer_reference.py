@@ -40,24 +40,24 @@ def test_logprobs_and_entropy_match_full_logits_reference(arch, tied, temperatur
             pytest.skip("with a GPU, the kernel is checked on it (tests/gpu/test_cuda_scoring.py)")
     model = make_model(arch, tied=tied, seed=int(rng.integers(1 << 30)))
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
-    scorer = OfflineScorer(
+    sequences = random_sequences(rng, 9)
+    with OfflineScorer(
         model,
         logprob_op=OPS[kernel],
         max_batch_tokens=120,  # several padded forward batches per call
         max_batch_sequences=4,
-    )
-    sequences = random_sequences(rng, 9)
-    out = scorer.score(sequences, temperature=temperature, return_entropy=True)
+    ) as scorer:
+        out = scorer.score(sequences, temperature=temperature, return_entropy=True)
     assert len(out) == len(sequences)
     assert_scores_close(model, sequences, [s.logprobs for s in out], [s.entropies for s in out], temperature)
 
 
 def test_padding_and_batch_mates_do_not_change_a_sequence_score(rng):
     model = make_model("llama", tied=False, seed=int(rng.integers(1 << 30)))
-    scorer = OfflineScorer(model)
     sequences = random_sequences(rng, 6)
-    together = scorer.score(sequences)
-    alone = [scorer.score([seq])[0] for seq in sequences]
+    with OfflineScorer(model) as scorer:
+        together = scorer.score(sequences)
+        alone = [scorer.score([seq])[0] for seq in sequences]
     # Each way is as exact as the model itself (they differ only in summation order, which the
     # batch's shape picks): against the exact answer, not against each other.
     reference = ScoreReference(model, sequences)
@@ -84,8 +84,8 @@ def test_packed_micro_batches_at_the_exact_token_budget(arch, rng):
     sequences.append(
         TokenSequence(rng.integers(0, VOCAB, 63, dtype=np.int64), rng.integers(0, VOCAB, 1, dtype=np.int64))
     )  # exactly the budget, one completion token
-    scorer = OfflineScorer(model, max_batch_tokens=budget, max_batch_sequences=5)
-    out = scorer.score(sequences, return_entropy=True)
+    with OfflineScorer(model, max_batch_tokens=budget, max_batch_sequences=5) as scorer:
+        out = scorer.score(sequences, return_entropy=True)
     assert_scores_close(model, sequences, [s.logprobs for s in out], [s.entropies for s in out])
 
 
