@@ -85,6 +85,7 @@ class Scheduler:
         max_batch_sequences: int,
         max_wait_ms: float,
         max_version_wait_s: float = 300.0,
+        share_prompts: bool = False,
         stats: StatsSink = NO_STATS,
     ) -> None:
         self._registry = registry
@@ -93,7 +94,9 @@ class Scheduler:
         self.admission = Admission(
             max_queued_tokens=max_queued_tokens, max_queued_tokens_per_client=max_queued_tokens_per_client, stats=stats
         )
-        self.queue = BatchQueue(max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences)
+        self.queue = BatchQueue(
+            max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences, share_prompts=share_prompts
+        )
         self._max_wait_s = max_wait_ms / 1000
         self._max_version_wait_s = max_version_wait_s
         self._wake = asyncio.Event()
