@@ -232,7 +232,10 @@ class Scheduler:
         """Hand one micro-batch to the device thread; returns once its work is enqueued."""
         batch = _Launched(units)
         key = units[0].request.key
-        self._stats.record(BatchLaunched(key.model, tokens=sum(u.tokens for u in units), sequences=len(batch.owners)))
+        sequences = [unit.request.job.sequences[i] for unit in units for i in unit.indices]
+        tokens = self.queue.tokens(sequences)  # the whole micro-batch: prompts shared across units count once
+        shared = sum(s.num_tokens for s in sequences) - tokens
+        self._stats.record(BatchLaunched(key.model, tokens=tokens, sequences=len(sequences), shared_tokens=shared))
         for request in batch.requests:
             request.first_launch_ns = request.first_launch_ns or batch.start_ns
         try:
