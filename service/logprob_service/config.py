@@ -127,6 +127,13 @@ class Settings(BaseSettings):
             "left eager, with a warning, if compiling fails), on (also on cpu; a failure stops the start), off."
         ),
     )
+    share_prompts: bool = Field(
+        True,
+        description=(
+            "Sequences of a micro-batch with identical prompts (GRPO's completions of one prompt) run the prompt once; "
+            "the token budget counts the tokens run."
+        ),
+    )
     max_batch_tokens: int = Field(
         DEFAULT_MAX_BATCH_TOKENS,
         ge=1,

@@ -6,7 +6,9 @@ executor converts these to tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -24,6 +26,27 @@ class TokenSequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @cached_property
+    def prompt_key(self) -> bytes:
+        """Equal for sequences with identical prompts (and only for those)."""
+        return np.asarray(self.prompt_ids, dtype=np.int64).tobytes()
+
+
+def prompt_groups(sequences: Sequence[TokenSequence]) -> list[list[int]]:
+    """Indices of ``sequences`` grouped by identical prompt, groups in order of their first member."""
+    groups: dict[bytes, list[int]] = {}
+    for i, seq in enumerate(sequences):
+        groups.setdefault(seq.prompt_key, []).append(i)
+    return list(groups.values())
+
+
+def tokens_run(sequences: Sequence[TokenSequence]) -> int:
+    """Tokens a micro-batch of ``sequences`` runs, each distinct prompt once (``worker.packing``)."""
+    return sum(
+        len(sequences[group[0]].prompt_ids) + sum(len(sequences[i].completion_ids) for i in group)
+        for group in prompt_groups(sequences)
+    )
 
 
 @dataclass(frozen=True)

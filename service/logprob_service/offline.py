@@ -75,6 +75,7 @@ class OfflineScorer:
             max_batch_tokens=self.max_batch_tokens,
             max_batch_sequences=self.max_batch_sequences,
             max_wait_ms=0,  # a call's whole job is queued before the loop looks: nothing more will come
+            share_prompts=self.served.scorer.options.share_prompts,
             stats=stats,
         )
         scheduler.start()

@@ -34,8 +34,9 @@ class QueueChanged:
 @dataclass(frozen=True)
 class BatchLaunched:
     model: str
-    tokens: int  # real tokens, no padding
+    tokens: int  # real tokens run, no padding (a prompt shared by several sequences once)
     sequences: int
+    shared_tokens: int = 0  # prompt tokens not run: another sequence of the micro-batch had the prompt
 
 
 @dataclass(frozen=True)

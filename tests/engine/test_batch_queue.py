@@ -111,3 +111,48 @@ async def test_a_swap_whose_caller_goes_away_before_it_starts_never_runs():
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert scheduler.pending_swaps == set() and applied == []
+
+
+def grouped_job(request_id: str, prompt: int, completions: list[int], rng: np.random.Generator) -> ScoreJob:
+    """One prompt of ``prompt`` tokens with a completion of each length (GRPO's G samples)."""
+    ids = rng.integers(0, 100, prompt)
+    return ScoreJob(request_id, "m", [TokenSequence(ids.copy(), rng.integers(0, 100, c)) for c in completions])
+
+
+def shared_queue(max_batch_tokens: int, max_batch_sequences: int = 100) -> BatchQueue:
+    return BatchQueue(max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences, share_prompts=True)
+
+
+def test_with_shared_prompts_a_group_counts_its_prompt_once(rng):
+    group = grouped_job("g", 300, [50] * 8, rng)  # 2,800 tokens as sequences, 700 run
+    queue = shared_queue(700)
+    queue.push(Outcome().request(group))
+    assert [(u.indices, u.tokens) for u in queue.units] == [(list(range(8)), 700)]
+    unshared = BatchQueue(max_batch_tokens=700, max_batch_sequences=100)
+    unshared.push(Outcome().request(group))
+    assert len(unshared.units) == 4  # two sequences of 350 a micro-batch
+
+
+def test_with_shared_prompts_a_group_over_the_budget_is_cut_into_parts_that_each_run_the_prompt(rng):
+    group = grouped_job("g", 300, [40, 90, 10, 70, 60, 30, 80, 20], rng)
+    queue = shared_queue(500, max_batch_sequences=3)
+    queue.push(Outcome().request(group))
+    seqs = group.sequences
+    covered = []
+    for unit in queue.units:
+        assert unit.tokens == 300 + sum(len(seqs[i].completion_ids) for i in unit.indices) <= 500
+        assert len(unit.indices) <= 3
+        covered += unit.indices
+    assert sorted(covered) == list(range(8))
+
+
+def test_with_shared_prompts_the_room_left_is_filled_counting_each_prompt_once(rng):
+    queue = shared_queue(1000)
+    first = grouped_job("a", 500, [100, 100], rng)  # 700 run
+    second = grouped_job("b", 200, [40, 40, 40, 40], rng)  # 360 run; 300 left
+    for j in (first, second):
+        queue.push(Outcome().request(j))
+    taken = queue.take()
+    assert described(taken) == [("a", [0, 1]), ("b", [0, 1])]
+    assert [u.tokens for u in taken] == [700, 280]  # b's prompt once: 200 + 2 x 40 (a third: 320)
+    assert [(u.indices, u.tokens) for u in queue.units] == [([2, 3], 280)]  # the rest runs the prompt again

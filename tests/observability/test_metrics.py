@@ -24,8 +24,10 @@ def info(name: str, version: int = 0) -> ModelInfo:
 def test_records_move_their_series():
     sink = metrics.PrometheusStats()
     before = value("logprob_tokens_scored_total", model="obs-m"), value("logprob_queue_tokens", model="obs-m")
+    shared_before = value("logprob_prompt_tokens_shared_total", model="obs-m")
     sink.record(QueueChanged("obs-m", tokens=30))
-    sink.record(BatchLaunched("obs-m", tokens=30, sequences=2))
+    sink.record(BatchLaunched("obs-m", tokens=30, sequences=2, shared_tokens=12))
+    assert value("logprob_prompt_tokens_shared_total", model="obs-m") == shared_before + 12
     sink.record(RequestScored("obs-m", tokens=30, sequences=2, timings=Timings(1, 2, 3_000_000)))
     assert value("logprob_tokens_scored_total", model="obs-m") == before[0] + 30
     assert value("logprob_queue_tokens", model="obs-m") == before[1] + 30

@@ -68,6 +68,7 @@ class Service:
             max_batch_sequences=settings.max_batch_sequences,
             max_wait_ms=settings.max_wait_ms,
             max_version_wait_s=settings.max_version_wait_s,
+            share_prompts=settings.share_prompts,
             stats=stats,
         )
         updater = WeightUpdater(registry, scheduler, Staging(settings.update_staging_reserve_bytes), stats=stats)
@@ -103,7 +104,7 @@ class Service:
                     dtype=dtype,
                     logprob_op=logprob_op,
                     options=ScoringOptions(
-                        s.attention_backend, s.long_sequence_tokens, s.chunk_tokens, s.compile_layers
+                        s.attention_backend, s.long_sequence_tokens, s.chunk_tokens, s.compile_layers, s.share_prompts
                     ),
                     trust_remote_code=s.trust_remote_code,
                 ),

@@ -8,6 +8,12 @@ in arrival order, among units sharing the oldest eligible unit's ``BatchKey``, u
 a unit too big for the room left gives the sequences that fit and keeps its place with the rest,
 so micro-batches fill up to the budget.
 
+With ``share_prompts`` (the worker runs each distinct prompt of a micro-batch once), tokens are
+counted as they run: a unit's sequences that share a prompt count it once
+(``domain.tokens_run``), and a request larger than a micro-batch is cut along its prompt groups,
+a group larger than a micro-batch into parts that each carry the prompt. (Two units with the
+same prompt in one micro-batch count it twice: the budget errs on the safe side.)
+
 Weight swaps hold a model's work: while a swap of model M waits (M in ``held``), M's units whose
 request has not started are not eligible, while those of a request already partly launched are
 (a request finishes on the weights it started with). The asyncio loop (``scheduler``) owns the
@@ -21,7 +27,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores
+from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, TokenSequence, prompt_groups, tokens_run
 from logprob_service.engine.partition import plan_micro_batches
 from logprob_service.errors import DeadlineExceeded
 
@@ -76,24 +82,52 @@ class Unit:
 
 
 class BatchQueue:
-    def __init__(self, *, max_batch_tokens: int, max_batch_sequences: int) -> None:
+    def __init__(self, *, max_batch_tokens: int, max_batch_sequences: int, share_prompts: bool = False) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_sequences = max_batch_sequences
+        self.share_prompts = share_prompts
         self.units: list[Unit] = []  # waiting, in arrival order
+
+    def tokens(self, sequences: list[TokenSequence]) -> int:
+        """Tokens a micro-batch of ``sequences`` runs."""
+        return tokens_run(sequences) if self.share_prompts else sum(s.num_tokens for s in sequences)
 
     def push(self, request: Request) -> None:
         """Queue ``request``'s sequences as units (one, or balanced parts if it is larger than a micro-batch)."""
-        job = request.job
-        if job.num_tokens <= self.max_batch_tokens and len(job.sequences) <= self.max_batch_sequences:
-            parts = [list(range(len(job.sequences)))]
+        seqs = request.job.sequences
+        if self.tokens(seqs) <= self.max_batch_tokens and len(seqs) <= self.max_batch_sequences:
+            parts = [list(range(len(seqs)))]
         else:
-            parts = plan_micro_batches(
-                [s.num_tokens for s in job.sequences],
+            items = self._items(seqs)
+            planned = plan_micro_batches(
+                [self.tokens([seqs[i] for i in item]) for item in items],
                 max_tokens=self.max_batch_tokens,
                 max_sequences=self.max_batch_sequences,
+                sizes=[len(item) for item in items],
             )
+            parts = [sorted(i for j in part for i in items[j]) for part in planned]
         for indices in parts:
-            self.units.append(Unit(request, indices, sum(job.sequences[i].num_tokens for i in indices)))
+            self.units.append(Unit(request, indices, self.tokens([seqs[i] for i in indices])))
+
+    def _items(self, seqs: list[TokenSequence]) -> list[list[int]]:
+        """What a large request is cut along: its sequences one by one, or with ``share_prompts`` its
+        prompt groups, each cut into runs that fit a micro-batch (a sequence too long to fit: alone)."""
+        if not self.share_prompts:
+            return [[i] for i in range(len(seqs))]
+        items = []
+        for group in prompt_groups(seqs):
+            prompt = len(seqs[group[0]].prompt_ids)
+            item: list[int] = []
+            tokens = prompt
+            for i in group:
+                completion = len(seqs[i].completion_ids)
+                if item and (tokens + completion > self.max_batch_tokens or len(item) == self.max_batch_sequences):
+                    items.append(item)
+                    item, tokens = [], prompt
+                item.append(i)
+                tokens += completion
+            items.append(item)
+        return items
 
     def drop_dead(self, now: float) -> list[Unit]:
         """Fail the requests whose deadline (``time.monotonic``) passed while queued; drop and return
@@ -155,23 +189,27 @@ class BatchQueue:
         self.units = rest
         return chosen
 
-    @staticmethod
-    def _fit(unit: Unit, room_tokens: int, room_sequences: int) -> tuple[Unit | None, Unit | None]:
+    def _fit(self, unit: Unit, room_tokens: int, room_sequences: int) -> tuple[Unit | None, Unit | None]:
         """Split ``unit`` into the sequences that fit the room (in order) and the rest."""
         if unit.tokens <= room_tokens and len(unit.indices) <= room_sequences:
             return unit, None
         sequences = unit.request.job.sequences
         taken: list[int] = []
         used = 0
+        prompts: set[bytes] = set()  # of the taken sequences: with share_prompts, run once
         for i in unit.indices:
-            if len(taken) == room_sequences or used + sequences[i].num_tokens > room_tokens:
+            seq = sequences[i]
+            shared = self.share_prompts and seq.prompt_key in prompts
+            cost = len(seq.completion_ids) if shared else seq.num_tokens
+            if len(taken) == room_sequences or used + cost > room_tokens:
                 break
             taken.append(i)
-            used += sequences[i].num_tokens
+            used += cost
+            prompts.add(seq.prompt_key)
         if not taken:
             return None, unit
         left = unit.indices[len(taken) :]
-        return Unit(unit.request, taken, used), Unit(unit.request, left, unit.tokens - used)
+        return Unit(unit.request, taken, used), Unit(unit.request, left, self.tokens([sequences[j] for j in left]))
 
 
 def owners_of(units: list[Unit]) -> list[tuple[Request, int]]:

@@ -61,11 +61,16 @@ def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:
     return [sorted(indices) for _, indices in parts]
 
 
-def plan_micro_batches(lengths: Sequence[int], *, max_tokens: int, max_sequences: int) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: Sequence[int], *, max_tokens: int, max_sequences: int, sizes: Sequence[int] | None = None
+) -> list[list[int]]:
     """Group sequence indices into micro-batches of at most ``max_tokens`` tokens and at most
     ``max_sequences`` sequences, as few as Karmarkar-Karp balancing allows.
 
-    A sequence longer than ``max_tokens`` cannot be split, so it forms a micro-batch of its own.
+    An item may stand for several sequences always scored together (``sizes[i]`` of them, default
+    1: a prompt group, its length the tokens it runs); the counts below are of sequences. A
+    sequence longer than ``max_tokens`` cannot be split, so it forms a micro-batch of its own (so
+    does an item over either limit).
     The other n sequences, with T tokens in all, need at least
 
         k0 = max(ceil(T / max_tokens), ceil(n / max_sequences))
@@ -79,13 +84,15 @@ def plan_micro_batches(lengths: Sequence[int], *, max_tokens: int, max_sequences
     """
     if max_tokens < 1 or max_sequences < 1:
         raise ValueError(f"max_tokens and max_sequences must be >= 1, got {max_tokens} and {max_sequences}")
-    batches = [[i] for i, n in enumerate(lengths) if n > max_tokens]
-    rest = [i for i, n in enumerate(lengths) if n <= max_tokens]
+    sizes = [1] * len(lengths) if sizes is None else sizes
+    batches = [[i] for i, n in enumerate(lengths) if n > max_tokens or sizes[i] > max_sequences]
+    rest = [i for i, n in enumerate(lengths) if n <= max_tokens and sizes[i] <= max_sequences]
     weights = [lengths[i] for i in rest]
-    k0 = max(-(-sum(weights) // max_tokens), -(-len(rest) // max_sequences), 1)
+    counts = [sizes[i] for i in rest]
+    k0 = max(-(-sum(weights) // max_tokens), -(-sum(counts) // max_sequences), 1)
     for k in range(k0, len(rest)):
         parts = [p for p in karmarkar_karp(weights, k) if p]
-        if all(len(p) <= max_sequences and sum(weights[j] for j in p) <= max_tokens for p in parts):
+        if all(sum(counts[j] for j in p) <= max_sequences and sum(weights[j] for j in p) <= max_tokens for p in parts):
             batches += [[rest[j] for j in p] for p in parts]
             break
     else:

@@ -85,6 +85,7 @@ class Scheduler:
         max_batch_sequences: int,
         max_wait_ms: float,
         max_version_wait_s: float = 300.0,
+        share_prompts: bool = False,
         stats: StatsSink = NO_STATS,
     ) -> None:
         self._registry = registry
@@ -93,7 +94,9 @@ class Scheduler:
         self.admission = Admission(
             max_queued_tokens=max_queued_tokens, max_queued_tokens_per_client=max_queued_tokens_per_client, stats=stats
         )
-        self.queue = BatchQueue(max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences)
+        self.queue = BatchQueue(
+            max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences, share_prompts=share_prompts
+        )
         self._max_wait_s = max_wait_ms / 1000
         self._max_version_wait_s = max_version_wait_s
         self._wake = asyncio.Event()
@@ -229,7 +232,10 @@ class Scheduler:
         """Hand one micro-batch to the device thread; returns once its work is enqueued."""
         batch = _Launched(units)
         key = units[0].request.key
-        self._stats.record(BatchLaunched(key.model, tokens=sum(u.tokens for u in units), sequences=len(batch.owners)))
+        sequences = [unit.request.job.sequences[i] for unit in units for i in unit.indices]
+        tokens = self.queue.tokens(sequences)  # the whole micro-batch: prompts shared across units count once
+        shared = sum(s.num_tokens for s in sequences) - tokens
+        self._stats.record(BatchLaunched(key.model, tokens=tokens, sequences=len(sequences), shared_tokens=shared))
         for request in batch.requests:
             request.first_launch_ns = request.first_launch_ns or batch.start_ns
         try:

@@ -64,19 +64,35 @@ class ScoringOptions:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     # torch.compile the layers' norms and MLPs (models.compiled): auto = on cuda, eager if it fails.
     compile_layers: CompileLayers = "auto"
+    # Sequences of a micro-batch with identical prompts run the prompt once (worker.packing).
+    share_prompts: bool = True
+
+
+@dataclass(frozen=True)
+class SharedKeys:
+    """Where each query segment of a packed row finds its keys, when segments share a prompt.
+
+    A prompt that several sequences share is one segment of the row; each completion is a segment
+    of its own whose keys are its prompt's rows followed by its own (``worker.packing``)."""
+
+    index: np.ndarray  # [Tk] int64: rows of the packed row whose keys/values, gathered, segment by segment
+    cu_seqlens: np.ndarray  # [m + 1] int32: query segment s's keys are gathered rows cu[s]:cu[s + 1]
+    max_seqlen: int  # the most keys of one segment
 
 
 @dataclass(frozen=True)
 class PackedBatch:
     """A micro-batch as one packed, padding-free row (built by ``worker.packing.pack``)."""
 
-    input_ids: np.ndarray  # [T] int64: all sequences back to back
-    position_ids: np.ndarray  # [T] int64: 0..len-1 within each sequence
-    cu_seqlens: np.ndarray  # [n + 1] int32: sequence b is tokens cu_seqlens[b]:cu_seqlens[b + 1]
-    max_seqlen: int  # longest sequence, for the attention kernel's launch
+    input_ids: np.ndarray  # [T] int64: all segments back to back
+    position_ids: np.ndarray  # [T] int64: each token's position in its own sequence
+    cu_seqlens: np.ndarray  # [m + 1] int32: segment s (its queries) is tokens cu_seqlens[s]:cu_seqlens[s + 1]
+    max_seqlen: int  # longest segment, for the attention kernel's launch
     rows: np.ndarray  # [N] int64: indices into [T] of the rows that predict completion tokens
     targets: np.ndarray  # [N] int64: the completion tokens those rows predict
     completion_lengths: list[int]  # to split the N results back per sequence
+    # None: every segment is a whole sequence, its keys its own rows (self-attention).
+    shared_keys: SharedKeys | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -198,18 +214,20 @@ class CausalLMScorer:
         chunking = {}
         if len(batch.completion_lengths) == 1 and batch.num_tokens > self.options.long_sequence_tokens:
             chunking = {CHUNK_KWARG: self.options.chunk_tokens}  # memory linear in T, not in T x MLP width
+        keys = batch.shared_keys
+        if keys is not None:
+            keys_on_device = (self._to_device(keys.cu_seqlens), keys.max_seqlen, self._to_device(keys.index))
         out = self.body(
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=False,
-            **packed_forward_kwargs(cu_seqlens, batch.max_seqlen),
+            **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys_on_device if keys is not None else None),
             **chunking,
         )
         hidden = out.last_hidden_state[0]  # [T, H]
         del out
-        first, n = int(batch.rows[0]), len(batch.rows)
-        if batch.rows[-1] - first + 1 == n:  # one sequence's rows, back to back: a view, no [N, H] copy
-            rows = hidden.narrow(0, first, n)  # [N, H]
+        if (np.diff(batch.rows) == 1).all():  # one sequence's rows, back to back: a view, no [N, H] copy
+            rows = hidden.narrow(0, int(batch.rows[0]), len(batch.rows))  # [N, H]
         else:
             rows = hidden.index_select(0, self._to_device(batch.rows))  # [N, H]
         del hidden  # the index_select copy frees the [T, H] states before the lm_head slabs are allocated

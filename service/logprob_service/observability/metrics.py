@@ -79,6 +79,11 @@ SEQUENCES_SCORED = Counter("logprob_sequences_scored", "Sequences scored.", ["mo
 BATCH_TOKENS = Histogram(
     "logprob_batch_tokens", "Real tokens in each packed micro-batch launched.", ["model"], buckets=TOKEN_BUCKETS
 )
+PROMPT_TOKENS_SHARED = Counter(
+    "logprob_prompt_tokens_shared",
+    "Prompt tokens not run because another sequence of the same micro-batch had the same prompt (share_prompts).",
+    ["model"],
+)
 BATCH_SEQUENCES = Histogram(
     "logprob_batch_sequences", "Sequences in each packed micro-batch launched.", ["model"], buckets=SEQUENCE_BUCKETS
 )
@@ -231,9 +236,10 @@ class PrometheusStats:
                     QUEUE_REQUESTS.labels(model).inc(requests)
                 if tokens:
                     QUEUE_TOKENS.labels(model).inc(tokens)
-            case BatchLaunched(model, tokens, sequences):
+            case BatchLaunched(model, tokens, sequences, shared_tokens):
                 BATCH_TOKENS.labels(model).observe(tokens)
                 BATCH_SEQUENCES.labels(model).observe(sequences)
+                PROMPT_TOKENS_SHARED.labels(model).inc(shared_tokens)
             case RequestScored(model, tokens, sequences, timings):
                 TOKENS_SCORED.labels(model).inc(tokens)
                 SEQUENCES_SCORED.labels(model).inc(sequences)

@@ -132,13 +132,22 @@ def register_packed_attention() -> None:
         )
 
 
-def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, Any]:
+KV_INDEX = "logprob_kv_index"
+"""The keyword argument that gathers each query segment's keys/values from the packed row's."""
+
+
+def packed_forward_kwargs(
+    cu_seqlens: torch.Tensor, max_len: int, *, keys: tuple[torch.Tensor, int, torch.Tensor] | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``model.base_model(input_ids=..., position_ids=..., use_cache=False, **kwargs)``
     on a packed row.
 
-    ``cu_seqlens``: [n+1] cumulative sequence lengths (0 first, T last), on the model's device;
-    ``max_len``: the longest sequence's length. Self-attention without a cache: queries and keys
-    share the boundaries.
+    ``cu_seqlens``: [n+1] cumulative segment lengths (0 first, T last), on the model's device;
+    ``max_len``: the longest segment's length. Without ``keys``, self-attention without a cache:
+    each segment is a sequence, and queries and keys share the boundaries. With ``keys`` =
+    (cu_seqlens_k [n+1], max_len_k, index [Tk]), segment s's keys and values are rows
+    ``index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]`` of the row's, its queries the last positions of
+    those keys (a completion sharing its prompt with others: the prompt's rows, then its own).
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
@@ -148,7 +157,18 @@ def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict[str, A
     if max_len < 1:
         raise ValueError(f"max_len must be at least 1, got {max_len}")
     cu = cu_seqlens.to(torch.int32)  # flash attention's varlen kernels index with int32
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+    if keys is None:
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+    cu_k, max_k, index = keys
+    if cu_k.shape != cu_seqlens.shape:
+        raise ValueError(f"keys: {cu_k.numel() - 1} key segments for {cu_seqlens.numel() - 1} query segments")
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu_k.to(torch.int32),
+        "max_length_q": max_len,
+        "max_length_k": int(max_k),
+        KV_INDEX: index,
+    }
 
 
 # --------------------------------------------------------------------------- attention function
@@ -217,6 +237,9 @@ def packed_attention_forward(
         cu_q, cu_k, max_q, max_k = lengths[:2], lengths[2:], q.shape[0], k.shape[0]
     else:
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KV, D]
+        index = kwargs.get(KV_INDEX)
+        if index is not None:  # segments sharing a prompt: each gets its own copy of the prompt's keys
+            k, v = k.index_select(0, index), v.index_select(0, index)  # [Tk, KV, D]
         cu_q, cu_k, max_q, max_k = _varlen_kwargs(kwargs, query.device)
     out = packed_attention(
         q, k, v, cu_q, cu_k, max_q, max_k,

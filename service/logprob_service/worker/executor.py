@@ -55,7 +55,7 @@ def launch_splitting_on_oom(
 ) -> list[Part]:
     """Launch ``sequences[indices]`` as one packed batch, halving it on out-of-memory."""
     try:
-        batch = pack([sequences[i] for i in indices])
+        batch = pack([sequences[i] for i in indices], share_prompts=scorer.options.share_prompts)
         return [Part(indices, launched=scorer.launch(batch, temperature=temperature, return_entropy=return_entropy))]
     except torch.OutOfMemoryError:
         pass  # handled below, once the traceback no longer holds the failed attempt's tensors

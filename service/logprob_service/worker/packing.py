@@ -9,6 +9,18 @@ For a sequence starting at offset o with prompt length P and completion length C
 predicts completion token t (0-based) is o + P - 1 + t: the last prompt token predicts the first
 completion token. Only these rows reach the log-prob op.
 
+Shared prompts. Sequences of the micro-batch whose prompts are identical (GRPO's G completions
+of one prompt) put the prompt in the row once: the group is laid out as
+
+    [prompt: P tokens, positions 0..P-1] [completion 1: R_1 tokens, positions P..P+R_1-1] ... [completion G]
+
+and each is a segment of ``cu_seqlens``. The prompt segment attends causally to itself; a
+completion segment's keys are the prompt's rows followed by its own (``SharedKeys``), its queries
+the last R_i of those P + R_i keys, causal aligned bottom-right: completion token t sees the whole
+prompt and completion tokens 0..t, exactly as in the sequence alone. The prompt's last row
+predicts every completion's first token; row c + t - 1 of completion i (c its first row) predicts
+its token t >= 1. Results come back in the sequences' order, whatever the layout.
+
 Everything here is numpy: it runs on whichever thread prepares the next micro-batch, and the
 scorer (``models.scorer``, which defines ``PackedBatch``, its input) turns the arrays into
 (pinned) tensors.
@@ -20,11 +32,66 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from logprob_service.domain import TokenSequence
-from logprob_service.models.scorer import PackedBatch
+from logprob_service.domain import TokenSequence, prompt_groups
+from logprob_service.models.scorer import PackedBatch, SharedKeys
 
 
-def pack(sequences: Sequence[TokenSequence]) -> PackedBatch:
+def pack(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> PackedBatch:
+    groups = prompt_groups(sequences) if share_prompts else [[i] for i in range(len(sequences))]
+    if all(len(g) == 1 for g in groups):
+        return _pack_whole(sequences)
+    ids, positions, q_lengths, key_rows = [], [], [], []
+    rows: list[np.ndarray] = [np.empty(0, np.int64)] * len(sequences)
+    offset = 0
+    for group in groups:
+        p = len(sequences[group[0]].prompt_ids)
+        if len(group) == 1 or p == 0:  # whole sequences: a segment each, keys their own rows
+            for i in group:
+                seq = sequences[i]
+                n = seq.num_tokens
+                ids += [seq.prompt_ids, seq.completion_ids]
+                positions.append(np.arange(n))
+                q_lengths.append(n)
+                key_rows.append(offset + np.arange(n))
+                rows[i] = offset + p - 1 + np.arange(len(seq.completion_ids))
+                offset += n
+            continue
+        first = sequences[group[0]]
+        prompt_rows = offset + np.arange(p)
+        ids.append(first.prompt_ids)
+        positions.append(np.arange(p))
+        q_lengths.append(p)
+        key_rows.append(prompt_rows)
+        offset += p
+        for i in group:
+            r = len(sequences[i].completion_ids)
+            own = offset + np.arange(r)
+            ids.append(sequences[i].completion_ids)
+            positions.append(p + np.arange(r))
+            q_lengths.append(r)
+            key_rows.append(np.concatenate([prompt_rows, own]))
+            rows[i] = np.concatenate([[prompt_rows[-1]], own[:-1]])
+            offset += r
+    cu_q = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
+    key_lengths = [len(k) for k in key_rows]
+    return PackedBatch(
+        input_ids=np.concatenate(ids).astype(np.int64),
+        position_ids=np.concatenate(positions).astype(np.int64),
+        cu_seqlens=cu_q,
+        max_seqlen=int(max(q_lengths)),
+        rows=np.concatenate(rows).astype(np.int64),
+        targets=np.concatenate([s.completion_ids for s in sequences]).astype(np.int64),
+        completion_lengths=[len(s.completion_ids) for s in sequences],
+        shared_keys=SharedKeys(
+            index=np.concatenate(key_rows).astype(np.int64),
+            cu_seqlens=np.concatenate([[0], np.cumsum(key_lengths)]).astype(np.int32),
+            max_seqlen=int(max(key_lengths)),
+        ),
+    )
+
+
+def _pack_whole(sequences: Sequence[TokenSequence]) -> PackedBatch:
+    """Every sequence whole, one segment each (nothing shared)."""
     lengths = np.array([s.num_tokens for s in sequences], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])  # [n + 1]
     input_ids = np.concatenate([np.concatenate([s.prompt_ids, s.completion_ids]) for s in sequences])
