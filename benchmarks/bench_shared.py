@@ -29,7 +29,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from bench_batching import Harness, Measured, Workload, grpc_pass, log, make_workload, open_clients
+from bench_batching import (
+    Harness,
+    Measured,
+    Workload,
+    grpc_pass,
+    log,
+    make_workload,
+    open_clients,
+    service_pass,
+)
 from common import SHAPES, TINY, LoopbackServer, ModelShape, add_scoring_arguments, build_model, scoring_options
 from harness import publish, run_environment
 from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS, Settings
@@ -37,6 +46,7 @@ from logprob_service.domain import TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
+from logprob_service.offline import OfflineScorer
 from transformers import PreTrainedModel
 
 MODEL_NAME = "bench"
@@ -80,8 +90,12 @@ class Row:
 def run_one(
     model: PreTrainedModel, workload: Workload, share: bool, args: argparse.Namespace, harness: Harness
 ) -> Measured:
-    """The workload through a fresh server whose scheduler and scorer share prompts or not."""
+    """The workload through a fresh server whose scheduler and scorer share prompts or not (or,
+    with ``--in-process``, one ``OfflineScorer.score`` call over all of it)."""
     scorer = CausalLMScorer(model, options=scoring_options(args, share_prompts=share))
+    if args.in_process:
+        with OfflineScorer(serve_model(MODEL_NAME, "random", scorer), max_batch_tokens=args.max_batch_tokens) as off:
+            return harness.measure(f"in-process, share_prompts={share}", lambda: service_pass(off, workload))
     registry = ModelRegistry()
     registry.add(serve_model(MODEL_NAME, "random", scorer))
     settings = Settings(
@@ -163,6 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--configs", default=CONFIGS, help="P,R,G;P,R,G;... (prompt, completion, group size)")
     add("--target-tokens", type=int, default=1_000_000, help="real tokens a pass, about (at least one group a client)")
     add("--clients", type=int, default=8)
+    add("--in-process", action="store_true", help="OfflineScorer.score over the whole workload instead of gRPC")
     add("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS)
     add("--warmup", type=int, default=1)
     add("--repeats", type=int, default=2)
@@ -182,10 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [TINY] if args.smoke else [SHAPES[s] for s in args.shapes.split(",")]
     reports = [table(shape, run_shape(shape, args, harness)) for shape in shapes]
     header = [
-        "# GRPO groups: the prompt run once (share_prompts) vs every sequence whole, through gRPC",
+        "# GRPO groups: the prompt run once (share_prompts) vs every sequence whole",
         "",
         *run_environment(device),
-        f"{args.clients} client threads, one request per prompt group; max_batch_tokens {args.max_batch_tokens}; "
+        (
+            "in-process: one OfflineScorer.score call a pass"
+            if args.in_process
+            else f"{args.clients} client threads, one request per prompt group"
+        )
+        + f"; max_batch_tokens {args.max_batch_tokens}; "
         f"{args.warmup} warm-up + {args.repeats} timed passes, median; tokens/s = real tokens (G * (P + R)) / pass",
     ]
     publish("\n".join(header) + "\n\n" + "\n\n".join(reports) + "\n", "bench_shared.md")

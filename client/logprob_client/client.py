@@ -162,7 +162,8 @@ class _Client:
                 calls.append((prepared, []))
                 continue
             seqs = prepared.sequences
-            parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits)
+            shared = [len(p) if i and np.array_equal(p, seqs[i - 1][0]) else 0 for i, (p, _) in enumerate(seqs)]
+            parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits, shared)
             calls.append((prepared, [score_request(seqs[part], options) for part in parts]))
         return _Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions)
 

@@ -5,6 +5,10 @@ limit and a token limit (prompt + completion tokens). The parts are sent at once
 scores put back together in order, so that the server starts on the first part while later
 ones are still on the wire, no message grows past the server's per-request limits, and parts
 can be served by different replicas behind one target.
+
+Consecutive sequences with the same prompt (GRPO's completions of one prompt, laid out as TRL
+does) are counted the way the server runs them (``--share-prompts``): the prompt once per part,
+so a group stays in one RPC, and so in one micro-batch, where the server runs its prompt once.
 """
 
 from __future__ import annotations
@@ -32,20 +36,23 @@ class RpcLimits:
             raise ValueError(f"RPC limits must be >= 1, got {self}")
 
 
-def split(lengths: Sequence[int], limits: RpcLimits) -> list[slice]:
+def split(lengths: Sequence[int], limits: RpcLimits, shared: Sequence[int] | None = None) -> list[slice]:
     """Contiguous parts of ``range(len(lengths))``, in order, each within ``limits``.
 
-    ``lengths[i]`` is sequence i's prompt + completion tokens. A part grows until the next
-    sequence would break a limit; a sequence longer than ``limits.max_tokens`` is a part of its
-    own (the server then decides whether it can score it). There is always at least one part,
-    so an empty call still reaches the server and gets its answer.
+    ``lengths[i]`` is sequence i's prompt + completion tokens; ``shared[i]`` (default 0) its
+    prompt's length when sequence i - 1 has the same prompt, which a part that holds both runs
+    once. A part grows until the next sequence would break a limit; a sequence longer than
+    ``limits.max_tokens`` is a part of its own (the server then decides whether it can score it).
+    There is always at least one part, so an empty call still reaches the server and gets its answer.
     """
+    shared = shared or [0] * len(lengths)
     parts: list[slice] = []
     start, tokens = 0, 0
     for i, length in enumerate(lengths):
-        if i > start and (i - start >= limits.max_sequences or tokens + length > limits.max_tokens):
+        cost = length - shared[i] if i > start else length
+        if i > start and (i - start >= limits.max_sequences or tokens + cost > limits.max_tokens):
             parts.append(slice(start, i))
-            start, tokens = i, 0
-        tokens += length
+            start, tokens, cost = i, 0, length
+        tokens += cost
     parts.append(slice(start, len(lengths)))
     return parts

@@ -45,3 +45,12 @@ def test_within_limits_is_one_part_and_empty_is_one_empty_part():
 def test_limits_must_be_positive(bad):
     with pytest.raises(ValueError, match=">= 1"):
         RpcLimits(**bad)
+
+
+def test_consecutive_sequences_sharing_a_prompt_count_it_once_per_part():
+    # Two groups: prompt 100 with completions 10, 20, 30; then prompt 50 with 5, 5.
+    lengths, shared = [110, 120, 130, 55, 55], [0, 100, 100, 0, 50]
+    assert split(lengths, RpcLimits(max_tokens=160), shared) == [slice(0, 3), slice(3, 5)]  # 160, 110
+    # A group over the limit is cut, and its next part pays the prompt again.
+    assert split(lengths, RpcLimits(max_tokens=130), shared) == [slice(0, 2), slice(2, 3), slice(3, 5)]
+    assert split(lengths, RpcLimits(max_tokens=160)) == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 5)]
