@@ -78,7 +78,12 @@ class Unit:
 
     request: Request
     indices: list[int]
-    tokens: int
+    tokens: int  # run: with share_prompts, a prompt its sequences share once
+
+    @property
+    def admitted_tokens(self) -> int:
+        """Its sequences' prompt + completion tokens, as admission counted them (``ScoreJob.num_tokens``)."""
+        return sum(self.request.job.sequences[i].num_tokens for i in self.indices)
 
 
 class BatchQueue:

@@ -213,7 +213,7 @@ class Scheduler:
 
     def _drop_dead(self) -> None:
         for unit in self.queue.drop_dead(time.monotonic()):
-            self.admission.release(unit.request.job, unit.tokens)
+            self.admission.release(unit.request.job, unit.admitted_tokens)
 
     async def _run_due_swaps(self) -> None:
         """Swap the weights of every model with a pending swap and no started request queued."""
@@ -272,8 +272,8 @@ class Scheduler:
         finally:
             elapsed_ns = time.perf_counter_ns() - batch.start_ns
             for unit in batch.units:
-                self.admission.release(unit.request.job, unit.tokens)
-            self.admission.observe_throughput(sum(unit.tokens for unit in batch.units), elapsed_ns)
+                self.admission.release(unit.request.job, unit.admitted_tokens)
+            self.admission.observe_throughput(sum(unit.admitted_tokens for unit in batch.units), elapsed_ns)
             for request in batch.requests:
                 request.compute_ns += elapsed_ns
                 request.model_version = batch.model_version
