@@ -10,7 +10,8 @@
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS base
-ENV DEBIAN_FRONTEND=noninteractive
+# An ARG, not an ENV: apt needs it while building, the running image does not.
+ARG DEBIAN_FRONTEND=noninteractive
 # python3-dev and gcc: at the first call of a Triton kernel (the fused log-prob op), Triton builds
 # its small launcher with the system C compiler against Python's headers.
 # Unpinned apt packages (DL3008): they follow the base image's Ubuntu release.
