@@ -7,7 +7,10 @@
 # non-root user, and is configured through LOGPROB_* environment variables (or flags after the image
 # name, which `logprob-service serve` receives).
 
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# Fully qualified: podman and buildah resolve a short name (nvidia/cuda) only through the
+# registries.conf of the machine, which may name no registry (Debian's podman: "short-name did not
+# resolve"); docker.io/ is what docker reads the short name as.
+ARG CUDA_IMAGE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS base
 # An ARG, not an ENV: apt needs it while building, the running image does not.
