@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-sweep test-stress test-gpu image proto lint format bench example clean
+.PHONY: install serve test test-sweep test-stress test-gpu image image-test proto lint format bench example clean
 
 # scripts/install.sh is also the Dockerfile's install step: CI runs the image's install this way.
 $(VENV)/.installed: pyproject.toml scripts/install.sh
@@ -40,6 +40,9 @@ test-gpu: install  ## only the GPU tests
 # made here, with CPU torch, where no registry is reachable.
 image:  ## build the image (docker or podman)
 	scripts/build-image.sh
+
+image-test: install  ## the image test alone (`make test` runs it too): build on a Debian base, run, score, drain
+	$(BIN)/python -m pytest -m image -rs $(PYTEST_ARGS)
 
 proto: install  ## regenerate client/logprob_proto from protos/
 	$(BIN)/python scripts/gen_proto.py
