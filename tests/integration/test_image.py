@@ -53,8 +53,9 @@ from tests.helpers.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "scripts" / "build-image.sh"
-IMAGE = "localhost/logprob-service:image-test"
-CONTAINER = "logprob-image-test"
+# Per run: two test runs on one machine (two checkouts) must not remove each other's image.
+IMAGE = f"localhost/logprob-service:image-test-{os.getpid()}"
+CONTAINER = f"logprob-image-test-{os.getpid()}"
 IMAGE_UID = 10001  # the Dockerfile's USER, which deploy/k8s and the README name too
 BUILD_TIMEOUT_S = 600  # measured: ~1 min for the Debian base, ~3 min for the build
 START_TIMEOUT_S = 120  # loading and warming up builtin:tiny-llama takes seconds
@@ -83,10 +84,6 @@ def podman(*args: str, timeout: float = 120) -> str:
     done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"podman {' '.join(args)}: {done.stderr.strip()}"
     return done.stdout.strip()
-
-
-def image_ids() -> set[str]:
-    return set(podman("images", "--all", "--quiet", "--no-trunc").split())
 
 
 def free_port() -> int:
@@ -180,9 +177,8 @@ def image(summary: Summary, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
-    before = image_ids()
+    log = tmp_path_factory.mktemp("image") / "build.log"
     try:
-        log = tmp_path_factory.mktemp("image") / "build.log"
         seconds = build(log)
         config = ImageConfig.of(IMAGE)
         summary.lines.append(
@@ -194,11 +190,12 @@ def image(summary: Summary, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         if os.environ.get("LOGPROB_KEEP_IMAGE") != "1":
             started = time.monotonic()
+            # The image, then the images of its build stages, which the build's log names ("--> ID"
+            # after each commit); the Debian base stays, and nobody else's images are touched.
             subprocess.run(["podman", "rmi", "--force", IMAGE], capture_output=True, timeout=300)
-            # The build's own intermediate images (its stages), untagged; nobody else's.
-            left = [i for i in image_ids() - before if i not in podman("images", "--quiet", "--no-trunc").split()]
-            if left:
-                subprocess.run(["podman", "rmi", "--force", *left], capture_output=True, timeout=300)
+            stages = re.findall(r"^--> ([0-9a-f]{11,64})$", log.read_text() if log.exists() else "", re.MULTILINE)
+            for stage in stages:  # one by one: the last is the image, gone already
+                subprocess.run(["podman", "rmi", "--force", stage], capture_output=True, timeout=300)
             summary.lines.append(f"removed the image and its build's layers in {time.monotonic() - started:.0f} s")
 
 
@@ -245,8 +242,12 @@ class Container:
         subprocess.run(["podman", "rm", "--force", "--volumes", CONTAINER], capture_output=True, timeout=120)
         # --no-healthcheck: the test runs the health check itself; podman would want systemd timers.
         podman("create", "--name", CONTAINER, "--no-healthcheck", IMAGE)
-        self.root = Path(podman("mount", CONTAINER))
-        self.uid, self.gid, home = passwd_ids(self.root, self.image.user)
+        try:
+            self.root = Path(podman("mount", CONTAINER))
+            self.uid, self.gid, home = passwd_ids(self.root, self.image.user)
+        except BaseException:
+            self.__exit__()
+            raise
         self.env = {"HOME": home, **self.image.env, **self.overrides}  # an engine sets HOME from /etc/passwd
         return self
 
