@@ -15,10 +15,11 @@
 # Further arguments go to `ENGINE build` (e.g. --no-cache, --build-arg CUDA_IMAGE=...).
 #
 # Everything else is the Dockerfile unchanged: BASE=debian sets only its base-image argument
-# (CUDA_IMAGE) and TORCH_SPEC. With podman, pip in the build gets this machine's pip settings
-# (`pip config list`): its CA bundle and http(s) indexes, and with BASE=debian its find-links
-# folders, where the CPU build of torch lies. `docker build` cannot mount them: docker builds use
-# the public indexes as they are.
+# (CUDA_IMAGE) and TORCH_SPEC; its EXTRAS stays the default, server,gpu, as in the GPU image (the
+# gpu extra's wheels install on CPU machines too; the server loads them only on CUDA). With
+# podman, pip in the build gets this machine's pip settings (`pip config list`): its CA bundle and
+# http(s) indexes, and with BASE=debian its find-links folders, where the CPU build of torch lies.
+# `docker build` cannot mount them: docker builds use the public indexes as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

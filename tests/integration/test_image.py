@@ -13,10 +13,11 @@ ports (``docker run -e`` overrides) instead of 0.0.0.0:50051. The HEALTHCHECK co
 inside, as the engine runs it (``nsenter``, like ``docker exec``).
 
 Checked: the health check passes; the client, from outside, gets scores equal to the float64
-reference of the builtin model computed here, within tests/helpers/tolerances.py's bound; /metrics serves
-the logprob_ series; the server runs as uid 10001 from the /data layout; SIGTERM with a call in
-flight drains: the call is answered and the process exits 0 within the grace period. The image's
-size and build time are printed in pytest's summary.
+reference of the builtin model computed here, within tests/helpers/tolerances.py's bound;
+/metrics serves the logprob_ series; the server runs as uid 10001 from the /data layout; the
+image holds the gpu extra (nvidia-cudnn-frontend), which the server on CPU never loads; SIGTERM
+with a call in flight drains: the call is answered and the process exits 0 within the grace
+period. The image's size and build time are printed in pytest's summary.
 
 Needs root, podman, and mmdebstrap or debootstrap (.ci/run installs them); skipped otherwise,
 saying why. The image and what its build left are removed afterwards, except the Debian base
@@ -318,6 +319,10 @@ def test_the_image_serves_scores_metrics_and_health_and_drains_on_sigterm(image,
         summary.lines.append(
             f"/opt/venv (the project, torch and the rest): {int(venv.stdout.split()[0]) / 1e9:.2f} GB of it"
         )
+        # The GPU image's extras, gpu included (the Dockerfile's EXTRAS): installed here too, where
+        # the CPU server never imports them.
+        (site,) = (container.root / "opt/venv/lib").glob("python3*/site-packages")
+        assert list(site.glob("nvidia_cudnn_frontend-*.dist-info")), "no nvidia-cudnn-frontend: the gpu extra"
 
         started = time.monotonic()
         container.run()
@@ -352,6 +357,9 @@ def test_the_image_serves_scores_metrics_and_health_and_drains_on_sigterm(image,
             assert [x.shape for x in logprobs] == [(len(c),) for c in completions]
             assert all(np.isfinite(x).all() for x in logprobs)
             ScoreReference(model, as_sequences(prompts, completions)).check(logprobs)
+            # Scored without cuDNN's frontend: on CPU the server never loads the gpu extra.
+            maps = Path(f"/proc/{container.pid}/maps").read_text()
+            assert "/site-packages/cudnn/" not in maps and "/site-packages/torch/" in maps
 
             samples = metric_samples(metrics_url)
             assert {name for name, _ in samples if name.startswith("logprob_")} >= {
