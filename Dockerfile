@@ -7,10 +7,14 @@
 # non-root user, and is configured through LOGPROB_* environment variables (or flags after the image
 # name, which `logprob-service serve` receives).
 
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# Fully qualified: podman and buildah resolve a short name (nvidia/cuda) only through the
+# registries.conf of the machine, which may name no registry (Debian's podman: "short-name did not
+# resolve"); docker.io/ is what docker reads the short name as.
+ARG CUDA_IMAGE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS base
-ENV DEBIAN_FRONTEND=noninteractive
+# An ARG, not an ENV: apt needs it while building, the running image does not.
+ARG DEBIAN_FRONTEND=noninteractive
 # python3-dev and gcc: at the first call of a Triton kernel (the fused log-prob op), Triton builds
 # its small launcher with the system C compiler against Python's headers.
 # Unpinned apt packages (DL3008): they follow the base image's Ubuntu release.
@@ -23,12 +27,18 @@ FROM base AS build
 # PyPI's Linux torch wheels are CUDA builds that carry their own CUDA libraries; the node's driver,
 # which the NVIDIA container toolkit mounts, must support their CUDA version.
 ARG TORCH_SPEC=torch==2.13.0
+# The project's extras: server, and gpu (nvidia-cudnn-frontend, cuDNN's ragged attention for packed
+# rows; ops/cudnn_attention.py). The server starts without gpu's packages and imports them only on
+# a CUDA device, and their wheels install on any Linux x86_64, so CI's image test (BASE=debian, CPU
+# torch) builds this default as it is: the GPU image's own install step, resolved with every
+# dependency it brings (~0.2 GB of wheels). --build-arg EXTRAS=server leaves them out.
+ARG EXTRAS=server,gpu
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY scripts/install.sh scripts/
 COPY client client
 COPY service service
-RUN PIP_NO_CACHE_DIR=1 VENV=/opt/venv PYTHON=python3 TORCH_SPEC="${TORCH_SPEC}" EXTRAS=server EDITABLE=0 \
+RUN PIP_NO_CACHE_DIR=1 VENV=/opt/venv PYTHON=python3 TORCH_SPEC="${TORCH_SPEC}" EXTRAS="${EXTRAS}" EDITABLE=0 \
     scripts/install.sh
 
 FROM base

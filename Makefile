@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-sweep test-stress test-gpu proto lint format bench example clean
+.PHONY: install serve test test-sweep test-stress test-gpu image image-test proto lint format bench example clean
 
 # scripts/install.sh is also the Dockerfile's install step: CI runs the image's install this way.
 $(VENV)/.installed: pyproject.toml scripts/install.sh
@@ -34,6 +34,15 @@ test-stress: ## `make test` in RUNS fresh clones of HEAD, one after another; sto
 
 test-gpu: install  ## only the GPU tests
 	$(BIN)/python -m pytest tests/gpu $(PYTEST_ARGS)
+
+# The container image (scripts/build-image.sh reads BASE, IMAGE, TORCH_SPEC, ENGINE): by default
+# the Dockerfile as users build it, on nvidia/cuda from a registry; BASE=debian on a Debian base
+# made here, with CPU torch, where no registry is reachable.
+image:  ## build the image (docker or podman)
+	scripts/build-image.sh
+
+image-test: install  ## the image test alone (`make test` runs it too): build on a Debian base, run, score, drain
+	$(BIN)/python -m pytest -m image -rs $(PYTEST_ARGS)
 
 proto: install  ## regenerate client/logprob_proto from protos/
 	$(BIN)/python scripts/gen_proto.py

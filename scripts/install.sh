@@ -6,7 +6,7 @@
 #               from a local wheel), or in the image PyPI's Linux build, which is the CUDA one
 #   VENV        the environment, created if missing                               [.venv]
 #   PYTHON      the interpreter that creates it                                   [python3]
-#   EXTRAS      the project's extras: dev (server, TRL and test tools) or server  [dev]
+#   EXTRAS      the project's extras: dev (server, TRL and test tools), or server,gpu (the image) [dev]
 #   EDITABLE    1: an editable install of this checkout (development); 0: a regular one (the image) [1]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -110,7 +111,12 @@ def test_hadolint_finds_nothing_in_the_dockerfile():
 def test_the_image_installs_with_the_script_make_install_runs():
     stages = dockerfile_stages()
     (install,) = [c.value[0] for c in instructions(stages["build"], "RUN") if "scripts/install.sh" in c.value[0]]
-    assert "EXTRAS=server" in install and "EDITABLE=0" in install and 'TORCH_SPEC="${TORCH_SPEC}"' in install
+    assert 'EXTRAS="${EXTRAS}"' in install and "EDITABLE=0" in install and 'TORCH_SPEC="${TORCH_SPEC}"' in install
+    # The server, and the gpu extra (cuDNN's ragged attention) unless a build leaves it out.
+    args = dict(c.value[0].split("=", 1) for c in instructions(stages["build"], "ARG") if "=" in c.value[0])
+    extras = args["EXTRAS"].split(",")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert extras == ["server", "gpu"] and set(extras) <= project["optional-dependencies"].keys()
     # make install (which .ci/run's `make test` and `make lint` run first) calls the same script.
     recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.installed:", 1)[1].split("\n\n", 1)[0]
     assert "scripts/install.sh" in recipe and 'TORCH_SPEC="$(TORCH_SPEC)"' in recipe
