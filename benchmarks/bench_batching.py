@@ -74,6 +74,7 @@ from common import (
     ModelShape,
     add_scoring_arguments,
     build_model,
+    layers_label,
     scoring_options,
     selective_log_softmax,
 )
@@ -573,9 +574,7 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
     ) as scorer:
         in_process = run_in_process(harness, scorer, workload)
         via_grpc = run_grpc(harness, scorer, workload, args)
-        service = f"service: attention {scorer.served.info.attention}; " + (
-            "norms + MLPs compiled" if scorer.scorer.layers_compiled else "layers eager"
-        )
+        service = f"service: attention {scorer.served.info.attention}; {layers_label(scorer.scorer)}"
     sweep = []
     for value in args.sweep_batch_tokens:
         with OfflineScorer(

@@ -30,7 +30,7 @@ import gc
 
 import numpy as np
 import torch
-from common import SHAPES, TINY, add_scoring_arguments, build_model, scoring_options
+from common import SHAPES, TINY, add_scoring_arguments, build_model, layers_label, scoring_options
 from harness import GiB, matmul_tflops, publish, release, run_environment, time_calls
 from logprob_service.domain import TokenSequence
 from logprob_service.models.compiled import eager_layers
@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     header = [
         *run_environment(device),
         f"model: {shape.name} shape, {scorer.served.info.dtype}, random weights {weights / GiB:.1f} GiB; "
-        f"attention: {scorer.served.info.attention}; "
-        + ("norms + MLPs compiled" if scorer.served.scorer.layers_compiled else "layers eager"),
+        f"attention: {scorer.served.info.attention}; {layers_label(scorer.scorer)}",
         f"chunks of {args.chunk_tokens} tokens above {args.long_sequence_tokens}",
         f"bf16 matmul 8192^3 in this run: {matmul_tflops(device):.0f} TFLOP/s" if device.type == "cuda" else "",
     ]

@@ -50,6 +50,7 @@ from common import (
     LoopbackServer,
     add_scoring_arguments,
     build_model,
+    layers_label,
     scoring_options,
     selective_log_softmax,
 )
@@ -229,7 +230,7 @@ def run_all(
     scorer = OfflineScorer(model, options=options, max_batch_tokens=args.max_batch_tokens)  # auto lm_head kernel
     built = (
         f"service: attention {scorer.served.info.attention}; "
-        + ("norms + MLPs compiled" if scorer.scorer.layers_compiled else "layers eager")
+        + layers_label(scorer.scorer)
         + f"; scorer built in {time.perf_counter() - start:.1f} s"
     )
     eager = OfflineScorer(
@@ -263,10 +264,9 @@ def run_all(
             ),
         ]
     model.set_attn_implementation(packed)  # the scorers' own, after the baselines' sdpa
-    layers = "norms + MLPs compiled" if scorer.scorer.layers_compiled else "layers eager"
     rows.append(
         run_method(
-            f"service's packed body alone (no lm_head), {layers}",
+            f"service's packed body alone (no lm_head), {layers_label(scorer.scorer)}",
             lambda: packed_body_alone(scorer.scorer, inputs),
             None,
             **common,

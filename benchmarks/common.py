@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.models.scorer import ScoringOptions
+from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 # ----------------------------------------------------------------------------- models
@@ -86,6 +86,11 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
 
 def scoring_options(args: argparse.Namespace, **settings: Any) -> ScoringOptions:
     return ScoringOptions(attention_backend=args.attention_backend, compile_layers=args.compile_layers, **settings)
+
+
+def layers_label(scorer: CausalLMScorer) -> str:
+    """How a scorer's decoder layers run, as the reports say it."""
+    return "norms + MLPs compiled" if scorer.layers_compiled else "layers eager"
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

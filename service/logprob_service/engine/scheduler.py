@@ -232,7 +232,7 @@ class Scheduler:
         """Hand one micro-batch to the device thread; returns once its work is enqueued."""
         batch = _Launched(units)
         key = units[0].request.key
-        sequences = [unit.request.job.sequences[i] for unit in units for i in unit.indices]
+        sequences = [request.job.sequences[i] for request, i in batch.owners]
         tokens = self.queue.tokens(sequences)  # the whole micro-batch: prompts shared across units count once
         shared = sum(s.num_tokens for s in sequences) - tokens
         self._stats.record(BatchLaunched(key.model, tokens=tokens, sequences=len(sequences), shared_tokens=shared))
@@ -243,7 +243,7 @@ class Scheduler:
             batch.model_version = served.info.version
             batch.parts = await self._executor.launch(
                 served,
-                [request.job.sequences[i] for request, i in batch.owners],
+                sequences,
                 temperature=key.temperature,
                 return_entropy=key.return_entropy,
             )

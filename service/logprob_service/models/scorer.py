@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS
 from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
-from logprob_service.models.compiled import compile_layers, uncompile_layers
+from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
 from logprob_service.ops.attention import (
     AttentionBackend,
     attention_implementation_name,
@@ -142,13 +142,18 @@ class CausalLMScorer:
         self.transform = config_logit_transform(model.config)
         self.logprob_op = logprob_op or select_logprob_op("auto", self.head_weight.device)
         self.options = options
-        self.layers_compiled = self._compile_layers(options.compile_layers)
+        self._compile_layers(options.compile_layers)
 
-    def _compile_layers(self, setting: CompileLayers) -> bool:
+    @property
+    def layers_compiled(self) -> bool:
+        """Whether the body's norms and MLPs run compiled (read from the modules themselves)."""
+        return layers_compiled(self.body)
+
+    def _compile_layers(self, setting: CompileLayers) -> None:
         """Compile the layers' norms and MLPs as the setting says; compiles now, on a short probe
         row, so that a failure shows here and not in the first request."""
         if setting == "off" or (setting == "auto" and self.device.type != "cuda"):
-            return False
+            return
         compile_layers(self.body)
         try:
             self._probe()
@@ -157,14 +162,11 @@ class CausalLMScorer:
             if setting == "on":
                 raise RuntimeError(f"compile_layers=on: compiling the decoder layers failed: {err}") from err
             log.warning("decoder layers left eager: compiling them failed: %s", err)
-            return False
-        return True
 
     def run_layers_eagerly(self, why: str) -> None:
         """Undo ``compile_layers`` for good (a LoRA base: PEFT's layers are not traced)."""
         if self.layers_compiled:
             uncompile_layers(self.body)
-            self.layers_compiled = False
             log.info("decoder layers run eagerly from now on: %s", why)
 
     @torch.inference_mode()
@@ -214,14 +216,14 @@ class CausalLMScorer:
         chunking = {}
         if len(batch.completion_lengths) == 1 and batch.num_tokens > self.options.long_sequence_tokens:
             chunking = {CHUNK_KWARG: self.options.chunk_tokens}  # memory linear in T, not in T x MLP width
-        keys = batch.shared_keys
-        if keys is not None:
-            keys_on_device = (self._to_device(keys.cu_seqlens), keys.max_seqlen, self._to_device(keys.index))
+        keys = None
+        if (shared := batch.shared_keys) is not None:  # completions keyed on their shared prompt's rows
+            keys = (self._to_device(shared.cu_seqlens), shared.max_seqlen, self._to_device(shared.index))
         out = self.body(
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=False,
-            **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys_on_device if keys is not None else None),
+            **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys),
             **chunking,
         )
         hidden = out.last_hidden_state[0]  # [T, H]

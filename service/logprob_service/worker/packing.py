@@ -38,8 +38,6 @@ from logprob_service.models.scorer import PackedBatch, SharedKeys
 
 def pack(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> PackedBatch:
     groups = prompt_groups(sequences) if share_prompts else [[i] for i in range(len(sequences))]
-    if all(len(g) == 1 for g in groups):
-        return _pack_whole(sequences)
     ids, positions, q_lengths, key_rows = [], [], [], []
     rows: list[np.ndarray] = [np.empty(0, np.int64)] * len(sequences)
     offset = 0
@@ -56,9 +54,8 @@ def pack(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> P
                 rows[i] = offset + p - 1 + np.arange(len(seq.completion_ids))
                 offset += n
             continue
-        first = sequences[group[0]]
         prompt_rows = offset + np.arange(p)
-        ids.append(first.prompt_ids)
+        ids.append(sequences[group[0]].prompt_ids)
         positions.append(np.arange(p))
         q_lengths.append(p)
         key_rows.append(prompt_rows)
@@ -72,12 +69,12 @@ def pack(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> P
             key_rows.append(np.concatenate([prompt_rows, own]))
             rows[i] = np.concatenate([[prompt_rows[-1]], own[:-1]])
             offset += r
-    cu_q = np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)
     key_lengths = [len(k) for k in key_rows]
+    shared = sum(key_lengths) > offset  # some prompt's rows serve several segments
     return PackedBatch(
         input_ids=np.concatenate(ids).astype(np.int64),
         position_ids=np.concatenate(positions).astype(np.int64),
-        cu_seqlens=cu_q,
+        cu_seqlens=np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32),
         max_seqlen=int(max(q_lengths)),
         rows=np.concatenate(rows).astype(np.int64),
         targets=np.concatenate([s.completion_ids for s in sequences]).astype(np.int64),
@@ -86,26 +83,7 @@ def pack(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> P
             index=np.concatenate(key_rows).astype(np.int64),
             cu_seqlens=np.concatenate([[0], np.cumsum(key_lengths)]).astype(np.int32),
             max_seqlen=int(max(key_lengths)),
-        ),
-    )
-
-
-def _pack_whole(sequences: Sequence[TokenSequence]) -> PackedBatch:
-    """Every sequence whole, one segment each (nothing shared)."""
-    lengths = np.array([s.num_tokens for s in sequences], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)])  # [n + 1]
-    input_ids = np.concatenate([np.concatenate([s.prompt_ids, s.completion_ids]) for s in sequences])
-    # Position of token i within its sequence: i - start of its sequence.
-    position_ids = np.arange(starts[-1]) - np.repeat(starts[:-1], lengths)
-    rows = np.concatenate(
-        [start + len(s.prompt_ids) - 1 + np.arange(len(s.completion_ids)) for start, s in zip(starts, sequences)]
-    )
-    return PackedBatch(
-        input_ids=input_ids.astype(np.int64),
-        position_ids=position_ids,
-        cu_seqlens=starts.astype(np.int32),
-        max_seqlen=int(lengths.max()),
-        rows=rows.astype(np.int64),
-        targets=np.concatenate([s.completion_ids for s in sequences]).astype(np.int64),
-        completion_lengths=[len(s.completion_ids) for s in sequences],
+        )
+        if shared
+        else None,  # every segment's keys are its own rows: plain self-attention, no gather
     )
