@@ -297,11 +297,11 @@ def server_settings(args: argparse.Namespace, device: torch.device) -> Settings:
     )
 
 
-def open_clients(target: str, n: int) -> list[LogprobClient]:
+def open_clients(target: str, n: int, **client_options: Any) -> list[LogprobClient]:
     # A local subchannel pool gives each client its own connection, as separate trainer
     # processes would have (gRPC otherwise shares one subchannel between identical channels).
     options = [("grpc.use_local_subchannel_pool", 1)]
-    return [LogprobClient(target, model=MODEL_NAME, timeout=600.0, options=options) for _ in range(n)]
+    return [LogprobClient(target, model=MODEL_NAME, timeout=600.0, options=options, **client_options) for _ in range(n)]
 
 
 def grpc_pass(clients: list[LogprobClient], workload: Workload) -> PassResult:

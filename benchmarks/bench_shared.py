@@ -10,9 +10,10 @@ as TRL lays them out), by ``--clients`` client threads pulling from a shared que
 * the GRPO-like workload of ``bench_batching.py`` (256 sequences, prompts U[256, 1024],
   completions U[64, 4096]) with each group of 8 consecutive sequences given one prompt.
 
-Both ways run the same model and server code; only the setting differs (the server's scheduler
-and its scorer's packing). Tokens/s count the sequences' real tokens, G * (P + R) a group,
-whatever is run. Peak extra GiB: peak allocated over the timed passes beyond what was there
+Both ways run the same model and server code; only the setting differs: the server's
+(its scheduler and its scorer's packing) and the client's (shared: each group's prompt sent once,
+as a ``SequenceGroup``; unshared: every sequence whole, as before groups). Tokens/s count the
+sequences' real tokens, G * (P + R) a group, whatever is run. Peak extra GiB: peak allocated over the timed passes beyond what was there
 before. max |dlogp|: the first request's log-probs, shared against unshared (bf16 bodies whose
 kernels see other shapes: differences of a few 1e-2 are bf16 rounding).
 
@@ -108,7 +109,7 @@ def run_one(
         share_prompts=share,
     )
     with LoopbackServer(settings, registry) as target:
-        clients = open_clients(target, args.clients)
+        clients = open_clients(target, args.clients, share_prompts=share)
         try:
             return harness.measure(f"share_prompts={share}", lambda: grpc_pass(clients, workload))
         finally:

@@ -4,11 +4,13 @@ from logprob_client import LogprobClient
 
 with LogprobClient("localhost:50051") as client:
     logprobs = client.score([[1, 2, 3]], [[4, 5]])   # [array([-8.1, -7.9], dtype=float32)]
+    groups = client.score_groups([[1, 2, 3]], [[[4, 5], [6]]])  # [[array([...]), array([...])]]
     pending = client.score_async([[1, 2, 3]], [[4, 5]])  # returns at once; RPCs in flight
     logprobs = pending.result()
 
 Every scoring call is cut into parts within ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``
-(``split.py``), sent as that many ScoreTokens RPCs at once, and reassembled in order.
+(``split.py``), sent as that many ScoreTokens RPCs at once, and reassembled in order. Consecutive
+sequences with one prompt travel as one ``SequenceGroup``: the prompt is sent once (``wire.py``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from .channel import Connection
 from .errors import error_from_rpc
 from .future import ScoreFuture
-from .inputs import Prepared, prepare
+from .inputs import Prepared, flatten_groups, prepare, regroup
 from .resume import StreamResume
 from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
 from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, update_requests
-from .wire import ModelInfo, Options, ScoreInput, collect, model_info, result, score_request
+from .wire import ModelInfo, Options, ScoreInput, collect, model_info, repeats_prompt, result, score_request
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -99,7 +101,9 @@ class _Client:
     ``timeout``: deadline of every call, seconds (overridable per call). ``model``: the model of
     calls that name none. ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``: a scoring call larger
     than either is split into several RPCs in flight together (keep them within the server's
-    per-request limits). ``connection``: the fields of ``channel.Connection`` (``max_attempts``:
+    per-request limits). ``share_prompts``: consecutive sequences with one prompt go as one
+    ``SequenceGroup``, the prompt sent once, and are kept in one RPC (False: every sequence whole,
+    as servers older than groups need). ``connection``: the fields of ``channel.Connection`` (``max_attempts``:
     UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential backoff up to that many tries,
     within the deadline; other failures raise at once; ``options``; TLS: ``tls``, ``tls_ca_file``,
     ``tls_cert_file``, ``tls_key_file``, ``tls_server_name``; a bearer token: ``token`` or
@@ -117,10 +121,12 @@ class _Client:
         model: str = "default",
         max_sequences_per_rpc: int = DEFAULT_MAX_SEQUENCES_PER_RPC,
         max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
+        share_prompts: bool = True,
         channel: Any = None,
         **connection: Any,
     ) -> None:
         self.model = model
+        self.share_prompts = share_prompts
         self.timeout = timeout
         self.rpc_limits = RpcLimits(max_sequences_per_rpc, max_tokens_per_rpc)
         self.connection = Connection(**connection)
@@ -162,9 +168,11 @@ class _Client:
                 calls.append((prepared, []))
                 continue
             seqs = prepared.sequences
-            shared = [len(p) if i and np.array_equal(p, seqs[i - 1][0]) else 0 for i, (p, _) in enumerate(seqs)]
+            shared = [
+                len(p) if self.share_prompts and repeat else 0 for (p, _), repeat in zip(seqs, repeats_prompt(seqs))
+            ]
             parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits, shared)
-            calls.append((prepared, [score_request(seqs[part], options) for part in parts]))
+            calls.append((prepared, [score_request(seqs[part], options, groups=self.share_prompts) for part in parts]))
         return _Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions)
 
     def prepare_one(self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords) -> _Scoring:
@@ -209,6 +217,15 @@ class LogprobClient(_Client):
         out (see ``logprob_client.inputs``). Keywords: ``ScoreKeywords``.
         """
         return self.score_async(prompt_ids, completion_ids, **keywords).result()
+
+    def score_groups(
+        self, prompt_ids: Sequence[Any], completion_ids: Sequence[Sequence[Any]], **keywords: Unpack[ScoreKeywords]
+    ) -> Any:
+        """Log-probs of GRPO groups: ``completion_ids[g]`` holds the completions of ``prompt_ids[g]``;
+        the answer is one list of float32 arrays per group (with ``return_entropy``, a pair of such).
+        Each prompt is sent, and run, once for its whole group. Keywords: ``ScoreKeywords``."""
+        prompts, completions, sizes = flatten_groups(prompt_ids, completion_ids)
+        return regroup(self.score(prompts, completions, **keywords), sizes)
 
     def score_async(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> ScoreFuture:
         """``score`` without waiting: the RPCs are sent before this returns, and ``.result()``
@@ -306,6 +323,13 @@ class AsyncLogprobClient(_Client):
                 call.cancel()
             raise error_from_rpc(err) from None
         return scoring.result(responses)
+
+    async def score_groups(
+        self, prompt_ids: Sequence[Any], completion_ids: Sequence[Sequence[Any]], **keywords: Unpack[ScoreKeywords]
+    ) -> Any:
+        """See ``LogprobClient.score_groups``."""
+        prompts, completions, sizes = flatten_groups(prompt_ids, completion_ids)
+        return regroup(await self.score(prompts, completions, **keywords), sizes)
 
     async def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
         """See ``LogprobClient.score_many``."""

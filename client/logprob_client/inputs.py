@@ -1,6 +1,6 @@
 """Input layouts the client accepts, and putting the scores back into the same layout.
 
-Two layouts:
+Two layouts (and groups, ``flatten_groups``):
 
 * lists: ``prompt_ids`` and ``completion_ids`` are sequences of token-id sequences (lists or
   1-D arrays). Result: a list of float32 numpy arrays, one per completion.
@@ -14,6 +14,7 @@ Two layouts:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,3 +107,21 @@ def assemble(prepared: Prepared, per_sequence: Sequence[np.ndarray]) -> Any:
     import torch
 
     return torch.from_numpy(out).to(prepared.like.device)
+
+
+def flatten_groups(prompt_ids: Sequence[Any], completion_ids: Sequence[Sequence[Any]]) -> tuple[list, list, list[int]]:
+    """GRPO groups (``completion_ids[g]``: the completions of ``prompt_ids[g]``) as the lists layout,
+    each prompt repeated before its completions, and the groups' sizes."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} groups of completions")
+    prompts = [p for p, group in zip(prompt_ids, completion_ids) for _ in group]
+    completions = [c for group in completion_ids for c in group]
+    return prompts, completions, [len(group) for group in completion_ids]
+
+
+def regroup(flat: Any, sizes: Sequence[int]) -> Any:
+    """Per-sequence results (a list, or a (logprobs, entropies) pair of lists) cut back into groups."""
+    if isinstance(flat, tuple):
+        return tuple(regroup(part, sizes) for part in flat)
+    bounds = np.cumsum([0, *sizes])
+    return [flat[start:end] for start, end in itertools.pairwise(bounds)]

@@ -80,15 +80,32 @@ class Options:
     min_version: int
 
 
-def score_request(sequences: Sequence[tuple[np.ndarray, np.ndarray]], options: Options) -> pb.ScoreRequest:
-    return pb.ScoreRequest(
+def repeats_prompt(sequences: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[bool]:
+    """Whether each sequence has the same prompt as the one before it (TRL's layout of GRPO groups)."""
+    return [i > 0 and np.array_equal(prompt, sequences[i - 1][0]) for i, (prompt, _) in enumerate(sequences)]
+
+
+def score_request(
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]], options: Options, *, groups: bool = True
+) -> pb.ScoreRequest:
+    """A request carrying ``sequences``: with ``groups``, as ``SequenceGroup``s, each run of
+    consecutive sequences with one prompt one group (a lone sequence, a group of one), so a prompt
+    crosses the wire once and the answers come back in the sequences' order; else each whole."""
+    request = pb.ScoreRequest(
         request_id=str(uuid.uuid4()),
         model=options.model,
         temperature=options.temperature,
         return_entropy=options.return_entropy,
         min_version=options.min_version,
-        sequences=[pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences],
     )
+    if not groups:
+        request.sequences.extend(pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences)
+        return request
+    for (prompt, completion), repeat in zip(sequences, repeats_prompt(sequences)):
+        if not (request.groups and repeat):
+            request.groups.add(prompt_ids=prompt.tolist())
+        request.groups[-1].completions.add(completion_ids=completion.tolist())
+    return request
 
 
 def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool) -> Any:

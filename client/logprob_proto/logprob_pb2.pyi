@@ -14,21 +14,37 @@ class Sequence(_message.Message):
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class SequenceGroup(_message.Message):
+    __slots__ = ("prompt_ids", "completions")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("completion_ids",)
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    completion_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, completion_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "model", "sequences", "temperature", "return_entropy", "min_version")
+    __slots__ = ("request_id", "model", "sequences", "groups", "temperature", "return_entropy", "min_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
+    groups: _containers.RepeatedCompositeFieldContainer[SequenceGroup]
     temperature: float
     return_entropy: bool
     min_version: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ..., min_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[SequenceGroup, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ..., min_version: _Optional[int] = ...) -> None: ...
 
 class SequenceScores(_message.Message):
     __slots__ = ("logprobs", "entropies")

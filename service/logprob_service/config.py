@@ -150,14 +150,21 @@ class Settings(BaseSettings):
     )
 
     # Limits and overload.
-    max_sequences_per_request: int = Field(4096, ge=1, description="Most sequences in one ScoreRequest.")
+    max_sequences_per_request: int = Field(
+        4096, ge=1, description="Most sequences in one ScoreRequest (a group's completions each count)."
+    )
     max_tokens_per_request: int = Field(
-        1_048_576, ge=1, description="Most prompt + completion tokens, summed over one ScoreRequest."
+        1_048_576,
+        ge=1,
+        description="Most tokens in one ScoreRequest: each distinct prompt once, plus every completion.",
     )
     max_queued_tokens: int = Field(
         4_194_304,
         ge=1,
-        description="Tokens admitted but not yet scored; beyond it requests get RESOURCE_EXHAUSTED.",
+        description=(
+            "Tokens (counted as for max_tokens_per_request) admitted but not yet scored; beyond it requests get "
+            "RESOURCE_EXHAUSTED."
+        ),
     )
     max_connection_age_s: float = Field(
         300.0,

@@ -41,17 +41,32 @@ def prompt_groups(sequences: Sequence[TokenSequence]) -> list[list[int]]:
     return list(groups.values())
 
 
+def prompt_once_costs(sequences: Sequence[TokenSequence]) -> list[int]:
+    """Each sequence's share of the tokens ``sequences`` run together with shared prompts
+    (``worker.packing``): its completion, plus its prompt where it is the first with that prompt.
+    They sum to ``tokens_run(sequences)`` however the sequences are later cut into micro-batches,
+    so what is counted in for a request can be counted out sequence by sequence."""
+    seen: set[bytes] = set()
+    costs = []
+    for seq in sequences:
+        costs.append(len(seq.completion_ids) + (0 if seq.prompt_key in seen else len(seq.prompt_ids)))
+        seen.add(seq.prompt_key)
+    return costs
+
+
 def tokens_run(sequences: Sequence[TokenSequence]) -> int:
     """Tokens a micro-batch of ``sequences`` runs, each distinct prompt once (``worker.packing``)."""
-    return sum(
-        len(sequences[group[0]].prompt_ids) + sum(len(sequences[i].completion_ids) for i in group)
-        for group in prompt_groups(sequences)
-    )
+    return sum(prompt_once_costs(sequences))
 
 
 @dataclass(frozen=True)
 class ScoreJob:
-    """One ScoreTokens request, validated against its model."""
+    """One ScoreTokens request, validated against its model.
+
+    ``sequences`` holds the request's own sequences, then each of its groups' completions (one
+    sequence each, with the group's prompt), group by group; ``group_sizes`` says how many
+    completions each group has, so errors can name them as the request did.
+    """
 
     request_id: str
     model: str
@@ -61,10 +76,22 @@ class ScoreJob:
     deadline: float | None = None  # time.monotonic() after which the work is useless
     min_version: int = 0  # score only with weights of at least this version
     client: str = ""  # who asked (identity.py): the fair share counts queued tokens per client
+    group_sizes: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + completion tokens of every sequence: the tokens it scores for its caller."""
         return sum(s.num_tokens for s in self.sequences)
+
+    @cached_property
+    def sequence_costs(self) -> list[int]:
+        """What each sequence counts for against the request and queue limits (``prompt_once_costs``)."""
+        return prompt_once_costs(self.sequences)
+
+    @property
+    def cost(self) -> int:
+        """Tokens the request counts for: each distinct prompt once, plus every completion."""
+        return sum(self.sequence_costs)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from logprob_service.config import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATC
 from logprob_service.domain import ScoreJob, SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
+from logprob_service.engine.validation import RequestLimits, validate_job
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import ServedModel, serve_model
 from logprob_service.ops.dispatch import LogprobOp
@@ -88,7 +89,9 @@ class OfflineScorer:
     def score(
         self, sequences: Sequence[TokenSequence], *, temperature: float = 1.0, return_entropy: bool = False
     ) -> list[SequenceScores]:
-        """Log-probs (and entropies) of every completion token, one ``SequenceScores`` per sequence, in order."""
+        """Log-probs (and entropies) of every completion token, one ``SequenceScores`` per sequence, in
+        order. Sequences are checked as the server checks a request (``InvalidArgument`` naming the
+        sequence), without its per-request limits."""
         job = ScoreJob(
             request_id=f"offline-{uuid.uuid4()}",
             model=self.served.info.name,
@@ -96,6 +99,7 @@ class OfflineScorer:
             temperature=temperature,
             return_entropy=return_entropy,
         )
+        validate_job(job, self.served.info, RequestLimits(UNLIMITED, UNLIMITED))
         return self._run(self._scheduler.submit(job)).scores
 
     def close(self) -> None:

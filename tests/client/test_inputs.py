@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from logprob_client.inputs import assemble, prepare
+from logprob_client.inputs import assemble, flatten_groups, prepare, regroup
 
 
 def test_lists_round_trip():
@@ -47,3 +47,37 @@ def test_dense_torch_in_torch_out_on_the_same_device():
 def test_bad_layouts_are_value_errors(args, match):
     with pytest.raises(ValueError, match=match):
         prepare(*args)
+
+
+def test_groups_flatten_prompt_before_each_completion_and_regroup():
+    prompts, completions, sizes = flatten_groups([[1, 2], [3]], [[[4], [5, 6]], []])
+    assert (prompts, completions, sizes) == ([[1, 2], [1, 2]], [[4], [5, 6]], [2, 0])
+    assert regroup(["a", "b"], sizes) == [["a", "b"], []]
+    assert regroup((["a", "b"], ["x", "y"]), sizes) == ([["a", "b"], []], [["x", "y"], []])
+    with pytest.raises(ValueError, match="2 prompts but 3 groups"):
+        flatten_groups([[1], [2]], [[[3]], [[4]], [[5]]])
+
+
+def test_the_wire_groups_consecutive_equal_prompts_only():
+    from logprob_client.wire import Options, score_request
+
+    a, b = np.array([1, 2, 3]), np.array([4])
+    seqs = [(a, np.array([5])), (a.copy(), np.array([6, 7])), (b, np.array([8])), (a.copy(), np.array([9]))]
+    request = score_request(seqs, Options("m", 1.0, False, 0))
+    assert not request.sequences
+    assert [(list(g.prompt_ids), [list(c.completion_ids) for c in g.completions]) for g in request.groups] == [
+        ([1, 2, 3], [[5], [6, 7]]),
+        ([4], [[8]]),
+        ([1, 2, 3], [[9]]),  # not consecutive: its own group (the server still runs the prompt once)
+    ]
+
+
+def test_a_client_not_sharing_prompts_sends_every_sequence_whole():
+    """``share_prompts=False`` (for servers older than groups): v1 requests, as before."""
+    from logprob_client import LogprobClient
+
+    with LogprobClient("127.0.0.1:1", share_prompts=False, max_tokens_per_rpc=7) as client:
+        scoring = client.prepare_one([[1, 2, 3]] * 3, [[4], [5], [6]], {})
+    # The shared prompt is not counted once: 4 + 4 > 7 tokens, so one sequence an RPC.
+    assert [[list(s.prompt_ids) for s in r.sequences] for r in scoring.requests] == [[[1, 2, 3]]] * 3
+    assert not any(r.groups for r in scoring.requests)

@@ -16,7 +16,7 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.server import server_options
 from logprob_service.config import Settings
 
-from tests.helpers.fake_server import serving
+from tests.helpers.fake_server import sequences_of, serving
 
 
 class Replica(pb_grpc.LogprobServiceServicer):
@@ -34,7 +34,7 @@ class Replica(pb_grpc.LogprobServiceServicer):
         self.peers.add(context.peer())
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
-        scores = [pb.SequenceScores(logprobs=[float(t) for t in s.prompt_ids]) for s in request.sequences]
+        scores = [pb.SequenceScores(logprobs=[float(t) for t in s.prompt_ids]) for s in sequences_of(request)]
         return pb.ScoreResponse(request_id=request.request_id, scores=scores)
 
 

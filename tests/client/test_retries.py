@@ -20,7 +20,7 @@ from logprob_client import (
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from tests.helpers.fake_server import serving
+from tests.helpers.fake_server import sequences_of, serving
 
 
 class Flaky(pb_grpc.LogprobServiceServicer):
@@ -93,7 +93,7 @@ class BreakingStream(pb_grpc.LogprobServiceServicer):
             else:
                 yield pb.ScoreResponse(
                     request_id=request.request_id,
-                    scores=[pb.SequenceScores(logprobs=expected(s.completion_ids)) for s in request.sequences],
+                    scores=[pb.SequenceScores(logprobs=expected(s.completion_ids)) for s in sequences_of(request)],
                 )
 
 

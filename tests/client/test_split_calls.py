@@ -17,7 +17,7 @@ from logprob_client import AsyncLogprobClient, Cancelled, InvalidRequest, Logpro
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from tests.helpers.fake_server import serving
+from tests.helpers.fake_server import sequences_of, serving
 
 BAD_TOKEN = 999_999  # the servicer refuses a request holding it
 ARRIVAL_TIMEOUT_S = 10.0
@@ -39,13 +39,13 @@ class Scripted(pb_grpc.LogprobServiceServicer):
         await asyncio.wait_for(self.arrived.wait(), ARRIVAL_TIMEOUT_S)  # fails the call if parts came one by one
         if self.together == 0:
             await asyncio.wait_for(self.release.wait(), ARRIVAL_TIMEOUT_S)
-        if any(BAD_TOKEN in s.completion_ids for s in request.sequences):
+        if any(BAD_TOKEN in s.completion_ids for s in sequences_of(request)):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id {BAD_TOKEN} is outside the vocabulary")
         scores = [
             pb.SequenceScores(
                 logprobs=[-t / 1000 for t in s.completion_ids], entropies=[t / 1000 for t in s.completion_ids]
             )
-            for s in request.sequences
+            for s in sequences_of(request)
         ]
         return pb.ScoreResponse(request_id=request.request_id, scores=scores)
 
@@ -85,7 +85,7 @@ async def test_dense_call_is_split_sent_together_and_reassembled(which, rng):
             return_entropy=True,
             max_sequences_per_rpc=2,
         )
-    assert [len(r.sequences) for r in servicer.requests] == [2, 2, 2]
+    assert [len(sequences_of(r)) for r in servicer.requests] == [2, 2, 2]
     expected = np.where(completion_mask == 1, -completion_ids / 1000, 0.0)
     np.testing.assert_allclose(logprobs.numpy(), expected, rtol=1e-6, atol=0)
     np.testing.assert_allclose(entropies.numpy(), -expected, rtol=1e-6, atol=0)
@@ -94,7 +94,7 @@ async def test_dense_call_is_split_sent_together_and_reassembled(which, rng):
     expected_sent = [
         (prompt_ids[b][prompt_mask[b] == 1].tolist(), completion_ids[b][completion_mask[b] == 1].tolist()) for b in rows
     ]
-    parts = [[(list(s.prompt_ids), list(s.completion_ids)) for s in r.sequences] for r in servicer.requests]
+    parts = [[(list(s.prompt_ids), list(s.completion_ids)) for s in sequences_of(r)] for r in servicer.requests]
     parts.sort(key=lambda part: expected_sent.index(part[0]))
     assert [seq for part in parts for seq in part] == expected_sent
 

@@ -82,7 +82,7 @@ def test_dashboard_is_well_formed_for_grafana():
     titles = {p["title"] for p in panels(board)}
     # What the issue asks the dashboard to show.
     assert {"Tokens scored / s", "Request latency", "Queued tokens", "Batch fill", "GPU memory"} <= titles
-    assert {"Failed requests / s by status"} <= titles
+    assert {"Failed requests / s by status", "Prompt sharing"} <= titles
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_a_prometheus_source():

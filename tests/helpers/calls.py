@@ -17,12 +17,17 @@ from tests.helpers.models import as_sequences, assert_scores_close
 from tests.helpers.waiting import TIMEOUT_S
 
 
-def request(*seqs, model="", temperature=0.0, request_id="") -> pb.ScoreRequest:
+def request(*seqs, groups=(), model="", temperature=0.0, request_id="") -> pb.ScoreRequest:
+    """``seqs``: (prompt, completion) pairs; ``groups``: (prompt, [completion, ...]) pairs."""
     return pb.ScoreRequest(
         request_id=request_id,
         model=model,
         temperature=temperature,
         sequences=[pb.Sequence(prompt_ids=p, completion_ids=c) for p, c in seqs],
+        groups=[
+            pb.SequenceGroup(prompt_ids=p, completions=[pb.Completion(completion_ids=c) for c in cs])
+            for p, cs in groups
+        ],
     )
 
 

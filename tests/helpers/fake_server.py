@@ -6,7 +6,17 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
+
+
+def sequences_of(request: pb.ScoreRequest) -> list[pb.Sequence]:
+    """A request's sequences as the server scores them: its own, then each group's completions."""
+    return list(request.sequences) + [
+        pb.Sequence(prompt_ids=g.prompt_ids, completion_ids=c.completion_ids)
+        for g in request.groups
+        for c in g.completions
+    ]
 
 
 @contextlib.asynccontextmanager

@@ -27,7 +27,10 @@ from tests.helpers.server import start, stop, test_settings
         ((OK, OK, ([3], [])), ["sequences[2].completion_ids", "empty"]),
         ((), ["sequences", "no sequences"]),
         ((OK,) * 17, ["17 sequences", "limit of 16"]),
-        ((([1] * 200, [2] * 50),) * 15 + (([1] * 700, [2] * 1),), ["4451 tokens", "limit of 4000"]),
+        (
+            (*(([i + 1] * 200, [2] * 50) for i in range(15)), ([1] * 700, [2] * 1)),
+            ["4451 tokens", "limit of 4000"],
+        ),
     ],
     ids=[
         "id-too-large",
@@ -41,6 +44,47 @@ from tests.helpers.server import start, stop, test_settings
 )
 async def test_invalid_sequences(running, seqs, fragments):
     await expect(running.target, request(*seqs), grpc.StatusCode.INVALID_ARGUMENT, *fragments)
+
+
+GROUP = ([1, 2, 3], [[4, 5], [6]])
+
+
+@pytest.mark.parametrize(
+    "seqs,groups,fragments",
+    [
+        (
+            (OK,),
+            (GROUP, ([1, 2], [[3], [4, 4096]])),
+            ["groups[1].completions[1].completion_ids[1]", "4096", "[0, 4096)"],
+        ),
+        ((), (GROUP, ([1, -2], [[3]])), ["groups[1].prompt_ids[1]", "-2"]),
+        ((), (([], [[3]]),), ["groups[0].prompt_ids", "empty"]),
+        ((OK,), (GROUP, ([1], [[3], []])), ["groups[1].completions[1].completion_ids", "empty"]),
+        ((), (GROUP, ([1], [])), ["groups[1].completions", "at least 1 completion"]),
+        ((OK,) * 10, (([1], [[2]] * 7),), ["17 sequences", "limit of 16"]),
+        # 2000 prompt once + 2001 completion tokens; sent as sequences, the distinct prompts count once too.
+        ((), (([1] * 2000, [[2] * 667] * 3),), ["4001 tokens", "limit of 4000"]),
+    ],
+    ids=[
+        "id-too-large",
+        "prompt-id-negative",
+        "empty-prompt",
+        "empty-completion",
+        "no-completions",
+        "too-many-seqs",
+        "too-many-tokens",
+    ],
+)
+async def test_invalid_groups_name_the_group_and_completion(running, seqs, groups, fragments):
+    await expect(running.target, request(*seqs, groups=groups), grpc.StatusCode.INVALID_ARGUMENT, *fragments)
+
+
+async def test_request_tokens_count_each_distinct_prompt_once(running):
+    """15 sequences of one 250-token prompt are 15 * 250 = 3750 tokens whole, but 250 + 14 * 10 = 390
+    as the server runs them: within the limit of 4000 however they are sent."""
+    prompt, completion = [7] * 250, [2] * 10
+    for req in (request(*[(prompt, completion)] * 15), request(groups=[(prompt, [completion] * 15)])):
+        assert len((await call(running.target, req)).scores) == 15
 
 
 async def test_sequence_longer_than_model_positions(running):
@@ -71,19 +115,20 @@ async def test_client_raises_typed_invalid_request_with_server_message(running):
     with LogprobClient(running.target) as client, pytest.raises(InvalidRequest) as info:
         await asyncio.to_thread(client.score, [[1, 2]], [[5000]])
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sequences[0].completion_ids[0]: token id 5000" in info.value.message
+    assert "groups[0].completions[0].completion_ids[0]: token id 5000" in info.value.message
 
 
 async def test_queue_full_is_resource_exhausted_with_retry_hint(gemma_checkpoint):
     running = await start(test_settings(gemma_checkpoint, max_queued_tokens=4000))
     gate = Gate(running)
     try:
-        big = ([1] * 100, [2] * 100)
-        blocker = asyncio.create_task(call(running.target, request(*[big] * 16)))  # 3200 tokens queued
+        # Distinct prompts: a prompt several sequences share counts once.
+        big = [([i + 1] * 100, [2] * 100) for i in range(16)]
+        blocker = asyncio.create_task(call(running.target, request(*big)))  # 3200 tokens queued
         await gate.wait_entered()
         err = await expect(
             running.target,
-            request(*[big] * 5),  # 1000 more would pass 4000
+            request(*big[:5]),  # 1000 more would pass 4000
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "3200 tokens",
             "max_queued_tokens=4000",
@@ -93,7 +138,7 @@ async def test_queue_full_is_resource_exhausted_with_retry_hint(gemma_checkpoint
         assert int(pushback) > 0
         # The client retries (honouring the hint) and then raises its typed error.
         with LogprobClient(running.target, max_attempts=2, timeout=10) as client, pytest.raises(Overloaded):
-            await asyncio.to_thread(client.score, [big[0]] * 5, [big[1]] * 5)
+            await asyncio.to_thread(client.score, *zip(*big[:5], strict=True))
         gate.release.set()
         assert len((await blocker).scores) == 16  # the admitted request is unharmed
     finally:

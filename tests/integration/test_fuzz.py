@@ -1,7 +1,7 @@
 """Fuzzing a live server with hypothesis: malformed requests get documented statuses, nothing crashes
 or leaks, and a correct request afterwards scores correctly.
 
-Requests come four ways: structured (random field values, lengths, ids, models, temperatures),
+Requests come four ways: structured (random field values, lengths, ids, groups, models, temperatures),
 random bytes, protobuf wire data with random field numbers and wire types (the wrong type for a
 known field), and streams mixing requests with undecodable messages. Huge and empty messages are
 sent as explicit cases. The server runs on the test's event loop; hypothesis drives it from a
@@ -25,6 +25,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.engine.validation import MIN_TEMPERATURE
 
 from tests.helpers.calls import assert_matches_reference, random_batch
+from tests.helpers.fake_server import sequences_of
 from tests.helpers.server import start, stop, test_settings
 
 MAX_MESSAGE_BYTES = 4 * 1024**2
@@ -89,6 +90,14 @@ def _requests(ids, models, temperatures, max_sequences: int) -> st.SearchStrateg
         request_id=st.text(max_size=40),
         model=models,
         sequences=st.lists(st.builds(pb.Sequence, prompt_ids=ids, completion_ids=ids), max_size=max_sequences),
+        groups=st.lists(
+            st.builds(
+                pb.SequenceGroup,
+                prompt_ids=ids,
+                completions=st.lists(st.builds(pb.Completion, completion_ids=ids), max_size=max_sequences // 4),
+            ),
+            max_size=3,
+        ),
         temperature=temperatures,
         return_entropy=st.booleans(),
     )
@@ -153,9 +162,10 @@ def problems(request: pb.ScoreRequest, vocab: dict[str, int], max_positions: dic
     t = request.temperature
     if t != 0 and not (math.isfinite(t) and t >= MIN_TEMPERATURE):
         found.add(grpc.StatusCode.INVALID_ARGUMENT)
-    seqs = request.sequences
-    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
-    if not seqs or len(seqs) > 16 or tokens > 4000:
+    seqs = sequences_of(request)
+    distinct_prompts = {tuple(s.prompt_ids) for s in seqs}  # counted once, with every completion
+    tokens = sum(map(len, distinct_prompts)) + sum(len(s.completion_ids) for s in seqs)
+    if not seqs or len(seqs) > 16 or tokens > 4000 or any(not g.completions for g in request.groups):
         found.add(grpc.StatusCode.INVALID_ARGUMENT)
     for s in seqs:
         ids = [*s.prompt_ids, *s.completion_ids]
@@ -168,8 +178,9 @@ def problems(request: pb.ScoreRequest, vocab: dict[str, int], max_positions: dic
 
 def check_scored(request: pb.ScoreRequest, response: pb.ScoreResponse) -> None:
     assert request.request_id == "" or response.request_id == request.request_id
-    assert len(response.scores) == len(request.sequences)
-    for seq, scores in zip(request.sequences, response.scores, strict=True):
+    seqs = sequences_of(request)
+    assert len(response.scores) == len(seqs)
+    for seq, scores in zip(seqs, response.scores, strict=True):
         logprobs = np.asarray(scores.logprobs)
         assert logprobs.shape == (len(seq.completion_ids),)
         assert np.isfinite(logprobs).all() and (logprobs <= 1e-6).all(), logprobs
@@ -204,7 +215,7 @@ async def test_structured_requests_get_the_documented_status(fuzzed):
         if code == grpc.StatusCode.OK:
             check_scored(request, pb.ScoreResponse.FromString(answer))
         else:  # the message says what is wrong: a field, or the model
-            assert any(word in answer for word in ("sequences", "temperature", "model")), answer
+            assert any(word in answer for word in ("sequences", "groups", "temperature", "model")), answer
 
     def run() -> None:
         with grpc.insecure_channel(fuzzed.target) as channel:

@@ -139,12 +139,12 @@ async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_c
     gate = Gate(running)
     refused_before = value("logprob_requests_total", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
     try:
-        big = ([1] * 100, [2] * 100)
-        blocker = asyncio.create_task(call(running.target, request(*[big] * 16)))  # 3200 tokens
+        big = [([i + 1] * 100, [2] * 100) for i in range(16)]  # distinct prompts: each counts
+        blocker = asyncio.create_task(call(running.target, request(*big)))  # 3200 tokens
         await gate.wait_entered()
         assert value("logprob_queue_requests", model="default") == 1
         assert value("logprob_queue_tokens", model="default") == 3200
-        await expect(running.target, request(*[big] * 5), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        await expect(running.target, request(*big[:5]), grpc.StatusCode.RESOURCE_EXHAUSTED)
         assert value("logprob_queue_requests", model="default") == 1  # the refused one never entered
         assert value("logprob_queue_tokens", model="default") == 3200
         gate.release.set()

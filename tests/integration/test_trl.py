@@ -26,6 +26,7 @@ from logprob_client.integrations.trl import RemoteReference, RemoteReferenceGRPO
 from logprob_service.models.builtin import build_builtin, tiny_llama_tokenizer
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.helpers.metrics import value
 from tests.helpers.models import ScoreReference, as_sequences
 from tests.helpers.server import start, stop, test_settings
 
@@ -147,8 +148,10 @@ def train(trainer_cls: type[GRPOTrainer], policy_dir: Path, output_dir: Path, **
 async def test_remote_reference_matches_in_process_reference(gemma_checkpoint, policy_dir, tmp_path):
     local = await asyncio.to_thread(train, GRPOTrainer, policy_dir, tmp_path / "local")
     running = await start(test_settings(gemma_checkpoint, models={"default": "builtin:tiny-llama"}))
+    shared_before = value("logprob_prompt_tokens_shared_total", model="default")
     try:
-        # 3 rows per RPC: each step's reference scoring goes as several RPCs in flight.
+        # 3 rows per RPC: each step's reference scoring goes as several RPCs in flight, and a group
+        # of 4 completions is cut (its prompt then sent, and run, once per part).
         with LogprobClient(running.target, max_sequences_per_rpc=3) as client:
             remote = await asyncio.to_thread(
                 train,
@@ -161,6 +164,8 @@ async def test_remote_reference_matches_in_process_reference(gemma_checkpoint, p
         await stop(running)
 
     assert local.models_loaded == 2 and remote.models_loaded == 1  # the remote run loaded only the policy
+    # TRL lays a prompt's 4 completions out in consecutive rows: the client sent them as groups.
+    assert value("logprob_prompt_tokens_shared_total", model="default") > shared_before
     assert not isinstance(remote.trainer.ref_model, torch.nn.Module) and remote.trainer.beta == 0.1
     assert len(local.ref_logps) == len(remote.ref_logps) == STEPS
     assert len(local.losses) == len(remote.losses) == STEPS

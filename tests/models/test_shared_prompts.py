@@ -77,3 +77,18 @@ def test_groups_split_across_micro_batches_and_alone_score_exactly(share, rng, s
     if share:
         assert sum(launched) < sum(s.num_tokens for s in seqs)
     ScoreReference(model, seqs).check([s.logprobs for s in out], [s.entropies for s in out])
+
+
+def test_empty_prompts_are_refused_not_shared(rng, seed):
+    """An empty prompt leaves the first completion token nothing to be scored from: two of them
+    must not form a group (of a zero-token prompt) but be refused, naming the sequence."""
+    from logprob_service.errors import InvalidArgument
+
+    seqs = [TokenSequence(rng.integers(0, VOCAB, 4), rng.integers(0, VOCAB, 3))]
+    seqs += [TokenSequence(np.zeros(0, dtype=np.int64), rng.integers(0, VOCAB, 3)) for _ in range(2)]
+    with OfflineScorer(
+        make_model("llama", tied=False, seed=seed), options=ScoringOptions(compile_layers="off")
+    ) as offline:
+        with pytest.raises(InvalidArgument, match=r"sequences\[1\]\.prompt_ids: is empty"):
+            offline.score(seqs)
+        assert offline.score(seqs[:1])[0].logprobs.shape == (3,)

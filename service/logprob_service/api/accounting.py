@@ -60,12 +60,8 @@ def record(
     if client := current_client():
         fields["client"] = client
     if scoring is not None:
-        fields |= {
-            "request_id": scoring.request_id,
-            "model": model,
-            "sequences": len(scoring.sequences),
-            "tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in scoring.sequences),
-        }
+        sequences, tokens = wire.request_size(scoring)
+        fields |= {"request_id": scoring.request_id, "model": model, "sequences": sequences, "tokens": tokens}
     if isinstance(response, pb.UpdateWeightsResponse):
         fields |= {"model": model, "version": response.version, "tensors": response.tensors, "bytes": response.bytes}
     if isinstance(response, pb.ScoreResponse) and response.HasField("metadata"):

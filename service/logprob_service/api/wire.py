@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import numpy as np
 from logprob_proto import logprob_pb2 as pb
@@ -26,22 +26,37 @@ def ensure_request_id(request: pb.ScoreRequest) -> None:
     request.request_id = request.request_id or str(uuid.uuid4())
 
 
+def _ids(ids: Iterable[int]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64)
+
+
+def request_size(request: pb.ScoreRequest) -> tuple[int, int]:
+    """Sequences and prompt + completion tokens of a request (a group's prompt once per completion),
+    for its log line, read from the message without converting it."""
+    sequences = len(request.sequences) + sum(len(g.completions) for g in request.groups)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in request.sequences) + sum(
+        len(g.completions) * len(g.prompt_ids) + sum(len(c.completion_ids) for c in g.completions)
+        for g in request.groups
+    )
+    return sequences, tokens
+
+
 def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: str) -> ScoreJob:
+    """The request's sequences, then each group's completions as sequences sharing one prompt array."""
+    sequences = [TokenSequence(_ids(seq.prompt_ids), _ids(seq.completion_ids)) for seq in request.sequences]
+    for group in request.groups:
+        prompt = _ids(group.prompt_ids)
+        sequences += [TokenSequence(prompt, _ids(c.completion_ids)) for c in group.completions]
     return ScoreJob(
         request_id=request.request_id,
         model=model_name(request),
-        sequences=[
-            TokenSequence(
-                prompt_ids=np.asarray(seq.prompt_ids, dtype=np.int64),
-                completion_ids=np.asarray(seq.completion_ids, dtype=np.int64),
-            )
-            for seq in request.sequences
-        ],
+        sequences=sequences,
         temperature=validate_temperature(request.temperature),
         return_entropy=request.return_entropy,
         deadline=deadline,
         min_version=validate_version("min_version", request.min_version),
         client=client,
+        group_sizes=tuple(len(group.completions) for group in request.groups),
     )
 
 

@@ -1,6 +1,7 @@
 """Admission control: the queue's token budget, each client's fair share, and retry hints.
 
-Every request's tokens count from admission until they are scored or dropped. The queue holds
+Every request's tokens (``ScoreJob.cost``: each distinct prompt once, plus every completion) count
+from admission until they are scored or dropped. The queue holds
 at most ``max_queued_tokens``, and each client identity (``api.security.caller``) at most
 ``max_queued_tokens_per_client``, so one trainer cannot fill the queue and starve the others.
 Past either limit a request is refused at once (``Overloaded``, RESOURCE_EXHAUSTED at the edge)
@@ -32,7 +33,7 @@ class Admission:
 
     def admit(self, job: ScoreJob) -> None:
         """Count ``job``'s tokens as queued, or raise ``Overloaded`` naming the limit it would pass."""
-        tokens = job.num_tokens
+        tokens = job.cost
         if self.queued_tokens + tokens > self.max_queued_tokens:
             raise Overloaded(
                 f"server queue holds {self.queued_tokens} tokens; this request's {tokens} would pass "

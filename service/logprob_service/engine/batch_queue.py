@@ -82,8 +82,9 @@ class Unit:
 
     @property
     def admitted_tokens(self) -> int:
-        """Its sequences' prompt + completion tokens, as admission counted them (``ScoreJob.num_tokens``)."""
-        return sum(self.request.job.sequences[i].num_tokens for i in self.indices)
+        """Its sequences' share of what admission counted for the request (``ScoreJob.sequence_costs``)."""
+        costs = self.request.job.sequence_costs
+        return sum(costs[i] for i in self.indices)
 
 
 class BatchQueue:

@@ -1,8 +1,8 @@
 """Check a ScoreJob against its model and the server's limits.
 
 Every rejection raises ``InvalidArgument`` whose message names the field, the index, the bad
-value and the limit, e.g. ``sequences[3].completion_ids[7]: token id 50321 is outside
-[0, 32000) of model 'default'``.
+value and the limit as the request named them, e.g. ``sequences[3].completion_ids[7]: token id
+50321 is outside [0, 32000) of model 'default'`` or ``groups[1].completions[5].completion_ids[0]: ...``.
 """
 
 from __future__ import annotations
@@ -44,32 +44,49 @@ def validate_version(field: str, version: int) -> int:
     return version
 
 
+def _names(job: ScoreJob) -> list[tuple[str, str | None]]:
+    """For each of ``job.sequences``, how the request named it and its prompt's field, the latter
+    None where an earlier sequence of the same group already had the prompt checked."""
+    plain = len(job.sequences) - sum(job.group_sizes)
+    names: list[tuple[str, str | None]] = [(f"sequences[{i}]", f"sequences[{i}].prompt_ids") for i in range(plain)]
+    for g, size in enumerate(job.group_sizes):
+        names += [(f"groups[{g}].completions[{c}]", None if c else f"groups[{g}].prompt_ids") for c in range(size)]
+    return names
+
+
+def _check_ids(field: str, ids: np.ndarray, info: ModelInfo) -> None:
+    if len(ids) == 0:
+        raise InvalidArgument(f"{field}: is empty; at least 1 token is required")
+    bad = np.flatnonzero((ids < 0) | (ids >= info.vocab_size))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidArgument(
+            f"{field}[{j}]: token id {int(ids[j])} is outside [0, {info.vocab_size}) of model {info.name!r}"
+        )
+
+
 def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> None:
+    for g, size in enumerate(job.group_sizes):
+        if size == 0:
+            raise InvalidArgument(f"groups[{g}].completions: the group has none; at least 1 completion is required")
     if not job.sequences:
-        raise InvalidArgument("sequences: the request has no sequences; at least 1 is required")
+        raise InvalidArgument("sequences: the request has no sequences and no groups; at least 1 sequence is required")
     if len(job.sequences) > limits.max_sequences_per_request:
         raise InvalidArgument(
-            f"sequences: {len(job.sequences)} sequences exceed the limit of "
+            f"sequences: {len(job.sequences)} sequences (a group's completions each count) exceed the limit of "
             f"{limits.max_sequences_per_request} per request"
         )
-    if job.num_tokens > limits.max_tokens_per_request:
+    if job.cost > limits.max_tokens_per_request:
         raise InvalidArgument(
-            f"sequences: {job.num_tokens} tokens (prompt + completion, all sequences) exceed the limit "
+            f"sequences: {job.cost} tokens (each distinct prompt once, plus every completion) exceed the limit "
             f"of {limits.max_tokens_per_request} per request"
         )
-    for i, seq in enumerate(job.sequences):
-        for field, ids in (("prompt_ids", seq.prompt_ids), ("completion_ids", seq.completion_ids)):
-            if len(ids) == 0:
-                raise InvalidArgument(f"sequences[{i}].{field}: is empty; at least 1 token is required")
-            bad = np.flatnonzero((ids < 0) | (ids >= info.vocab_size))
-            if bad.size:
-                j = int(bad[0])
-                raise InvalidArgument(
-                    f"sequences[{i}].{field}[{j}]: token id {int(ids[j])} is outside "
-                    f"[0, {info.vocab_size}) of model {info.name!r}"
-                )
+    for seq, (name, prompt_field) in zip(job.sequences, _names(job), strict=True):
+        if prompt_field is not None:
+            _check_ids(prompt_field, seq.prompt_ids, info)
+        _check_ids(f"{name}.completion_ids", seq.completion_ids, info)
         if info.max_positions is not None and seq.num_tokens > info.max_positions:
             raise InvalidArgument(
-                f"sequences[{i}]: {len(seq.prompt_ids)} prompt + {len(seq.completion_ids)} completion = "
+                f"{name}: {len(seq.prompt_ids)} prompt + {len(seq.completion_ids)} completion = "
                 f"{seq.num_tokens} tokens exceed the {info.max_positions} positions of model {info.name!r}"
             )
