@@ -10,7 +10,8 @@ with LogprobClient("localhost:50051") as client:
 
 Every scoring call is cut into parts within ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``
 (``split.py``), sent as that many ScoreTokens RPCs at once, and reassembled in order. Consecutive
-sequences with one prompt travel as one ``SequenceGroup``: the prompt is sent once (``wire.py``).
+sequences with one prompt travel as one ``SequenceGroup``, the prompt sent once, and ids and scores
+as little-endian bytes (``wire.py``).
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ class _Client:
     calls that name none. ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``: a scoring call larger
     than either is split into several RPCs in flight together (keep them within the server's
     per-request limits). ``share_prompts``: consecutive sequences with one prompt go as one
-    ``SequenceGroup``, the prompt sent once, and are kept in one RPC (False: every sequence whole,
-    as servers older than groups need). ``connection``: the fields of ``channel.Connection`` (``max_attempts``:
+    ``SequenceGroup``, the prompt sent once, and are kept in one RPC (False: every sequence whole).
+    Ids go as int32 bytes and scores come back as float32 bytes; ``legacy_wire=True`` sends v1
+    requests instead (every sequence whole, repeated fields), for servers older than these fields
+    (2026-11-23). ``connection``: the fields of ``channel.Connection`` (``max_attempts``:
     UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential backoff up to that many tries,
     within the deadline; other failures raise at once; ``options``; TLS: ``tls``, ``tls_ca_file``,
     ``tls_cert_file``, ``tls_key_file``, ``tls_server_name``; a bearer token: ``token`` or
@@ -122,11 +125,13 @@ class _Client:
         max_sequences_per_rpc: int = DEFAULT_MAX_SEQUENCES_PER_RPC,
         max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
         share_prompts: bool = True,
+        legacy_wire: bool = False,
         channel: Any = None,
         **connection: Any,
     ) -> None:
         self.model = model
         self.share_prompts = share_prompts
+        self.legacy_wire = legacy_wire
         self.timeout = timeout
         self.rpc_limits = RpcLimits(max_sequences_per_rpc, max_tokens_per_rpc)
         self.connection = Connection(**connection)
@@ -172,7 +177,10 @@ class _Client:
                 len(p) if self.share_prompts and repeat else 0 for (p, _), repeat in zip(seqs, repeats_prompt(seqs))
             ]
             parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits, shared)
-            calls.append((prepared, [score_request(seqs[part], options, groups=self.share_prompts) for part in parts]))
+            requests = [
+                score_request(seqs[part], options, groups=self.share_prompts, legacy=self.legacy_wire) for part in parts
+            ]
+            calls.append((prepared, requests))
         return _Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions)
 
     def prepare_one(self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords) -> _Scoring:

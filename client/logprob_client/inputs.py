@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
@@ -48,6 +50,15 @@ class Prepared:
 
 
 def prepare(prompt_ids: Any, completion_ids: Any, prompt_mask: Any = None, completion_mask: Any = None) -> Prepared:
+    prepared = _prepare(prompt_ids, completion_ids, prompt_mask, completion_mask)
+    for i, (prompt, completion) in enumerate(prepared.sequences):
+        for name, ids in (("prompt", prompt), ("completion", completion)):
+            if ids.size and not (INT32_MIN <= ids.min() and ids.max() <= INT32_MAX):
+                raise ValueError(f"sequence {i}'s {name} holds ids outside int32, which the wire carries")
+    return prepared
+
+
+def _prepare(prompt_ids: Any, completion_ids: Any, prompt_mask: Any, completion_mask: Any) -> Prepared:
     if _is_dense(prompt_ids) or _is_dense(completion_ids):
         return _prepare_dense(prompt_ids, completion_ids, prompt_mask, completion_mask)
     if prompt_mask is not None or completion_mask is not None:

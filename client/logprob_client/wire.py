@@ -85,27 +85,41 @@ def repeats_prompt(sequences: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[b
     return [i > 0 and np.array_equal(prompt, sequences[i - 1][0]) for i, (prompt, _) in enumerate(sequences)]
 
 
+def _i32(ids: np.ndarray) -> bytes:
+    return ids.astype("<i4").tobytes()
+
+
 def score_request(
-    sequences: Sequence[tuple[np.ndarray, np.ndarray]], options: Options, *, groups: bool = True
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]], options: Options, *, groups: bool = True, legacy: bool = False
 ) -> pb.ScoreRequest:
-    """A request carrying ``sequences``: with ``groups``, as ``SequenceGroup``s, each run of
-    consecutive sequences with one prompt one group (a lone sequence, a group of one), so a prompt
-    crosses the wire once and the answers come back in the sequences' order; else each whole."""
+    """A request carrying ``sequences``, ids as int32 bytes and asking for float32 bytes back. With
+    ``groups``, as ``SequenceGroup``s: each run of consecutive sequences with one prompt one group
+    (a lone sequence, a group of one), so a prompt crosses the wire once; the answers come back in
+    the sequences' order. ``legacy``: a v1 request (every sequence whole, repeated fields)."""
     request = pb.ScoreRequest(
         request_id=str(uuid.uuid4()),
         model=options.model,
         temperature=options.temperature,
         return_entropy=options.return_entropy,
         min_version=options.min_version,
+        scores_f32=not legacy,
     )
-    if not groups:
+    if legacy:
         request.sequences.extend(pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences)
-        return request
-    for (prompt, completion), repeat in zip(sequences, repeats_prompt(sequences)):
-        if not (request.groups and repeat):
-            request.groups.add(prompt_ids=prompt.tolist())
-        request.groups[-1].completions.add(completion_ids=completion.tolist())
+    elif not groups:
+        request.sequences.extend(pb.Sequence(prompt_ids_i32=_i32(p), completion_ids_i32=_i32(c)) for p, c in sequences)
+    else:
+        for (prompt, completion), repeat in zip(sequences, repeats_prompt(sequences)):
+            if not (request.groups and repeat):
+                request.groups.add(prompt_ids_i32=_i32(prompt))
+            request.groups[-1].completions.add(completion_ids_i32=_i32(completion))
     return request
+
+
+def _values(scores: pb.SequenceScores, field: str) -> np.ndarray:
+    """One list of scores: from its float32 bytes, or (from a server that answers v1) the repeated field."""
+    raw = getattr(scores, f"{field}_f32")
+    return np.frombuffer(raw, dtype="<f4") if raw else np.asarray(getattr(scores, field), dtype=np.float32)
 
 
 def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool) -> Any:
@@ -118,10 +132,10 @@ def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_ent
             f"retry with min_version={versions[-1]}"
         )
     scores = [s for response in responses for s in response.scores]
-    logprobs = assemble(prepared, [np.asarray(s.logprobs, dtype=np.float32) for s in scores])
+    logprobs = assemble(prepared, [_values(s, "logprobs") for s in scores])
     if not return_entropy:
         return logprobs
-    return logprobs, assemble(prepared, [np.asarray(s.entropies, dtype=np.float32) for s in scores])
+    return logprobs, assemble(prepared, [_values(s, "entropies") for s in scores])
 
 
 def collect(

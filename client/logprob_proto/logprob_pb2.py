@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18logprob/v1/logprob.proto\x12\nlogprob.v1\"6\n\x08Sequence\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\"P\n\rSequenceGroup\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x16.logprob.v1.Completion\"$\n\nCompletion\x12\x16\n\x0e\x63ompletion_ids\x18\x01 \x03(\x05\"\xc7\x01\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\'\n\tsequences\x18\x03 \x03(\x0b\x32\x14.logprob.v1.Sequence\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.logprob.v1.SequenceGroup\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x16\n\x0ereturn_entropy\x18\x05 \x01(\x08\x12\x13\n\x0bmin_version\x18\x06 \x01(\x03\"5\n\x0eSequenceScores\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x11\n\tentropies\x18\x02 \x03(\x02\"R\n\x08Metadata\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x10\n\x08queue_ns\x18\x02 \x01(\x03\x12\x12\n\ncompute_ns\x18\x03 \x01(\x03\x12\x10\n\x08total_ns\x18\x04 \x01(\x03\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbf\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\x03\x12*\n\x06scores\x18\x04 \x03(\x0b\x32\x1a.logprob.v1.SequenceScores\x12&\n\x08metadata\x18\x05 \x01(\x0b\x32\x14.logprob.v1.Metadata\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.logprob.v1.Error\"\x13\n\x11ListModelsRequest\"m\n\x0bModelLimits\x12\x1b\n\x13max_sequence_tokens\x18\x01 \x01(\x03\x12!\n\x19max_sequences_per_request\x18\x02 \x01(\x03\x12\x1e\n\x16max_tokens_per_request\x18\x03 \x01(\x03\"\xff\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\rmax_positions\x18\x04 \x01(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\'\n\x06limits\x18\x08 \x01(\x0b\x32\x17.logprob.v1.ModelLimits\x12\x0e\n\x06source\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x12\n\nbase_model\x18\x0b \x01(\t\x12\x11\n\tattention\x18\x0c \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.logprob.v1.ModelInfo\"F\n\x13UpdateWeightsHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07partial\x18\x03 \x01(\x08\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"+\n\x13UpdateWeightsCommit\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x03\"\xaf\x01\n\x14UpdateWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.logprob.v1.UpdateWeightsHeaderH\x00\x12)\n\x06tensor\x18\x02 \x01(\x0b\x32\x17.logprob.v1.TensorChunkH\x00\x12\x31\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1f.logprob.v1.UpdateWeightsCommitH\x00\x42\x06\n\x04kind\"S\n\x12LoadWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0f\n\x07partial\x18\x04 \x01(\x08\"\xa2\x01\n\x15UpdateWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07tensors\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x11\n\tstaged_on\x18\x06 \x01(\t\x12\x10\n\x08total_ns\x18\x07 \x01(\x03\x12\x0f\n\x07swap_ns\x18\x08 \x01(\x03\x32\x99\x03\n\x0eLogprobService\x12\x42\n\x0bScoreTokens\x12\x18.logprob.v1.ScoreRequest\x1a\x19.logprob.v1.ScoreResponse\x12L\n\x11ScoreTokensStream\x12\x18.logprob.v1.ScoreRequest\x1a\x19.logprob.v1.ScoreResponse(\x01\x30\x01\x12K\n\nListModels\x12\x1d.logprob.v1.ListModelsRequest\x1a\x1e.logprob.v1.ListModelsResponse\x12V\n\rUpdateWeights\x12 .logprob.v1.UpdateWeightsRequest\x1a!.logprob.v1.UpdateWeightsResponse(\x01\x12P\n\x0bLoadWeights\x12\x1e.logprob.v1.LoadWeightsRequest\x1a!.logprob.v1.UpdateWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18logprob/v1/logprob.proto\x12\nlogprob.v1\"j\n\x08Sequence\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\x12\x16\n\x0eprompt_ids_i32\x18\x03 \x01(\x0c\x12\x1a\n\x12\x63ompletion_ids_i32\x18\x04 \x01(\x0c\"h\n\rSequenceGroup\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x16.logprob.v1.Completion\x12\x16\n\x0eprompt_ids_i32\x18\x03 \x01(\x0c\"@\n\nCompletion\x12\x16\n\x0e\x63ompletion_ids\x18\x01 \x03(\x05\x12\x1a\n\x12\x63ompletion_ids_i32\x18\x02 \x01(\x0c\"\xdb\x01\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\'\n\tsequences\x18\x03 \x03(\x0b\x32\x14.logprob.v1.Sequence\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.logprob.v1.SequenceGroup\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x16\n\x0ereturn_entropy\x18\x05 \x01(\x08\x12\x13\n\x0bmin_version\x18\x06 \x01(\x03\x12\x12\n\nscores_f32\x18\x08 \x01(\x08\"b\n\x0eSequenceScores\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x11\n\tentropies\x18\x02 \x03(\x02\x12\x14\n\x0clogprobs_f32\x18\x03 \x01(\x0c\x12\x15\n\rentropies_f32\x18\x04 \x01(\x0c\"R\n\x08Metadata\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x10\n\x08queue_ns\x18\x02 \x01(\x03\x12\x12\n\ncompute_ns\x18\x03 \x01(\x03\x12\x10\n\x08total_ns\x18\x04 \x01(\x03\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbf\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\x03\x12*\n\x06scores\x18\x04 \x03(\x0b\x32\x1a.logprob.v1.SequenceScores\x12&\n\x08metadata\x18\x05 \x01(\x0b\x32\x14.logprob.v1.Metadata\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.logprob.v1.Error\"\x13\n\x11ListModelsRequest\"m\n\x0bModelLimits\x12\x1b\n\x13max_sequence_tokens\x18\x01 \x01(\x03\x12!\n\x19max_sequences_per_request\x18\x02 \x01(\x03\x12\x1e\n\x16max_tokens_per_request\x18\x03 \x01(\x03\"\xff\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\rmax_positions\x18\x04 \x01(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\'\n\x06limits\x18\x08 \x01(\x0b\x32\x17.logprob.v1.ModelLimits\x12\x0e\n\x06source\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x12\n\nbase_model\x18\x0b \x01(\t\x12\x11\n\tattention\x18\x0c \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.logprob.v1.ModelInfo\"F\n\x13UpdateWeightsHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07partial\x18\x03 \x01(\x08\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"+\n\x13UpdateWeightsCommit\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x03\"\xaf\x01\n\x14UpdateWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.logprob.v1.UpdateWeightsHeaderH\x00\x12)\n\x06tensor\x18\x02 \x01(\x0b\x32\x17.logprob.v1.TensorChunkH\x00\x12\x31\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1f.logprob.v1.UpdateWeightsCommitH\x00\x42\x06\n\x04kind\"S\n\x12LoadWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0f\n\x07partial\x18\x04 \x01(\x08\"\xa2\x01\n\x15UpdateWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0f\n\x07tensors\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x11\n\tstaged_on\x18\x06 \x01(\t\x12\x10\n\x08total_ns\x18\x07 \x01(\x03\x12\x0f\n\x07swap_ns\x18\x08 \x01(\x03\x32\x99\x03\n\x0eLogprobService\x12\x42\n\x0bScoreTokens\x12\x18.logprob.v1.ScoreRequest\x1a\x19.logprob.v1.ScoreResponse\x12L\n\x11ScoreTokensStream\x12\x18.logprob.v1.ScoreRequest\x1a\x19.logprob.v1.ScoreResponse(\x01\x30\x01\x12K\n\nListModels\x12\x1d.logprob.v1.ListModelsRequest\x1a\x1e.logprob.v1.ListModelsResponse\x12V\n\rUpdateWeights\x12 .logprob.v1.UpdateWeightsRequest\x1a!.logprob.v1.UpdateWeightsResponse(\x01\x12P\n\x0bLoadWeights\x12\x1e.logprob.v1.LoadWeightsRequest\x1a!.logprob.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,41 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'logprob.v1.logprob_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEQUENCE']._serialized_start=40
-  _globals['_SEQUENCE']._serialized_end=94
-  _globals['_SEQUENCEGROUP']._serialized_start=96
-  _globals['_SEQUENCEGROUP']._serialized_end=176
-  _globals['_COMPLETION']._serialized_start=178
-  _globals['_COMPLETION']._serialized_end=214
-  _globals['_SCOREREQUEST']._serialized_start=217
-  _globals['_SCOREREQUEST']._serialized_end=416
-  _globals['_SEQUENCESCORES']._serialized_start=418
-  _globals['_SEQUENCESCORES']._serialized_end=471
-  _globals['_METADATA']._serialized_start=473
-  _globals['_METADATA']._serialized_end=555
-  _globals['_ERROR']._serialized_start=557
-  _globals['_ERROR']._serialized_end=595
-  _globals['_SCORERESPONSE']._serialized_start=598
-  _globals['_SCORERESPONSE']._serialized_end=789
-  _globals['_LISTMODELSREQUEST']._serialized_start=791
-  _globals['_LISTMODELSREQUEST']._serialized_end=810
-  _globals['_MODELLIMITS']._serialized_start=812
-  _globals['_MODELLIMITS']._serialized_end=921
-  _globals['_MODELINFO']._serialized_start=924
-  _globals['_MODELINFO']._serialized_end=1179
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1181
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1240
-  _globals['_UPDATEWEIGHTSHEADER']._serialized_start=1242
-  _globals['_UPDATEWEIGHTSHEADER']._serialized_end=1312
-  _globals['_TENSORCHUNK']._serialized_start=1314
-  _globals['_TENSORCHUNK']._serialized_end=1401
-  _globals['_UPDATEWEIGHTSCOMMIT']._serialized_start=1403
-  _globals['_UPDATEWEIGHTSCOMMIT']._serialized_end=1446
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1449
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1624
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1626
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1709
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1712
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1874
-  _globals['_LOGPROBSERVICE']._serialized_start=1877
-  _globals['_LOGPROBSERVICE']._serialized_end=2286
+  _globals['_SEQUENCE']._serialized_end=146
+  _globals['_SEQUENCEGROUP']._serialized_start=148
+  _globals['_SEQUENCEGROUP']._serialized_end=252
+  _globals['_COMPLETION']._serialized_start=254
+  _globals['_COMPLETION']._serialized_end=318
+  _globals['_SCOREREQUEST']._serialized_start=321
+  _globals['_SCOREREQUEST']._serialized_end=540
+  _globals['_SEQUENCESCORES']._serialized_start=542
+  _globals['_SEQUENCESCORES']._serialized_end=640
+  _globals['_METADATA']._serialized_start=642
+  _globals['_METADATA']._serialized_end=724
+  _globals['_ERROR']._serialized_start=726
+  _globals['_ERROR']._serialized_end=764
+  _globals['_SCORERESPONSE']._serialized_start=767
+  _globals['_SCORERESPONSE']._serialized_end=958
+  _globals['_LISTMODELSREQUEST']._serialized_start=960
+  _globals['_LISTMODELSREQUEST']._serialized_end=979
+  _globals['_MODELLIMITS']._serialized_start=981
+  _globals['_MODELLIMITS']._serialized_end=1090
+  _globals['_MODELINFO']._serialized_start=1093
+  _globals['_MODELINFO']._serialized_end=1348
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1350
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1409
+  _globals['_UPDATEWEIGHTSHEADER']._serialized_start=1411
+  _globals['_UPDATEWEIGHTSHEADER']._serialized_end=1481
+  _globals['_TENSORCHUNK']._serialized_start=1483
+  _globals['_TENSORCHUNK']._serialized_end=1570
+  _globals['_UPDATEWEIGHTSCOMMIT']._serialized_start=1572
+  _globals['_UPDATEWEIGHTSCOMMIT']._serialized_end=1615
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1618
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1793
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1795
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1878
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1881
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2043
+  _globals['_LOGPROBSERVICE']._serialized_start=2046
+  _globals['_LOGPROBSERVICE']._serialized_end=2455
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,8 @@ import pytest
 import torch
 from logprob_client.inputs import assemble, flatten_groups, prepare, regroup
 
+from tests.helpers.fake_server import sequences_of
+
 
 def test_lists_round_trip():
     prepared = prepare([[1, 2], np.array([3])], [[4, 5, 6], [7]])
@@ -64,20 +66,40 @@ def test_the_wire_groups_consecutive_equal_prompts_only():
     a, b = np.array([1, 2, 3]), np.array([4])
     seqs = [(a, np.array([5])), (a.copy(), np.array([6, 7])), (b, np.array([8])), (a.copy(), np.array([9]))]
     request = score_request(seqs, Options("m", 1.0, False, 0))
-    assert not request.sequences
-    assert [(list(g.prompt_ids), [list(c.completion_ids) for c in g.completions]) for g in request.groups] == [
+    assert not request.sequences and request.scores_f32
+    assert [(i32(g.prompt_ids_i32), [i32(c.completion_ids_i32) for c in g.completions]) for g in request.groups] == [
         ([1, 2, 3], [[5], [6, 7]]),
         ([4], [[8]]),
         ([1, 2, 3], [[9]]),  # not consecutive: its own group (the server still runs the prompt once)
     ]
+    # As the server reads it: the sequences in order.
+    assert [(list(s.prompt_ids), list(s.completion_ids)) for s in sequences_of(request)] == [
+        (p.tolist(), c.tolist()) for p, c in seqs
+    ]
 
 
-def test_a_client_not_sharing_prompts_sends_every_sequence_whole():
-    """``share_prompts=False`` (for servers older than groups): v1 requests, as before."""
+def i32(raw: bytes) -> list[int]:
+    return np.frombuffer(raw, dtype="<i4").tolist()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_client_not_sharing_prompts_sends_every_sequence_whole(legacy):
+    """``share_prompts=False``: sequences, as many RPCs as the token limit needs; with
+    ``legacy_wire`` as v1 requests (repeated fields, scores asked as repeated floats)."""
     from logprob_client import LogprobClient
 
-    with LogprobClient("127.0.0.1:1", share_prompts=False, max_tokens_per_rpc=7) as client:
+    with LogprobClient("127.0.0.1:1", share_prompts=False, legacy_wire=legacy, max_tokens_per_rpc=7) as client:
         scoring = client.prepare_one([[1, 2, 3]] * 3, [[4], [5], [6]], {})
     # The shared prompt is not counted once: 4 + 4 > 7 tokens, so one sequence an RPC.
-    assert [[list(s.prompt_ids) for s in r.sequences] for r in scoring.requests] == [[[1, 2, 3]]] * 3
+    assert [[(list(s.prompt_ids), list(s.completion_ids)) for s in sequences_of(r)] for r in scoring.requests] == [
+        [([1, 2, 3], [4])],
+        [([1, 2, 3], [5])],
+        [([1, 2, 3], [6])],
+    ]
     assert not any(r.groups for r in scoring.requests)
+    assert all(r.scores_f32 != legacy and bool(r.sequences[0].prompt_ids) == legacy for r in scoring.requests)
+
+
+def test_ids_outside_int32_are_refused_before_the_wire():
+    with pytest.raises(ValueError, match="sequence 1's completion holds ids outside int32"):
+        prepare([[1], [2]], [[3], [2**31]])

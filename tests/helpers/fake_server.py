@@ -8,14 +8,15 @@ from collections.abc import AsyncIterator
 import grpc
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.api import wire
 
 
 def sequences_of(request: pb.ScoreRequest) -> list[pb.Sequence]:
-    """A request's sequences as the server scores them: its own, then each group's completions."""
-    return list(request.sequences) + [
-        pb.Sequence(prompt_ids=g.prompt_ids, completion_ids=c.completion_ids)
-        for g in request.groups
-        for c in g.completions
+    """A request's sequences as the server reads them (``api.wire``: its own, then each group's
+    completions; ids from repeated fields or int32 bytes), as plain v1 ``Sequence`` messages."""
+    job = wire.job_from_request(pb.ScoreRequest(sequences=request.sequences, groups=request.groups), None, "")
+    return [
+        pb.Sequence(prompt_ids=s.prompt_ids.tolist(), completion_ids=s.completion_ids.tolist()) for s in job.sequences
     ]
 
 

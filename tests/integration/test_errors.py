@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded, Unavailable
+from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from tests.helpers.calls import OK, Gate, call, expect, request
@@ -230,3 +231,50 @@ async def test_receive_limit_is_configurable(gemma_checkpoint):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         await stop(default)
+
+
+def i32(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+@pytest.mark.parametrize(
+    "req,fragments",
+    [
+        (
+            pb.ScoreRequest(sequences=[pb.Sequence(prompt_ids_i32=b"\x01\x00\x00\x00\x02", completion_ids=[3])]),
+            ["sequences[0].prompt_ids_i32", "5 bytes", "int32"],
+        ),
+        (
+            pb.ScoreRequest(sequences=[pb.Sequence(prompt_ids=[1], prompt_ids_i32=i32([1]), completion_ids=[3])]),
+            ["sequences[0].prompt_ids", "both"],
+        ),
+        (
+            pb.ScoreRequest(
+                groups=[
+                    pb.SequenceGroup(
+                        prompt_ids_i32=i32([1, 2]), completions=[pb.Completion(completion_ids_i32=i32([3, 5000]))]
+                    )
+                ]
+            ),
+            ["groups[0].completions[0].completion_ids[1]", "token id 5000", "[0, 4096)"],
+        ),
+    ],
+    ids=["ragged-bytes", "both-fields", "id-out-of-range-in-bytes"],
+)
+async def test_ids_as_bytes_are_checked_as_the_repeated_fields(running, req, fragments):
+    await expect(running.target, req, grpc.StatusCode.INVALID_ARGUMENT, *fragments)
+
+
+async def test_ids_and_scores_as_bytes_are_the_same_scores_bit_for_bit(running, rng):
+    prompt, completion = rng.integers(0, 4096, 30), rng.integers(0, 4096, 12)
+    v1 = pb.ScoreRequest(return_entropy=True, sequences=[pb.Sequence(prompt_ids=prompt, completion_ids=completion)])
+    v2 = pb.ScoreRequest(
+        return_entropy=True,
+        scores_f32=True,
+        sequences=[pb.Sequence(prompt_ids_i32=i32(prompt), completion_ids_i32=i32(completion))],
+    )
+    (old,), (new,) = [(await call(running.target, r)).scores for r in (v1, v2)]
+    assert not old.logprobs_f32 and not new.logprobs and len(new.logprobs_f32) == 4 * 12
+    for field in ("logprobs", "entropies"):
+        as_list = np.asarray(getattr(old, field), dtype=np.float32)
+        np.testing.assert_array_equal(np.frombuffer(getattr(new, f"{field}_f32"), dtype="<f4"), as_list)

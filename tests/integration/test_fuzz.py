@@ -25,7 +25,6 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.engine.validation import MIN_TEMPERATURE
 
 from tests.helpers.calls import assert_matches_reference, random_batch
-from tests.helpers.fake_server import sequences_of
 from tests.helpers.server import start, stop, test_settings
 
 MAX_MESSAGE_BYTES = 4 * 1024**2
@@ -84,22 +83,33 @@ valid_ids = st.integers(0, 516)
 wild_ids = st.one_of(valid_ids, st.integers(-(2**31), 2**31 - 1))
 
 
-def _requests(ids, models, temperatures, max_sequences: int) -> st.SearchStrategy[pb.ScoreRequest]:
+@st.composite
+def _with_ids(draw, cls, ids, wild: bool, *fields: str, **other) -> object:
+    """A ``cls`` message with each id field's ids as the repeated field or, as often, its ``*_i32``
+    bytes; ``wild``: random bytes too, which may be ragged or clash with the repeated field."""
+    kwargs = {name: draw(strategy) for name, strategy in other.items()}
+    for field in fields:
+        values = draw(ids)
+        if draw(st.booleans()):
+            kwargs[f"{field}_i32"] = np.asarray(values, dtype="<i4").tobytes()
+        else:
+            kwargs[field] = values
+        if wild and draw(st.booleans()):
+            kwargs[f"{field}_i32"] = draw(st.binary(max_size=64))
+    return cls(**kwargs)
+
+
+def _requests(ids, models, temperatures, max_sequences: int, wild: bool) -> st.SearchStrategy[pb.ScoreRequest]:
+    completions = st.lists(_with_ids(pb.Completion, ids, wild, "completion_ids"), max_size=max_sequences // 4)
     return st.builds(
         pb.ScoreRequest,
         request_id=st.text(max_size=40),
         model=models,
-        sequences=st.lists(st.builds(pb.Sequence, prompt_ids=ids, completion_ids=ids), max_size=max_sequences),
-        groups=st.lists(
-            st.builds(
-                pb.SequenceGroup,
-                prompt_ids=ids,
-                completions=st.lists(st.builds(pb.Completion, completion_ids=ids), max_size=max_sequences // 4),
-            ),
-            max_size=3,
-        ),
+        sequences=st.lists(_with_ids(pb.Sequence, ids, wild, "prompt_ids", "completion_ids"), max_size=max_sequences),
+        groups=st.lists(_with_ids(pb.SequenceGroup, ids, wild, "prompt_ids", completions=completions), max_size=3),
         temperature=temperatures,
         return_entropy=st.booleans(),
+        scores_f32=st.booleans(),
     )
 
 
@@ -109,12 +119,14 @@ requests = st.one_of(
         st.sampled_from(["", "default", "gemma"]),
         st.one_of(st.just(0.0), st.floats(0.125, 16.0, width=32)),
         max_sequences=8,
+        wild=False,
     ),
     _requests(
         st.lists(wild_ids, max_size=300),
         st.one_of(st.sampled_from(["", "default", "gemma"]), st.text(max_size=20)),
         st.floats(width=32),
         max_sequences=20,
+        wild=True,
     ),
 )
 
@@ -153,6 +165,25 @@ def wire_fields(draw, depth: int = 0) -> bytes:
 # ----------------------------------------------------------------------------- oracle
 
 
+def ids_of(message, field: str) -> list[int] | None:
+    """A message's ids as the documented rules read them: the repeated field, or the ``*_i32``
+    bytes beside it; None when the rules refuse them (both set, or not whole int32s)."""
+    raw, repeated = getattr(message, f"{field}_i32"), list(getattr(message, field))
+    if not raw:
+        return repeated
+    if repeated or len(raw) % 4:
+        return None
+    return np.frombuffer(raw, dtype="<i4").tolist()
+
+
+def sequences(request: pb.ScoreRequest) -> list[tuple[list[int] | None, list[int] | None]]:
+    """(prompt, completion) of each sequence: the request's own, then each group's completions."""
+    out = [(ids_of(s, "prompt_ids"), ids_of(s, "completion_ids")) for s in request.sequences]
+    for g in request.groups:
+        out += [(ids_of(g, "prompt_ids"), ids_of(c, "completion_ids")) for c in g.completions]
+    return out
+
+
 def problems(request: pb.ScoreRequest, vocab: dict[str, int], max_positions: dict[str, int]) -> set:
     """The statuses the documented rules allow for ``request`` ({OK} when it is valid)."""
     found = set()
@@ -162,14 +193,17 @@ def problems(request: pb.ScoreRequest, vocab: dict[str, int], max_positions: dic
     t = request.temperature
     if t != 0 and not (math.isfinite(t) and t >= MIN_TEMPERATURE):
         found.add(grpc.StatusCode.INVALID_ARGUMENT)
-    seqs = sequences_of(request)
-    distinct_prompts = {tuple(s.prompt_ids) for s in seqs}  # counted once, with every completion
-    tokens = sum(map(len, distinct_prompts)) + sum(len(s.completion_ids) for s in seqs)
-    if not seqs or len(seqs) > 16 or tokens > 4000 or any(not g.completions for g in request.groups):
+    seqs = sequences(request)
+    unreadable = any(None in seq for seq in seqs) or any(ids_of(g, "prompt_ids") is None for g in request.groups)
+    if unreadable or not seqs or any(not g.completions for g in request.groups):
+        return found | {grpc.StatusCode.INVALID_ARGUMENT}
+    distinct_prompts = {tuple(p) for p, _ in seqs}  # counted once, with every completion
+    tokens = sum(map(len, distinct_prompts)) + sum(len(c) for _, c in seqs)
+    if len(seqs) > 16 or tokens > 4000:
         found.add(grpc.StatusCode.INVALID_ARGUMENT)
-    for s in seqs:
-        ids = [*s.prompt_ids, *s.completion_ids]
-        if not s.prompt_ids or not s.completion_ids or (model in vocab and len(ids) > max_positions[model]):
+    for prompt, completion in seqs:
+        ids = [*prompt, *completion]
+        if not prompt or not completion or (model in vocab and len(ids) > max_positions[model]):
             found.add(grpc.StatusCode.INVALID_ARGUMENT)
         if model in vocab and any(not 0 <= i < vocab[model] for i in ids):
             found.add(grpc.StatusCode.INVALID_ARGUMENT)
@@ -178,14 +212,18 @@ def problems(request: pb.ScoreRequest, vocab: dict[str, int], max_positions: dic
 
 def check_scored(request: pb.ScoreRequest, response: pb.ScoreResponse) -> None:
     assert request.request_id == "" or response.request_id == request.request_id
-    seqs = sequences_of(request)
+    seqs = sequences(request)
     assert len(response.scores) == len(seqs)
-    for seq, scores in zip(seqs, response.scores, strict=True):
-        logprobs = np.asarray(scores.logprobs)
-        assert logprobs.shape == (len(seq.completion_ids),)
+    for (_, completion), scores in zip(seqs, response.scores, strict=True):
+        if request.scores_f32:
+            assert not scores.logprobs and not scores.entropies
+            logprobs, entropies = (np.frombuffer(x, dtype="<f4") for x in (scores.logprobs_f32, scores.entropies_f32))
+        else:
+            assert not scores.logprobs_f32 and not scores.entropies_f32
+            logprobs, entropies = np.asarray(scores.logprobs), np.asarray(scores.entropies)
+        assert logprobs.shape == (len(completion),)
         assert np.isfinite(logprobs).all() and (logprobs <= 1e-6).all(), logprobs
         if request.return_entropy:
-            entropies = np.asarray(scores.entropies)
             assert entropies.shape == logprobs.shape and np.isfinite(entropies).all() and (entropies >= -1e-6).all()
 
 

@@ -46,7 +46,7 @@ async def test_trl_layout_sends_each_prompt_once_and_runs_it_once(running, rng):
             client.score, prompt_ids, completion_ids, prompt_mask=prompt_mask, completion_mask=completion_mask
         )
     assert not wire.sequences and [len(g.completions) for g in wire.groups] == [4, 4, 4]
-    assert [list(g.prompt_ids) for g in wire.groups] == prompts[::4]
+    assert [np.frombuffer(g.prompt_ids_i32, dtype="<i4").tolist() for g in wire.groups] == prompts[::4]
     # One request, one micro-batch: each prompt ran once for its 4 completions.
     assert shared_tokens() - before == sum(3 * len(p) for p in prompts[::4])
     logprobs = [row[mask.astype(bool)] for row, mask in zip(dense, completion_mask, strict=True)]

@@ -93,6 +93,10 @@ def assert_matches(results, reference: list[ScoreReference]) -> None:
         want.check(got)
 
 
+# Three server processes and the float64 and float32 references of 312 sequences, all on the CPU:
+# 134 s on a 2-core machine beside a seed sweep, 280-300 s when a second test run shared it too,
+# past the suite's 300 s default. Its own waits stay bounded (wait_until, 120 s per call).
+@pytest.mark.timeout(900)
 def test_three_replicas_share_the_load_and_lose_nothing_when_one_drains_and_one_dies(replicas, rng):
     survivor, drained, killed = replicas
     warm_up, spread, chaos = random_calls(rng, 6), random_calls(rng, 24), random_calls(rng, 48)

@@ -59,7 +59,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self._state.check_accepting()
         job = wire.job_from_request(request, deadline, current_client())
         validate_job(job, self._registry.get(job.model).info, self._limits)
-        return wire.response_from_result(await self._scheduler.submit(job))
+        return wire.response_from_result(await self._scheduler.submit(job), request.scores_f32)
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         wire.ensure_request_id(request)

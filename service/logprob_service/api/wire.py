@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 
 import numpy as np
+from google.protobuf.message import Message
 from logprob_proto import logprob_pb2 as pb
 
 from logprob_service.api.status import status_of
-from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, TokenSequence
+from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, SequenceScores, TokenSequence
 from logprob_service.engine.validation import RequestLimits, validate_temperature, validate_version
 from logprob_service.engine.weight_updates import Commit, TensorPiece, UpdateHeader, UpdateMessage, UpdateOutcome
 from logprob_service.errors import InvalidArgument, LogprobError
@@ -26,16 +27,30 @@ def ensure_request_id(request: pb.ScoreRequest) -> None:
     request.request_id = request.request_id or str(uuid.uuid4())
 
 
-def _ids(ids: Iterable[int]) -> np.ndarray:
-    return np.asarray(ids, dtype=np.int64)
+def _ids(message: Message, field: str, name: str) -> np.ndarray:
+    """``message``'s ids in ``field``: its repeated int32 field, or its ``*_i32`` bytes beside it.
+    ``name`` is how errors name the message, e.g. ``groups[2].completions[5]``."""
+    raw: bytes = getattr(message, f"{field}_i32")
+    repeated = getattr(message, field)
+    if not raw:
+        return np.asarray(repeated, dtype=np.int64)
+    if repeated:
+        raise InvalidArgument(f"{name}.{field}: both {field} and {field}_i32 are set; send the ids in one of them")
+    if len(raw) % 4:
+        raise InvalidArgument(f"{name}.{field}_i32: {len(raw)} bytes are not whole little-endian int32 ids")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64)
 
 
 def request_size(request: pb.ScoreRequest) -> tuple[int, int]:
     """Sequences and prompt + completion tokens of a request (a group's prompt once per completion),
     for its log line, read from the message without converting it."""
+
+    def n(message: Message, field: str) -> int:
+        return len(getattr(message, field)) + len(getattr(message, f"{field}_i32")) // 4
+
     sequences = len(request.sequences) + sum(len(g.completions) for g in request.groups)
-    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in request.sequences) + sum(
-        len(g.completions) * len(g.prompt_ids) + sum(len(c.completion_ids) for c in g.completions)
+    tokens = sum(n(s, "prompt_ids") + n(s, "completion_ids") for s in request.sequences) + sum(
+        len(g.completions) * n(g, "prompt_ids") + sum(n(c, "completion_ids") for c in g.completions)
         for g in request.groups
     )
     return sequences, tokens
@@ -43,10 +58,16 @@ def request_size(request: pb.ScoreRequest) -> tuple[int, int]:
 
 def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: str) -> ScoreJob:
     """The request's sequences, then each group's completions as sequences sharing one prompt array."""
-    sequences = [TokenSequence(_ids(seq.prompt_ids), _ids(seq.completion_ids)) for seq in request.sequences]
-    for group in request.groups:
-        prompt = _ids(group.prompt_ids)
-        sequences += [TokenSequence(prompt, _ids(c.completion_ids)) for c in group.completions]
+    sequences = [
+        TokenSequence(_ids(seq, "prompt_ids", f"sequences[{i}]"), _ids(seq, "completion_ids", f"sequences[{i}]"))
+        for i, seq in enumerate(request.sequences)
+    ]
+    for g, group in enumerate(request.groups):
+        prompt = _ids(group, "prompt_ids", f"groups[{g}]")
+        sequences += [
+            TokenSequence(prompt, _ids(c, "completion_ids", f"groups[{g}].completions[{j}]"))
+            for j, c in enumerate(group.completions)
+        ]
     return ScoreJob(
         request_id=request.request_id,
         model=model_name(request),
@@ -60,15 +81,23 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: s
     )
 
 
-def response_from_result(result: ScoreResult) -> pb.ScoreResponse:
+def _scores(scores: SequenceScores, as_f32: bool) -> pb.SequenceScores:
+    entropies = scores.entropies if scores.entropies is not None else np.zeros(0, np.float32)
+    if as_f32:
+        return pb.SequenceScores(
+            logprobs_f32=scores.logprobs.astype("<f4").tobytes(), entropies_f32=entropies.astype("<f4").tobytes()
+        )
+    # .tolist(): protobuf reads a list of floats several times faster than a numpy array.
+    return pb.SequenceScores(logprobs=scores.logprobs.tolist(), entropies=entropies.tolist())
+
+
+def response_from_result(result: ScoreResult, scores_f32: bool = False) -> pb.ScoreResponse:
+    """The response; scores as float32 bytes when the request asked ``scores_f32``."""
     return pb.ScoreResponse(
         request_id=result.request_id,
         model=result.model,
         model_version=result.model_version,
-        scores=[
-            pb.SequenceScores(logprobs=s.logprobs, entropies=s.entropies if s.entropies is not None else ())
-            for s in result.scores
-        ],
+        scores=[_scores(s, scores_f32) for s in result.scores],
         metadata=pb.Metadata(
             tokens=result.tokens,
             queue_ns=result.timings.queue_ns,
