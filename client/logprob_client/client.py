@@ -28,12 +28,12 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from .channel import Connection
-from .errors import error_from_rpc
+from .errors import LogprobError, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
 from .resume import StreamResume
 from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
-from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, update_requests
+from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, WeightDeltas, named_tensors, update_requests
 from .wire import ModelInfo, Options, ScoreInput, collect, model_info, repeats_prompt, result, score_request
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -64,12 +64,14 @@ class ScoreKeywords(TypedDict, total=False):
 class UpdateKeywords(TypedDict, total=False):
     """The keywords of ``update_weights``: ``version`` (0: the live one + 1), ``partial`` (False: every
     weight must come; True: only those given are replaced), ``chunk_bytes`` (the size of the pieces
-    tensors are streamed in), ``timeout`` (seconds)."""
+    tensors are streamed in), ``timeout`` (seconds), ``delta`` (send only what changed since this
+    client's last delta push of the model: ``weights.WeightDeltas``)."""
 
     version: int
     partial: bool
     chunk_bytes: int
     timeout: float | None
+    delta: bool
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class _Client:
     ) -> None:
         self.model = model
         self.share_prompts = share_prompts
+        self.deltas: dict[str, WeightDeltas] = {}  # per model: what delta pushes left on the server
         self.legacy_wire = legacy_wire
         self.timeout = timeout
         self.rpc_limits = RpcLimits(max_sequences_per_rpc, max_tokens_per_rpc)
@@ -188,8 +191,8 @@ class _Client:
         masks = {name: keywords.pop(name, None) for name in ("prompt_mask", "completion_mask")}  # type: ignore[misc]
         return self.prepare([ScoreInput(prompt_ids, completion_ids, **masks)], **keywords)
 
-    @staticmethod
     def update(
+        self,
         model: str,
         weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
         *,
@@ -197,9 +200,14 @@ class _Client:
         partial: bool = False,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout: float | None = None,
+        delta: bool = False,
     ) -> tuple[Iterator[pb.UpdateWeightsRequest], float | None]:
         """An UpdateWeights stream (read lazily, one tensor at a time) and its timeout."""
-        return update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes), timeout
+        if not delta:
+            return update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes), timeout
+        deltas = self.deltas.setdefault(model, WeightDeltas())
+        requests = deltas.requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
+        return requests, timeout
 
     @staticmethod
     def load_request(model: str, path: str, version: int, partial: bool) -> pb.LoadWeightsRequest:
@@ -281,11 +289,27 @@ class LogprobClient(_Client):
         ``weights``: a state dict or ``(name, tensor)`` pairs (torch tensors or numpy arrays, in
         the served dtype; for a LoRA model, its PEFT adapter state dict). ``partial=False`` needs
         every weight; ``True`` replaces only those given. Tensors are streamed one
-        ``chunk_bytes`` piece at a time. Needs the admin scope where authentication is on.
-        Keywords: ``UpdateKeywords``.
+        ``chunk_bytes`` piece at a time. ``delta=True`` (an RL trainer's policy, every step): after
+        this client's first delta push of the model, only what changed since is sent, each tensor
+        sparse or dense by its share of changed elements, unchanged ones not at all
+        (``weights.WeightDeltas``, held in ``client.deltas[model]``); if the server no longer holds
+        that version (a restart, another pusher), the push is sent again dense. Needs the admin
+        scope where authentication is on. Keywords: ``UpdateKeywords``.
         """
+        if keywords.get("delta"):
+            weights = list(named_tensors(weights))  # read twice if the server lost the base
         requests, timeout = self.update(model, weights, **keywords)
-        return UpdateResult.from_proto(self._call(self._stub.UpdateWeights, requests, timeout))
+        try:
+            result = UpdateResult.from_proto(self._call(self._stub.UpdateWeights, requests, timeout))
+        except LogprobError as err:
+            if not (keywords.get("delta") and self.deltas[model].stale(err)):
+                raise
+            self.deltas[model].reset()
+            requests, timeout = self.update(model, weights, **keywords)
+            result = UpdateResult.from_proto(self._call(self._stub.UpdateWeights, requests, timeout))
+        if keywords.get("delta"):
+            self.deltas[model].pushed(result.version)
+        return result
 
     def load_weights(
         self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None
@@ -364,8 +388,20 @@ class AsyncLogprobClient(_Client):
         self, model: str, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], **keywords: Unpack[UpdateKeywords]
     ) -> UpdateResult:
         """See ``LogprobClient.update_weights``."""
+        if keywords.get("delta"):
+            weights = list(named_tensors(weights))
         requests, timeout = self.update(model, weights, **keywords)
-        return UpdateResult.from_proto(await self._call(self._stub.UpdateWeights, requests, timeout))
+        try:
+            result = UpdateResult.from_proto(await self._call(self._stub.UpdateWeights, requests, timeout))
+        except LogprobError as err:
+            if not (keywords.get("delta") and self.deltas[model].stale(err)):
+                raise
+            self.deltas[model].reset()
+            requests, timeout = self.update(model, weights, **keywords)
+            result = UpdateResult.from_proto(await self._call(self._stub.UpdateWeights, requests, timeout))
+        if keywords.get("delta"):
+            self.deltas[model].pushed(result.version)
+        return result
 
     async def load_weights(
         self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None

@@ -7,6 +7,7 @@ tensor plus one message, however large the model. torch is imported only when te
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from typing import Any
 
 import numpy as np
 from logprob_proto import logprob_pb2 as pb
+
+from .errors import FailedPrecondition, LogprobError
 
 DEFAULT_CHUNK_BYTES = 16 * 1024**2
 
@@ -58,6 +61,47 @@ def raw_bytes(tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
     return array.dtype.name, tuple(array.shape), memoryview(array.view(np.uint8).reshape(-1)).cast("B")
 
 
+def _dense_pieces(name: str, dtype: str, shape: tuple[int, ...], data: memoryview, chunk_bytes: int):
+    for offset in range(0, max(len(data), 1), chunk_bytes):  # an empty tensor still sends one piece
+        piece = data[offset : offset + chunk_bytes]
+        yield pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset, data=bytes(piece))
+
+
+def _sparse_pieces(
+    name: str, dtype: str, shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray, chunk_bytes: int
+):
+    itemsize = values.nbytes // len(indices)
+    per_piece = max(1, chunk_bytes // (4 + itemsize))
+    for start in range(0, len(indices), per_piece):
+        end = start + per_piece
+        yield pb.TensorChunk(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            offset=start,
+            changed=len(indices),
+            indices=indices[start:end].astype("<u4").tobytes(),
+            data=values[start * itemsize : end * itemsize].tobytes(),
+        )
+
+
+def _stream(header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[pb.TensorChunk]]):
+    yield pb.UpdateWeightsRequest(header=header)
+    count = 0
+    for pieces in tensors:
+        for piece in pieces:
+            yield pb.UpdateWeightsRequest(tensor=piece)
+        count += 1
+    yield pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count))
+
+
+def _check(version: int, chunk_bytes: int) -> None:
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if version < 0:
+        raise ValueError(f"version must be >= 0 (0: the live version + 1), got {version}")
+
+
 def update_requests(
     model: str,
     weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
@@ -67,18 +111,84 @@ def update_requests(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Iterator[pb.UpdateWeightsRequest]:
     """The UpdateWeights stream: header, every tensor in ``chunk_bytes`` pieces, commit."""
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    if version < 0:
-        raise ValueError(f"version must be >= 0 (0: the live version + 1), got {version}")
-    yield pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(model=model, version=version, partial=partial))
-    count = 0
-    for name, tensor in named_tensors(weights):
+    _check(version, chunk_bytes)
+    header = pb.UpdateWeightsHeader(model=model, version=version, partial=partial)
+    return _stream(header, (_dense_pieces(name, *raw_bytes(t), chunk_bytes) for name, t in named_tensors(weights)))
+
+
+# Sparse pieces name elements with uint32 indices.
+MAX_SPARSE_ELEMENTS = 2**32
+
+
+class WeightDeltas:
+    """What the server holds of one model (host copies of the raw bytes last pushed, and their
+    version), to push only what changed since: ``LogprobClient.update_weights(..., delta=True)``.
+
+    Per tensor, the changed elements (compared bit for bit) go sparse, as uint32 indices and their
+    values, when those bytes are at most ``sparse_below`` of the dense ones; else the tensor goes
+    dense. Unchanged tensors are not sent. The first push (and one after ``reset``) is dense.
+    Holds the model's size in host memory.
+    """
+
+    def __init__(self, sparse_below: float = 0.5) -> None:
+        if not 0 <= sparse_below <= 1:
+            raise ValueError(f"sparse_below must be in [0, 1], got {sparse_below}")
+        self.sparse_below = sparse_below
+        self.version: int | None = None  # the version the server made of the last push
+        self.held: dict[str, np.ndarray] = {}  # name -> raw bytes as pushed (uint8)
+        self._pending: dict[str, np.ndarray] = {}  # of the stream in flight: what ``held`` becomes
+        self.last: dict[str, int] = {}  # of the last stream built: tensors sent dense, sparse, unchanged
+
+    def reset(self) -> None:
+        """Forget what the server holds: the next push is dense and full."""
+        self.version, self.held = None, {}
+
+    def requests(
+        self,
+        model: str,
+        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int,
+        partial: bool,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> Iterator[pb.UpdateWeightsRequest]:
+        """The stream of the next push (read lazily, one tensor at a time)."""
+        _check(version, chunk_bytes)
+        self._pending, self.last = {}, {"dense": 0, "sparse": 0, "unchanged": 0}
+        header = pb.UpdateWeightsHeader(model=model, version=version, partial=partial)
+        if self.version is not None:
+            header.partial, header.base_version = True, self.version
+        pieces = (self._pieces(name, t, chunk_bytes) for name, t in named_tensors(weights))
+        return _stream(header, filter(None, pieces))
+
+    def _pieces(self, name: str, tensor: Any, chunk_bytes: int) -> Iterator[pb.TensorChunk] | None:
         dtype, shape, data = raw_bytes(tensor)
-        for offset in range(0, max(len(data), 1), chunk_bytes):  # an empty tensor still sends one piece
-            piece = pb.TensorChunk(
-                name=name, dtype=dtype, shape=shape, offset=offset, data=bytes(data[offset : offset + chunk_bytes])
-            )
-            yield pb.UpdateWeightsRequest(tensor=piece)
-        count += 1
-    yield pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count))
+        new = np.frombuffer(data, dtype=np.uint8).copy()  # the caller may change its tensor after the push
+        old = self.held.get(name) if self.version is not None else None
+        itemsize = new.nbytes // max(1, math.prod(shape))
+        if old is None or old.nbytes != new.nbytes or not new.nbytes or math.prod(shape) > MAX_SPARSE_ELEMENTS:
+            self.last["dense"] += 1
+            self._pending[name] = new
+            return _dense_pieces(name, dtype, shape, memoryview(new), chunk_bytes)
+        element = f"<u{itemsize}"
+        changed = np.flatnonzero(old.view(element) != new.view(element))
+        if not changed.size:
+            self.last["unchanged"] += 1
+            return None
+        self._pending[name] = new
+        if changed.size * (4 + itemsize) > self.sparse_below * new.nbytes:
+            self.last["dense"] += 1
+            return _dense_pieces(name, dtype, shape, memoryview(new), chunk_bytes)
+        self.last["sparse"] += 1
+        values = new.view(element)[changed].view(np.uint8)
+        return _sparse_pieces(name, dtype, shape, changed, values, chunk_bytes)
+
+    def pushed(self, version: int) -> None:
+        """The push went live as ``version``: the server now holds what it sent."""
+        self.held.update(self._pending)
+        self.version, self._pending = version, {}
+
+    def stale(self, error: LogprobError) -> bool:
+        """Whether ``error`` refused a push because the server no longer holds the base version (a
+        restart, another pusher): then ``reset``, and push again dense."""
+        return isinstance(error, FailedPrecondition) and error.message.startswith("header.base_version")

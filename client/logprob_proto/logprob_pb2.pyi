@@ -153,28 +153,34 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsHeader(_message.Message):
-    __slots__ = ("model", "version", "partial")
+    __slots__ = ("model", "version", "partial", "base_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     partial: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ...) -> None: ...
+    base_version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "data")
+    __slots__ = ("name", "dtype", "shape", "offset", "data", "changed", "indices")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    changed: int
+    indices: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., changed: _Optional[int] = ..., indices: _Optional[bytes] = ...) -> None: ...
 
 class UpdateWeightsCommit(_message.Message):
     __slots__ = ("tensor_count",)

@@ -12,7 +12,14 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.api.status import status_of
 from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, SequenceScores, TokenSequence
 from logprob_service.engine.validation import RequestLimits, validate_temperature, validate_version
-from logprob_service.engine.weight_updates import Commit, TensorPiece, UpdateHeader, UpdateMessage, UpdateOutcome
+from logprob_service.engine.weight_updates import (
+    Commit,
+    SparsePiece,
+    TensorPiece,
+    UpdateHeader,
+    UpdateMessage,
+    UpdateOutcome,
+)
 from logprob_service.errors import InvalidArgument, LogprobError
 
 DEFAULT_MODEL = "default"
@@ -138,8 +145,14 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
 
 
 def _update_header(header: pb.UpdateWeightsHeader | pb.LoadWeightsRequest) -> UpdateHeader:
+    base = (
+        header.base_version if isinstance(header, pb.UpdateWeightsHeader) and header.HasField("base_version") else None
+    )
     return UpdateHeader(
-        model=model_name(header), version=validate_version("version", header.version), partial=header.partial
+        model=model_name(header),
+        version=validate_version("version", header.version),
+        partial=header.partial,
+        base_version=None if base is None else validate_version("base_version", base),
     )
 
 
@@ -151,7 +164,14 @@ async def update_messages(requests: AsyncIterator[pb.UpdateWeightsRequest]) -> A
             yield _update_header(request.header)
         elif kind == "tensor":
             t = request.tensor
-            yield TensorPiece(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=t.offset, data=t.data)
+            if t.changed < 0:
+                raise InvalidArgument(f"tensor {t.name!r}: changed {t.changed} must be >= 0 (0: a dense piece)")
+            if t.changed:
+                yield SparsePiece(t.name, t.dtype, tuple(t.shape), t.offset, t.changed, t.indices, t.data)
+            elif t.indices:
+                raise InvalidArgument(f"tensor {t.name!r}: indices come only with sparse pieces (changed > 0)")
+            else:
+                yield TensorPiece(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=t.offset, data=t.data)
         elif kind == "commit":
             yield Commit(tensor_count=request.commit.tensor_count)
         else:

@@ -91,3 +91,7 @@ class Staging(Protocol):
 
     def read_file(self, file: Path) -> list[tuple[str, str, tuple[int, ...], Any]]:
         """(name, dtype, shape, tensor) of every tensor of a safetensors file."""
+
+    def with_changes(self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str) -> Any:
+        """A host copy of the ``live`` weight with the elements at flat ``indices`` set to ``values``
+        (their raw bytes in ``dtype``)."""

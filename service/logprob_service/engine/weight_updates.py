@@ -48,6 +48,7 @@ class UpdateHeader:
     model: str
     version: int  # 0: the live version + 1
     partial: bool  # only some weights come; the others keep their live values
+    base_version: int | None = None  # the version sparse tensors change (must be the live one)
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,25 @@ class TensorPiece:
 
 
 @dataclass(frozen=True)
+class SparsePiece:
+    """Some of the ``changed`` elements in which one tensor differs from the base version: their flat
+    indices (little-endian uint32, ascending) and new values; ``offset`` of them came before."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    changed: int
+    indices: bytes
+    values: bytes
+
+
+@dataclass(frozen=True)
 class Commit:
     tensor_count: int
 
 
-UpdateMessage = UpdateHeader | TensorPiece | Commit
+UpdateMessage = UpdateHeader | TensorPiece | SparsePiece | Commit
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,10 @@ class _Assembly:
     def complete(self) -> bool:
         return self.received == self.nbytes
 
+    @property
+    def progress(self) -> str:
+        return f"{self.received} of its {self.nbytes} bytes"
+
     def write(self, piece: TensorPiece) -> None:
         if piece.dtype != self.dtype_name or piece.shape != self.shape:
             raise InvalidArgument(
@@ -114,6 +133,73 @@ class _Assembly:
         self.received = end
 
 
+class _SparseAssembly:
+    """One sparse tensor's changed elements, arriving in order: flat indices and their values' bytes."""
+
+    def __init__(self, first: SparsePiece) -> None:
+        self.name, self.dtype_name, self.shape, self.changed = first.name, first.dtype, first.shape, first.changed
+        self.itemsize = DTYPE_BYTES[first.dtype]
+        self.numel = math.prod(self.shape)
+        if self.numel > MAX_SPARSE_ELEMENTS:
+            raise InvalidArgument(
+                f"tensor {self.name!r}: {self.numel} elements are more than uint32 indices reach; send it dense"
+            )
+        self.indices = np.empty(self.changed, dtype=np.uint32)
+        self.values = np.empty(self.changed * self.itemsize, dtype=np.uint8)
+        self.received = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.changed
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.nbytes + self.values.nbytes
+
+    @property
+    def progress(self) -> str:
+        return f"{self.received} of its {self.changed} changed elements"
+
+    def write(self, piece: SparsePiece) -> None:
+        where = f"tensor {self.name!r}"
+        if (piece.dtype, piece.shape, piece.changed) != (self.dtype_name, self.shape, self.changed):
+            raise InvalidArgument(
+                f"{where}: a piece says dtype {piece.dtype} shape {list(piece.shape)} changed {piece.changed}, its "
+                f"first piece said {self.dtype_name} {list(self.shape)} changed {self.changed}"
+            )
+        if piece.offset != self.received:
+            raise InvalidArgument(
+                f"{where}: piece at changed element {piece.offset}, expected {self.received} "
+                "(pieces of a tensor must come in order)"
+            )
+        if len(piece.indices) % 4:
+            raise InvalidArgument(f"{where}: {len(piece.indices)} bytes of indices are not whole uint32s")
+        n = len(piece.indices) // 4
+        if len(piece.values) != n * self.itemsize:
+            raise InvalidArgument(
+                f"{where}: {n} indices but {len(piece.values)} bytes of values ({n * self.itemsize} expected)"
+            )
+        end = self.received + n
+        if end > self.changed:
+            raise InvalidArgument(f"{where}: piece ends at changed element {end}, past the {self.changed} announced")
+        indices = np.frombuffer(piece.indices, dtype="<u4").astype(np.int64)
+        previous = int(self.indices[self.received - 1]) if self.received else -1
+        bad = np.flatnonzero((np.diff(indices, prepend=previous) <= 0) | (indices >= self.numel))
+        if bad.size:
+            j = int(bad[0])
+            raise InvalidArgument(
+                f"{where}: changed element {self.received + j} has index {indices[j]}, out of [0, {self.numel}) or "
+                "not above the index before it (indices ascend strictly across a tensor's pieces)"
+            )
+        self.indices[self.received : end] = indices
+        self.values[self.received * self.itemsize : end * self.itemsize] = np.frombuffer(piece.values, np.uint8)
+        self.received = end
+
+
+# Sparse pieces name elements with uint32 indices.
+MAX_SPARSE_ELEMENTS = 2**32
+
+
 class _Update:
     """One update in progress: its checked, staged tensors and their digests."""
 
@@ -125,23 +211,43 @@ class _Update:
         self.stager = staging.stager(served.device)
         self.pool = pool
         self.staged: dict[str, Future[tuple[Any, Any]]] = {}  # name -> (staged tensor, digest)
-        self.assembly: _Assembly | None = None
+        self.assembly: _Assembly | _SparseAssembly | None = None
         self.bytes = 0
 
-    def add_piece(self, piece: TensorPiece) -> None:
-        if self.assembly is not None and piece.name != self.assembly.name:
-            a = self.assembly
-            raise InvalidArgument(
-                f"tensor {a.name!r}: only {a.received} of its {a.nbytes} bytes came before tensor {piece.name!r}"
-            )
-        if self.assembly is None:
+    def add_piece(self, piece: TensorPiece | SparsePiece) -> None:
+        a = self.assembly
+        sparse = isinstance(piece, SparsePiece)
+        if a is not None and (piece.name != a.name or sparse != isinstance(a, _SparseAssembly)):
+            kind = "a sparse piece" if sparse else "a dense piece"
+            raise InvalidArgument(f"tensor {a.name!r}: only {a.progress} came before {kind} of tensor {piece.name!r}")
+        if a is None:
             self._check_new(piece.name, piece.dtype, piece.shape)
-            self.assembly = _Assembly(piece)
-        self.assembly.write(piece)
-        if self.assembly.complete:
-            a = self.assembly
-            self._stage(a.name, a.buffer.nbytes, self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
+            a = self.assembly = _SparseAssembly(piece) if isinstance(piece, SparsePiece) else _Assembly(piece)
+            if isinstance(a, _SparseAssembly):
+                self._check_base(a.name)
+        a.write(piece)  # type: ignore[arg-type]  # the kinds match: checked above
+        if a.complete:
             self.assembly = None
+            if isinstance(a, _SparseAssembly):
+                live = self.target.check(a.name, a.dtype_name, a.shape)
+                # The changed copy of the live weight is made off the event loop (a device read).
+                changes = (a.indices, a.values, a.dtype_name)
+                self.bytes += a.nbytes
+                self.staged[a.name] = self.pool.submit(
+                    lambda: self.stager.stage(self.staging.with_changes(live, *changes))
+                )
+            else:
+                self._stage(a.name, a.buffer.nbytes, self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
+
+    def _check_base(self, name: str) -> None:
+        base, live = self.header.base_version, self.served.info.version
+        if base is None:
+            raise InvalidArgument(f"tensor {name!r}: comes sparse, but the header names no base_version it changes")
+        if base != live:
+            raise FailedPrecondition(
+                f"header.base_version: tensor {name!r} changes version {base}, but model "
+                f"{self.served.info.name!r} serves version {live}; push it dense (a full update)"
+            )
 
     def add_tensor(self, name: str, dtype: str, shape: tuple[int, ...], tensor: Any) -> None:
         """A whole tensor at once (read from a file)."""
@@ -164,9 +270,7 @@ class _Update:
     def check_complete(self, commit: Commit) -> None:
         if self.assembly is not None:
             a = self.assembly
-            raise Aborted(
-                f"tensor {a.name!r}: the commit came after only {a.received} of its {a.nbytes} bytes; nothing applied"
-            )
+            raise Aborted(f"tensor {a.name!r}: the commit came after only {a.progress}; nothing applied")
         if commit.tensor_count != len(self.staged):
             raise InvalidArgument(
                 f"commit.tensor_count: {commit.tensor_count}, but {len(self.staged)} tensors came; nothing applied"
@@ -182,7 +286,7 @@ class _Update:
 
     def ended_early(self) -> Aborted:
         where = (
-            f"in tensor {self.assembly.name!r} ({self.assembly.received} of {self.assembly.nbytes} bytes)"
+            f"in tensor {self.assembly.name!r} ({self.assembly.progress})"
             if self.assembly is not None
             else f"after tensor {next(reversed(self.staged))!r} ({len(self.staged)} tensors)"
             if self.staged
@@ -218,7 +322,7 @@ class WeightUpdater:
             raise InvalidArgument("header: the first message of an update stream must be its header")
         with self._updating_model(first) as update:
             async for message in messages:
-                if isinstance(message, TensorPiece):
+                if isinstance(message, TensorPiece | SparsePiece):
                     update.add_piece(message)
                 elif isinstance(message, Commit):
                     return await self._commit(update, message, start)
@@ -254,7 +358,8 @@ class WeightUpdater:
             raise FailedPrecondition(f"version: {version} is not above model {name!r}'s live version {live}")
         self._updating.add(name)
         try:
-            yield _Update(served, UpdateHeader(name, version, header.partial), self._staging, self._pool)
+            header = UpdateHeader(name, version, header.partial, header.base_version)
+            yield _Update(served, header, self._staging, self._pool)
         finally:
             self._updating.discard(name)
 

@@ -65,6 +65,14 @@ class Staging:
         return torch.from_numpy(buffer).view(DTYPES[dtype]).reshape(shape)
 
     @staticmethod
+    def with_changes(live: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str) -> torch.Tensor:
+        """A host copy of ``live`` with the elements at flat ``indices`` replaced: a sparse update,
+        bit for bit the tensor a dense one would send."""
+        changed = live.detach().to("cpu", copy=True).contiguous()
+        changed.view(-1)[torch.from_numpy(indices.astype(np.int64))] = torch.from_numpy(values).view(DTYPES[dtype])
+        return changed
+
+    @staticmethod
     def read_file(file: Path) -> list[tuple[str, str, tuple[int, ...], torch.Tensor]]:
         """(name, dtype, shape, tensor) of every tensor of a safetensors file."""
         from safetensors import SafetensorError, safe_open
