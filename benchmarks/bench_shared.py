@@ -10,12 +10,12 @@ as TRL lays them out), by ``--clients`` client threads pulling from a shared que
 * the GRPO-like workload of ``bench_batching.py`` (256 sequences, prompts U[256, 1024],
   completions U[64, 4096]) with each group of 8 consecutive sequences given one prompt.
 
-Both ways run the same model and server code; only the setting differs: the server's
-(its scheduler and its scorer's packing) and the client's (shared: each group's prompt sent once,
-as a ``SequenceGroup``; unshared: every sequence whole, as before groups). Tokens/s count the
-sequences' real tokens, G * (P + R) a group, whatever is run. Peak extra GiB: peak allocated over the timed passes beyond what was there
-before. max |dlogp|: the first request's log-probs, shared against unshared (bf16 bodies whose
-kernels see other shapes: differences of a few 1e-2 are bf16 rounding).
+Both ways run the same model and server code; only the setting differs: the server's (its scheduler
+and its scorer's packing) and the client's (shared: each group's prompt sent once, as a
+``SequenceGroup``; unshared: every sequence whole, as before groups). Tokens/s count the sequences'
+real tokens, G * (P + R) a group, whatever is run. Peak extra GiB: peak allocated over the timed
+passes beyond what was there before. max |dlogp|: the first request's log-probs, shared against
+unshared (bf16 bodies whose kernels see other shapes: differences of a few 1e-2 are bf16 rounding).
 
     PYTHONPATH=service:client python3 benchmarks/bench_shared.py               # a GPU
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_shared.py --smoke   # the CPU: runs, nothing more

@@ -10,7 +10,9 @@ Measured, in one run:
   1. update alone, staged on the GPU and (forced by a huge staging reserve) on the host: GB/s
      seen by the client, the server's total and swap time, and the peak device memory above
      what was allocated before the update (the staged copy of the weights, when on the GPU);
-  2. scoring latency p50/p99 with no update, then while updates run back to back.
+  2. sparse deltas (``update_weights(..., delta=True)``) of 2% of every tensor's elements: time,
+     bytes sent, and both against the dense push;
+  3. scoring latency p50/p99 with no update, then while updates run back to back.
 
 Run: PYTHONPATH=service:client python3 benchmarks/bench_weights.py   (--tiny for a CPU smoke run)
 """
@@ -37,22 +39,32 @@ QWEN25_15B = ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072)
 TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)
 MODEL = "policy"
 GiB = 1024**3
+DELTA_FRACTION = 0.02  # of each tensor's elements changed between two delta pushes
 
 
 # ----------------------------------------------------------------------------- other processes
 
 
 def pusher(target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], chunk_bytes: int, jobs, results) -> None:
-    """The trainer's side: new weights in host memory, pushed once per job received."""
+    """The trainer's side: new weights in host memory, pushed once per job received: "push" dense;
+    "delta" a sparse delta, after an untimed delta push that makes the server hold what the client
+    does, of ``DELTA_FRACTION`` of every tensor's elements changed (an RL step's small update)."""
     from logprob_client import LogprobClient
 
     torch.manual_seed(1)
     weights = {name: (torch.randn(shape) * 0.02).to(dtype) for name, shape, dtype in spec}
     with LogprobClient(target, timeout=600) as client:
         results.put("ready")
-        while jobs.get() is not None:
+        while (job := jobs.get()) is not None:
+            delta = job == "delta"
+            if delta:
+                client.update_weights(MODEL, weights, delta=True, chunk_bytes=chunk_bytes)
+                for tensor in weights.values():
+                    flat = tensor.view(-1)
+                    where = torch.randint(flat.numel(), (max(1, int(DELTA_FRACTION * flat.numel())),))
+                    flat[where] += 0.001
             start = time.perf_counter()
-            result = client.update_weights(MODEL, weights, chunk_bytes=chunk_bytes)
+            result = client.update_weights(MODEL, weights, chunk_bytes=chunk_bytes, delta=delta)
             results.put((time.perf_counter() - start, result))
 
 
@@ -104,10 +116,10 @@ class Update:
     extra_gib: float
 
 
-def push_once(jobs, results, device: torch.device, staged: str) -> Update:
+def push_once(jobs, results, device: torch.device, staged: str, job: str = "push") -> Update:
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     reset_peak(device)
-    jobs.put("push")
+    jobs.put(job)
     seconds, result = results.get(timeout=900)
     extra = (peak_allocated(device) - before) / GiB if device.type == "cuda" else float("nan")
     assert result.staged_on == staged, f"expected staging on {staged}, the server staged on {result.staged_on}"
@@ -146,6 +158,7 @@ def main() -> None:
         assert results.get(timeout=600) == "ready"
 
         updates = [push_once(jobs, results, device, str(device)) for _ in range(args.repeats)]
+        deltas = [push_once(jobs, results, device, str(device), "delta") for _ in range(args.repeats)]
         if device.type == "cuda":
             server_settings = settings.model_copy(update={"update_staging_reserve_bytes": 10**15})
             with LoopbackServer(server_settings, registry) as host_target:
@@ -197,6 +210,21 @@ def main() -> None:
         lines.append(
             f"| {u.staged} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | {u.server_total_s:.2f} | "
             f"{u.swap_s:.3f} | {u.extra_gib:.2f} |"
+        )
+    dense = statistics.median(u.seconds for u in updates if u.staged == str(device))
+    dense_bytes = weights_gb * 1e9
+    lines += [
+        "",
+        f"Sparse deltas: {DELTA_FRACTION:.0%} of every tensor's elements changed since the version the server "
+        f"holds; against the median dense push staged on {device} above ({dense:.2f} s)",
+        "",
+        "| client time (s) | bytes sent (GB) | of the dense bytes | x faster than dense | server total (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for u in deltas:
+        lines.append(
+            f"| {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / dense_bytes:.1%} | {dense / u.seconds:.2f}x | "
+            f"{u.server_total_s:.2f} |"
         )
     lines += [
         "",
