@@ -37,6 +37,7 @@ class ModelInfo:
     device: str
     base_model: str = ""  # a LoRA model's base, whose weights it shares
     attention: str = ""  # which attention backend serves which kind of row
+    determinism: str = ""  # what the server's --deterministic guarantees for this model
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ def model_info(m: pb.ModelInfo) -> ModelInfo:
         device=m.device,
         base_model=m.base_model,
         attention=m.attention,
+        determinism=m.determinism,
     )
 
 

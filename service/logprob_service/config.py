@@ -134,6 +134,14 @@ class Settings(BaseSettings):
             "the token budget counts the tokens run."
         ),
     )
+    deterministic: bool = Field(
+        False,
+        description=(
+            "Bitwise batch-invariant scores on CUDA: a sequence's log-probs and entropies do not depend on what "
+            "shares its micro-batch (fixed lm_head kernel splits, cuBLAS split-K off, one attention kernel for every "
+            "row); ListModels says what holds. On the CPU only run to run. Off until its cost is measured."
+        ),
+    )
     max_batch_tokens: int = Field(
         DEFAULT_MAX_BATCH_TOKENS,
         ge=1,

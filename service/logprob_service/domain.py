@@ -132,3 +132,4 @@ class ModelInfo:
     fingerprint: str
     base_model: str = ""  # a LoRA model's base, whose weights it shares
     attention: str = ""  # which attention backend serves which kind of row (ops.attention)
+    determinism: str = ""  # what --deterministic guarantees here (models.scorer.determinism)

@@ -87,7 +87,7 @@ class Service:
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
         try:
-            logprob_op = select_logprob_op(s.logprob_kernel, device, s.lm_head_chunk_bytes)
+            logprob_op = select_logprob_op(s.logprob_kernel, device, s.lm_head_chunk_bytes, invariant=s.deterministic)
         except ValueError as err:  # a forced kernel this host cannot run: fail before loading weights
             raise ModelLoadError(str(err)) from None
         loop = asyncio.get_running_loop()
@@ -104,7 +104,12 @@ class Service:
                     dtype=dtype,
                     logprob_op=logprob_op,
                     options=ScoringOptions(
-                        s.attention_backend, s.long_sequence_tokens, s.chunk_tokens, s.compile_layers, s.share_prompts
+                        s.attention_backend,
+                        s.long_sequence_tokens,
+                        s.chunk_tokens,
+                        s.compile_layers,
+                        s.share_prompts,
+                        s.deterministic,
                     ),
                     trust_remote_code=s.trust_remote_code,
                 ),

@@ -136,6 +136,7 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
         fingerprint=info.fingerprint,
         base_model=info.base_model,
         attention=info.attention,
+        determinism=info.determinism,
         limits=pb.ModelLimits(
             max_sequence_tokens=info.max_positions or 0,
             max_sequences_per_request=limits.max_sequences_per_request,

@@ -32,6 +32,7 @@ from logprob_service.ops.attention import (
     packed_forward_kwargs,
     register_packed_attention,
 )
+from logprob_service.ops.determinism import pin_matmul_reductions
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
 from logprob_service.ops.logprobs import LogitTransform
 
@@ -66,6 +67,13 @@ class ScoringOptions:
     compile_layers: CompileLayers = "auto"
     # Sequences of a micro-batch with identical prompts run the prompt once (worker.packing).
     share_prompts: bool = True
+    # Bitwise batch-invariant scores on CUDA (ops.determinism): one attention kernel for every row.
+    deterministic: bool = False
+
+
+# With ``deterministic``, the preference "auto" becomes this one: the ragged kernel for lone
+# sequences too, not torch's SDPA, so a sequence alone runs the kernel it runs when packed.
+INVARIANT_ATTENTION: dict[AttentionBackend, AttentionBackend] = {"auto": "cudnn"}
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,8 @@ class CausalLMScorer:
     ) -> None:
         register_packed_attention()
         options = options or ScoringOptions()
-        model.set_attn_implementation(attention_implementation_name(options.attention_backend))
+        self.options = options
+        model.set_attn_implementation(attention_implementation_name(self.attention_preference))
         self.model = model
         self.body = model.base_model
         install_chunking(self.body)
@@ -140,9 +149,34 @@ class CausalLMScorer:
         self.head_weight: torch.Tensor = head.weight  # [V, H]; the input embedding when tied
         self.head_bias: torch.Tensor | None = getattr(head, "bias", None)
         self.transform = config_logit_transform(model.config)
-        self.logprob_op = logprob_op or select_logprob_op("auto", self.head_weight.device)
-        self.options = options
+        self.logprob_op = logprob_op or select_logprob_op(
+            "auto", self.head_weight.device, invariant=options.deterministic
+        )
+        self._matmuls_pinned = None
+        if options.deterministic and self.device.type == "cuda":
+            self._matmuls_pinned = pin_matmul_reductions()
         self._compile_layers(options.compile_layers)
+
+    @property
+    def attention_preference(self) -> AttentionBackend:
+        """The attention backend setting as this scorer applies it (``INVARIANT_ATTENTION``)."""
+        backend = self.options.attention_backend
+        return INVARIANT_ATTENTION.get(backend, backend) if self.options.deterministic else backend
+
+    def determinism(self) -> str:
+        """What ``--deterministic`` guarantees for this model on this device, for ``ListModels``."""
+        if not self.options.deterministic:
+            return "off: a sequence's scores may move (by float rounding) with what shares its micro-batch"
+        if self.device.type != "cuda":
+            return "on, but on the CPU only run to run: matmul kernels follow the micro-batch's size"
+        if self._matmuls_pinned is not None:
+            return f"on, but not batch-invariant: {self._matmuls_pinned}"
+        if self.logprob_op.kernel != "triton":
+            return "on, but not batch-invariant: the lm_head runs in eager chunks (cuBLAS by chunk size)"
+        return (
+            "bitwise batch-invariant on this GPU model and software: fixed lm_head splits, "
+            "no split-K GEMMs, one attention kernel for every row"
+        )
 
     @property
     def layers_compiled(self) -> bool:
@@ -188,7 +222,7 @@ class CausalLMScorer:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return describe_backends(
-            self.options.attention_backend,
+            self.attention_preference,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,

@@ -90,6 +90,7 @@ def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
         version=0,
         fingerprint=fingerprint(digests),
         attention=scorer.attention_plan(),
+        determinism=scorer.determinism(),
     )
     return ServedModel(info=info, scorer=scorer, digests=digests)
 

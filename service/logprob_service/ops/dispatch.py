@@ -41,6 +41,10 @@ class LogprobOp:
 
     kernel: Literal["triton", "eager"]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # eager only
+    # triton: a row's result does not depend on the other rows (fused_logprobs.invariant_plan).
+    # eager: rows go in chunks of a size fixed by V, but the CPU's matmul picks its kernels by the
+    # chunk's rows, so only CUDA with split-K off (ops.determinism) is invariant there.
+    invariant: bool = False
 
     def __call__(
         self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Unpack[OpOptions]
@@ -50,7 +54,7 @@ class LogprobOp:
         if self.kernel == "triton":
             from logprob_service.ops.fused_logprobs import fused_token_logprobs
 
-            return fused_token_logprobs(hidden, weight, targets, **options)
+            return fused_token_logprobs(hidden, weight, targets, invariant=self.invariant, **options)
         return chunked_token_logprobs(hidden, weight, targets, chunk_bytes=self.chunk_bytes, **options)
 
 
@@ -62,15 +66,17 @@ def _triton_importable() -> bool:
     return True
 
 
-def select_logprob_op(kernel: LogprobKernel, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LogprobOp:
+def select_logprob_op(
+    kernel: LogprobKernel, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *, invariant: bool = False
+) -> LogprobOp:
     """Resolve ``kernel`` for ``device``; a forced ``triton`` that cannot run raises ValueError."""
     if kernel == "auto":
         if device.type != "cuda":
-            return LogprobOp("eager", chunk_bytes)
+            return LogprobOp("eager", chunk_bytes, invariant)
         if not _triton_importable():
             log.warning("the triton package does not import: the lm_head runs in eager chunks (slower)")
-            return LogprobOp("eager", chunk_bytes)
-        return LogprobOp("triton", chunk_bytes)
+            return LogprobOp("eager", chunk_bytes, invariant)
+        return LogprobOp("triton", chunk_bytes, invariant)
     if kernel == "triton":
         if not _triton_importable():
             raise ValueError("logprob_kernel: 'triton' needs the triton package (pip install triton)")
@@ -79,4 +85,4 @@ def select_logprob_op(kernel: LogprobKernel, device: torch.device, chunk_bytes: 
                 f"logprob_kernel: 'triton' needs a CUDA device, and the device is {device}; "
                 "use 'auto' or 'eager' (or set TRITON_INTERPRET=1 to run the kernel in Triton's slow interpreter)"
             )
-    return LogprobOp(kernel, chunk_bytes)
+    return LogprobOp(kernel, chunk_bytes, invariant)

@@ -302,6 +302,24 @@ def plan_launch(n_rows: int, hdim: int, vocab: int, itemsize: int, config: Kerne
     return LaunchPlan(splits=splits, group_rows=group_rows)
 
 
+# Rows of the batch whose plan's vocabulary splits a batch-invariant launch uses for every batch.
+INVARIANT_PLAN_ROWS = 8192
+
+
+def invariant_plan(
+    n_rows: int, hdim: int, vocab: int, itemsize: int, config: KernelConfig, dev: DeviceInfo
+) -> LaunchPlan:
+    """A plan whose results do not depend on ``n_rows``: the vocabulary splits are those planned for
+    ``INVARIANT_PLAN_ROWS`` rows, whatever the batch, so every row is reduced over the same ranges in
+    the same order (within a split the tiles run in order; the combine merges splits in order; a
+    row's dot products do not depend on which rows share its block). Only the program order (the
+    groups) follows the batch: it changes the schedule, not the arithmetic."""
+    fixed = plan_launch(INVARIANT_PLAN_ROWS, hdim, vocab, itemsize, config, dev)
+    return LaunchPlan(
+        splits=fixed.splits, group_rows=plan_launch(n_rows, hdim, vocab, itemsize, config, dev).group_rows
+    )
+
+
 def fused_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -312,13 +330,15 @@ def fused_token_logprobs(
     return_entropy: bool = False,
     config: KernelConfig | None = None,
     plan: LaunchPlan | None = None,
+    invariant: bool = False,
 ) -> TokenScores:
     """Log-prob of ``targets`` under ``hidden @ weight.T`` with the fused kernel; see the module doc.
 
     hidden: [N, H] and weight: [V, H], both bf16, fp16 or fp32 (hidden is cast to weight's dtype);
     targets: [N] integer in [0, V); bias: [V] or None. Returns float32 [N] log-probs (and
-    entropies when asked). ``config`` and ``plan`` override the tiles and the grid (tests use them
-    to exercise several tiles, groups and splits at small shapes).
+    entropies when asked). ``invariant``: each row's result bit for bit the same whatever the
+    other rows (``invariant_plan``). ``config`` and ``plan`` override the tiles and the grid (tests
+    use them to exercise several tiles, groups and splits at small shapes).
     """
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused log-probs support {SUPPORTED_DTYPES} weights, not {weight.dtype}")
@@ -335,7 +355,8 @@ def fused_token_logprobs(
     entropies = torch.empty_like(logprobs) if return_entropy else None
     if n == 0:
         return TokenScores(logprobs=logprobs, entropies=entropies)
-    plan = plan or plan_launch(n, hdim, vocab, weight.element_size(), config, device_info(hidden.device))
+    planner = invariant_plan if invariant else plan_launch
+    plan = plan or planner(n, hdim, vocab, weight.element_size(), config, device_info(hidden.device))
     v_tiles = triton.cdiv(vocab, config.block_v)
     tiles_per_split = triton.cdiv(v_tiles, plan.splits)
     splits = triton.cdiv(v_tiles, tiles_per_split)  # none left empty
