@@ -516,6 +516,7 @@ def log(message: str) -> None:
 # Issue 15's goals: (c) tokens/s over (a)'s, per shape; and the GPU kept busy through gRPC.
 SPEEDUP_GOALS = {"Qwen2.5-0.5B": 3.0, "Qwen2.5-1.5B": 2.5}
 BUSY_GOAL_PERCENT = 90
+DETERMINISTIC_COST_GOAL = 0.03  # issue 17: tokens/s with --deterministic on vs off
 
 
 @dataclass
@@ -526,9 +527,16 @@ class ShapeReport:
     sweep: list[tuple[int, Measured]]  # (max_batch_tokens, (b) with it)
 
 
+def deterministic_label(scorer: OfflineScorer) -> str:
+    return ", deterministic" if scorer.scorer.options.deterministic else ""
+
+
 def run_in_process(harness: Harness, scorer: OfflineScorer, workload: Workload) -> Measured:
     """(b): ``scorer.score`` over the whole workload."""
-    method = f"(b) service in-process: OfflineScorer.score, max_batch_tokens {scorer.max_batch_tokens}"
+    method = (
+        f"(b) service in-process: OfflineScorer.score, max_batch_tokens {scorer.max_batch_tokens}"
+        f"{deterministic_label(scorer)}"
+    )
     return harness.measure(method, lambda: service_pass(scorer, workload))
 
 
@@ -538,7 +546,7 @@ def run_grpc(harness: Harness, scorer: OfflineScorer, workload: Workload, args: 
     registry.add(serve_model(MODEL_NAME, "random", scorer.scorer))
     method = (
         f"(c) service via gRPC: {args.clients} clients, requests of {workload.group_size} sequences, "
-        f"max_batch_tokens {args.max_batch_tokens}"
+        f"max_batch_tokens {args.max_batch_tokens}{deterministic_label(scorer)}"
     )
     log("  starting the gRPC server (weights fingerprint, warm-up)")
     with LoopbackServer(server_settings(args, harness.device), registry) as target:
@@ -568,20 +576,24 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
     workload = workload_for(args, shape.vocab)
     baseline = run_baseline(harness, model, workload)
 
-    options = scoring_options(args)  # the scorer switches the model to its attention, compiles its layers
-    with OfflineScorer(
-        model, options=options, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences
-    ) as scorer:
-        in_process = run_in_process(harness, scorer, workload)
-        via_grpc = run_grpc(harness, scorer, workload, args)
-        service = f"service: attention {scorer.served.info.attention}; {layers_label(scorer.scorer)}"
+    rows, service = [baseline], ""
+    # Off before on: turning cuBLAS split-K off is process-wide (ops.determinism) and stays off.
+    for deterministic in {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]:
+        # The scorer switches the model to its attention and compiles its layers.
+        options = scoring_options(args, deterministic=deterministic)
+        with OfflineScorer(
+            model, options=options, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences
+        ) as scorer:
+            rows += [run_in_process(harness, scorer, workload), run_grpc(harness, scorer, workload, args)]
+            service += f"service{', deterministic' if deterministic else ''}: attention {scorer.served.info.attention}"
+            service += f"; {layers_label(scorer.scorer)}; {scorer.served.info.determinism}\n"
     sweep = []
     for value in args.sweep_batch_tokens:
         with OfflineScorer(
             model, options=options, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences
         ) as sweep_scorer:
             sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
-    return ShapeReport(shape, f"{describe_model(shape, model)}\n{service}", [baseline, in_process, via_grpc], sweep)
+    return ShapeReport(shape, f"{describe_model(shape, model)}\n{service.rstrip()}", rows, sweep)
 
 
 def workload_for(args: argparse.Namespace, vocab: int) -> Workload:
@@ -643,7 +655,7 @@ def format_sweep(sweep: list[tuple[int, Measured]], workload: Workload) -> str:
 
 def format_checks(shape: ModelShape, rows: list[Measured], workload: Workload) -> str:
     """The sanity check against (a) and the issue's goals, as plain lines."""
-    baseline, in_process, via_grpc = rows
+    baseline, in_process, via_grpc = rows[:3]  # with --deterministic both, (b) and (c) with it on follow
     n = workload.group_size
     diffs = ", ".join(f"{m.method[:3]} {_num(max_abs_diff(m, baseline), '.3g')}" for m in (in_process, via_grpc))
     lines = [
@@ -671,6 +683,14 @@ def format_checks(shape: ModelShape, rows: list[Measured], workload: Workload) -
             f"{'' if busy is None else (' (met)' if busy >= BUSY_GOAL_PERCENT else ' (NOT met)')}; "
             f"peak memory (c) vs (a): {memory}"
         )
+    if len(rows) == 5:
+        costs = []
+        for off, on in zip(rows[1:3], rows[3:5], strict=True):
+            rate_off, rate_on = tokens_per_s(off, workload), tokens_per_s(on, workload)
+            cost = 1 - rate_on / rate_off if rate_off and rate_on else None
+            verdict = "" if cost is None else f" ({'met' if cost <= DETERMINISTIC_COST_GOAL else 'NOT met'})"
+            costs.append(f"{off.method[:3]} {_num(None if cost is None else 100 * cost, '.1f')}%{verdict}")
+        lines.append(f"goal: deterministic costs <= {DETERMINISTIC_COST_GOAL:.0%} of tokens/s: {', '.join(costs)}")
     return "\n".join(lines)
 
 
@@ -761,6 +781,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--sample-ms", type=float, default=100.0, help="GPU utilization sampling interval")
     add_scoring_arguments(parser)
     add("--seed", type=int, default=0)
+    add(
+        "--deterministic",
+        default="off",
+        choices=["off", "on", "both"],
+        help="the service's deterministic setting; both: (b) and (c) with it off, then on (its cost, in one run)",
+    )
     args = parser.parse_args(argv)
     smoke = args.smoke
     defaults = {
