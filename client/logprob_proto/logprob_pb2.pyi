@@ -231,3 +231,64 @@ class UpdateWeightsResponse(_message.Message):
     total_ns: int
     swap_ns: int
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., staged_on: _Optional[str] = ..., total_ns: _Optional[int] = ..., swap_ns: _Optional[int] = ...) -> None: ...
+
+class InitWeightsUpdateGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightsUpdateGroupResponse(_message.Message):
+    __slots__ = ("rank", "world_size", "backend", "device")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DistributedUpdateRequest(_message.Message):
+    __slots__ = ("header", "group_name", "tensors")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateWeightsHeader
+    group_name: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, header: _Optional[_Union[UpdateWeightsHeader, _Mapping]] = ..., group_name: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class DistributedUpdateResponse(_message.Message):
+    __slots__ = ("ready", "done")
+    class Ready(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ready: DistributedUpdateResponse.Ready
+    done: UpdateWeightsResponse
+    def __init__(self, ready: _Optional[_Union[DistributedUpdateResponse.Ready, _Mapping]] = ..., done: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...

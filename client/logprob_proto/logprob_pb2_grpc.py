@@ -59,6 +59,16 @@ class LogprobServiceStub:
                 request_serializer=logprob_dot_v1_dot_logprob__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.InitWeightsUpdateGroup = channel.unary_unary(
+                '/logprob.v1.LogprobService/InitWeightsUpdateGroup',
+                request_serializer=logprob_dot_v1_dot_logprob__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=logprob_dot_v1_dot_logprob__pb2.InitWeightsUpdateGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDistributed = channel.unary_stream(
+                '/logprob.v1.LogprobService/UpdateWeightsFromDistributed',
+                request_serializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.SerializeToString,
+                response_deserializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.FromString,
+                _registered_method=True)
 
 
 class LogprobServiceServicer:
@@ -107,6 +117,29 @@ class LogprobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsUpdateGroup(self, request, context):
+        """Administrative: join a torch.distributed group whose rank 0 is a trainer, to receive weights by
+        broadcast (UpdateWeightsFromDistributed): the convention of vLLM's and SGLang's
+        `init_weights_update_group`. The trainer hosts the group's TCP store at master_address:master_port
+        and joins as rank 0 meanwhile; the call returns once every rank joined. A group of the same
+        name replaces the old one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDistributed(self, request, context):
+        """Administrative: an update whose tensors come by broadcast from rank 0 of a joined group. The
+        request names every tensor (name, dtype, shape) in broadcast order; the server checks them all
+        against the model and answers `ready` (or fails the call before anything is broadcast); rank 0
+        then broadcasts them in that order, and the server answers `done` once they are live. Versions,
+        `partial`, the swap between micro-batches and its guarantees are UpdateWeights'. A broadcast
+        that stalls past the group's timeout aborts the update (ABORTED) and closes the group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LogprobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +167,16 @@ def add_LogprobServiceServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=logprob_dot_v1_dot_logprob__pb2.LoadWeightsRequest.FromString,
                     response_serializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'InitWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsUpdateGroup,
+                    request_deserializer=logprob_dot_v1_dot_logprob__pb2.InitWeightsUpdateGroupRequest.FromString,
+                    response_serializer=logprob_dot_v1_dot_logprob__pb2.InitWeightsUpdateGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDistributed': grpc.unary_stream_rpc_method_handler(
+                    servicer.UpdateWeightsFromDistributed,
+                    request_deserializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.FromString,
+                    response_serializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +314,60 @@ class LogprobService:
             '/logprob.v1.LogprobService/LoadWeights',
             logprob_dot_v1_dot_logprob__pb2.LoadWeightsRequest.SerializeToString,
             logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logprob.v1.LogprobService/InitWeightsUpdateGroup',
+            logprob_dot_v1_dot_logprob__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+            logprob_dot_v1_dot_logprob__pb2.InitWeightsUpdateGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDistributed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/logprob.v1.LogprobService/UpdateWeightsFromDistributed',
+            logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.SerializeToString,
+            logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

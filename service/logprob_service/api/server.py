@@ -33,6 +33,7 @@ from logprob_service.models.scorer import ScoringOptions
 from logprob_service.models.served import load_served_model, serve_lora_model
 from logprob_service.observability import metrics
 from logprob_service.ops.dispatch import select_logprob_op
+from logprob_service.worker.collectives import WeightGroup
 from logprob_service.worker.executor import DeviceExecutor
 from logprob_service.worker.staging import Staging
 
@@ -71,7 +72,8 @@ class Service:
             share_prompts=settings.share_prompts,
             stats=stats,
         )
-        updater = WeightUpdater(registry, scheduler, Staging(settings.update_staging_reserve_bytes), stats=stats)
+        staging = Staging(settings.update_staging_reserve_bytes)
+        updater = WeightUpdater(registry, scheduler, staging, join_group=WeightGroup, stats=stats)
         return cls(settings, registry, executor, scheduler, updater, ServingState(), tokens)
 
     @property

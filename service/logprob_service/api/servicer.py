@@ -133,3 +133,16 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
     ) -> pb.UpdateWeightsResponse:
         self._state.check_accepting()
         return wire.update_response(await self._updater.load(*wire.load_request(request)))
+
+    async def InitWeightsUpdateGroup(
+        self, request: pb.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InitWeightsUpdateGroupResponse:
+        self._state.check_accepting()
+        return wire.group_response(await self._updater.join_group(wire.group_spec(request)))
+
+    async def UpdateWeightsFromDistributed(
+        self, request: pb.DistributedUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DistributedUpdateResponse]:
+        self._state.check_accepting()
+        async for event in self._updater.update_from_group(*wire.distributed_update(request)):
+            yield wire.distributed_response(event)

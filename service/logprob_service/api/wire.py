@@ -11,11 +11,15 @@ from logprob_proto import logprob_pb2 as pb
 
 from logprob_service.api.status import status_of
 from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.engine.interfaces import WeightGroup
 from logprob_service.engine.validation import RequestLimits, validate_temperature, validate_version
 from logprob_service.engine.weight_updates import (
     Commit,
+    GroupSpec,
+    Ready,
     SparsePiece,
     TensorPiece,
+    TensorSpec,
     UpdateHeader,
     UpdateMessage,
     UpdateOutcome,
@@ -196,3 +200,39 @@ def update_response(outcome: UpdateOutcome) -> pb.UpdateWeightsResponse:
         total_ns=outcome.total_ns,
         swap_ns=outcome.swap_ns,
     )
+
+
+DEFAULT_GROUP_TIMEOUT_S = 120.0
+
+
+def group_spec(request: pb.InitWeightsUpdateGroupRequest) -> GroupSpec:
+    if not request.group_name:
+        raise InvalidArgument("group_name: empty; a group needs a name for UpdateWeightsFromDistributed")
+    if not 0 < request.master_port < 65536:
+        raise InvalidArgument(f"master_port: {request.master_port} is not a TCP port")
+    return GroupSpec(
+        master_address=request.master_address or "127.0.0.1",
+        master_port=request.master_port,
+        rank=request.rank_offset,
+        world_size=request.world_size,
+        name=request.group_name,
+        backend=request.backend,
+        timeout_s=request.timeout_s or DEFAULT_GROUP_TIMEOUT_S,
+    )
+
+
+def group_response(group: WeightGroup) -> pb.InitWeightsUpdateGroupResponse:
+    return pb.InitWeightsUpdateGroupResponse(
+        rank=group.rank, world_size=group.world_size, backend=group.backend, device=str(group.device)
+    )
+
+
+def distributed_update(request: pb.DistributedUpdateRequest) -> tuple[UpdateHeader, str, list[TensorSpec]]:
+    tensors = [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in request.tensors]
+    return _update_header(request.header), request.group_name, tensors
+
+
+def distributed_response(event: Ready | UpdateOutcome) -> pb.DistributedUpdateResponse:
+    if isinstance(event, Ready):
+        return pb.DistributedUpdateResponse(ready=pb.DistributedUpdateResponse.Ready())
+    return pb.DistributedUpdateResponse(done=update_response(event))

@@ -95,3 +95,35 @@ class Staging(Protocol):
     def with_changes(self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str) -> Any:
         """A host copy of the ``live`` weight with the elements at flat ``indices`` set to ``values``
         (their raw bytes in ``dtype``)."""
+
+
+class WeightGroup(Protocol):
+    """This server's rank in a torch.distributed group with a trainer (``worker.collectives``)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: Any
+
+    def receive(self, dtype: str, shape: tuple[int, ...]) -> Any:
+        """The next tensor rank 0 broadcasts, on the server's device (blocks; raises past the timeout)."""
+
+    def close(self) -> None:
+        """Leave the group."""
+
+
+class JoinGroup(Protocol):
+    """Join a trainer's group (``worker.collectives.WeightGroup``); blocks until every rank is in."""
+
+    def __call__(
+        self,
+        device: Any,
+        *,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> WeightGroup: ...

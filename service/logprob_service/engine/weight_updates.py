@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from logprob_service.domain import DTYPE_BYTES
-from logprob_service.engine.interfaces import ServedModel, Staging, UpdatableWeights
+from logprob_service.engine.interfaces import JoinGroup, ServedModel, Staging, UpdatableWeights, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument
@@ -82,6 +82,32 @@ class Commit:
 
 
 UpdateMessage = UpdateHeader | TensorPiece | SparsePiece | Commit
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A trainer's weight-update group to join (InitWeightsUpdateGroup)."""
+
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int
+    name: str
+    backend: str  # "nccl", "gloo", or "" (by device)
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor a group's rank 0 will broadcast."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class Ready:
+    """An update from a group is checked: rank 0 may broadcast."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +247,7 @@ class _Update:
             kind = "a sparse piece" if sparse else "a dense piece"
             raise InvalidArgument(f"tensor {a.name!r}: only {a.progress} came before {kind} of tensor {piece.name!r}")
         if a is None:
-            self._check_new(piece.name, piece.dtype, piece.shape)
+            self.check_new(piece.name, piece.dtype, piece.shape)
             a = self.assembly = _SparseAssembly(piece) if isinstance(piece, SparsePiece) else _Assembly(piece)
             if isinstance(a, _SparseAssembly):
                 self._check_base(a.name)
@@ -237,7 +263,7 @@ class _Update:
                     lambda: self.stager.stage(self.staging.with_changes(live, *changes))
                 )
             else:
-                self._stage(a.name, a.buffer.nbytes, self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
+                self.stage(a.name, a.buffer.nbytes, self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
 
     def _check_base(self, name: str) -> None:
         base, live = self.header.base_version, self.served.info.version
@@ -251,10 +277,10 @@ class _Update:
 
     def add_tensor(self, name: str, dtype: str, shape: tuple[int, ...], tensor: Any) -> None:
         """A whole tensor at once (read from a file)."""
-        self._check_new(name, dtype, shape)
-        self._stage(name, math.prod(shape) * DTYPE_BYTES[dtype], tensor)
+        self.check_new(name, dtype, shape)
+        self.stage(name, math.prod(shape) * DTYPE_BYTES[dtype], tensor)
 
-    def _check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+    def check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         if name in self.staged:
             raise InvalidArgument(f"tensor {name!r}: sent twice in one update")
         if dtype not in DTYPE_BYTES:
@@ -263,7 +289,7 @@ class _Update:
             raise InvalidArgument(f"tensor {name!r}: negative dimension in shape {list(shape)}")
         self.target.check(name, dtype, shape)
 
-    def _stage(self, name: str, nbytes: int, tensor: Any) -> None:
+    def stage(self, name: str, nbytes: int, tensor: Any) -> None:
         self.bytes += nbytes
         self.staged[name] = self.pool.submit(self.stager.stage, tensor)  # hashed and copied off the loop
 
@@ -301,14 +327,22 @@ class WeightUpdater:
     """Runs the weight updates of a server's models (asyncio side; the swap runs on the device thread)."""
 
     def __init__(
-        self, registry: ModelRegistry, scheduler: Scheduler, staging: Staging, *, stats: StatsSink = NO_STATS
+        self,
+        registry: ModelRegistry,
+        scheduler: Scheduler,
+        staging: Staging,
+        *,
+        join_group: JoinGroup | None = None,
+        stats: StatsSink = NO_STATS,
     ) -> None:
         self._registry = registry
         self._scheduler = scheduler
         self._staging = staging
+        self._join_group = join_group
         self._stats = stats
         self._updating: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
+        self._groups: dict[str, WeightGroup] = {}  # joined trainers' groups, by name
 
     def updating(self, model: str) -> bool:
         """Whether an update of ``model`` is in progress (its header came; its swap is not done)."""
@@ -339,6 +373,70 @@ class WeightUpdater:
                 for name, dtype, shape, tensor in await asyncio.to_thread(self._staging.read_file, file):
                     update.add_tensor(name, dtype, shape, tensor)
             return await self._commit(update, Commit(len(update.staged)), start)
+
+    async def join_group(self, spec: GroupSpec) -> WeightGroup:
+        """Join a trainer's group (replacing one of the same name); returns once every rank is in."""
+        if self._join_group is None:
+            raise FailedPrecondition("InitWeightsUpdateGroup: this server takes no weights by broadcast")
+        if not 0 < spec.rank < spec.world_size:
+            raise InvalidArgument(
+                f"rank_offset: {spec.rank} must be in [1, world_size={spec.world_size}) (0 is the trainer)"
+            )
+        if spec.timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s: {spec.timeout_s} must be > 0")
+        if (old := self._groups.pop(spec.name, None)) is not None:
+            old.close()
+        device = next(iter(self._registry)).device
+        join = self._join_group
+        group = await asyncio.to_thread(
+            lambda: join(
+                device,
+                master_address=spec.master_address,
+                master_port=spec.master_port,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                name=spec.name,
+                backend=spec.backend,
+                timeout_s=spec.timeout_s,
+            )
+        )
+        self._groups[spec.name] = group
+        log.info("joined weight group %r as rank %d of %d (%s)", spec.name, spec.rank, spec.world_size, group.backend)
+        return group
+
+    async def update_from_group(
+        self, header: UpdateHeader, group_name: str, tensors: list[TensorSpec]
+    ) -> AsyncIterator[Ready | UpdateOutcome]:
+        """An update whose tensors rank 0 of ``group_name`` broadcasts: yields ``Ready`` once every
+        tensor is checked, then the outcome once they are live. A broadcast that fails (the trainer
+        went away, the group's timeout passed) aborts the update and closes the group."""
+        start = time.perf_counter_ns()
+        group = self._groups.get(group_name)
+        if group is None:
+            joined = ", ".join(map(repr, self._groups)) or "none"
+            raise FailedPrecondition(
+                f"group_name: no weight group {group_name!r} joined ({joined}); call InitWeightsUpdateGroup first"
+            )
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgument(f"tensor {twice!r}: named twice in one update")
+        with self._updating_model(header) as update:
+            for spec in tensors:
+                update.check_new(spec.name, spec.dtype, spec.shape)
+            yield Ready()
+            for i, spec in enumerate(tensors):
+                try:
+                    received = await asyncio.to_thread(group.receive, spec.dtype, spec.shape)
+                except Exception as err:  # a dead trainer, a timeout: the group is of no more use
+                    self._groups.pop(group_name, None)
+                    group.close()
+                    raise Aborted(
+                        f"tensor {spec.name!r}: its broadcast from rank 0 of group {group_name!r} failed after "
+                        f"{i} of {len(tensors)} tensors ({err}); nothing applied, the group is closed"
+                    ) from None
+                update.stage(spec.name, math.prod(spec.shape) * DTYPE_BYTES[spec.dtype], received)
+            yield await self._commit(update, Commit(len(tensors)), start)
 
     @contextlib.contextmanager
     def _updating_model(self, header: UpdateHeader) -> Iterator[_Update]:
@@ -396,6 +494,9 @@ class WeightUpdater:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for group in self._groups.values():
+            group.close()
+        self._groups.clear()
 
 
 def safetensors_files(path: str) -> list[Path]:

@@ -1,0 +1,127 @@
+"""Weights by broadcast (InitWeightsUpdateGroup, UpdateWeightsFromDistributed) through a real server
+on loopback, on the CPU with gloo: the trainer's ``WeightBroadcaster`` as rank 0, the server rank 1.
+
+The result is the update a gRPC push of the same weights makes (equal fingerprints, the scores of
+the new weights); tensors the model cannot take are refused before anything is broadcast; a
+trainer that stops midway aborts the update after the group's timeout, with the old weights live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from logprob_client import FailedPrecondition, InvalidRequest, LogprobClient
+from logprob_client.collective import WeightBroadcaster
+from logprob_proto import logprob_pb2 as pb
+from logprob_service.models.weights import model_fingerprint
+
+from tests.helpers.models import make_model, random_sequences
+from tests.helpers.processes import free_port
+from tests.helpers.seeds import session_seed
+from tests.helpers.server import as_lists, assert_scores_match, settings, start, stop
+
+TIMEOUT_S = 5.0  # the group's: how long the server waits for a broadcast that does not come
+
+
+@pytest.fixture
+async def served(tmp_path):
+    make_model("llama", tied=False, seed=session_seed("llama-broadcast")).save_pretrained(tmp_path)
+    running = await start(settings({"policy": str(tmp_path)}))
+    yield running
+    await stop(running)
+
+
+def new_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in model.state_dict().items()}
+
+
+def broadcaster(client: LogprobClient) -> WeightBroadcaster:
+    return WeightBroadcaster(client, master_port=free_port(), backend="gloo", timeout_s=TIMEOUT_S)
+
+
+async def test_a_broadcast_update_lands_as_a_grpc_push_of_the_same_weights(served, rng, seed):
+    model = served.scorer("policy").model
+    weights = new_weights(model, seed)
+    expected = make_model("llama", tied=False, seed=0)
+    expected.load_state_dict(weights)
+    sequences = random_sequences(rng, 4)
+
+    def run():
+        with LogprobClient(served.target, model="policy", timeout=60) as client, broadcaster(client) as sync:
+            joined = sync.connect()
+            assert (joined.rank, joined.world_size, joined.backend, joined.device) == (1, 2, "gloo", "cpu")
+            result = sync.push("policy", weights, version=7)
+            return result, client.score(*as_lists(sequences))
+
+    result, logprobs = await asyncio.to_thread(run)
+    assert (result.version, result.tensors) == (7, len(weights))
+    assert result.fingerprint == model_fingerprint(expected.eval())
+    assert_scores_match(expected, sequences, logprobs)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda w: w | {"model.norm.weight": torch.zeros(3)}, "model.norm.weight"),
+        (lambda w: w | {"lm_head.weight": w["lm_head.weight"].double()}, "lm_head.weight"),
+        (lambda w: w | {"model.bogus": torch.zeros(3)}, "model.bogus"),
+    ],
+    ids=["shape", "dtype", "name"],
+)
+async def test_tensors_the_model_cannot_take_are_refused_before_any_broadcast(served, seed, change, fragment):
+    model = served.scorer("policy").model
+    before = served.service.registry.get("policy").info
+
+    def run():
+        with LogprobClient(served.target, model="policy", timeout=60) as client, broadcaster(client) as sync:
+            with pytest.raises(InvalidRequest, match=fragment):
+                sync.push("policy", change(new_weights(model, seed)))
+            # The group is fine: a good push goes through it next.
+            return sync.push("policy", new_weights(model, seed + 1))
+
+    assert (await asyncio.to_thread(run)).version == before.version + 1
+
+
+async def test_a_trainer_that_stops_midway_aborts_the_update_and_the_group(served, seed):
+    model = served.scorer("policy").model
+    weights = new_weights(model, seed)
+    before = served.service.registry.get("policy").info
+
+    def run():
+        with LogprobClient(served.target, model="policy", timeout=60) as client, broadcaster(client) as sync:
+            sync.connect()
+            request = pb.DistributedUpdateRequest(
+                header=pb.UpdateWeightsHeader(model="policy"),
+                group_name=sync.group_name,
+                tensors=[pb.TensorSpec(name=n, dtype="float32", shape=t.shape) for n, t in weights.items()],
+            )
+            responses = client._stub.UpdateWeightsFromDistributed(request, timeout=60)
+            assert next(responses).WhichOneof("kind") == "ready"
+            sync._broadcast(next(iter(weights.values())).contiguous())  # one tensor, then nothing
+            with pytest.raises(grpc.RpcError) as caught:
+                next(responses)
+            assert caught.value.code() == grpc.StatusCode.ABORTED
+            assert "1 of" in caught.value.details() and "the group is closed" in caught.value.details()
+            with pytest.raises(FailedPrecondition, match="InitWeightsUpdateGroup"):
+                sync.push("policy", weights)  # the server left the group
+        with LogprobClient(served.target, model="policy", timeout=60) as client, broadcaster(client) as sync:
+            return sync.push("policy", weights)  # a new group works
+
+    result = await asyncio.to_thread(run)
+    assert result.version == before.version + 1  # the aborted update never went live
+
+
+async def test_no_group_no_update(served):
+    def run():
+        with LogprobClient(served.target, model="policy", timeout=60) as client:
+            request = pb.DistributedUpdateRequest(header=pb.UpdateWeightsHeader(model="policy"), group_name="nobody")
+            with pytest.raises(grpc.RpcError) as caught:
+                next(client._stub.UpdateWeightsFromDistributed(request, timeout=30))
+            return caught.value
+
+    err = await asyncio.to_thread(run)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "'nobody'" in err.details()
