@@ -73,6 +73,12 @@ def test_sync_ref_model_is_refused_before_anything_loads(tmp_path):
         RemoteReferenceGRPOTrainer(model="never-loaded", args=args, reference=unreachable_reference())
 
 
+def test_beta_without_a_reference_is_refused_before_anything_loads(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), beta=0.1, use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="beta=0.1 needs reference="):
+        RemoteReferenceGRPOTrainer(model="never-loaded", args=args)
+
+
 def test_beta_zero_warns_and_never_calls_the_service(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), beta=0.0, use_cpu=True, bf16=False, report_to=[])
     with pytest.warns(UserWarning, match="beta=0"):

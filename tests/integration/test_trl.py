@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -22,7 +23,7 @@ pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service
 import trl.trainer.grpo_trainer as grpo_module
 from datasets import Dataset
 from logprob_client import LogprobClient
-from logprob_client.integrations.trl import RemoteReference, RemoteReferenceGRPOTrainer
+from logprob_client.integrations.trl import RemotePolicy, RemoteReference, RemoteReferenceGRPOTrainer
 from logprob_service.models.builtin import build_builtin, tiny_llama_tokenizer
 from trl import GRPOConfig, GRPOTrainer
 
@@ -44,6 +45,8 @@ class Run:
     completion_ids: list[torch.Tensor] = field(default_factory=list)
     completion_mask: list[torch.Tensor] = field(default_factory=list)
     ref_logps: list[torch.Tensor] = field(default_factory=list)
+    old_logps: list[torch.Tensor] = field(default_factory=list)  # with num_iterations > 1
+    policies: list[dict[str, torch.Tensor]] = field(default_factory=list)  # the policy's weights at each generation
     losses: list[float] = field(default_factory=list)
     models_loaded: int = 0
     trainer: GRPOTrainer | None = None
@@ -79,8 +82,9 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def grpo_args(output_dir: Path) -> GRPOConfig:
+def grpo_args(output_dir: Path, iterations: int = 1, learning_rate: float = 3e-3) -> GRPOConfig:
     return GRPOConfig(
+        num_iterations=iterations,  # > 1: each batch serves several optimizer steps; TRL scores the old policy
         output_dir=str(output_dir),
         beta=BETA,
         temperature=0.9,  # not 1: the reference must be scored at the sampling temperature, as TRL does
@@ -89,7 +93,7 @@ def grpo_args(output_dir: Path) -> GRPOConfig:
         max_completion_length=12,
         mask_truncated_completions=True,
         max_steps=STEPS,
-        learning_rate=3e-3,  # large, so the policy leaves the reference and the KL term matters
+        learning_rate=learning_rate,  # 3e-3: large, so the policy leaves the reference and the KL term matters
         logging_steps=1,
         seed=SEED,
         bf16=False,  # float32 on the CPU: the comparison is about the reference, not about autocast
@@ -100,7 +104,14 @@ def grpo_args(output_dir: Path) -> GRPOConfig:
     )
 
 
-def train(trainer_cls: type[GRPOTrainer], policy_dir: Path, output_dir: Path, **kwargs) -> Run:
+def train(
+    trainer_cls: type[GRPOTrainer],
+    policy_dir: Path,
+    output_dir: Path,
+    iterations: int = 1,
+    learning_rate: float = 3e-3,
+    **kwargs,
+) -> Run:
     """Train for STEPS steps, recording each step's batch, reference log-probs and loss, and how
     many models TRL loaded."""
     run = Run()
@@ -116,7 +127,7 @@ def train(trainer_cls: type[GRPOTrainer], policy_dir: Path, output_dir: Path, **
         trainer = trainer_cls(
             model=str(policy_dir),
             reward_funcs=low_id_reward,
-            args=grpo_args(output_dir),
+            args=grpo_args(output_dir, iterations, learning_rate),
             train_dataset=Dataset.from_dict({"prompt": prompts * 4}),
             processing_class=tiny_llama_tokenizer(),
             **kwargs,
@@ -124,7 +135,11 @@ def train(trainer_cls: type[GRPOTrainer], policy_dir: Path, output_dir: Path, **
     generate, compute_loss = trainer._generate_and_score_completions, trainer.compute_loss
 
     def recording_generate(inputs):
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        run.policies.append({name: t.detach().clone() for name, t in policy.state_dict().items()})
         out = generate(inputs)
+        if "old_per_token_logps" in out:
+            run.old_logps.append(out["old_per_token_logps"].clone())
         run.prompt_ids.append(out["prompt_ids"].clone())
         run.prompt_mask.append(out["prompt_mask"].clone())
         run.completion_ids.append(out["completion_ids"].clone())
@@ -220,3 +235,81 @@ async def test_served_model_is_checked_at_construction(tiny_and_gemma, policy_di
 
     with pytest.raises(ValueError, match=match):
         await asyncio.to_thread(build)
+
+
+OLD_POLICY_LR = 1e-4  # one optimizer step moves the policy's log-probs by hundredths of a nat
+
+
+def old_policy_loss_tolerance(old_error: float, reference_atol: float) -> float:
+    """How far the two runs' losses may be apart when their old-policy log-probs are ``old_error``
+    apart (and their reference ones as in ``loss_tolerance``). The old policy enters GRPO's loss per
+    token as -A e^(p - o) (unclipped): its derivative in o is A e^(p - o), with |A| <= (G - 1) / sqrt(G)
+    = 1.5 for groups of 4 (normalized by the std with Bessel's correction) and e^(p - o) < 1.5 while
+    one optimizer step moves the policy by much less than half a nat (learning rate OLD_POLICY_LR):
+    at most 2.25 * old_error."""
+    return 2.25 * old_error + loss_tolerance(reference_atol)
+
+
+async def test_old_policy_logps_scored_by_the_service_match_trl_s_own(gemma_checkpoint, policy_dir, tmp_path):
+    """num_iterations=2: TRL scores the old policy while generating. With ``old_policy``, the
+    service does, after the trainer pushed the policy's weights (a delta after the first push)."""
+    run = {"iterations": 2, "learning_rate": OLD_POLICY_LR}
+    local = await asyncio.to_thread(train, GRPOTrainer, policy_dir, tmp_path / "local", **run)
+    models = {"default": "builtin:tiny-llama", "policy": str(policy_dir)}
+    running = await start(test_settings(gemma_checkpoint, models=models))
+    try:
+        with LogprobClient(running.target) as client:
+            old_policy = RemotePolicy(client, model="policy")
+            remote = await asyncio.to_thread(
+                train,
+                RemoteReferenceGRPOTrainer,
+                policy_dir,
+                tmp_path / "remote",
+                reference=RemoteReference(client, model="default"),
+                old_policy=old_policy,
+                **run,
+            )
+        served = running.service.registry.get("policy").info
+    finally:
+        await stop(running)
+
+    generations = len(remote.old_logps)
+    assert generations == len(local.old_logps) >= 2 and len(remote.losses) == len(local.losses) == STEPS
+    # One push per generation (the first: the starting weights, dense; then deltas).
+    assert served.version == old_policy.pushed.version == generations
+    temperature = grpo_args(tmp_path).temperature
+    old_error, reference_atol = [], []
+    for g in range(generations):
+        assert torch.equal(local.completion_ids[g], remote.completion_ids[g]), f"generation {g}: other samples"
+        mask = remote.completion_mask[g].bool()
+        rows = [i for i in range(len(mask)) if mask[i].any()]
+        sequences = as_sequences(
+            [remote.prompt_ids[g][i][remote.prompt_mask[g][i].bool()].tolist() for i in rows],
+            [remote.completion_ids[g][i][mask[i]].tolist() for i in rows],
+        )
+        policy = build_builtin("tiny-llama")
+        policy.load_state_dict(remote.policies[g])  # the weights that generated the batch
+        exact = ScoreReference(policy, sequences, temperature=temperature)
+        # The service's old-policy log-probs are as exact as the policy's own float32 forward;
+        # TRL's (a padded batch in float32) are what they are: their error is measured, not bounded.
+        exact.check([remote.old_logps[g][i][mask[i]].numpy() for i in rows])
+        trl_error = max(
+            float(np.abs(local.old_logps[g][i][mask[i]].numpy() - want).max())
+            for i, (want, _) in zip(rows, exact.exact, strict=True)
+        )
+        old_error.append(exact.atol + trl_error)
+        if g:  # the tolerance's premise: two optimizer steps moved these log-probs by under half a nat
+            before = build_builtin("tiny-llama")
+            before.load_state_dict(remote.policies[g - 1])
+            earlier = ScoreReference(before, sequences, temperature=temperature).exact
+            moved = max(float(np.abs(a - b).max()) for (a, _), (b, _) in zip(exact.exact, earlier, strict=True))
+            assert 0 < moved < 0.5, moved
+        reference_atol.append(ScoreReference(build_builtin("tiny-llama"), sequences, temperature=temperature).atol)
+    for step in range(STEPS):
+        g = step // 2  # num_iterations=2: each generation serves two optimizer steps
+        tolerance = old_policy_loss_tolerance(old_error[g], reference_atol[g])
+        assert abs(remote.losses[step] - local.losses[step]) <= tolerance, (
+            step,
+            remote.losses[step],
+            local.losses[step],
+        )

@@ -1,14 +1,15 @@
 """TRL's ``GRPOTrainer`` with its reference log-probs scored by logprob-service.
 
     from logprob_client import LogprobClient
-    from logprob_client.integrations.trl import RemoteReference, RemoteReferenceGRPOTrainer
+    from logprob_client.integrations.trl import RemotePolicy, RemoteReference, RemoteReferenceGRPOTrainer
 
     trainer = RemoteReferenceGRPOTrainer(
         model="Qwen/Qwen2.5-0.5B-Instruct",
         reward_funcs=reward,
-        args=GRPOConfig(beta=0.04, ...),
+        args=GRPOConfig(beta=0.04, num_iterations=2, ...),
         train_dataset=dataset,
         reference=RemoteReference(LogprobClient("ref-host:50051"), model="ref"),
+        old_policy=RemotePolicy(LogprobClient("ref-host:50051"), model="policy"),  # optional
     )
 
 No reference model is loaded on the trainer's devices, and ``beta > 0`` works as in TRL: the KL
@@ -31,9 +32,13 @@ How it hooks into TRL (checked against TRL 1.16.0):
 Both are checked when the trainer is built, so a TRL release whose internals moved fails at once
 with a message naming what moved, not with wrong numbers mid-run.
 
-Old-policy log-probs stay in-process: TRL computes them (only when a batch is reused across
-optimizer steps) with the policy it already holds, so no second model is on the device, and the
-service can score them only once it holds the policy's current weights (weight updates).
+Old-policy log-probs (``old_policy=RemotePolicy(client, model="policy")``): TRL computes them,
+while generating, when a batch is used for more than one optimizer step (``num_iterations > 1``, or
+``steps_per_generation`` beyond ``gradient_accumulation_steps``), as a no-gradient forward of the
+policy through the same hook. With ``old_policy``, that call is scored by the service instead:
+the policy's weights are pushed first whenever an optimizer step changed them (a sparse delta
+after the first push), and the scoring waits for that version. Without it, TRL computes them
+in-process, as it does on its own.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 try:
@@ -83,6 +88,7 @@ class RemoteReference:
         *,
         temperature: float,
         return_entropy: bool = False,
+        min_version: int = 0,
     ) -> Any:
         """``(B, C)`` float32 log-probs of the last ``C = logits_to_keep`` columns of ``input_ids``
         (and entropies, when asked), 0 where ``attention_mask`` is 0.
@@ -99,7 +105,37 @@ class RemoteReference:
             model=self.model,
             temperature=temperature,
             return_entropy=return_entropy,
+            min_version=min_version,
         )
+
+
+@dataclass
+class _Pushed:
+    step: int | None = None  # the optimizer step whose weights the service holds
+    version: int = 0  # the version they went live as
+
+
+@dataclass(frozen=True)
+class RemotePolicy(RemoteReference):
+    """A served copy of the policy that scores TRL's old-policy log-probs.
+
+    ``model``: the name the service serves it under, loaded from the policy's starting checkpoint
+    (or any weights of its shape). Before TRL first needs old-policy log-probs after an optimizer
+    step, the policy's weights are pushed (``update_weights(..., delta=True)``: dense the first
+    time, then only what changed, each tensor sparse or dense), in the served model's dtype, and
+    the scoring waits for that version (``min_version``).
+    """
+
+    model: str = "policy"
+    pushed: _Pushed = field(default_factory=_Pushed)
+
+    def sync(self, policy: torch.nn.Module, step: int, dtype: torch.dtype) -> int:
+        """Push ``policy``'s weights unless the service holds those of ``step``; the live version."""
+        if self.pushed.step != step:
+            weights = {name: t.detach().to(dtype) for name, t in policy.state_dict().items()}
+            self.pushed.version = self.client.update_weights(self.model, weights, delta=True).version
+            self.pushed.step = step
+        return self.pushed.version
 
 
 def check_trl_compatible(trainer_cls: type = GRPOTrainer) -> None:
@@ -148,7 +184,8 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
         reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         *rest: Any,
-        reference: RemoteReference,
+        reference: RemoteReference | None = None,
+        old_policy: RemotePolicy | None = None,
         **kwargs: Any,
     ) -> None:
         check_trl_compatible(GRPOTrainer)
@@ -158,6 +195,10 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
                 "Set sync_ref_model=False."
             )
         beta = 0.0 if args is None else args.beta
+        if beta != 0.0 and reference is None:
+            raise ValueError(
+                f"beta={beta} needs reference=RemoteReference(...): this trainer loads no reference model of its own"
+            )
         if args is not None:
             args.beta = 0.0  # TRL then loads no reference model (nor a PEFT "ref" adapter)
         try:
@@ -171,32 +212,55 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
                 f"device (checked against TRL {CHECKED_TRL_VERSION})."
             )
         self.beta = beta
+        self.old_policy = old_policy
+        self._generating = False  # inside _generate_and_score_completions, where TRL scores the old policy
+        if old_policy is not None:
+            self._old_policy_dtype = getattr(torch, self._check_served_model(old_policy).dtype)
         if beta == 0.0:
-            warnings.warn(
-                "beta=0: GRPOTrainer uses no reference log-probs, so the service is never called.", stacklevel=2
-            )
+            if old_policy is None:
+                warnings.warn(
+                    "beta=0: GRPOTrainer uses no reference log-probs, and no old_policy was given, so the service is "
+                    "never called.",
+                    stacklevel=2,
+                )
             return
         self.ref_model = reference
         self._check_served_model(reference)
 
-    def _check_served_model(self, reference: RemoteReference) -> None:
-        served = {m.name: m for m in reference.client.list_models()}
-        if reference.model not in served:
-            raise ValueError(f"the service serves no model {reference.model!r}; it serves {', '.join(served)}")
+    def _check_served_model(self, served_model: RemoteReference) -> Any:
+        """The served model's ``ModelInfo``, once checked to exist and to share the policy's vocabulary."""
+        served = {m.name: m for m in served_model.client.list_models()}
+        if served_model.model not in served:
+            raise ValueError(f"the service serves no model {served_model.model!r}; it serves {', '.join(served)}")
         policy_vocab = self.model.config.get_text_config().vocab_size
-        if served[reference.model].vocab_size != policy_vocab:
+        if served[served_model.model].vocab_size != policy_vocab:
             raise ValueError(
-                f"served model {reference.model!r} has a vocabulary of {served[reference.model].vocab_size} tokens, "
-                f"the policy {policy_vocab}: the reference must share the policy's tokenizer"
+                f"served model {served_model.model!r} has a vocabulary of {served[served_model.model].vocab_size} "
+                f"tokens, the policy {policy_vocab}: it must share the policy's tokenizer"
             )
+        return served[served_model.model]
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        self._generating = True
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._generating = False
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """TRL's per-token log-probs; for the reference (the ``RemoteReference`` handle), the service's."""
-        if not isinstance(model, RemoteReference):
+        """TRL's per-token log-probs; the service's for the reference (the ``RemoteReference``
+        handle) and, with ``old_policy``, for the old policy: the policy scored without gradients
+        while generating (TRL's ``old_per_token_logps``)."""
+        served, min_version = model, 0
+        if self.old_policy is not None and model is self.model and self._generating and not torch.is_grad_enabled():
+            policy = self.accelerator.unwrap_model(self.model)
+            served = self.old_policy
+            min_version = self.old_policy.sync(policy, self.state.global_step, self._old_policy_dtype)
+        if not isinstance(served, RemoteReference):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
-        options = _hook_signature().bind(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        options = _hook_signature().bind(self, served, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         options.apply_defaults()
         extra = {
             name
@@ -204,13 +268,18 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
             if name not in (*_HOOK_PARAMETERS, *_KNOWN_OPTIONS) and value is not None
         }
         if extra:
-            raise NotImplementedError(f"the served reference scores text only; TRL passed {', '.join(sorted(extra))}")
+            raise NotImplementedError(f"the served model scores text only; TRL passed {', '.join(sorted(extra))}")
         if options.arguments["compute_aux_loss"]:
-            raise NotImplementedError("the served reference does not compute a MoE router loss (a policy-only term)")
+            raise NotImplementedError("the served model does not compute a MoE router loss (a policy-only term)")
         # batch_size is TRL's memory chunking of a local forward; the client splits into RPCs itself.
         with_entropy = bool(options.arguments["compute_entropy"])
-        scores = model.per_token_logps(
-            input_ids, attention_mask, logits_to_keep, temperature=self.temperature, return_entropy=with_entropy
+        scores = served.per_token_logps(
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            temperature=self.temperature,
+            return_entropy=with_entropy,
+            min_version=min_version,
         )
         logps, entropies = scores if with_entropy else (scores, None)
         return logps, entropies, None
