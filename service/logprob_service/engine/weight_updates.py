@@ -428,9 +428,14 @@ class WeightUpdater:
             for i, spec in enumerate(tensors):
                 try:
                     received = await asyncio.to_thread(group.receive, spec.dtype, spec.shape)
-                except Exception as err:  # a dead trainer, a timeout: the group is of no more use
+                except BaseException as err:
+                    # A dead trainer, a timeout, or this call cancelled midway: the two sides no longer
+                    # agree on what comes next through the group, so it is closed (which also ends a
+                    # receive still waiting in its thread).
                     self._groups.pop(group_name, None)
                     group.close()
+                    if not isinstance(err, Exception):
+                        raise
                     raise Aborted(
                         f"tensor {spec.name!r}: its broadcast from rank 0 of group {group_name!r} failed after "
                         f"{i} of {len(tensors)} tensors ({err}); nothing applied, the group is closed"
