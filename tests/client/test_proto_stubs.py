@@ -35,8 +35,12 @@ def test_stub_service_matches_the_proto_service():
         "ListModels",
         "UpdateWeights",
         "LoadWeights",
+        "InitWeightsUpdateGroup",
+        "UpdateWeightsFromDistributed",
     ]
     stream = service.methods_by_name["ScoreTokensStream"]
     assert stream.client_streaming and stream.server_streaming
     update = service.methods_by_name["UpdateWeights"]
     assert update.client_streaming and not update.server_streaming
+    distributed = service.methods_by_name["UpdateWeightsFromDistributed"]
+    assert not distributed.client_streaming and distributed.server_streaming

@@ -135,7 +135,15 @@ async def test_reflection_lists_the_service(running):
 
     names, methods = await asyncio.to_thread(services)
     assert "logprob.v1.LogprobService" in names and "grpc.health.v1.Health" in names
-    assert methods == ["ScoreTokens", "ScoreTokensStream", "ListModels", "UpdateWeights", "LoadWeights"]
+    assert methods == [
+        "ScoreTokens",
+        "ScoreTokensStream",
+        "ListModels",
+        "UpdateWeights",
+        "LoadWeights",
+        "InitWeightsUpdateGroup",
+        "UpdateWeightsFromDistributed",
+    ]
 
 
 async def test_list_models(running, gemma_checkpoint):
