@@ -75,7 +75,7 @@ def test_sync_ref_model_is_refused_before_anything_loads(tmp_path):
 
 def test_beta_without_a_reference_is_refused_before_anything_loads(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), beta=0.1, use_cpu=True, report_to=[])
-    with pytest.raises(ValueError, match="beta=0.1 needs reference="):
+    with pytest.raises(ValueError, match=r"beta=0\.1 needs reference="):
         RemoteReferenceGRPOTrainer(model="never-loaded", args=args)
 
 
