@@ -25,7 +25,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,8 +162,9 @@ class _Assembly:
 class _SparseAssembly:
     """One sparse tensor's changed elements, arriving in order: flat indices and their values' bytes."""
 
-    def __init__(self, first: SparsePiece) -> None:
+    def __init__(self, first: SparsePiece, live: Any) -> None:
         self.name, self.dtype_name, self.shape, self.changed = first.name, first.dtype, first.shape, first.changed
+        self.live = live  # the weight the changes apply to (opaque here: the stager's tensor)
         self.itemsize = DTYPE_BYTES[first.dtype]
         self.numel = math.prod(self.shape)
         if self.numel > MAX_SPARSE_ELEMENTS:
@@ -247,23 +248,22 @@ class _Update:
             kind = "a sparse piece" if sparse else "a dense piece"
             raise InvalidArgument(f"tensor {a.name!r}: only {a.progress} came before {kind} of tensor {piece.name!r}")
         if a is None:
-            self.check_new(piece.name, piece.dtype, piece.shape)
-            a = self.assembly = _SparseAssembly(piece) if isinstance(piece, SparsePiece) else _Assembly(piece)
-            if isinstance(a, _SparseAssembly):
-                self._check_base(a.name)
+            live = self.check_new(piece.name, piece.dtype, piece.shape)
+            if isinstance(piece, SparsePiece):
+                self._check_base(piece.name)
+                a = self.assembly = _SparseAssembly(piece, live)
+            else:
+                a = self.assembly = _Assembly(piece)
         a.write(piece)  # type: ignore[arg-type]  # the kinds match: checked above
         if a.complete:
             self.assembly = None
             if isinstance(a, _SparseAssembly):
-                live = self.target.check(a.name, a.dtype_name, a.shape)
-                # The changed copy of the live weight is made off the event loop (a device read).
-                changes = (a.indices, a.values, a.dtype_name)
-                self.bytes += a.nbytes
-                self.staged[a.name] = self.pool.submit(
-                    lambda: self.stager.stage(self.staging.with_changes(live, *changes))
+                # The changed copy of the live weight is made on the pool (a device read).
+                self.stage(
+                    a.name, a.nbytes, lambda: self.staging.with_changes(a.live, a.indices, a.values, a.dtype_name)
                 )
             else:
-                self.stage(a.name, a.buffer.nbytes, self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
+                self.stage(a.name, a.nbytes, lambda: self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
 
     def _check_base(self, name: str) -> None:
         base, live = self.header.base_version, self.served.info.version
@@ -278,20 +278,23 @@ class _Update:
     def add_tensor(self, name: str, dtype: str, shape: tuple[int, ...], tensor: Any) -> None:
         """A whole tensor at once (read from a file)."""
         self.check_new(name, dtype, shape)
-        self.stage(name, math.prod(shape) * DTYPE_BYTES[dtype], tensor)
+        self.stage(name, math.prod(shape) * DTYPE_BYTES[dtype], lambda: tensor)
 
-    def check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+    def check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
+        """The live weight ``name`` stands for, once checked to be new to this update and to fit."""
         if name in self.staged:
             raise InvalidArgument(f"tensor {name!r}: sent twice in one update")
         if dtype not in DTYPE_BYTES:
             raise InvalidArgument(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"tensor {name!r}: negative dimension in shape {list(shape)}")
-        self.target.check(name, dtype, shape)
+        return self.target.check(name, dtype, shape)
 
-    def stage(self, name: str, nbytes: int, tensor: Any) -> None:
+    def stage(self, name: str, nbytes: int, make: Callable[[], Any]) -> None:
+        """Stage the tensor ``make`` returns: made, hashed and copied on the pool, off the loop.
+        ``nbytes``: what the update received for it."""
         self.bytes += nbytes
-        self.staged[name] = self.pool.submit(self.stager.stage, tensor)  # hashed and copied off the loop
+        self.staged[name] = self.pool.submit(lambda: self.stager.stage(make()))
 
     def check_complete(self, commit: Commit) -> None:
         if self.assembly is not None:
@@ -440,7 +443,7 @@ class WeightUpdater:
                         f"tensor {spec.name!r}: its broadcast from rank 0 of group {group_name!r} failed after "
                         f"{i} of {len(tensors)} tensors ({err}); nothing applied, the group is closed"
                     ) from None
-                update.stage(spec.name, math.prod(spec.shape) * DTYPE_BYTES[spec.dtype], received)
+                update.stage(spec.name, math.prod(spec.shape) * DTYPE_BYTES[spec.dtype], lambda t=received: t)
             yield await self._commit(update, Commit(len(tensors)), start)
 
     @contextlib.contextmanager
