@@ -176,12 +176,14 @@ class _Client:
                 calls.append((prepared, []))
                 continue
             seqs = prepared.sequences
-            shared = [
-                len(p) if self.share_prompts and repeat else 0 for (p, _), repeat in zip(seqs, repeats_prompt(seqs))
-            ]
+            repeats = repeats_prompt(seqs) if self.share_prompts else [False] * len(seqs)
+            shared = [len(p) if repeat else 0 for (p, _), repeat in zip(seqs, repeats, strict=True)]
             parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits, shared)
             requests = [
-                score_request(seqs[part], options, groups=self.share_prompts, legacy=self.legacy_wire) for part in parts
+                score_request(
+                    seqs[part], options, repeats=repeats[part] if self.share_prompts else None, legacy=self.legacy_wire
+                )
+                for part in parts
             ]
             calls.append((prepared, requests))
         return _Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions)
@@ -208,6 +210,21 @@ class _Client:
         deltas = self.deltas.setdefault(model, WeightDeltas())
         requests = deltas.requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
         return requests, timeout
+
+    def _pushed(self, model: str, keywords: UpdateKeywords, response: pb.UpdateWeightsResponse) -> UpdateResult:
+        """A push's result; a delta push's also becomes what the server holds."""
+        result = UpdateResult.from_proto(response)
+        if keywords.get("delta"):
+            self.deltas[model].pushed(result.version)
+        return result
+
+    def _again_dense(self, model: str, keywords: UpdateKeywords, error: LogprobError) -> bool:
+        """Whether a failed push goes again, dense: a delta refused because the server no longer
+        holds its base version (a dense push cannot fail so, so this happens once at most)."""
+        if not (keywords.get("delta") and self.deltas[model].stale(error)):
+            return False
+        self.deltas[model].reset()
+        return True
 
     @staticmethod
     def load_request(model: str, path: str, version: int, partial: bool) -> pb.LoadWeightsRequest:
@@ -297,19 +314,14 @@ class LogprobClient(_Client):
         scope where authentication is on. Keywords: ``UpdateKeywords``.
         """
         if keywords.get("delta"):
-            weights = list(named_tensors(weights))  # read twice if the server lost the base
-        requests, timeout = self.update(model, weights, **keywords)
-        try:
-            result = UpdateResult.from_proto(self._call(self._stub.UpdateWeights, requests, timeout))
-        except LogprobError as err:
-            if not (keywords.get("delta") and self.deltas[model].stale(err)):
-                raise
-            self.deltas[model].reset()
+            weights = list(named_tensors(weights))  # read again if the server left the base
+        while True:
             requests, timeout = self.update(model, weights, **keywords)
-            result = UpdateResult.from_proto(self._call(self._stub.UpdateWeights, requests, timeout))
-        if keywords.get("delta"):
-            self.deltas[model].pushed(result.version)
-        return result
+            try:
+                return self._pushed(model, keywords, self._call(self._stub.UpdateWeights, requests, timeout))
+            except LogprobError as err:
+                if not self._again_dense(model, keywords, err):
+                    raise
 
     def load_weights(
         self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None
@@ -390,18 +402,13 @@ class AsyncLogprobClient(_Client):
         """See ``LogprobClient.update_weights``."""
         if keywords.get("delta"):
             weights = list(named_tensors(weights))
-        requests, timeout = self.update(model, weights, **keywords)
-        try:
-            result = UpdateResult.from_proto(await self._call(self._stub.UpdateWeights, requests, timeout))
-        except LogprobError as err:
-            if not (keywords.get("delta") and self.deltas[model].stale(err)):
-                raise
-            self.deltas[model].reset()
+        while True:
             requests, timeout = self.update(model, weights, **keywords)
-            result = UpdateResult.from_proto(await self._call(self._stub.UpdateWeights, requests, timeout))
-        if keywords.get("delta"):
-            self.deltas[model].pushed(result.version)
-        return result
+            try:
+                return self._pushed(model, keywords, await self._call(self._stub.UpdateWeights, requests, timeout))
+            except LogprobError as err:
+                if not self._again_dense(model, keywords, err):
+                    raise
 
     async def load_weights(
         self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None

@@ -162,21 +162,19 @@ class WeightDeltas:
         return _stream(header, filter(None, pieces))
 
     def _pieces(self, name: str, tensor: Any, chunk_bytes: int) -> Iterator[pb.TensorChunk] | None:
+        """The pieces ``name`` goes in: sparse, dense, or None when the server holds it already."""
         dtype, shape, data = raw_bytes(tensor)
         new = np.frombuffer(data, dtype=np.uint8).copy()  # the caller may change its tensor after the push
         old = self.held.get(name) if self.version is not None else None
         itemsize = new.nbytes // max(1, math.prod(shape))
-        if old is None or old.nbytes != new.nbytes or not new.nbytes or math.prod(shape) > MAX_SPARSE_ELEMENTS:
-            self.last["dense"] += 1
-            self._pending[name] = new
-            return _dense_pieces(name, dtype, shape, memoryview(new), chunk_bytes)
-        element = f"<u{itemsize}"
-        changed = np.flatnonzero(old.view(element) != new.view(element))
-        if not changed.size:
+        element = f"<u{itemsize}"  # compared bit for bit, one element at a time
+        comparable = old is not None and old.nbytes == new.nbytes > 0 and math.prod(shape) <= MAX_SPARSE_ELEMENTS
+        changed = np.flatnonzero(old.view(element) != new.view(element)) if comparable else None
+        if changed is not None and not changed.size:
             self.last["unchanged"] += 1
             return None
         self._pending[name] = new
-        if changed.size * (4 + itemsize) > self.sparse_below * new.nbytes:
+        if changed is None or changed.size * (4 + itemsize) > self.sparse_below * new.nbytes:
             self.last["dense"] += 1
             return _dense_pieces(name, dtype, shape, memoryview(new), chunk_bytes)
         self.last["sparse"] += 1

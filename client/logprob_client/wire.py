@@ -92,12 +92,17 @@ def _i32(ids: np.ndarray) -> bytes:
 
 
 def score_request(
-    sequences: Sequence[tuple[np.ndarray, np.ndarray]], options: Options, *, groups: bool = True, legacy: bool = False
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]],
+    options: Options,
+    *,
+    repeats: Sequence[bool] | None = None,
+    legacy: bool = False,
 ) -> pb.ScoreRequest:
     """A request carrying ``sequences``, ids as int32 bytes and asking for float32 bytes back. With
-    ``groups``, as ``SequenceGroup``s: each run of consecutive sequences with one prompt one group
-    (a lone sequence, a group of one), so a prompt crosses the wire once; the answers come back in
-    the sequences' order. ``legacy``: a v1 request (every sequence whole, repeated fields)."""
+    ``repeats`` (``repeats_prompt`` of them), as ``SequenceGroup``s: each run of consecutive
+    sequences with one prompt one group (a lone sequence, a group of one), so a prompt crosses the
+    wire once; the answers come back in the sequences' order. Without, each sequence whole.
+    ``legacy``: a v1 request (every sequence whole, repeated fields)."""
     request = pb.ScoreRequest(
         request_id=str(uuid.uuid4()),
         model=options.model,
@@ -108,11 +113,11 @@ def score_request(
     )
     if legacy:
         request.sequences.extend(pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences)
-    elif not groups:
+    elif repeats is None:
         request.sequences.extend(pb.Sequence(prompt_ids_i32=_i32(p), completion_ids_i32=_i32(c)) for p, c in sequences)
     else:
-        for (prompt, completion), repeat in zip(sequences, repeats_prompt(sequences)):
-            if not (request.groups and repeat):
+        for (prompt, completion), repeat in zip(sequences, repeats, strict=True):
+            if not (request.groups and repeat):  # a part's first sequence starts a group
                 request.groups.add(prompt_ids_i32=_i32(prompt))
             request.groups[-1].completions.add(completion_ids_i32=_i32(completion))
     return request

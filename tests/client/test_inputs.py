@@ -61,11 +61,11 @@ def test_groups_flatten_prompt_before_each_completion_and_regroup():
 
 
 def test_the_wire_groups_consecutive_equal_prompts_only():
-    from logprob_client.wire import Options, score_request
+    from logprob_client.wire import Options, repeats_prompt, score_request
 
     a, b = np.array([1, 2, 3]), np.array([4])
     seqs = [(a, np.array([5])), (a.copy(), np.array([6, 7])), (b, np.array([8])), (a.copy(), np.array([9]))]
-    request = score_request(seqs, Options("m", 1.0, False, 0))
+    request = score_request(seqs, Options("m", 1.0, False, 0), repeats=repeats_prompt(seqs))
     assert not request.sequences and request.scores_f32
     assert [(i32(g.prompt_ids_i32), [i32(c.completion_ids_i32) for c in g.completions]) for g in request.groups] == [
         ([1, 2, 3], [[5], [6, 7]]),
