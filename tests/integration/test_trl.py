@@ -160,6 +160,14 @@ def train(
     return run
 
 
+def scored_rows(run: Run, generation: int) -> tuple[list[int], list]:
+    """The rows of a generated batch with a completion token, and their unpadded sequences."""
+    mask = run.completion_mask[generation].bool()
+    rows = [i for i in range(len(mask)) if mask[i].any()]
+    prompts = [run.prompt_ids[generation][i][run.prompt_mask[generation][i].bool()].tolist() for i in rows]
+    return rows, as_sequences(prompts, [run.completion_ids[generation][i][mask[i]].tolist() for i in rows])
+
+
 async def test_remote_reference_matches_in_process_reference(gemma_checkpoint, policy_dir, tmp_path):
     local = await asyncio.to_thread(train, GRPOTrainer, policy_dir, tmp_path / "local")
     running = await start(test_settings(gemma_checkpoint, models={"default": "builtin:tiny-llama"}))
@@ -193,15 +201,8 @@ async def test_remote_reference_matches_in_process_reference(gemma_checkpoint, p
         saw_masked_row |= bool((~mask.any(-1)).any())
         # Both runs' reference log-probs against the exact answer: each is a float32 forward of the
         # model (TRL's on a padded batch), as exact as the model's own on unpadded sequences.
-        rows = [i for i in range(len(mask)) if mask[i].any()]
-        reference = ScoreReference(
-            build_builtin("tiny-llama"),
-            as_sequences(
-                [remote.prompt_ids[step][i][remote.prompt_mask[step][i].bool()].tolist() for i in rows],
-                [remote.completion_ids[step][i][mask[i]].tolist() for i in rows],
-            ),
-            temperature=grpo_args(tmp_path).temperature,
-        )
+        rows, sequences = scored_rows(remote, step)
+        reference = ScoreReference(build_builtin("tiny-llama"), sequences, temperature=grpo_args(tmp_path).temperature)
         for run in (remote, local):
             reference.check([run.ref_logps[step][i][mask[i]].numpy() for i in rows])
         assert abs(remote.losses[step] - local.losses[step]) <= loss_tolerance(reference.atol), step
@@ -282,11 +283,7 @@ async def test_old_policy_logps_scored_by_the_service_match_trl_s_own(gemma_chec
     for g in range(generations):
         assert torch.equal(local.completion_ids[g], remote.completion_ids[g]), f"generation {g}: other samples"
         mask = remote.completion_mask[g].bool()
-        rows = [i for i in range(len(mask)) if mask[i].any()]
-        sequences = as_sequences(
-            [remote.prompt_ids[g][i][remote.prompt_mask[g][i].bool()].tolist() for i in rows],
-            [remote.completion_ids[g][i][mask[i]].tolist() for i in rows],
-        )
+        rows, sequences = scored_rows(remote, g)
         policy = build_builtin("tiny-llama")
         policy.load_state_dict(remote.policies[g])  # the weights that generated the batch
         exact = ScoreReference(policy, sequences, temperature=temperature)
