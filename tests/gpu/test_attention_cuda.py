@@ -36,7 +36,7 @@ from logprob_service.ops.attention import (
 )
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, ScoreReference, make_model
+from tests.helpers.models import ARCHITECTURES, COMMON, MAX_POSITIONS, VOCAB, ScoreReference, make_model
 from tests.helpers.packed import own_hidden, packed_hidden
 
 pytestmark = [
@@ -46,17 +46,21 @@ pytestmark = [
 ]
 
 SLIDING = 8
-MAX_POSITIONS = COMMON["max_position_embeddings"]
 
 
-def make_any(arch: str, *, seed: int, dtype: torch.dtype) -> PreTrainedModel:
+def make_any(arch: str, *, seed: int, dtype: torch.dtype, max_positions: int = MAX_POSITIONS) -> PreTrainedModel:
     """tests.models.make_model, plus ``qwen2-sliding`` (a window of 8 on every layer, no softcap:
     the only way the varlen fast path meets a sliding window here), on CUDA."""
     if arch != "qwen2-sliding":
-        return make_model(arch, tied=arch in ("gemma2", "qwen2"), seed=seed, dtype=dtype).cuda()
+        tied = arch in ("gemma2", "qwen2")
+        return make_model(arch, tied=tied, seed=seed, dtype=dtype, max_positions=max_positions).cuda()
     torch.manual_seed(seed)
     config = Qwen2Config(
-        **COMMON, tie_word_embeddings=True, use_sliding_window=True, sliding_window=SLIDING, max_window_layers=0
+        **{**COMMON, "max_position_embeddings": max_positions},
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=SLIDING,
+        max_window_layers=0,
     )
     model = Qwen2ForCausalLM(config)
     model.set_attn_implementation(attention_implementation(model.config))
@@ -271,8 +275,8 @@ def test_bf16_long_sequence_in_chunks_is_as_exact_as_the_models_own_forward(arch
     path, at a size a float64 reference can check): as exact as the model's own bf16 forward
     (tests/helpers/tolerances.py), and not further from the unchunked service than that allows."""
     rng = np.random.default_rng(seed)
-    model = make_any(arch, seed=seed, dtype=torch.bfloat16)
     seq = TokenSequence(rng.integers(0, VOCAB, 500), rng.integers(0, VOCAB, 2500))
+    model = make_any(arch, seed=seed, dtype=torch.bfloat16, max_positions=seq.num_tokens)
     reference = ScoreReference(model, [seq], dtype=torch.bfloat16)
     for options in (
         ScoringOptions(long_sequence_tokens=10**9),

@@ -28,6 +28,7 @@ from transformers import (
 from tests.helpers import tolerances
 
 VOCAB = 517  # odd on purpose: no power-of-two assumptions
+MAX_POSITIONS = 256
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -35,24 +36,24 @@ COMMON = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=256,
+    max_position_embeddings=MAX_POSITIONS,  # the service refuses longer sequences; make_model can raise it
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,
 )
 
 
-def _llama(tied: bool) -> PreTrainedModel:
-    return LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=tied))
+def _llama(tied: bool, common: dict) -> PreTrainedModel:
+    return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=tied))
 
 
-def _qwen2(tied: bool) -> PreTrainedModel:
-    return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=tied))
+def _qwen2(tied: bool, common: dict) -> PreTrainedModel:
+    return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=tied))
 
 
-def _gemma2(tied: bool) -> PreTrainedModel:
+def _gemma2(tied: bool, common: dict) -> PreTrainedModel:
     config = Gemma2Config(
-        **COMMON,
+        **common,
         head_dim=16,
         tie_word_embeddings=tied,
         final_logit_softcapping=3.0,  # low, so the cap really bends the logits
@@ -62,21 +63,26 @@ def _gemma2(tied: bool) -> PreTrainedModel:
     return Gemma2ForCausalLM(config)
 
 
-def _cohere(tied: bool) -> PreTrainedModel:
-    return CohereForCausalLM(CohereConfig(**COMMON, tie_word_embeddings=tied, logit_scale=0.5))
+def _cohere(tied: bool, common: dict) -> PreTrainedModel:
+    return CohereForCausalLM(CohereConfig(**common, tie_word_embeddings=tied, logit_scale=0.5))
 
 
-def _granite(tied: bool) -> PreTrainedModel:
-    return GraniteForCausalLM(GraniteConfig(**COMMON, tie_word_embeddings=tied, logits_scaling=4.0))
+def _granite(tied: bool, common: dict) -> PreTrainedModel:
+    return GraniteForCausalLM(GraniteConfig(**common, tie_word_embeddings=tied, logits_scaling=4.0))
 
 
 ARCHITECTURES = {"llama": _llama, "qwen2": _qwen2, "gemma2": _gemma2, "cohere": _cohere, "granite": _granite}
 
 
-def make_model(arch: str, *, tied: bool, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A random model whose logits have a realistic spread (std ~1, not near-uniform)."""
+def make_model(
+    arch: str, *, tied: bool, seed: int, dtype: torch.dtype = torch.float32, max_positions: int = MAX_POSITIONS
+) -> PreTrainedModel:
+    """A random model whose logits have a realistic spread (std ~1, not near-uniform).
+
+    ``max_positions``: the longest sequence the service will score with it (the positions are
+    rotary, so only the limit changes, not the model's maths)."""
     torch.manual_seed(seed)
-    model = ARCHITECTURES[arch](tied)
+    model = ARCHITECTURES[arch](tied, {**COMMON, "max_position_embeddings": max_positions})
     model.set_attn_implementation(attention_implementation(model.config))
     with torch.no_grad():
         for _, p in model.named_parameters():
