@@ -30,8 +30,13 @@ def split_lora_source(source: str, served: set[str]) -> tuple[str, str] | None:
 class AdapterHost:
     """A base model with PEFT adapters injected into it; used from the device thread only."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, model_dtype: bool = False) -> None:
+        """``model_dtype``: hold the adapters in the base model's dtype. PEFT's default keeps a
+        bf16/fp16 model's adapters in float32; float32 GEMMs have no split-K switch in torch, so
+        a batch-invariant server (``--deterministic``, ops.determinism) holds them in the model's
+        dtype, where its pin applies, and weight pushes to them must come in that dtype."""
         self.model = model
+        self.autocast = not model_dtype
         self.peft = None  # peft.PeftModel wrapping ``model``, made with the first adapter
         self._active: str | None = None  # the adapter scoring runs with; None: the base alone
 
@@ -44,9 +49,11 @@ class AdapterHost:
         head = self.model.get_output_embeddings()
         try:
             if self.peft is None:
-                self.peft = PeftModel.from_pretrained(self.model, adapter_dir, adapter_name=name)
+                self.peft = PeftModel.from_pretrained(
+                    self.model, adapter_dir, adapter_name=name, autocast_adapter_dtype=self.autocast
+                )
             else:
-                self.peft.load_adapter(adapter_dir, adapter_name=name)
+                self.peft.load_adapter(adapter_dir, adapter_name=name, autocast_adapter_dtype=self.autocast)
         except Exception as err:  # peft raises ValueError/KeyError/... with useful text
             raise ModelLoadError(f"LoRA model {name!r}: could not load adapter {adapter_dir!r}: {err}") from err
         self.peft.eval()

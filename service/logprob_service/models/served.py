@@ -99,7 +99,7 @@ def serve_lora_model(name: str, base: ServedModel, adapter_dir: str) -> ServedMo
     """A LoRA model on ``base``: its adapter is injected into the base's model (one copy of the base)."""
     if base.adapters is None:
         base.scorer.run_layers_eagerly("PEFT's adapter layers switch between micro-batches")
-        base.adapters = AdapterHost(base.scorer.model)
+        base.adapters = AdapterHost(base.scorer.model, model_dtype=base.scorer.options.deterministic)
     base.adapters.add(name, adapter_dir)
     digests = {**base.digests, **tensor_digests(base.adapters.adapter_weights(name))}
     info = dataclasses.replace(
