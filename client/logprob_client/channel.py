@@ -6,6 +6,11 @@ Everything here is gRPC's own machinery, set through channel options and the ser
   Kubernetes headless Service, or a list of ``host:port``) is balanced with gRPC's
   ``round_robin`` policy: one connection per replica, each RPC to the next ready one. The parts
   of a large ``score()`` call (``split.py``) are separate RPCs, so they spread over the replicas.
+- **Health.** gRPC's client-side health checking: a stream to each replica's health service
+  (``grpc.health.v1``, open without a token) tells the channel when a replica is loading or
+  draining, and ``round_robin`` sends it nothing until it says SERVING again. A draining replica
+  is left before it stops taking calls, so no call is cut off by its shutdown. A server without
+  the health service counts as healthy.
 - **Retries.** gRPC's service-config retry policy rather than a hand-written loop: it retries
   only UNAVAILABLE and RESOURCE_EXHAUSTED, with exponential backoff and jitter, honours the
   server's ``grpc-retry-pushback-ms`` hint, never retries past the call's deadline, and a retry
@@ -45,9 +50,12 @@ KEEPALIVE_TIME_MS = 30_000
 def service_config(
     max_attempts: int = 5, initial_backoff_s: float = INITIAL_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S
 ) -> dict[str, Any]:
-    """``round_robin`` over every address the target resolves to, and, for ``max_attempts`` >= 2,
-    the retry policy of the unary RPCs."""
-    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    """``round_robin`` over the addresses the target resolves to whose health service says
+    SERVING, and, for ``max_attempts`` >= 2, the retry policy of the unary RPCs."""
+    config: dict[str, Any] = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": SERVICE},
+    }
     if max_attempts >= 2:  # gRPC's retry policy needs at least 2 attempts; 1 means no retries
         policy = {
             "maxAttempts": max_attempts,  # gRPC caps this at 5

@@ -34,7 +34,9 @@ class Overloaded(LogprobError):
 
 
 class Unavailable(LogprobError):
-    """UNAVAILABLE: server starting, draining or unreachable; retried automatically, then raised."""
+    """UNAVAILABLE: server unreachable, or starting or draining (this client's calls wait for a
+    SERVING replica instead, within their deadline, as it watches health); retried automatically,
+    then raised."""
 
 
 class DeadlineExceeded(LogprobError):

@@ -135,11 +135,12 @@ class Settings(BaseSettings):
         ),
     )
     deterministic: bool = Field(
-        False,
+        True,
         description=(
             "Bitwise batch-invariant scores on CUDA: a sequence's log-probs and entropies do not depend on what "
             "shares its micro-batch (fixed lm_head kernel splits, cuBLAS split-K off, one attention kernel for every "
-            "row); ListModels says what holds. On the CPU only run to run. Off until its cost is measured."
+            "row, LoRA adapters in the model's dtype); ListModels says what holds. On the CPU only run to run. "
+            "Costs 0.2-0.3% of tokens/s on an H200."
         ),
     )
     max_batch_tokens: int = Field(
@@ -244,6 +245,15 @@ class Settings(BaseSettings):
     # Lifecycle and logs.
     grace_period_s: float = Field(
         30.0, ge=0, description="On SIGTERM/SIGINT: how long in-flight RPCs may take to finish."
+    )
+    drain_notice_s: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "On SIGTERM/SIGINT, the first part of the grace period: health NOT_SERVING and new RPCs "
+            "refused with UNAVAILABLE while the server still takes calls, so clients watching health "
+            "(logprob_client does) move to other replicas before it stops taking them."
+        ),
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(

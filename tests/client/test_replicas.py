@@ -9,14 +9,16 @@ import json
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from logprob_client import AsyncLogprobClient, LogprobClient
-from logprob_client.channel import channel_options, channel_target, service_config
+from logprob_client.channel import SERVICE, channel_options, channel_target, service_config
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.server import server_options
 from logprob_service.config import Settings
 
-from tests.helpers.fake_server import sequences_of, serving
+from tests.helpers.fake_server import HealthServicer, sequences_of, serving
+from tests.helpers.waiting import wait_until
 
 
 class Replica(pb_grpc.LogprobServiceServicer):
@@ -39,10 +41,11 @@ class Replica(pb_grpc.LogprobServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def replicas(n: int):
+async def replicas(n: int, health: list[HealthServicer] | None = None):
     async with contextlib.AsyncExitStack() as stack:
         servicers = [Replica() for _ in range(n)]
-        targets = [await stack.enter_async_context(serving(s)) for s in servicers]
+        health = health or [None] * n
+        targets = [await stack.enter_async_context(serving(s, health=h)) for s, h in zip(servicers, health)]
         yield servicers, targets
 
 
@@ -92,6 +95,34 @@ async def test_unavailable_is_retried_on_another_replica():
         assert servicers[0].calls + servicers[2].calls == 12
 
 
+async def test_a_replica_whose_health_is_not_serving_gets_no_calls_until_it_serves_again():
+    # What a draining (or still loading) server says: the client's health watch takes it out of
+    # the rotation, so its shutdown cuts no call off (server.Service.drain).
+    health = [HealthServicer() for _ in range(3)]
+    for h in health:
+        await h.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    async with replicas(3, health) as (servicers, targets):
+        with LogprobClient(targets, timeout=10, max_attempts=1) as client:
+            await asyncio.to_thread(connect_all, client, servicers)
+            await health[1].set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+            def left_out() -> bool:  # two whole rounds without it: the watch has told the channel
+                before = servicers[1].calls
+                for _ in range(6):
+                    client.score([[0]], [[1]])
+                return servicers[1].calls == before
+
+            await asyncio.to_thread(wait_until, left_out, "the NOT_SERVING replica to be left out")
+            for s in servicers:
+                s.calls = 0
+            for i in range(30):
+                assert (await asyncio.to_thread(client.score, [[i]], [[1]]))[0].tolist() == [i]
+            assert [s.calls for s in servicers] == [15, 0, 15]
+
+            await health[1].set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            await asyncio.to_thread(wait_until, lambda: client.score([[0]], [[1]]) and servicers[1].calls, "it back")
+
+
 def test_target_forms():
     assert channel_target("dns:///logprob-headless.ml.svc.cluster.local:50051") == (
         "dns:///logprob-headless.ml.svc.cluster.local:50051"
@@ -117,16 +148,18 @@ def test_bad_replica_lists_name_the_entry(replicas, message):
         channel_target(replicas)
 
 
-def test_service_config_balances_round_robin_and_retries_unary_calls():
+def test_service_config_balances_round_robin_over_healthy_replicas_and_retries_unary_calls():
     config = json.loads(dict(channel_options())["grpc.service_config"])
     assert config == service_config(5)
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert config["healthCheckConfig"] == {"serviceName": "logprob.v1.LogprobService"}
     (method,) = config["methodConfig"]
     assert {n["method"] for n in method["name"]} == {"ScoreTokens", "ListModels"}
     assert sorted(method["retryPolicy"]["retryableStatusCodes"]) == ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]
-    # No retries: still round-robin, no retry policy.
+    # No retries: still round-robin over healthy replicas, no retry policy.
     assert json.loads(dict(channel_options(max_attempts=1))["grpc.service_config"]) == {
-        "loadBalancingConfig": [{"round_robin": {}}]
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": "logprob.v1.LogprobService"},
     }
 
 

@@ -6,9 +6,13 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api import wire
+
+HealthServicer = health_aio.HealthServicer
 
 
 def sequences_of(request: pb.ScoreRequest) -> list[pb.Sequence]:
@@ -21,10 +25,15 @@ def sequences_of(request: pb.ScoreRequest) -> list[pb.Sequence]:
 
 
 @contextlib.asynccontextmanager
-async def serving(servicer: pb_grpc.LogprobServiceServicer, options: list | None = None) -> AsyncIterator[str]:
-    """A server for ``servicer`` on loopback (with gRPC server ``options``); yields its target."""
+async def serving(
+    servicer: pb_grpc.LogprobServiceServicer, options: list | None = None, health: HealthServicer | None = None
+) -> AsyncIterator[str]:
+    """A server for ``servicer`` on loopback (with gRPC server ``options``, and the ``health``
+    service when given); yields its target."""
     server = grpc.aio.server(options=options)
     pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
+    if health is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -11,7 +11,7 @@ import logging
 import grpc
 import numpy as np
 import pytest
-from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded, Unavailable
+from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
@@ -184,8 +184,6 @@ async def test_unavailable_until_warm_and_while_draining(gemma_checkpoint):
     running = await start(test_settings(gemma_checkpoint), warm=False)
     try:
         await expect(running.target, request(OK), grpc.StatusCode.UNAVAILABLE, "starting")
-        with LogprobClient(running.target, max_attempts=2, timeout=5) as client, pytest.raises(Unavailable):
-            await asyncio.to_thread(client.score, [[1]], [[2]])
         await running.service.warm_up()
         await call(running.target, request(OK))
         await running.service.state.draining()

@@ -184,19 +184,21 @@ async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog, 
         await stop(running)
 
 
-async def test_a_call_to_a_starting_server_is_retried_until_it_serves(gemma_checkpoint, caplog, rng):
-    # A restarted server answers UNAVAILABLE while it loads; its retry hint spaces the client's
-    # few attempts (gRPC allows 5) over seconds instead of spending them in one.
+async def test_a_call_to_a_starting_server_waits_for_it_and_reaches_it_once(gemma_checkpoint, caplog, rng):
+    # A restarted server says NOT_SERVING while it loads (and would answer UNAVAILABLE); the
+    # client watches its health, so a call waits for SERVING within its deadline instead of
+    # spending its few attempts (gRPC allows 5) on refusals.
     running = await start(test_settings(gemma_checkpoint), warm=False)
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         p, c = random_sequence(rng, 5, 4)  # 9 tokens
         with LogprobClient(running.target, timeout=30) as client:
             pending = client.score_async([p], [c])
-            await eventually(lambda: records_with_tokens(caplog, 9), "the first refusal")
+            await asyncio.sleep(0.5)  # time for the call to fail, were it sent to the starting server
+            assert not pending.done()
             await running.service.warm_up()
             logprobs = await asyncio.to_thread(pending.result, 30)
         assert_matches_reference(running, "default", [p], [c], logprobs)
-        assert [r.fields["status"] for r in records_with_tokens(caplog, 9)] == ["UNAVAILABLE", "OK"]
+        assert [r.fields["status"] for r in records_with_tokens(caplog, 9)] == ["OK"]  # sent once, when SERVING
     finally:
         await stop(running)

@@ -147,9 +147,18 @@ class Service:
         await self.state.serving()
 
     async def drain(self, server: grpc.aio.Server, grace_s: float) -> None:
-        """Health NOT_SERVING and new RPCs UNAVAILABLE at once; in-flight RPCs get ``grace_s`` to finish."""
+        """Health NOT_SERVING and new RPCs UNAVAILABLE at once; in-flight RPCs get ``grace_s`` to finish.
+
+        The server stops taking calls only after the settings' ``drain_notice_s`` (within
+        ``grace_s``): gRPC cancels a call that reached a stopping server before a handler took it
+        (the client sees CANCELLED, which it must not retry: grpc/grpc#41785), so clients are
+        given the notice first. Through it, calls get UNAVAILABLE from the handler, which clients
+        retry elsewhere, and clients watching health stop sending any.
+        """
         await self.state.draining()
-        await server.stop(grace_s)
+        notice_s = min(self.settings.drain_notice_s, grace_s)
+        await asyncio.sleep(notice_s)
+        await server.stop(grace_s - notice_s)
         await self.close()
 
     async def close(self) -> None:

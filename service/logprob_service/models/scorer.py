@@ -68,7 +68,7 @@ class ScoringOptions:
     # Sequences of a micro-batch with identical prompts run the prompt once (worker.packing).
     share_prompts: bool = True
     # Bitwise batch-invariant scores on CUDA (ops.determinism): one attention kernel for every row.
-    deterministic: bool = False
+    deterministic: bool = True
 
 
 # With ``deterministic``, the preference "auto" becomes this one: the ragged kernel for lone
