@@ -1,46 +1,43 @@
 """A served model's weights as named tensors: fingerprints, what an update may replace, the swap.
 
 A fingerprint is a blake2b digest over every weight's name, dtype, shape and the digest of its
-bytes. Keeping the per-weight digests lets an update re-hash only the tensors it brings (hashed
-from the staged copy, off the device thread), and lets a LoRA model's fingerprint cover its
-base's weights and its adapter's without hashing the base again.
+bytes (``ops.digest``: computed on the GPU that holds them, the same on any device). Keeping the
+per-weight digests lets an update digest only the tensors it brings (off the device thread), and
+lets a LoRA model's fingerprint cover its base's weights and its adapter's without digesting the
+base again.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from logprob_service.errors import InvalidArgument
+from logprob_service.ops.digest import byte_digest
 
 
 @dataclass(frozen=True)
 class TensorDigest:
     dtype: str  # "bfloat16"
     shape: tuple[int, ...]
-    digest: str  # blake2b-128 of the raw bytes, hex
+    digest: str  # ops.digest.byte_digest of the raw bytes, 32 hex digits
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_digest(tensor: torch.Tensor) -> TensorDigest:
-    """Digest of one tensor's raw bytes (copied to host memory first when it lives on a device)."""
-    host = tensor.detach().contiguous().cpu()
-    # hashlib releases the GIL on large buffers, so digests hashed on several threads run in parallel.
-    digest = hashlib.blake2b(host.view(torch.uint8).numpy(), digest_size=16).hexdigest()
-    return TensorDigest(dtype_name(tensor.dtype), tuple(tensor.shape), digest)
+def tensor_digest(tensor: torch.Tensor, device: torch.device | None = None) -> TensorDigest:
+    """Digest of one tensor's raw bytes (``ops.digest.byte_digest``: on ``device`` when it is a
+    GPU, else where the tensor is)."""
+    return TensorDigest(dtype_name(tensor.dtype), tuple(tensor.shape), byte_digest(tensor, device))
 
 
-def tensor_digests(named: Mapping[str, torch.Tensor], *, threads: int = 4) -> dict[str, TensorDigest]:
-    """``tensor_digest`` of every tensor, hashed on ``threads`` threads."""
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="logprob-digest") as pool:
-        return dict(zip(named, pool.map(tensor_digest, named.values())))
+def tensor_digests(named: Mapping[str, torch.Tensor]) -> dict[str, TensorDigest]:
+    return {name: tensor_digest(tensor) for name, tensor in named.items()}
 
 
 def fingerprint(digests: Mapping[str, TensorDigest]) -> str:

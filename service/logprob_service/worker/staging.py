@@ -28,20 +28,24 @@ class DeviceStager:
         self.places: set[str] = set()
 
     def stage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, TensorDigest]:
-        """The staged copy of ``tensor`` (on a worker thread) and the digest of its bytes."""
-        digest = tensor_digest(tensor)
+        """The staged copy of ``tensor`` (on a worker thread) and the digest of its bytes, both
+        made on the device's staging stream when it is a GPU: the digest reads the staged copy
+        there, or the host copy's bytes in chunks brought to the GPU, never hashed on the host."""
         tensor = tensor.contiguous()
-        if self.stream is not None and self._room_for(tensor.nbytes):
-            try:
-                with torch.cuda.stream(self.stream):
+        if self.stream is None:
+            self.places.add("cpu")
+            return tensor, tensor_digest(tensor)
+        with torch.cuda.stream(self.stream):
+            staged = None
+            if self._room_for(tensor.nbytes):
+                try:
                     staged = tensor.to(self.device)
-                self.stream.synchronize()
-                self.places.add(str(self.device))
-                return staged, digest
-            except torch.OutOfMemoryError:
-                pass  # the room was taken meanwhile: keep this one on the host
-        self.places.add("cpu")
-        return tensor, digest
+                except torch.OutOfMemoryError:
+                    pass  # the room was taken meanwhile: keep this one on the host
+            digest = tensor_digest(tensor if staged is None else staged, self.device)
+        self.stream.synchronize()
+        self.places.add("cpu" if staged is None else str(self.device))
+        return (tensor if staged is None else staged), digest
 
     def _room_for(self, nbytes: int) -> bool:
         free, _ = torch.cuda.mem_get_info(self.device)
