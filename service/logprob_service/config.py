@@ -200,7 +200,7 @@ class Settings(BaseSettings):
         ge=1,
         description=(
             "RPCs in flight on one client connection (HTTP/2 max concurrent streams); a client's further RPCs "
-            "wait for a free stream instead of failing."
+            "wait for a free stream instead of failing. A logprob_client connection holds one for its health watch."
         ),
     )
 

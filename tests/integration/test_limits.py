@@ -92,13 +92,14 @@ async def test_without_authentication_the_client_is_its_ip_address(gemma_checkpo
 
 
 async def test_rpcs_beyond_the_connection_limit_wait_for_a_stream(gemma_checkpoint, rng):
-    running = await start(test_settings(gemma_checkpoint, max_concurrent_rpcs_per_connection=2))
+    # Three streams a connection: the client's health watch holds one (client.channel), two are left.
+    running = await start(test_settings(gemma_checkpoint, max_concurrent_rpcs_per_connection=3))
     gate = Gate(running)
     scheduler = running.service.scheduler
     try:
         seqs = [random_sequence(rng, 3, 2) for _ in range(7)]  # 5 tokens each
         with LogprobClient(running.target) as client:
-            # Six calls on one connection: two streams are open at a time, so two reach the server.
+            # Six calls on one connection: two streams are free at a time, so two reach the server.
             pending = [client.score_async([p], [c]) for p, c in seqs[:6]]
             await gate.wait_entered()
             await eventually(lambda: scheduler.admission.queued_tokens == 10, "two calls")
