@@ -37,6 +37,7 @@ def tensor_digest(tensor: torch.Tensor, device: torch.device | None = None) -> T
 
 
 def tensor_digests(named: Mapping[str, torch.Tensor]) -> dict[str, TensorDigest]:
+    """``tensor_digest`` of every tensor, each where it lives."""
     return {name: tensor_digest(tensor) for name, tensor in named.items()}
 
 

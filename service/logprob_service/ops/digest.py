@@ -123,7 +123,11 @@ def byte_digest(tensor: torch.Tensor, device: torch.device | None = None) -> str
     On a CUDA tensor, the kernel on the current stream. With ``device`` a GPU and ``tensor`` on the
     host, its bytes go to the GPU a piece at a time to be digested there. Otherwise on the CPU."""
     halves = _halves(tensor)
-    gpu = halves.device if halves.device.type == "cuda" else device if device and device.type == "cuda" else None
+    gpu = None  # where the kernel runs; None: the host path
+    if halves.device.type == "cuda":
+        gpu = halves.device
+    elif device is not None and device.type == "cuda":
+        gpu = device
     step = (DEVICE_BLOCKS if gpu is not None else HOST_BLOCKS) * T
     total = torch.zeros(LANES, dtype=torch.int64, device=gpu or "cpu")
     for start in range(0, halves.numel(), step):

@@ -35,6 +35,8 @@ class DeviceStager:
         if self.stream is None:
             self.places.add("cpu")
             return tensor, tensor_digest(tensor)
+        # What made ``tensor`` on this thread's stream (a sparse update's changed copy) comes first.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             staged = None
             if self._room_for(tensor.nbytes):
