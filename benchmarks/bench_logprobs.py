@@ -7,7 +7,9 @@ Methods, side by side on the same bf16 inputs in one run:
 * full logits + log_softmax: ``(h @ W.T).float().log_softmax(-1).gather(...)``.
 * eager 256 MiB chunks: this service's CPU path (``chunked_token_logprobs``), fp32 logits per chunk.
 * Liger fused linear cross entropy, ``reduction="none"`` (log p = -loss), liger-kernel 0.8.5.
-* fused Triton kernel: this service's GPU path (``fused_token_logprobs``), without and with entropy.
+* fused Triton kernel: this service's GPU path (``fused_token_logprobs``), without and with entropy,
+  and with the batch-invariant plan of ``--deterministic`` (the vocabulary splits fixed by the
+  model's shape and the GPU, not the batch: ``invariant_plan``).
 
 Timing: ``triton.testing.do_bench`` (median; it flushes the L2 cache before each run). Peak extra
 memory: ``max_memory_allocated`` during one more run, minus what was allocated before it (inputs).
@@ -133,6 +135,12 @@ def run_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
         measure(
             "fused Triton kernel + entropy",
             lambda: fused_token_logprobs(hidden, weight, targets, return_entropy=True).logprobs,
+            ref,
+            **timing,
+        ),
+        measure(
+            "fused Triton kernel, batch-invariant plan (--deterministic)",
+            lambda: fused_token_logprobs(hidden, weight, targets, invariant=True).logprobs,
             ref,
             **timing,
         ),
