@@ -3,7 +3,7 @@
 Every weight that goes live is digested (its fingerprint, ``models.weights``). Hashing on the host
 costs a device-to-host copy and a CPU hash of every byte (blake2b runs at 0.5-1 GB/s a thread):
 seconds per push of a 1.5B model, tens of seconds for a 7B one, whatever the transport. This
-digest is exact integer arithmetic that a GPU does in one pass over the bytes (``_block_dots``)
+digest is exact integer arithmetic that a GPU does in one pass over the bytes (``digest_kernel``)
 and a CPU does as a float64 matrix product (``_block_dots_host``), with the same result, so a
 weight has one digest wherever it is computed.
 
@@ -28,8 +28,6 @@ import functools
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 P = 2**31 - 1
 T = 1 << 16  # halves per block
@@ -47,7 +45,7 @@ def _mix(m: torch.Tensor, lane: int) -> torch.Tensor:
 
 
 @functools.cache
-def _multipliers(device: torch.device) -> torch.Tensor:
+def multipliers(device: torch.device) -> torch.Tensor:
     """r_l(t): [LANES, T] int64 in [1, 2^20)."""
     t = torch.arange(T, dtype=torch.int64, device=device)
     return torch.stack([_mix(t, lane) % (2**20 - 1) + 1 for lane in range(LANES)])
@@ -59,39 +57,10 @@ def _block_factors(first_block: int, blocks: int, device: torch.device) -> torch
     return torch.stack([_mix((b + T) % P, lane) % (P - 1) + 1 for lane in range(LANES)], dim=1)
 
 
-@triton.jit
-def _block_dots_kernel(halves_ptr, n, r_ptr, out_ptr, T: tl.constexpr, TILE: tl.constexpr):
-    """Program b: sum_t x_{bT+t} r_l(t) for the 4 lanes (exact int64), over the ``n`` halves."""
-    b = tl.program_id(0).to(tl.int64)
-    zero = tl.sum(tl.zeros((TILE,), dtype=tl.int64), axis=0)
-    acc0, acc1, acc2, acc3 = zero, zero, zero, zero
-    for start in range(0, T, TILE):
-        t = start + tl.arange(0, TILE)
-        k = b * T + t
-        x = tl.load(halves_ptr + k, mask=k < n, other=0).to(tl.int64) & 0xFFFF
-        acc0 += tl.sum(x * tl.load(r_ptr + t), axis=0)
-        acc1 += tl.sum(x * tl.load(r_ptr + T + t), axis=0)
-        acc2 += tl.sum(x * tl.load(r_ptr + 2 * T + t), axis=0)
-        acc3 += tl.sum(x * tl.load(r_ptr + 3 * T + t), axis=0)
-    tl.store(out_ptr + b * 4 + 0, acc0)
-    tl.store(out_ptr + b * 4 + 1, acc1)
-    tl.store(out_ptr + b * 4 + 2, acc2)
-    tl.store(out_ptr + b * 4 + 3, acc3)
-
-
-def _block_dots(halves: torch.Tensor) -> torch.Tensor:
-    """[blocks, LANES] int64 inner sums of ``halves`` (int16, on a GPU, or on the CPU under
-    ``TRITON_INTERPRET=1``), by the kernel."""
-    blocks = triton.cdiv(halves.numel(), T)
-    out = torch.empty((blocks, LANES), dtype=torch.int64, device=halves.device)
-    _block_dots_kernel[(blocks,)](halves, halves.numel(), _multipliers(halves.device), out, T=T, TILE=2048)
-    return out
-
-
 def _block_dots_host(halves: torch.Tensor) -> torch.Tensor:
     """The same inner sums on the CPU: a float64 matrix product, exact (see the module's maths)."""
     n = halves.numel()
-    blocks = triton.cdiv(n, T)
+    blocks = -(-n // T)
     x = np.empty((blocks, T), dtype=np.float64)
     flat = x.reshape(-1)
     flat[:n] = halves.numpy().view(np.uint16)
@@ -102,7 +71,7 @@ def _block_dots_host(halves: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _host_multipliers() -> np.ndarray:
     """r_l(t) as float64 [T, LANES] (exact: below 2^20)."""
-    return _multipliers(torch.device("cpu")).T.contiguous().numpy().astype(np.float64)
+    return multipliers(torch.device("cpu")).T.contiguous().numpy().astype(np.float64)
 
 
 def _halves(tensor: torch.Tensor) -> torch.Tensor:
@@ -132,7 +101,12 @@ def byte_digest(tensor: torch.Tensor, device: torch.device | None = None) -> str
     total = torch.zeros(LANES, dtype=torch.int64, device=gpu or "cpu")
     for start in range(0, halves.numel(), step):
         piece = halves[start : start + step]
-        dots = _block_dots_host(piece) if gpu is None else _block_dots(piece.to(gpu, non_blocking=True))
+        if gpu is None:
+            dots = _block_dots_host(piece)
+        else:
+            from logprob_service.ops.digest_kernel import block_dots  # Triton: GPU servers only
+
+            dots = block_dots(piece.to(gpu, non_blocking=True))
         factors = _block_factors(start // T, dots.shape[0], dots.device)
         # Each term is below P after its % P; a sum of fewer than 2^32 of them fits int64.
         total += ((dots % P) * factors % P).sum(dim=0)

@@ -1,0 +1,42 @@
+"""The GPU side of ``ops.digest``: a block's inner sums sum_t x_{bT+t} r_l(t) in one Triton pass.
+
+Imported only where a digest runs on a GPU: Triton is a GPU-only dependency, and the server runs
+without it on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from logprob_service.ops.digest import LANES, T, multipliers
+
+
+@triton.jit
+def _block_dots_kernel(halves_ptr, n, r_ptr, out_ptr, T: tl.constexpr, TILE: tl.constexpr):
+    """Program b: sum_t x_{bT+t} r_l(t) for the 4 lanes (exact int64), over the ``n`` halves."""
+    b = tl.program_id(0).to(tl.int64)
+    zero = tl.sum(tl.zeros((TILE,), dtype=tl.int64), axis=0)
+    acc0, acc1, acc2, acc3 = zero, zero, zero, zero
+    for start in range(0, T, TILE):
+        t = start + tl.arange(0, TILE)
+        k = b * T + t
+        x = tl.load(halves_ptr + k, mask=k < n, other=0).to(tl.int64) & 0xFFFF
+        acc0 += tl.sum(x * tl.load(r_ptr + t), axis=0)
+        acc1 += tl.sum(x * tl.load(r_ptr + T + t), axis=0)
+        acc2 += tl.sum(x * tl.load(r_ptr + 2 * T + t), axis=0)
+        acc3 += tl.sum(x * tl.load(r_ptr + 3 * T + t), axis=0)
+    tl.store(out_ptr + b * 4 + 0, acc0)
+    tl.store(out_ptr + b * 4 + 1, acc1)
+    tl.store(out_ptr + b * 4 + 2, acc2)
+    tl.store(out_ptr + b * 4 + 3, acc3)
+
+
+def block_dots(halves: torch.Tensor) -> torch.Tensor:
+    """[blocks, LANES] int64 inner sums of ``halves`` (int16, on a GPU, or on the CPU under
+    ``TRITON_INTERPRET=1``), by the kernel."""
+    blocks = triton.cdiv(halves.numel(), T)
+    out = torch.empty((blocks, LANES), dtype=torch.int64, device=halves.device)
+    _block_dots_kernel[(blocks,)](halves, halves.numel(), multipliers(halves.device), out, T=T, TILE=2048)
+    return out
