@@ -37,17 +37,17 @@ class DeviceStager:
             return tensor, tensor_digest(tensor)
         # What made ``tensor`` on this thread's stream (a sparse update's changed copy) comes first.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        staged, place = tensor, "cpu"
         with torch.cuda.stream(self.stream):
-            staged = None
             if self._room_for(tensor.nbytes):
                 try:
-                    staged = tensor.to(self.device)
+                    staged, place = tensor.to(self.device), str(self.device)
                 except torch.OutOfMemoryError:
                     pass  # the room was taken meanwhile: keep this one on the host
-            digest = tensor_digest(tensor if staged is None else staged, self.device)
+            digest = tensor_digest(staged, self.device)
         self.stream.synchronize()
-        self.places.add("cpu" if staged is None else str(self.device))
-        return (tensor if staged is None else staged), digest
+        self.places.add(place)
+        return staged, digest
 
     def _room_for(self, nbytes: int) -> bool:
         free, _ = torch.cuda.mem_get_info(self.device)
