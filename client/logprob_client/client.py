@@ -31,6 +31,7 @@ from .channel import Connection
 from .errors import LogprobError, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
+from .ipc import ipc_request
 from .resume import StreamResume
 from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
 from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, WeightDeltas, named_tensors, update_requests
@@ -323,6 +324,26 @@ class LogprobClient(_Client):
                 if not self._again_dense(model, keywords, err):
                     raise
 
+    def update_weights_ipc(
+        self,
+        model: str,
+        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int = 0,
+        partial: bool = False,
+        timeout: float | None = None,
+    ) -> UpdateResult:
+        """Push new weights for ``model`` from this process's GPU memory to a server on this host,
+        by CUDA IPC (``logprob_client.ipc``): only handles cross gRPC; the server copies the
+        tensors device to device. ``weights`` as for ``update_weights``, as CUDA torch tensors; they
+        are held, and must not change, until this returns. Raises ``FailedPrecondition`` where the
+        server is on another host, does not see this GPU or has no peer access to it (then push
+        with ``update_weights``). Needs the admin scope where authentication is on."""
+        request, kept = ipc_request(model, weights, version=version, partial=partial)
+        response = self._call(self._stub.UpdateWeightsFromIpc, request, timeout)
+        del kept  # the server is done with them
+        return UpdateResult.from_proto(response)
+
     def load_weights(
         self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None
     ) -> UpdateResult:
@@ -409,6 +430,21 @@ class AsyncLogprobClient(_Client):
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
+
+    async def update_weights_ipc(
+        self,
+        model: str,
+        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int = 0,
+        partial: bool = False,
+        timeout: float | None = None,
+    ) -> UpdateResult:
+        """See ``LogprobClient.update_weights_ipc``."""
+        request, kept = ipc_request(model, weights, version=version, partial=partial)
+        response = await self._call(self._stub.UpdateWeightsFromIpc, request, timeout)
+        del kept
+        return UpdateResult.from_proto(response)
 
     async def load_weights(
         self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None

@@ -292,3 +292,41 @@ class DistributedUpdateResponse(_message.Message):
     ready: DistributedUpdateResponse.Ready
     done: UpdateWeightsResponse
     def __init__(self, ready: _Optional[_Union[DistributedUpdateResponse.Ready, _Mapping]] = ..., done: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...
+
+class IpcTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "device_uuid", "storage_offset", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    device_uuid: str
+    storage_offset: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., device_uuid: _Optional[str] = ..., storage_offset: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class IpcUpdateRequest(_message.Message):
+    __slots__ = ("header", "boot_id", "tensors")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateWeightsHeader
+    boot_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[IpcTensor]
+    def __init__(self, header: _Optional[_Union[UpdateWeightsHeader, _Mapping]] = ..., boot_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[IpcTensor, _Mapping]]] = ...) -> None: ...

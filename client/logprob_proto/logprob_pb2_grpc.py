@@ -69,6 +69,11 @@ class LogprobServiceStub:
                 request_serializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.SerializeToString,
                 response_deserializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsFromIpc = channel.unary_unary(
+                '/logprob.v1.LogprobService/UpdateWeightsFromIpc',
+                request_serializer=logprob_dot_v1_dot_logprob__pb2.IpcUpdateRequest.SerializeToString,
+                response_deserializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class LogprobServiceServicer:
@@ -140,6 +145,19 @@ class LogprobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsFromIpc(self, request, context):
+        """Administrative: an update whose tensors stay in the caller's GPU memory, on this server's host:
+        the request carries each tensor's CUDA IPC handle (the fields of torch's `reduce_tensor`), and
+        the server maps it, copies it device to device (on one GPU, or from another GPU by peer access)
+        into staging, and swaps it in with UpdateWeights' guarantees. The caller keeps the tensors
+        alive and unchanged until the call returns. FAILED_PRECONDITION when caller and server are not
+        on one host, the server does not see the caller's GPU or has no peer access to it, or runs on
+        the CPU.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LogprobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +195,11 @@ def add_LogprobServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeightsFromDistributed,
                     request_deserializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.FromString,
                     response_serializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromIpc': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromIpc,
+                    request_deserializer=logprob_dot_v1_dot_logprob__pb2.IpcUpdateRequest.FromString,
+                    response_serializer=logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -368,6 +391,33 @@ class LogprobService:
             '/logprob.v1.LogprobService/UpdateWeightsFromDistributed',
             logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.SerializeToString,
             logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromIpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logprob.v1.LogprobService/UpdateWeightsFromIpc',
+            logprob_dot_v1_dot_logprob__pb2.IpcUpdateRequest.SerializeToString,
+            logprob_dot_v1_dot_logprob__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

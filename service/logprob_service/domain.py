@@ -133,3 +133,29 @@ class ModelInfo:
     base_model: str = ""  # a LoRA model's base, whose weights it shares
     attention: str = ""  # which attention backend serves which kind of row (ops.attention)
     determinism: str = ""  # what --deterministic guarantees here (models.scorer.determinism)
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """Where a caller's tensor lies in its GPU memory on this host: the fields of torch's
+    ``reduce_tensor`` for it (``worker.ipc`` opens them; plain data here)."""
+
+    device_uuid: str
+    storage_offset: int  # elements
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """A tensor of an UpdateWeightsFromIpc request."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    handle: IpcHandle

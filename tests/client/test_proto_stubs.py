@@ -37,6 +37,7 @@ def test_stub_service_matches_the_proto_service():
         "LoadWeights",
         "InitWeightsUpdateGroup",
         "UpdateWeightsFromDistributed",
+        "UpdateWeightsFromIpc",
     ]
     stream = service.methods_by_name["ScoreTokensStream"]
     assert stream.client_streaming and stream.server_streaming

@@ -183,10 +183,10 @@ async def test_score_token_scores_but_cannot_update_weights(authed, tokens, rng)
 
 
 async def admin_calls(target: str, token: str) -> list[grpc.StatusCode]:
-    """The statuses, with ``token``, of the four weight-update RPCs, each made so it can change
+    """The statuses, with ``token``, of the five weight-update RPCs, each made so it can change
     nothing: an UpdateWeights of a header and no commit, a LoadWeights of a path that does not
     exist, an InitWeightsUpdateGroup with no trainer to join (1 s), an UpdateWeightsFromDistributed
-    of a group never joined."""
+    of a group never joined, an UpdateWeightsFromIpc from another host."""
     metadata = (("authorization", f"Bearer {token}"),)
     codes = []
     async with grpc.aio.insecure_channel(target) as channel:
@@ -195,6 +195,7 @@ async def admin_calls(target: str, token: str) -> list[grpc.StatusCode]:
         join = pb.InitWeightsUpdateGroupRequest(master_port=free_port(), world_size=2, rank_offset=1, group_name="g")
         distributed = pb.DistributedUpdateRequest(header=pb.UpdateWeightsHeader(model="default"), group_name="g")
         join.timeout_s = 1.0
+        ipc = pb.IpcUpdateRequest(header=pb.UpdateWeightsHeader(model="default", partial=True), boot_id="elsewhere")
         for call in (
             stub.UpdateWeights(iter([header]), metadata=metadata, timeout=30),
             stub.LoadWeights(
@@ -202,6 +203,7 @@ async def admin_calls(target: str, token: str) -> list[grpc.StatusCode]:
             ),
             stub.InitWeightsUpdateGroup(join, metadata=metadata, timeout=30),
             stub.UpdateWeightsFromDistributed(distributed, metadata=metadata, timeout=30),
+            stub.UpdateWeightsFromIpc(ipc, metadata=metadata, timeout=30),
         ):
             try:
                 if hasattr(call, "__aiter__"):  # a response stream
@@ -220,7 +222,7 @@ async def test_admin_scope_passes_to_the_weight_update_handlers(authed, rng):
     for token in (values["ops"], values["both"]):
         codes = await admin_calls(running.target, token)
         # Past authentication: whatever the handler answers (UNIMPLEMENTED until weight updates land).
-        assert len(codes) == 4 and not DENIED & set(codes), codes
+        assert len(codes) == 5 and not DENIED & set(codes), codes
     # An admin-only token does not score.
     assert await asyncio.to_thread(refused, running.target, token=values["ops"]) == grpc.StatusCode.PERMISSION_DENIED
     with LogprobClient(running.target, token=values["both"]) as client:

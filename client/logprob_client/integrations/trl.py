@@ -36,8 +36,9 @@ Old-policy log-probs (``old_policy=RemotePolicy(client, model="policy")``): TRL 
 while generating, when a batch is used for more than one optimizer step (``num_iterations > 1``, or
 ``steps_per_generation`` beyond ``gradient_accumulation_steps``), as a no-gradient forward of the
 policy through the same hook. With ``old_policy``, that call is scored by the service instead:
-the policy's weights are pushed first whenever an optimizer step changed them (a sparse delta
-after the first push), and the scoring waits for that version. Without it, TRL computes them
+the policy's weights are pushed first whenever an optimizer step changed them (by CUDA IPC to a
+service on this host, else a sparse delta over gRPC after the first push), and the scoring waits
+for that version. Without it, TRL computes them
 in-process, as it does on its own.
 """
 
@@ -57,6 +58,7 @@ except ImportError as err:  # an optional dependency
     raise ImportError('logprob_client.integrations.trl needs TRL: pip install "logprob-service[trl]"') from err
 
 from ..client import LogprobClient
+from ..errors import FailedPrecondition
 
 CHECKED_TRL_VERSION = "1.16.0"
 _HOOK = "_get_per_token_logps_and_entropies"
@@ -113,6 +115,7 @@ class RemoteReference:
 class _Pushed:
     step: int | None = None  # the optimizer step whose weights the service holds
     version: int = 0  # the version they went live as
+    ipc: bool | None = None  # whether CUDA IPC pushes reach the service (None: not tried yet)
 
 
 @dataclass(frozen=True)
@@ -121,21 +124,43 @@ class RemotePolicy(RemoteReference):
 
     ``model``: the name the service serves it under, loaded from the policy's starting checkpoint
     (or any weights of its shape). Before TRL first needs old-policy log-probs after an optimizer
-    step, the policy's weights are pushed (``update_weights(..., delta=True)``: dense the first
-    time, then only what changed, each tensor sparse or dense), in the served model's dtype, and
-    the scoring waits for that version (``min_version``).
+    step, the policy's weights are pushed, in the served model's dtype, by the fastest path there
+    is, and the scoring waits for that version (``min_version``). ``transport``: "auto" pushes a
+    policy on a GPU by CUDA IPC (``update_weights_ipc``: a device-to-device copy by a service on
+    this host), and falls back for good to gRPC when the service refuses it (another host, no
+    peer access); "grpc" always sends sparse deltas over gRPC (``update_weights(..., delta=True)``:
+    dense the first time, then only what changed); "ipc" only IPC (a refusal is raised).
     """
 
     model: str = "policy"
+    transport: str = "auto"
     pushed: _Pushed = field(default_factory=_Pushed)
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "ipc", "grpc"):
+            raise ValueError(f"transport must be 'auto', 'ipc' or 'grpc', got {self.transport!r}")
 
     def sync(self, policy: torch.nn.Module, step: int, dtype: torch.dtype) -> int:
         """Push ``policy``'s weights unless the service holds those of ``step``; the live version."""
         if self.pushed.step != step:
             weights = {name: t.detach().to(dtype) for name, t in policy.state_dict().items()}
-            self.pushed.version = self.client.update_weights(self.model, weights, delta=True).version
+            self.pushed.version = self._push(weights)
             self.pushed.step = step
         return self.pushed.version
+
+    def _push(self, weights: dict[str, torch.Tensor]) -> int:
+        on_gpu = all(t.is_cuda for t in weights.values())
+        if self.transport == "ipc" or (self.transport == "auto" and on_gpu and self.pushed.ipc is not False):
+            try:
+                version = self.client.update_weights_ipc(self.model, weights).version
+                self.pushed.ipc = True
+                return version
+            except FailedPrecondition as err:
+                if self.transport == "ipc":
+                    raise
+                self.pushed.ipc = False
+                warnings.warn(f"old-policy weights go over gRPC from now on: {err.message}", stacklevel=3)
+        return self.client.update_weights(self.model, weights, delta=True).version
 
 
 def check_trl_compatible(trainer_cls: type = GRPOTrainer) -> None:

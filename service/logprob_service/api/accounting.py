@@ -48,6 +48,8 @@ def record(
     scoring = request if isinstance(request, pb.ScoreRequest) else None
     if isinstance(request, pb.ScoreRequest | pb.LoadWeightsRequest):
         model = wire.model_name(request)
+    elif isinstance(request, pb.IpcUpdateRequest | pb.DistributedUpdateRequest):
+        model = wire.model_name(request.header)
     elif isinstance(response, pb.UpdateWeightsResponse):
         model = response.model  # a client stream: the model is known from its answer
     else:

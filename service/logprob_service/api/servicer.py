@@ -146,3 +146,9 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self._state.check_accepting()
         async for event in self._updater.update_from_group(*wire.distributed_update(request)):
             yield wire.distributed_response(event)
+
+    async def UpdateWeightsFromIpc(
+        self, request: pb.IpcUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        self._state.check_accepting()
+        return wire.update_response(await self._updater.update_from_ipc(*wire.ipc_update(request)))

@@ -10,7 +10,15 @@ from google.protobuf.message import Message
 from logprob_proto import logprob_pb2 as pb
 
 from logprob_service.api.status import status_of
-from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.domain import (
+    IpcHandle,
+    ModelInfo,
+    ScoreJob,
+    ScoreResult,
+    SequenceScores,
+    SharedTensor,
+    TokenSequence,
+)
 from logprob_service.engine.interfaces import WeightGroup
 from logprob_service.engine.validation import RequestLimits, validate_temperature, validate_version
 from logprob_service.engine.weight_updates import (
@@ -230,6 +238,29 @@ def group_response(group: WeightGroup) -> pb.InitWeightsUpdateGroupResponse:
 def distributed_update(request: pb.DistributedUpdateRequest) -> tuple[UpdateHeader, str, list[TensorSpec]]:
     tensors = [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in request.tensors]
     return _update_header(request.header), request.group_name, tensors
+
+
+def ipc_update(request: pb.IpcUpdateRequest) -> tuple[UpdateHeader, str, list[SharedTensor]]:
+    tensors = [
+        SharedTensor(
+            t.name,
+            t.dtype,
+            tuple(t.shape),
+            IpcHandle(
+                device_uuid=t.device_uuid,
+                storage_offset=t.storage_offset,
+                storage_handle=t.storage_handle,
+                storage_size_bytes=t.storage_size_bytes,
+                storage_offset_bytes=t.storage_offset_bytes,
+                ref_counter_handle=t.ref_counter_handle,
+                ref_counter_offset=t.ref_counter_offset,
+                event_handle=t.event_handle,
+                event_sync_required=t.event_sync_required,
+            ),
+        )
+        for t in request.tensors
+    ]
+    return _update_header(request.header), request.boot_id, tensors
 
 
 def distributed_response(event: Ready | UpdateOutcome) -> pb.DistributedUpdateResponse:

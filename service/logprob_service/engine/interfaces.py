@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from logprob_service.domain import ModelInfo, SequenceScores, TokenSequence
+from logprob_service.domain import ModelInfo, SequenceScores, SharedTensor, TokenSequence
 
 T = TypeVar("T")
 
@@ -77,8 +77,9 @@ class Stager(Protocol):
 
     places: set[str]  # where it staged them so far ("cuda:0", "cpu")
 
-    def stage(self, tensor: Any) -> tuple[Any, Any]:
-        """(the staged copy, the digest of its bytes); called on a worker thread."""
+    def stage(self, tensor: Any, *, copy: bool = False) -> tuple[Any, Any]:
+        """(the staged copy, the digest of its bytes); called on a worker thread. ``copy``: a copy
+        even where ``tensor`` already lies where it would be staged (it is not the update's own)."""
 
 
 class Staging(Protocol):
@@ -95,6 +96,13 @@ class Staging(Protocol):
     def with_changes(self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str) -> Any:
         """A host copy of the ``live`` weight with the elements at flat ``indices`` set to ``values``
         (their raw bytes in ``dtype``)."""
+
+    def check_shared(self, boot_id: str, device: Any, tensors: Sequence[SharedTensor]) -> None:
+        """That ``tensors`` of a caller on host ``boot_id`` can be opened and copied to ``device``:
+        one host, GPUs this process sees, peer access (FAILED_PRECONDITION / INVALID_ARGUMENT)."""
+
+    def open_shared(self, tensor: SharedTensor) -> Any:
+        """The caller's tensor, mapped into this process (its memory, not a copy); called on a worker thread."""
 
 
 class WeightGroup(Protocol):

@@ -21,19 +21,19 @@ a tensor (``Staging``, ``worker.staging``, makes and stages them).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from logprob_service.domain import DTYPE_BYTES
+from logprob_service.domain import DTYPE_BYTES, SharedTensor
 from logprob_service.engine.interfaces import JoinGroup, ServedModel, Staging, UpdatableWeights, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
@@ -230,14 +230,16 @@ MAX_SPARSE_ELEMENTS = 2**32
 class _Update:
     """One update in progress: its checked, staged tensors and their digests."""
 
-    def __init__(self, served: ServedModel, header: UpdateHeader, staging: Staging, pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, served: ServedModel, header: UpdateHeader, staging: Staging, pool: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
         self.served = served
         self.header = header
         self.target: UpdatableWeights = served.updatable()
         self.staging = staging
         self.stager = staging.stager(served.device)
         self.pool = pool
-        self.staged: dict[str, Future[tuple[Any, Any]]] = {}  # name -> (staged tensor, digest)
+        self.staged: dict[str, concurrent.futures.Future[tuple[Any, Any]]] = {}  # name -> (staged tensor, digest)
         self.assembly: _Assembly | _SparseAssembly | None = None
         self.bytes = 0
 
@@ -280,6 +282,15 @@ class _Update:
         self.check_new(name, dtype, shape)
         self.stage(name, math.prod(shape) * DTYPE_BYTES[dtype], lambda: tensor)
 
+    def check_all(self, tensors: list[TensorSpec] | list[SharedTensor]) -> None:
+        """``check_new`` of each tensor an update names up front (its tensors come afterwards)."""
+        seen: set[str] = set()
+        for t in tensors:
+            if t.name in seen:
+                raise InvalidArgument(f"tensor {t.name!r}: named twice in one update")
+            seen.add(t.name)
+            self.check_new(t.name, t.dtype, t.shape)
+
     def check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
         """The live weight ``name`` stands for, once checked to be new to this update and to fit."""
         if name in self.staged:
@@ -290,11 +301,24 @@ class _Update:
             raise InvalidArgument(f"tensor {name!r}: negative dimension in shape {list(shape)}")
         return self.target.check(name, dtype, shape)
 
-    def stage(self, name: str, nbytes: int, make: Callable[[], Any]) -> None:
+    def stage(self, name: str, nbytes: int, make: Callable[[], Any], *, copy: bool = False) -> None:
         """Stage the tensor ``make`` returns: made, hashed and copied on the pool, off the loop.
-        ``nbytes``: what the update received for it."""
+        ``nbytes``: what the update received for it; ``copy``: the tensor is not the update's own
+        (a caller's memory), so it is copied even where it already lies on the device."""
         self.bytes += nbytes
-        self.staged[name] = self.pool.submit(lambda: self.stager.stage(make()))
+        self.staged[name] = self.pool.submit(lambda: self.stager.stage(make(), copy=copy))
+
+    async def staged_tensors(self) -> dict[str, tuple[Any, Any]]:
+        """Every staged (tensor, digest). If one failed, the others not yet started are cancelled
+        and those running are waited for before the error is raised: no staging work, which may
+        read a caller's memory, outlives the call."""
+        try:
+            return {name: await asyncio.wrap_future(future) for name, future in self.staged.items()}
+        except BaseException:
+            for future in self.staged.values():
+                future.cancel()
+            await asyncio.to_thread(concurrent.futures.wait, self.staged.values())
+            raise
 
     def check_complete(self, commit: Commit) -> None:
         if self.assembly is not None:
@@ -344,7 +368,7 @@ class WeightUpdater:
         self._join_group = join_group
         self._stats = stats
         self._updating: set[str] = set()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
         self._groups: dict[str, WeightGroup] = {}  # joined trainers' groups, by name
 
     def updating(self, model: str) -> bool:
@@ -420,13 +444,8 @@ class WeightUpdater:
             raise FailedPrecondition(
                 f"group_name: no weight group {group_name!r} joined ({joined}); call InitWeightsUpdateGroup first"
             )
-        names = [t.name for t in tensors]
-        if len(set(names)) != len(names):
-            twice = next(n for n in names if names.count(n) > 1)
-            raise InvalidArgument(f"tensor {twice!r}: named twice in one update")
         with self._updating_model(header) as update:
-            for spec in tensors:
-                update.check_new(spec.name, spec.dtype, spec.shape)
+            update.check_all(tensors)
             yield Ready()
             for i, spec in enumerate(tensors):
                 try:
@@ -445,6 +464,19 @@ class WeightUpdater:
                     ) from None
                 update.stage(spec.name, math.prod(spec.shape) * DTYPE_BYTES[spec.dtype], lambda t=received: t)
             yield await self._commit(update, Commit(len(tensors)), start)
+
+    async def update_from_ipc(self, header: UpdateHeader, boot_id: str, tensors: list[SharedTensor]) -> UpdateOutcome:
+        """An update whose tensors lie in a caller's GPU memory on this host (UpdateWeightsFromIpc):
+        every tensor is checked, and the caller's host and GPUs too, before any is opened; each is
+        then copied device to device into staging, and they are swapped in as UpdateWeights'."""
+        start = time.perf_counter_ns()
+        with self._updating_model(header) as update:
+            update.check_all(tensors)
+            self._staging.check_shared(boot_id, update.served.device, tensors)
+            for t in tensors:
+                nbytes = math.prod(t.shape) * DTYPE_BYTES[t.dtype]
+                update.stage(t.name, nbytes, lambda t=t: self._staging.open_shared(t), copy=True)
+            return await self._commit(update, Commit(len(tensors)), start)
 
     @contextlib.contextmanager
     def _updating_model(self, header: UpdateHeader) -> Iterator[_Update]:
@@ -471,7 +503,7 @@ class WeightUpdater:
 
     async def _commit(self, update: _Update, commit: Commit, start_ns: int) -> UpdateOutcome:
         update.check_complete(commit)
-        staged = {name: await asyncio.wrap_future(future) for name, future in update.staged.items()}
+        staged = await update.staged_tensors()
         served, target = update.served, update.target
         version = update.header.version
         tensors = {name: tensor for name, (tensor, _) in staged.items()}

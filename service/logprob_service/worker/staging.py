@@ -7,14 +7,17 @@ calls this through the ``engine.interfaces.Staging`` protocol, so the engine tou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from logprob_service.domain import SharedTensor
 from logprob_service.errors import InvalidArgument
 from logprob_service.models.loading import DTYPES
 from logprob_service.models.weights import TensorDigest, dtype_name, tensor_digest
+from logprob_service.worker import ipc
 
 
 class DeviceStager:
@@ -27,23 +30,28 @@ class DeviceStager:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.places: set[str] = set()
 
-    def stage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, TensorDigest]:
+    def stage(self, tensor: torch.Tensor, *, copy: bool = False) -> tuple[torch.Tensor, TensorDigest]:
         """The staged copy of ``tensor`` (on a worker thread) and the digest of its bytes, both
         made on the device's staging stream when it is a GPU: the digest reads the staged copy
-        there, or the host copy's bytes in chunks brought to the GPU, never hashed on the host."""
+        there, or the host copy's bytes in chunks brought to the GPU, never hashed on the host.
+        ``copy``: ``tensor`` is not the update's own (a caller's GPU memory), so it is copied
+        even where it already lies."""
         tensor = tensor.contiguous()
         if self.stream is None:
             self.places.add("cpu")
-            return tensor, tensor_digest(tensor)
-        # What made ``tensor`` on this thread's stream (a sparse update's changed copy) comes first.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        staged, place = tensor, "cpu"
+            return (tensor.clone() if copy else tensor), tensor_digest(tensor)
+        # What wrote ``tensor`` on this thread's stream of its device comes first: a sparse
+        # update's changed copy, or the caller's work an IPC tensor's event stands for.
+        self.stream.wait_stream(torch.cuda.current_stream(tensor.device if tensor.is_cuda else self.device))
+        staged: torch.Tensor | None = None
         with torch.cuda.stream(self.stream):
             if self._room_for(tensor.nbytes):
                 try:
-                    staged, place = tensor.to(self.device), str(self.device)
+                    staged, place = tensor.to(self.device, copy=copy), str(self.device)
                 except torch.OutOfMemoryError:
-                    pass  # the room was taken meanwhile: keep this one on the host
+                    pass  # the room was taken meanwhile: keep this one in host memory
+            if staged is None:
+                staged, place = tensor.to("cpu", copy=copy), "cpu"
             digest = tensor_digest(staged, self.device)
         self.stream.synchronize()
         self.places.add(place)
@@ -77,6 +85,14 @@ class Staging:
         changed = live.detach().to("cpu", copy=True).contiguous()
         changed.view(-1)[torch.from_numpy(indices.astype(np.int64))] = torch.from_numpy(values).view(DTYPES[dtype])
         return changed
+
+    @staticmethod
+    def check_shared(boot_id: str, device: torch.device, tensors: Sequence[SharedTensor]) -> None:
+        ipc.check_shared(boot_id, device, tensors)
+
+    @staticmethod
+    def open_shared(tensor: SharedTensor) -> torch.Tensor:
+        return ipc.open_shared(tensor)
 
     @staticmethod
     def read_file(file: Path) -> list[tuple[str, str, tuple[int, ...], torch.Tensor]]:

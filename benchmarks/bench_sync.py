@@ -1,15 +1,21 @@
-"""Weights by broadcast (InitWeightsUpdateGroup + UpdateWeightsFromDistributed) between two GPUs.
+"""A trainer's weight sync to a server on the same node: by broadcast (InitWeightsUpdateGroup +
+UpdateWeightsFromDistributed, NCCL) or by CUDA IPC (UpdateWeightsFromIpc).
 
 The server (this process, the real grpc.aio server on a background thread) holds a random model
 of the Qwen2.5-7B shape in bf16 (15.2 GB) on ``--server-device``. A separate *trainer* process
-holds new weights of the same shape on ``--trainer-device`` and pushes them with
-``logprob_client.collective.WeightBroadcaster`` (NCCL: names and shapes over gRPC, tensors by
-broadcast). Measured in one run: the push's time as the trainer sees it (until the new version is
-live) and the server's total and swap times, beside a device-to-device copy of the same bytes
-(``torch.Tensor.copy_`` from one GPU to the other), the interconnect's rate in this process.
+holds new weights of the same shape on ``--trainer-device`` and pushes them ``--repeats`` times:
+``--via broadcast`` with ``logprob_client.collective.WeightBroadcaster`` (names and shapes over
+gRPC, tensors by NCCL broadcast), ``--via ipc`` with ``LogprobClient.update_weights_ipc`` (CUDA
+IPC handles over gRPC, a device-to-device copy by the server). Measured in one run: the push's
+time as the trainer sees it (until the new version is live) and the server's total and swap
+times, beside a device-to-device copy of the same bytes (``torch.Tensor.copy_``, trainer's GPU to
+server's), the rate the memory or interconnect allows in this process.
 
-Run (two GPUs): PYTHONPATH=service:client python3 benchmarks/bench_broadcast.py
-(``--tiny --backend gloo`` on the CPU: checks that the script runs, nothing more.)
+Run: PYTHONPATH=service:client python3 benchmarks/bench_sync.py --via ipc --server-device cuda:0 \
+       --trainer-device cuda:0            (one GPU: trainer and server share it)
+     PYTHONPATH=service:client python3 benchmarks/bench_sync.py --via ipc      (two GPUs)
+     PYTHONPATH=service:client python3 benchmarks/bench_sync.py --via broadcast (two GPUs)
+(``--via broadcast --tiny --backend gloo`` on the CPU: checks that the script runs, nothing more.)
 """
 
 from __future__ import annotations
@@ -30,13 +36,20 @@ from logprob_service.models.served import serve_model
 MODEL = "policy"
 
 
-def trainer(target: str, port: int, spec, device: str, backend: str, repeats: int, results) -> None:
-    """The trainer's side: new weights on its device, pushed ``repeats`` times by broadcast."""
+def trainer(target: str, via: str, port: int, spec, device: str, backend: str, repeats: int, results) -> None:
+    """The trainer's side: new weights on its device, pushed ``repeats`` times."""
     from logprob_client import LogprobClient
     from logprob_client.collective import WeightBroadcaster
 
     torch.manual_seed(1)
     weights = {name: (torch.randn(shape, device=device) * 0.02).to(dtype) for name, shape, dtype in spec}
+    if via == "ipc":
+        with LogprobClient(target, timeout=600) as client:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                result = client.update_weights_ipc(MODEL, weights)
+                results.put((time.perf_counter() - start, result))
+        return
     with (
         LogprobClient(target, timeout=600) as client,
         WeightBroadcaster(client, master_port=port, backend=backend, device=device, timeout_s=300) as sync,
@@ -64,6 +77,7 @@ def copy_rate(nbytes: int, source: str, destination: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--via", default="broadcast", choices=["broadcast", "ipc"])
     parser.add_argument("--tiny", action="store_true", help="a tiny model (with --backend gloo: the CPU)")
     parser.add_argument("--shape", default="7b", choices=list(SHAPES))
     parser.add_argument("--server-device", default="cuda:1")
@@ -90,7 +104,7 @@ def main() -> None:
     with LoopbackServer(settings, registry) as target:
         proc = ctx.Process(
             target=trainer,
-            args=(target, args.port, spec, args.trainer_device, args.backend, args.repeats, results),
+            args=(target, args.via, args.port, spec, args.trainer_device, args.backend, args.repeats, results),
         )
         proc.start()
         pushes = [results.get(timeout=1800) for _ in range(args.repeats)]
@@ -98,7 +112,9 @@ def main() -> None:
     peer = copy_rate(nbytes, args.trainer_device, args.server_device) if device.type == "cuda" else None
 
     lines = [
-        f"# Weights by broadcast: {shape.name}, {dtype}, {nbytes / 1e9:.2f} GB, {args.backend}, "
+        f"# Weights by {args.via}: {shape.name}, {dtype}, {nbytes / 1e9:.2f} GB"
+        + (f", {args.backend}" if args.via == "broadcast" else "")
+        + f", "
         f"trainer on {args.trainer_device}, server on {args.server_device}",
         *run_environment(device),
         "",
@@ -113,7 +129,7 @@ def main() -> None:
     if peer is not None:
         lines += ["", f"device-to-device copy of the same bytes ({args.trainer_device} -> {args.server_device}): "
                   f"{peer:.1f} GB/s, {nbytes / peer / 1e9:.3f} s"]  # fmt: skip
-    publish("\n".join(lines), "bench_broadcast.md")
+    publish("\n".join(lines), f"bench_sync_{args.via}.md")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""How ``RemotePolicy`` pushes the old policy's weights: CUDA IPC where it can, else gRPC deltas.
+
+A fake client stands in for the service: it records which push each step used, and refuses IPC
+(FAILED_PRECONDITION, as a service on another host does) when told to. The weights are marked as
+GPU tensors by a subclass, so the choice runs here without a GPU; the pushes themselves are tested
+against a real service (tests/integration/test_trl.py over gRPC, tests/gpu for IPC).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service[trl]' (CI gets it via the dev extra)")
+
+import torch
+from logprob_client import FailedPrecondition
+from logprob_client.integrations.trl import RemotePolicy
+
+
+class OnGpu(torch.Tensor):
+    """A host tensor that says it is on a GPU (only ``is_cuda`` is read of it)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+class Policy(torch.nn.Module):
+    def __init__(self, on_gpu: bool) -> None:
+        super().__init__()
+        self.on_gpu = on_gpu
+        self.w = torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7)
+
+    def state_dict(self, *args, **kwargs):
+        w = self.w.detach()
+        return {"w": w.as_subclass(OnGpu) if self.on_gpu else w}
+
+
+class Service:
+    def __init__(self, same_host: bool) -> None:
+        self.same_host = same_host
+        self.pushes: list[str] = []
+
+    def update_weights_ipc(self, model, weights):
+        if not self.same_host:
+            raise FailedPrecondition("boot_id: the caller's host is not this server's")
+        self.pushes.append("ipc")
+        return type("Result", (), {"version": len(self.pushes)})()
+
+    def update_weights(self, model, weights, *, delta):
+        assert delta
+        self.pushes.append("grpc")
+        return type("Result", (), {"version": len(self.pushes)})()
+
+
+def sync_steps(policy: RemotePolicy, on_gpu: bool, steps: int) -> list[int]:
+    return [policy.sync(Policy(on_gpu), step, torch.bfloat16) for step in range(steps)]
+
+
+def test_a_gpu_policy_goes_by_ipc_to_a_service_on_this_host():
+    service = Service(same_host=True)
+    policy = RemotePolicy(service, model="policy")
+    assert sync_steps(policy, on_gpu=True, steps=3) == [1, 2, 3]
+    assert service.pushes == ["ipc"] * 3 and policy.pushed.ipc is True
+
+
+def test_a_refused_ipc_push_falls_back_to_grpc_for_good():
+    service = Service(same_host=False)
+    policy = RemotePolicy(service, model="policy")
+    with pytest.warns(UserWarning, match="over gRPC from now on: boot_id"):
+        assert sync_steps(policy, on_gpu=True, steps=3) == [1, 2, 3]
+    assert service.pushes == ["grpc"] * 3 and policy.pushed.ipc is False
+
+
+def test_a_host_policy_and_the_grpc_transport_never_try_ipc():
+    for on_gpu, transport in ((False, "auto"), (True, "grpc")):
+        service = Service(same_host=True)
+        policy = RemotePolicy(service, model="policy", transport=transport)
+        sync_steps(policy, on_gpu=on_gpu, steps=2)
+        assert service.pushes == ["grpc", "grpc"] and policy.pushed.ipc is None
+
+
+def test_the_ipc_transport_raises_a_refusal_and_unknown_transports_are_refused():
+    policy = RemotePolicy(Service(same_host=False), model="policy", transport="ipc")
+    with pytest.raises(FailedPrecondition, match="boot_id"):
+        sync_steps(policy, on_gpu=True, steps=1)
+    with pytest.raises(ValueError, match="transport must be 'auto', 'ipc' or 'grpc', got 'nccl'"):
+        RemotePolicy(Service(same_host=True), model="policy", transport="nccl")
