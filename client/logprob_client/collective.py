@@ -13,10 +13,12 @@ Needs torch (imported here only). One server per broadcaster (world size 2).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import grpc
 from logprob_proto import logprob_pb2 as pb
 
 from .errors import LogprobError, error_from_rpc
@@ -24,6 +26,9 @@ from .weights import UpdateResult, named_tensors
 
 # Both sides key the group's store under this prefix (the server's worker.collectives).
 STORE_PREFIX = "logprob-weights"
+# How long close() waits for the server's refusal to leave before leaving with it (its leave
+# answers only once this side has left too).
+LEAVE_ANSWER_S = 1.0
 
 
 class WeightBroadcaster:
@@ -133,8 +138,23 @@ class WeightBroadcaster:
             raise
 
     def close(self) -> None:
+        """Leave the group with the server (DestroyWeightsUpdateGroup): NCCL tears a group down on
+        both ranks together, so each side's shutdown waits for the other's. Where the server
+        answers at once that it cannot (gone, or it dropped the group), this side aborts alone."""
         if self.group is not None:
-            self.group.shutdown()
+            request = pb.DestroyWeightsUpdateGroupRequest(group_name=self.group_name)
+            leaving = self.client._stub.DestroyWeightsUpdateGroup.future(request, timeout=self.timeout_s)
+            try:
+                leaving.result(timeout=LEAVE_ANSWER_S)
+            except grpc.FutureTimeoutError:
+                pass  # the server is leaving and waits for this side
+            except grpc.RpcError:
+                self.group.abort()
+                self.group = None
+            if self.group is not None:
+                self.group.shutdown()
+                with contextlib.suppress(grpc.RpcError):
+                    leaving.result()
         self.group = self._store = None
 
     def __enter__(self) -> WeightBroadcaster:

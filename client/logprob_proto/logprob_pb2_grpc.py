@@ -69,6 +69,11 @@ class LogprobServiceStub:
                 request_serializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.SerializeToString,
                 response_deserializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.FromString,
                 _registered_method=True)
+        self.DestroyWeightsUpdateGroup = channel.unary_unary(
+                '/logprob.v1.LogprobService/DestroyWeightsUpdateGroup',
+                request_serializer=logprob_dot_v1_dot_logprob__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=logprob_dot_v1_dot_logprob__pb2.DestroyWeightsUpdateGroupResponse.FromString,
+                _registered_method=True)
         self.UpdateWeightsFromIpc = channel.unary_unary(
                 '/logprob.v1.LogprobService/UpdateWeightsFromIpc',
                 request_serializer=logprob_dot_v1_dot_logprob__pb2.IpcUpdateRequest.SerializeToString,
@@ -145,6 +150,16 @@ class LogprobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DestroyWeightsUpdateGroup(self, request, context):
+        """Administrative: leave a group joined with InitWeightsUpdateGroup (SGLang's
+        `destroy_weights_update_group`). Rank 0 leaves it at the same time: NCCL tears a group down on
+        all its ranks together, so the call returns once rank 0 has left too. FAILED_PRECONDITION for
+        a group not joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateWeightsFromIpc(self, request, context):
         """Administrative: an update whose tensors stay in the caller's GPU memory, on this server's host:
         the request carries each tensor's CUDA IPC handle (the fields of torch's `reduce_tensor`), and
@@ -195,6 +210,11 @@ def add_LogprobServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeightsFromDistributed,
                     request_deserializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.FromString,
                     response_serializer=logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.SerializeToString,
+            ),
+            'DestroyWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsUpdateGroup,
+                    request_deserializer=logprob_dot_v1_dot_logprob__pb2.DestroyWeightsUpdateGroupRequest.FromString,
+                    response_serializer=logprob_dot_v1_dot_logprob__pb2.DestroyWeightsUpdateGroupResponse.SerializeToString,
             ),
             'UpdateWeightsFromIpc': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeightsFromIpc,
@@ -391,6 +411,33 @@ class LogprobService:
             '/logprob.v1.LogprobService/UpdateWeightsFromDistributed',
             logprob_dot_v1_dot_logprob__pb2.DistributedUpdateRequest.SerializeToString,
             logprob_dot_v1_dot_logprob__pb2.DistributedUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/logprob.v1.LogprobService/DestroyWeightsUpdateGroup',
+            logprob_dot_v1_dot_logprob__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+            logprob_dot_v1_dot_logprob__pb2.DestroyWeightsUpdateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

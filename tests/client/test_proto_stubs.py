@@ -37,6 +37,7 @@ def test_stub_service_matches_the_proto_service():
         "LoadWeights",
         "InitWeightsUpdateGroup",
         "UpdateWeightsFromDistributed",
+        "DestroyWeightsUpdateGroup",
         "UpdateWeightsFromIpc",
     ]
     stream = service.methods_by_name["ScoreTokensStream"]

@@ -183,10 +183,11 @@ async def test_score_token_scores_but_cannot_update_weights(authed, tokens, rng)
 
 
 async def admin_calls(target: str, token: str) -> list[grpc.StatusCode]:
-    """The statuses, with ``token``, of the five weight-update RPCs, each made so it can change
+    """The statuses, with ``token``, of the six weight-update RPCs, each made so it can change
     nothing: an UpdateWeights of a header and no commit, a LoadWeights of a path that does not
     exist, an InitWeightsUpdateGroup with no trainer to join (1 s), an UpdateWeightsFromDistributed
-    of a group never joined, an UpdateWeightsFromIpc from another host."""
+    and a DestroyWeightsUpdateGroup of a group never joined, an UpdateWeightsFromIpc from another
+    host."""
     metadata = (("authorization", f"Bearer {token}"),)
     codes = []
     async with grpc.aio.insecure_channel(target) as channel:
@@ -203,6 +204,7 @@ async def admin_calls(target: str, token: str) -> list[grpc.StatusCode]:
             ),
             stub.InitWeightsUpdateGroup(join, metadata=metadata, timeout=30),
             stub.UpdateWeightsFromDistributed(distributed, metadata=metadata, timeout=30),
+            stub.DestroyWeightsUpdateGroup(pb.DestroyWeightsUpdateGroupRequest(group_name="g"), metadata=metadata),
             stub.UpdateWeightsFromIpc(ipc, metadata=metadata, timeout=30),
         ):
             try:
@@ -222,7 +224,7 @@ async def test_admin_scope_passes_to_the_weight_update_handlers(authed, rng):
     for token in (values["ops"], values["both"]):
         codes = await admin_calls(running.target, token)
         # Past authentication: whatever the handler answers (UNIMPLEMENTED until weight updates land).
-        assert len(codes) == 5 and not DENIED & set(codes), codes
+        assert len(codes) == 6 and not DENIED & set(codes), codes
     # An admin-only token does not score.
     assert await asyncio.to_thread(refused, running.target, token=values["ops"]) == grpc.StatusCode.PERMISSION_DENIED
     with LogprobClient(running.target, token=values["both"]) as client:

@@ -55,7 +55,15 @@ async def test_a_broadcast_update_lands_as_a_grpc_push_of_the_same_weights(serve
             joined = sync.connect()
             assert (joined.rank, joined.world_size, joined.backend, joined.device) == (1, 2, "gloo", "cpu")
             result = sync.push("policy", weights, version=7)
-            return result, client.score(*as_lists(sequences))
+            scored = client.score(*as_lists(sequences))
+        # Closing the broadcaster left the group on both sides (DestroyWeightsUpdateGroup).
+        with LogprobClient(served.target, model="policy", timeout=60) as client:
+            leave = pb.DestroyWeightsUpdateGroupRequest(group_name="trainer")
+            with pytest.raises(grpc.RpcError) as caught:
+                client._stub.DestroyWeightsUpdateGroup(leave, timeout=30)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no weight group 'trainer' joined (none)" in caught.value.details()
+        return result, scored
 
     result, logprobs = await asyncio.to_thread(run)
     assert (result.version, result.tensors) == (7, len(weights))

@@ -140,6 +140,12 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self._state.check_accepting()
         return wire.group_response(await self._updater.join_group(wire.group_spec(request)))
 
+    async def DestroyWeightsUpdateGroup(
+        self, request: pb.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DestroyWeightsUpdateGroupResponse:
+        await self._updater.leave_group(request.group_name)
+        return pb.DestroyWeightsUpdateGroupResponse()
+
     async def UpdateWeightsFromDistributed(
         self, request: pb.DistributedUpdateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DistributedUpdateResponse]:

@@ -116,8 +116,8 @@ class WeightGroup(Protocol):
     def receive(self, dtype: str, shape: tuple[int, ...]) -> Any:
         """The next tensor rank 0 broadcasts, on the server's device (blocks; raises past the timeout)."""
 
-    def close(self) -> None:
-        """Leave the group."""
+    def close(self, *, graceful: bool = False) -> None:
+        """Leave the group: with rank 0 (``graceful``, which waits for it), or alone."""
 
 
 class JoinGroup(Protocol):

@@ -431,6 +431,17 @@ class WeightUpdater:
         log.info("joined weight group %r as rank %d of %d (%s)", spec.name, spec.rank, spec.world_size, group.backend)
         return group
 
+    async def leave_group(self, name: str) -> None:
+        """Leave the group ``name`` together with its rank 0 (returns once both have left)."""
+        group = self._groups.pop(name, None)
+        if group is None:
+            raise FailedPrecondition(f"group_name: no weight group {name!r} joined ({self._joined()})")
+        await asyncio.to_thread(group.close, graceful=True)
+        log.info("left weight group %r", name)
+
+    def _joined(self) -> str:
+        return ", ".join(map(repr, self._groups)) or "none"
+
     async def update_from_group(
         self, header: UpdateHeader, group_name: str, tensors: list[TensorSpec]
     ) -> AsyncIterator[Ready | UpdateOutcome]:
@@ -440,9 +451,9 @@ class WeightUpdater:
         start = time.perf_counter_ns()
         group = self._groups.get(group_name)
         if group is None:
-            joined = ", ".join(map(repr, self._groups)) or "none"
             raise FailedPrecondition(
-                f"group_name: no weight group {group_name!r} joined ({joined}); call InitWeightsUpdateGroup first"
+                f"group_name: no weight group {group_name!r} joined ({self._joined()}); "
+                "call InitWeightsUpdateGroup first"
             )
         with self._updating_model(header) as update:
             update.check_all(tensors)

@@ -79,9 +79,14 @@ class WeightGroup:
         self._broadcast(tensor)
         return tensor
 
-    def close(self) -> None:
-        """Leave the group (a broken one included)."""
+    def close(self, *, graceful: bool = False) -> None:
+        """Leave the group (a broken one included). ``graceful``: rank 0 leaves at the same time
+        (NCCL's shutdown waits for every rank); otherwise it is aborted here alone (the trainer
+        is gone, or broke the protocol)."""
         try:
-            self.group.shutdown()
+            if graceful:
+                self.group.shutdown()
+            else:
+                self.group.abort()
         except RuntimeError:
             pass  # already broken or shut down: nothing left to release
