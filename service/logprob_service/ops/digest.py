@@ -51,10 +51,18 @@ def multipliers(device: torch.device) -> torch.Tensor:
     return torch.stack([_mix(t, lane) % (2**20 - 1) + 1 for lane in range(LANES)])
 
 
+@functools.lru_cache(maxsize=256)
 def _block_factors(first_block: int, blocks: int, device: torch.device) -> torch.Tensor:
-    """s_l(b) for b in [first_block, first_block + blocks): [blocks, LANES] int64 in [1, P)."""
+    """s_l(b) for b in [first_block, first_block + blocks): [blocks, LANES] int64 in [1, P).
+
+    Cached: a model's tensors come in few sizes, and these ~50 small kernels per tensor were most
+    of a small tensor's digest (a 7B model has ~340 tensors per update)."""
     b = torch.arange(first_block, first_block + blocks, dtype=torch.int64, device=device) % P
-    return torch.stack([_mix((b + T) % P, lane) % (P - 1) + 1 for lane in range(LANES)], dim=1)
+    factors = torch.stack([_mix((b + T) % P, lane) % (P - 1) + 1 for lane in range(LANES)], dim=1)
+    if factors.is_cuda:
+        # Other threads read it on their own streams: it is complete before it is cached.
+        torch.cuda.current_stream(device).synchronize()
+    return factors
 
 
 def _block_dots_host(halves: torch.Tensor) -> torch.Tensor:
