@@ -2,7 +2,7 @@
 UpdateWeightsFromDistributed, NCCL) or by CUDA IPC (UpdateWeightsFromIpc).
 
 The server (this process, the real grpc.aio server on a background thread) holds a random model
-of the Qwen2.5-7B shape in bf16 (15.2 GB) on ``--server-device``. A separate *trainer* process
+of the Qwen2.5-7B shape in bf16 (14.1 GB, 339 tensors) on ``--server-device``. A separate *trainer* process
 holds new weights of the same shape on ``--trainer-device`` and pushes them ``--repeats`` times:
 ``--via broadcast`` with ``logprob_client.collective.WeightBroadcaster`` (names and shapes over
 gRPC, tensors by NCCL broadcast), ``--via ipc`` with ``LogprobClient.update_weights_ipc`` (CUDA
