@@ -21,6 +21,8 @@ Run: PYTHONPATH=service:client python3 benchmarks/bench_sync.py --via ipc --serv
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import multiprocessing as mp
 import statistics
 import time
@@ -43,21 +45,17 @@ def trainer(target: str, via: str, port: int, spec, device: str, backend: str, r
 
     torch.manual_seed(1)
     weights = {name: (torch.randn(shape, device=device) * 0.02).to(dtype) for name, shape, dtype in spec}
-    if via == "ipc":
-        with LogprobClient(target, timeout=600) as client:
-            for _ in range(repeats):
-                start = time.perf_counter()
-                result = client.update_weights_ipc(MODEL, weights)
-                results.put((time.perf_counter() - start, result))
-        return
-    with (
-        LogprobClient(target, timeout=600) as client,
-        WeightBroadcaster(client, master_port=port, backend=backend, device=device, timeout_s=300) as sync,
-    ):
-        sync.connect()
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(LogprobClient(target, timeout=600))
+        if via == "ipc":
+            push = functools.partial(client.update_weights_ipc, MODEL, weights)
+        else:
+            sync = WeightBroadcaster(client, master_port=port, backend=backend, device=device, timeout_s=300)
+            stack.enter_context(sync).connect()
+            push = functools.partial(sync.push, MODEL, weights)
         for _ in range(repeats):
             start = time.perf_counter()
-            result = sync.push(MODEL, weights)
+            result = push()
             results.put((time.perf_counter() - start, result))
 
 

@@ -122,12 +122,17 @@ class UpdateOutcome:
     swap_ns: int
 
 
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """The raw bytes of a whole tensor of ``dtype`` and ``shape``."""
+    return math.prod(shape) * DTYPE_BYTES[dtype]
+
+
 class _Assembly:
     """One tensor's bytes, arriving in order into a host buffer."""
 
     def __init__(self, first: TensorPiece) -> None:
         self.name, self.dtype_name, self.shape = first.name, first.dtype, first.shape
-        self.nbytes = math.prod(self.shape) * DTYPE_BYTES[first.dtype]
+        self.nbytes = tensor_nbytes(first.dtype, self.shape)
         self.buffer = np.empty(self.nbytes, dtype=np.uint8)
         self.received = 0
 
@@ -280,7 +285,7 @@ class _Update:
     def add_tensor(self, name: str, dtype: str, shape: tuple[int, ...], tensor: Any) -> None:
         """A whole tensor at once (read from a file)."""
         self.check_new(name, dtype, shape)
-        self.stage(name, math.prod(shape) * DTYPE_BYTES[dtype], lambda: tensor)
+        self.stage(name, tensor_nbytes(dtype, shape), lambda: tensor)
 
     def check_all(self, tensors: list[TensorSpec] | list[SharedTensor]) -> None:
         """``check_new`` of each tensor an update names up front (its tensors come afterwards)."""
@@ -473,7 +478,7 @@ class WeightUpdater:
                         f"tensor {spec.name!r}: its broadcast from rank 0 of group {group_name!r} failed after "
                         f"{i} of {len(tensors)} tensors ({err}); nothing applied, the group is closed"
                     ) from None
-                update.stage(spec.name, math.prod(spec.shape) * DTYPE_BYTES[spec.dtype], lambda t=received: t)
+                update.stage(spec.name, tensor_nbytes(spec.dtype, spec.shape), lambda t=received: t)
             yield await self._commit(update, Commit(len(tensors)), start)
 
     async def update_from_ipc(self, header: UpdateHeader, boot_id: str, tensors: list[SharedTensor]) -> UpdateOutcome:
@@ -485,8 +490,9 @@ class WeightUpdater:
             update.check_all(tensors)
             self._staging.check_shared(boot_id, update.served.device, tensors)
             for t in tensors:
-                nbytes = math.prod(t.shape) * DTYPE_BYTES[t.dtype]
-                update.stage(t.name, nbytes, lambda t=t: self._staging.open_shared(t), copy=True)
+                update.stage(
+                    t.name, tensor_nbytes(t.dtype, t.shape), lambda t=t: self._staging.open_shared(t), copy=True
+                )
             return await self._commit(update, Commit(len(tensors)), start)
 
     @contextlib.contextmanager
