@@ -25,8 +25,11 @@ test: install  ## run the test suite (GPU tests are skipped without CUDA)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 SEEDS ?= 200
-test-sweep: install  ## the numerical tests once per seed in range(SEEDS) (tests/conftest.py; ~20 s a seed here)
-	LOGPROB_TEST_SEEDS=$(SEEDS) $(BIN)/python -m pytest -m numerical -q -p no:cacheprovider $(PYTEST_ARGS)
+JOBS ?= $(shell nproc)
+# One seed of the numerical tests is ~30 s of one core here (2 cores, Triton's CPU interpreter):
+# 200 seeds over 2 processes take about an hour on an otherwise idle machine.
+test-sweep: install  ## the numerical tests once per seed in range(SEEDS), over JOBS processes (scripts/test-sweep.sh)
+	PYTHON=$(BIN)/python PYTEST_ARGS="$(PYTEST_ARGS)" scripts/test-sweep.sh $(SEEDS) $(JOBS)
 
 RUNS ?= 10
 test-stress: ## `make test` in RUNS fresh clones of HEAD, one after another; stops at the first failure
