@@ -78,8 +78,13 @@ class Stager(Protocol):
     places: set[str]  # where it staged them so far ("cuda:0", "cpu")
 
     def stage(self, tensor: Any, *, copy: bool = False) -> tuple[Any, Any]:
-        """(the staged copy, the digest of its bytes); called on a worker thread. ``copy``: a copy
-        even where ``tensor`` already lies where it would be staged (it is not the update's own)."""
+        """(the staged copy, the pending digest of its bytes), both queued; called on a worker
+        thread. ``copy``: a copy even where ``tensor`` already lies where it would be staged (it is
+        not the update's own)."""
+
+    def finish(self, pending: Sequence[Any]) -> list[Any]:
+        """Waits until everything staged so far is in place (its sources may go), then the digests
+        of ``pending`` (``models.weights.TensorDigest``); called on a worker thread."""
 
 
 class Staging(Protocol):

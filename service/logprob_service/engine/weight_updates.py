@@ -244,7 +244,8 @@ class _Update:
         self.staging = staging
         self.stager = staging.stager(served.device)
         self.pool = pool
-        self.staged: dict[str, concurrent.futures.Future[tuple[Any, Any]]] = {}  # name -> (staged tensor, digest)
+        # name -> (staged tensor, pending digest)
+        self.staged: dict[str, concurrent.futures.Future[tuple[Any, Any]]] = {}
         self.assembly: _Assembly | _SparseAssembly | None = None
         self.bytes = 0
 
@@ -314,16 +315,20 @@ class _Update:
         self.staged[name] = self.pool.submit(lambda: self.stager.stage(make(), copy=copy))
 
     async def staged_tensors(self) -> dict[str, tuple[Any, Any]]:
-        """Every staged (tensor, digest). If one failed, the others not yet started are cancelled
-        and those running are waited for before the error is raised: no staging work, which may
-        read a caller's memory, outlives the call."""
+        """Every staged (tensor, digest), once all are in place. If one failed, the others not yet
+        started are cancelled, and those running and the copies they queued are waited for,
+        before the error is raised: no staging work, which may read a caller's memory, outlives
+        the call."""
         try:
-            return {name: await asyncio.wrap_future(future) for name, future in self.staged.items()}
+            staged = {name: await asyncio.wrap_future(future) for name, future in self.staged.items()}
         except BaseException:
             for future in self.staged.values():
                 future.cancel()
             await asyncio.to_thread(concurrent.futures.wait, self.staged.values())
+            await asyncio.to_thread(self.stager.finish, [])
             raise
+        digests = await asyncio.to_thread(self.stager.finish, [digest for _, digest in staged.values()])
+        return {name: (tensor, digest) for (name, (tensor, _)), digest in zip(staged.items(), digests, strict=True)}
 
     def check_complete(self, commit: Commit) -> None:
         if self.assembly is not None:

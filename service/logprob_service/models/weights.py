@@ -10,35 +10,50 @@ base again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from logprob_service.errors import InvalidArgument
-from logprob_service.ops.digest import byte_digest
+from logprob_service.ops.digest import digest_lanes, lanes_hex
 
 
 @dataclass(frozen=True)
 class TensorDigest:
     dtype: str  # "bfloat16"
     shape: tuple[int, ...]
-    digest: str  # ops.digest.byte_digest of the raw bytes, 32 hex digits
+    digest: str  # ops.digest.lanes_hex of the raw bytes' lanes, 32 hex digits
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_digest(tensor: torch.Tensor, device: torch.device | None = None) -> TensorDigest:
-    """Digest of one tensor's raw bytes (``ops.digest.byte_digest``: on ``device`` when it is a
-    GPU, else where the tensor is)."""
-    return TensorDigest(dtype_name(tensor.dtype), tuple(tensor.shape), byte_digest(tensor, device))
+@dataclass(frozen=True)
+class PendingDigest:
+    """A tensor's digest whose lanes are computed (or queued, on a GPU) but not yet read back."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    lanes: torch.Tensor  # ops.digest.digest_lanes
+
+
+def pending_digest(tensor: torch.Tensor, device: torch.device | None = None) -> PendingDigest:
+    """The digest of one tensor's raw bytes, queued (``ops.digest.digest_lanes``: on ``device`` when
+    it is a GPU, else where the tensor is); ``settle`` reads it."""
+    return PendingDigest(dtype_name(tensor.dtype), tuple(tensor.shape), digest_lanes(tensor, device))
+
+
+def settle(pending: Sequence[PendingDigest]) -> list[TensorDigest]:
+    """The digests of ``pending``, read back at once (one wait and one copy per device)."""
+    hexes = lanes_hex([p.lanes for p in pending])
+    return [TensorDigest(p.dtype, p.shape, h) for p, h in zip(pending, hexes, strict=True)]
 
 
 def tensor_digests(named: Mapping[str, torch.Tensor]) -> dict[str, TensorDigest]:
-    """``tensor_digest`` of every tensor, each where it lives."""
-    return {name: tensor_digest(tensor) for name, tensor in named.items()}
+    """The digest of every tensor's bytes, each computed where it lives, read back at once."""
+    return dict(zip(named, settle([pending_digest(t) for t in named.values()]), strict=True))
 
 
 def fingerprint(digests: Mapping[str, TensorDigest]) -> str:

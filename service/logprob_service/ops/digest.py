@@ -25,6 +25,7 @@ an adversary who crafts collisions (who could push any weights anyway).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -94,8 +95,9 @@ def _halves(tensor: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int16)
 
 
-def byte_digest(tensor: torch.Tensor, device: torch.device | None = None) -> str:
-    """The digest of ``tensor``'s raw bytes, 32 hex digits (the four lanes).
+def digest_lanes(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """The four lanes D_l of ``tensor``'s raw bytes: int64 [LANES], where they were computed and
+    not yet read back, so that many tensors' digests cost one wait (``lanes_hex``).
 
     On a CUDA tensor, the kernel on the current stream. With ``device`` a GPU and ``tensor`` on the
     host, its bytes go to the GPU a piece at a time to be digested there. Otherwise on the CPU."""
@@ -118,4 +120,22 @@ def byte_digest(tensor: torch.Tensor, device: torch.device | None = None) -> str
         factors = _block_factors(start // T, dots.shape[0], dots.device)
         # Each term is below P after its % P; a sum of fewer than 2^32 of them fits int64.
         total += ((dots % P) * factors % P).sum(dim=0)
-    return "".join(f"{lane:08x}" for lane in (total % P).tolist())
+    return total % P
+
+
+def lanes_hex(lanes: Sequence[torch.Tensor]) -> list[str]:
+    """The digests (32 hex digits: the four lanes) of ``digest_lanes`` results, read back with one
+    copy per device, which waits for the current stream there."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, one in enumerate(lanes):
+        by_device.setdefault(one.device, []).append(i)
+    digests = [""] * len(lanes)
+    for indices in by_device.values():
+        for i, row in zip(indices, torch.stack([lanes[i] for i in indices]).tolist(), strict=True):
+            digests[i] = "".join(f"{lane:08x}" for lane in row)
+    return digests
+
+
+def byte_digest(tensor: torch.Tensor, device: torch.device | None = None) -> str:
+    """The digest of ``tensor``'s raw bytes, 32 hex digits (``digest_lanes``, read back at once)."""
+    return lanes_hex([digest_lanes(tensor, device)])[0]

@@ -7,6 +7,8 @@ calls this through the ``engine.interfaces.Staging`` protocol, so the engine tou
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,12 +18,15 @@ import torch
 from logprob_service.domain import SharedTensor
 from logprob_service.errors import InvalidArgument
 from logprob_service.models.loading import DTYPES
-from logprob_service.models.weights import TensorDigest, dtype_name, tensor_digest
+from logprob_service.models.weights import PendingDigest, TensorDigest, dtype_name, pending_digest, settle
 from logprob_service.worker import ipc
 
 
 class DeviceStager:
-    """Puts complete tensors where the swap will read them from: the device while it has room."""
+    """Puts one update's complete tensors where the swap will read them from: the device while it
+    has room, else host memory. The copies and digests are queued on a stream of their own and
+    waited for once, by ``finish``, not tensor by tensor: a 7B model has ~340 tensors, and a wait
+    per tensor cost more than its bytes."""
 
     def __init__(self, device: torch.device, reserve_bytes: int) -> None:
         self.device = device
@@ -29,39 +34,62 @@ class DeviceStager:
         # Staging copies run on their own stream, so they do not wait behind the scoring kernels.
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.places: set[str] = set()
+        self._lock = threading.Lock()
+        self._room: int | None = None  # device bytes this update may still stage (None: not yet asked)
+        self._reading: list[torch.Tensor] = []  # GPU sources the queued copies read: alive until finish
 
-    def stage(self, tensor: torch.Tensor, *, copy: bool = False) -> tuple[torch.Tensor, TensorDigest]:
-        """The staged copy of ``tensor`` (on a worker thread) and the digest of its bytes, both
-        made on the device's staging stream when it is a GPU: the digest reads the staged copy
-        there, or the host copy's bytes in chunks brought to the GPU, never hashed on the host.
-        ``copy``: ``tensor`` is not the update's own (a caller's GPU memory), so it is copied
-        even where it already lies."""
+    def stage(self, tensor: torch.Tensor, *, copy: bool = False) -> tuple[torch.Tensor, PendingDigest]:
+        """The staged copy of ``tensor`` and the digest of its bytes, queued (on a worker thread):
+        on a GPU, on the staging stream, where the digest reads the staged copy, or the host copy's
+        bytes in chunks brought to the GPU, never hashed on the host. ``copy``: ``tensor`` is not the
+        update's own (a caller's GPU memory), so it is copied even where it already lies."""
         tensor = tensor.contiguous()
         if self.stream is None:
             self.places.add("cpu")
-            return (tensor.clone() if copy else tensor), tensor_digest(tensor)
+            return (tensor.clone() if copy else tensor), pending_digest(tensor)
         # What wrote ``tensor`` on this thread's stream of its device comes first: a sparse
         # update's changed copy, or the caller's work an IPC tensor's event stands for.
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device if tensor.is_cuda else self.device))
         staged: torch.Tensor | None = None
         with torch.cuda.stream(self.stream):
-            if self._room_for(tensor.nbytes):
+            if self._take_room(tensor.nbytes):
                 try:
                     staged, place = tensor.to(self.device, copy=copy), str(self.device)
                 except torch.OutOfMemoryError:
                     pass  # the room was taken meanwhile: keep this one in host memory
             if staged is None:
+                # To pageable host memory: the copy is done when ``to`` returns.
                 staged, place = tensor.to("cpu", copy=copy), "cpu"
-            digest = tensor_digest(staged, self.device)
-        self.stream.synchronize()
-        self.places.add(place)
+            digest = pending_digest(staged, self.device)
+        with self._lock:
+            self.places.add(place)
+            if tensor.is_cuda:
+                self._reading.append(tensor)
         return staged, digest
 
-    def _room_for(self, nbytes: int) -> bool:
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # Memory torch's allocator holds but no tensor uses is free to this process too.
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return free + cached - nbytes >= self.reserve_bytes
+    def finish(self, pending: Sequence[PendingDigest]) -> list[TensorDigest]:
+        """Waits until every tensor staged so far is in place (their sources may go once this
+        returns), then reads the digests of ``pending``; on a worker thread."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            with self._lock:
+                self._reading.clear()
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return settle(pending)
+
+    def _take_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit on the device with ``reserve_bytes`` left free, counted from
+        the free memory when the update's first tensor came (asking the driver per tensor costs)."""
+        with self._lock:
+            if self._room is None:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                # Memory torch's allocator holds but no tensor uses is free to this process too.
+                cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+                self._room = free + cached - self.reserve_bytes
+            if nbytes > self._room:
+                return False
+            self._room -= nbytes
+            return True
 
 
 class Staging:
