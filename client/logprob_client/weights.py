@@ -7,7 +7,10 @@ tensor plus one message, however large the model. torch is imported only when te
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
+import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -118,6 +121,26 @@ def update_requests(
 
 # Sparse pieces name elements with uint32 indices.
 MAX_SPARSE_ELEMENTS = 2**32
+# Elements compared per task: a few MiB, so the comparison's temporaries stay in cache.
+COMPARE_ELEMENTS = 1 << 22
+
+
+@functools.cache
+def _comparers() -> concurrent.futures.ThreadPoolExecutor:
+    # numpy's comparison runs without the GIL: threads read the two copies at the memory's speed.
+    return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="logprob-delta")
+
+
+def changed_elements(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The flat indices (ascending, int64) where ``old`` and ``new`` (one shape and dtype) differ."""
+    old, new = old.reshape(-1), new.reshape(-1)
+
+    def part(start: int) -> np.ndarray:
+        end = start + COMPARE_ELEMENTS
+        return np.flatnonzero(old[start:end] != new[start:end]) + start
+
+    parts = list(_comparers().map(part, range(0, new.size, COMPARE_ELEMENTS)))
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
 class WeightDeltas:
@@ -136,7 +159,9 @@ class WeightDeltas:
         self.sparse_below = sparse_below
         self.version: int | None = None  # the version the server made of the last push
         self.held: dict[str, np.ndarray] = {}  # name -> raw bytes as pushed (uint8)
-        self._pending: dict[str, np.ndarray] = {}  # of the stream in flight: what ``held`` becomes
+        # Of the stream in flight, what ``held`` becomes: a dense tensor's bytes, or a sparse one's
+        # (changed indices, their new values).
+        self._pending: dict[str, np.ndarray | tuple[np.ndarray, np.ndarray]] = {}
         self.last: dict[str, int] = {}  # of the last stream built: tensors sent dense, sparse, unchanged
 
     def reset(self) -> None:
@@ -164,26 +189,33 @@ class WeightDeltas:
     def _pieces(self, name: str, tensor: Any, chunk_bytes: int) -> Iterator[pb.TensorChunk] | None:
         """The pieces ``name`` goes in: sparse, dense, or None when the server holds it already."""
         dtype, shape, data = raw_bytes(tensor)
-        new = np.frombuffer(data, dtype=np.uint8).copy()  # the caller may change its tensor after the push
+        new = np.frombuffer(data, dtype=np.uint8)
         old = self.held.get(name) if self.version is not None else None
         itemsize = new.nbytes // max(1, math.prod(shape))
         element = f"<u{itemsize}"  # compared bit for bit, one element at a time
         comparable = old is not None and old.nbytes == new.nbytes > 0 and math.prod(shape) <= MAX_SPARSE_ELEMENTS
-        changed = np.flatnonzero(old.view(element) != new.view(element)) if comparable else None
+        changed = changed_elements(old.view(element), new.view(element)) if comparable else None
         if changed is not None and not changed.size:
             self.last["unchanged"] += 1
             return None
-        self._pending[name] = new
         if changed is None or changed.size * (4 + itemsize) > self.sparse_below * new.nbytes:
             self.last["dense"] += 1
+            self._pending[name] = new = new.copy()  # the caller may change its tensor after the push
             return _dense_pieces(name, dtype, shape, memoryview(new), chunk_bytes)
         self.last["sparse"] += 1
-        values = new.view(element)[changed].view(np.uint8)
-        return _sparse_pieces(name, dtype, shape, changed, values, chunk_bytes)
+        values = new.view(element)[changed]  # a copy: what the server will hold at those elements
+        self._pending[name] = (changed, values)
+        return _sparse_pieces(name, dtype, shape, changed, values.view(np.uint8), chunk_bytes)
 
     def pushed(self, version: int) -> None:
         """The push went live as ``version``: the server now holds what it sent."""
-        self.held.update(self._pending)
+        for name, sent in self._pending.items():
+            if isinstance(sent, tuple):  # sparse: the held copy takes the changes in place
+                changed, values = sent
+                held = self.held[name]
+                held.view(values.dtype)[changed] = values
+            else:
+                self.held[name] = sent
         self.version, self._pending = version, {}
 
     def stale(self, error: LogprobError) -> bool:

@@ -48,6 +48,41 @@ async def test_update_on_cuda_scores_as_a_fresh_model(tmp_path, reserve, rng):
         await stop(running)
 
 
+@pytest.mark.parametrize("reserve", [0, 10**15], ids=["staged-on-gpu", "staged-on-host"])
+async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(tmp_path, reserve, rng):
+    """The changed copy of each live weight is made on the GPU (or on the host without room):
+    either way, the weights that go live are those a dense push of the same tensors makes."""
+    make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    first = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).state_dict()
+    step = {}
+    for name, tensor in first.items():  # 2% of each tensor's elements (at least one) changed
+        flat = tensor.clone().reshape(-1)
+        where = torch.from_numpy(rng.choice(flat.numel(), max(1, flat.numel() // 50), replace=False))
+        flat[where] += torch.from_numpy(rng.standard_normal(where.numel()).astype(np.float32)).to(flat.dtype)
+        step[name] = flat.reshape(tensor.shape)
+    cfg = {"device": "cuda", "dtype": "bfloat16", "update_staging_reserve_bytes": reserve}
+    sparse, dense = await start(settings({"policy": str(tmp_path)}, **cfg)), None
+    try:
+        dense = await start(settings({"policy": str(tmp_path)}, **cfg))
+        sequences = random_sequences(rng, 8)
+        async with (
+            AsyncLogprobClient(sparse.target, model="policy") as by_delta,
+            AsyncLogprobClient(dense.target, model="policy") as by_dense,
+        ):
+            await by_delta.update_weights("policy", first, delta=True)  # nothing held yet: dense
+            result = await by_delta.update_weights("policy", step, delta=True)
+            assert by_delta.deltas["policy"].last["sparse"] > 0 and result.staged_on == ("cpu" if reserve else "cuda:0")
+            want = await by_dense.update_weights("policy", step)
+            assert result.fingerprint == want.fingerprint
+            got, expected = await by_delta.score(*as_lists(sequences)), await by_dense.score(*as_lists(sequences))
+        for g, w in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(g, w)  # the same weights, the same kernels: bit for bit
+    finally:
+        await stop(sparse)
+        if dense is not None:
+            await stop(dense)
+
+
 async def test_lora_on_cuda_against_peft_forward(tmp_path, rng):
     base = make_model("llama", tied=False, seed=new_seed(rng), dtype=torch.bfloat16)
     base.save_pretrained(tmp_path / "base")

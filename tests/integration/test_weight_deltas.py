@@ -71,6 +71,9 @@ async def test_a_delta_sends_the_changed_elements_and_lands_as_a_dense_push_woul
         expected = model_with(again, served.scorer("policy").model)
         assert result.fingerprint == model_fingerprint(expected)
         assert_scores_match(expected, sequences, await client.score(*as_lists(sequences)))
+        # What the client holds for the next delta (sparse tensors took their changes in place).
+        held = client.deltas["policy"].held
+        assert all(np.array_equal(held[n], again[n].numpy().view(np.uint8).reshape(-1)) for n in names)
 
 
 async def test_a_delta_against_a_version_the_server_left_is_pushed_again_dense(served, rng):

@@ -82,6 +82,10 @@ class Stager(Protocol):
         thread. ``copy``: a copy even where ``tensor`` already lies where it would be staged (it is
         not the update's own)."""
 
+    def stage_changes(self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str) -> tuple[Any, Any]:
+        """``stage`` of a copy of the ``live`` weight with the elements at flat ``indices`` set to
+        ``values`` (their raw bytes in ``dtype``): a sparse update's tensor."""
+
     def finish(self, pending: Sequence[Any]) -> list[Any]:
         """Waits until everything staged so far is in place (its sources may go), then the digests
         of ``pending`` (``models.weights.TensorDigest``); called on a worker thread."""
@@ -97,10 +101,6 @@ class Staging(Protocol):
 
     def read_file(self, file: Path) -> list[tuple[str, str, tuple[int, ...], Any]]:
         """(name, dtype, shape, tensor) of every tensor of a safetensors file."""
-
-    def with_changes(self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str) -> Any:
-        """A host copy of the ``live`` weight with the elements at flat ``indices`` set to ``values``
-        (their raw bytes in ``dtype``)."""
 
     def check_shared(self, boot_id: str, device: Any, tensors: Sequence[SharedTensor]) -> None:
         """That ``tensors`` of a caller on host ``boot_id`` can be opened and copied to ``device``:

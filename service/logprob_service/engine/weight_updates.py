@@ -266,10 +266,9 @@ class _Update:
         if a.complete:
             self.assembly = None
             if isinstance(a, _SparseAssembly):
-                # The changed copy of the live weight is made on the pool (a device read).
-                self.stage(
-                    a.name, a.nbytes, lambda: self.staging.with_changes(a.live, a.indices, a.values, a.dtype_name)
-                )
+                # The changed copy of the live weight is made on the pool (on the device while it has room).
+                stage = self.stager.stage_changes
+                self._submit(a.name, a.nbytes, lambda: stage(a.live, a.indices, a.values, a.dtype_name))
             else:
                 self.stage(a.name, a.nbytes, lambda: self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
 
@@ -311,8 +310,11 @@ class _Update:
         """Stage the tensor ``make`` returns: made, hashed and copied on the pool, off the loop.
         ``nbytes``: what the update received for it; ``copy``: the tensor is not the update's own
         (a caller's memory), so it is copied even where it already lies on the device."""
+        self._submit(name, nbytes, lambda: self.stager.stage(make(), copy=copy))
+
+    def _submit(self, name: str, nbytes: int, job: Callable[[], tuple[Any, Any]]) -> None:
         self.bytes += nbytes
-        self.staged[name] = self.pool.submit(lambda: self.stager.stage(make(), copy=copy))
+        self.staged[name] = self.pool.submit(job)
 
     async def staged_tensors(self) -> dict[str, tuple[Any, Any]]:
         """Every staged (tensor, digest), once all are in place. If one failed, the others not yet

@@ -67,6 +67,30 @@ class DeviceStager:
                 self._reading.append(tensor)
         return staged, digest
 
+    def stage_changes(
+        self, live: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str
+    ) -> tuple[torch.Tensor, PendingDigest]:
+        """``stage`` of a copy of the ``live`` weight with the elements at flat ``indices`` (uint32)
+        set to ``values`` (their raw bytes in ``dtype``): bit for bit the tensor a dense update
+        would send (a sparse update). While the device has room the copy is made there, so only
+        the changes cross from host memory; else in host memory."""
+        live = live.detach()
+        if self.stream is None or not live.is_cuda or not self._take_room(live.nbytes):
+            changed = live.to("cpu", copy=True).contiguous()
+            changed.view(-1)[torch.from_numpy(indices.astype(np.int64))] = torch.from_numpy(values).view(DTYPES[dtype])
+            return self.stage(changed)
+        # The live weight was last written by a swap on another stream: that comes first.
+        self.stream.wait_stream(torch.cuda.current_stream(live.device))
+        with torch.cuda.stream(self.stream):
+            changed = live.clone(memory_format=torch.contiguous_format)
+            # uint32 indices travel as int32 (4 bytes each) and are widened on the device.
+            where = torch.from_numpy(indices.view(np.int32)).to(self.device).to(torch.int64) & 0xFFFFFFFF
+            changed.view(-1)[where] = torch.from_numpy(values).to(self.device).view(DTYPES[dtype])
+            digest = pending_digest(changed, self.device)
+        with self._lock:
+            self.places.add(str(self.device))
+        return changed, digest
+
     def finish(self, pending: Sequence[PendingDigest]) -> list[TensorDigest]:
         """Waits until every tensor staged so far is in place (their sources may go once this
         returns), then reads the digests of ``pending``; on a worker thread."""
@@ -105,14 +129,6 @@ class Staging:
     def tensor_from_bytes(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A host tensor over ``buffer``'s raw little-endian, C-order bytes (no copy)."""
         return torch.from_numpy(buffer).view(DTYPES[dtype]).reshape(shape)
-
-    @staticmethod
-    def with_changes(live: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str) -> torch.Tensor:
-        """A host copy of ``live`` with the elements at flat ``indices`` replaced: a sparse update,
-        bit for bit the tensor a dense one would send."""
-        changed = live.detach().to("cpu", copy=True).contiguous()
-        changed.view(-1)[torch.from_numpy(indices.astype(np.int64))] = torch.from_numpy(values).view(DTYPES[dtype])
-        return changed
 
     @staticmethod
     def check_shared(boot_id: str, device: torch.device, tensors: Sequence[SharedTensor]) -> None:
