@@ -121,26 +121,39 @@ def update_requests(
 
 # Sparse pieces name elements with uint32 indices.
 MAX_SPARSE_ELEMENTS = 2**32
-# Elements compared per task: a few MiB, so the comparison's temporaries stay in cache.
-COMPARE_ELEMENTS = 1 << 22
+# Elements per task of a delta's comparison or update: ~1M, so that even a layer's matrices
+# split over the threads and each part's temporaries stay in cache.
+PART_ELEMENTS = 1 << 20
 
 
 @functools.cache
-def _comparers() -> concurrent.futures.ThreadPoolExecutor:
-    # numpy's comparison runs without the GIL: threads read the two copies at the memory's speed.
+def _parts_pool() -> concurrent.futures.ThreadPoolExecutor:
+    # numpy compares, finds and moves elements without the GIL: threads go at the memory's speed.
     return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="logprob-delta")
 
 
-def changed_elements(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """The flat indices (ascending, int64) where ``old`` and ``new`` (one shape and dtype) differ."""
-    old, new = old.reshape(-1), new.reshape(-1)
+def changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the flat arrays ``old`` and ``new`` (one size and dtype) differ: the indices (ascending,
+    int64) and ``new``'s values there, found in parallel parts."""
 
-    def part(start: int) -> np.ndarray:
-        end = start + COMPARE_ELEMENTS
-        return np.flatnonzero(old[start:end] != new[start:end]) + start
+    def part(start: int) -> tuple[np.ndarray, np.ndarray]:
+        piece = new[start : start + PART_ELEMENTS]
+        where = np.flatnonzero(old[start : start + PART_ELEMENTS] != piece)
+        return where + start, piece[where]
 
-    parts = list(_comparers().map(part, range(0, new.size, COMPARE_ELEMENTS)))
-    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+    parts = list(_parts_pool().map(part, range(0, new.size, PART_ELEMENTS)))
+    if not parts:
+        return np.empty(0, np.int64), new[:0].copy()
+    return np.concatenate([i for i, _ in parts]), np.concatenate([v for _, v in parts])
+
+
+def set_elements(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
+    """``target[indices] = values`` for the flat array ``target`` and distinct ``indices``, in parallel parts."""
+
+    def part(start: int) -> None:
+        target[indices[start : start + PART_ELEMENTS]] = values[start : start + PART_ELEMENTS]
+
+    list(_parts_pool().map(part, range(0, indices.size, PART_ELEMENTS)))
 
 
 class WeightDeltas:
@@ -194,7 +207,7 @@ class WeightDeltas:
         itemsize = new.nbytes // max(1, math.prod(shape))
         element = f"<u{itemsize}"  # compared bit for bit, one element at a time
         comparable = old is not None and old.nbytes == new.nbytes > 0 and math.prod(shape) <= MAX_SPARSE_ELEMENTS
-        changed = changed_elements(old.view(element), new.view(element)) if comparable else None
+        changed, values = changes(old.view(element), new.view(element)) if comparable else (None, None)
         if changed is not None and not changed.size:
             self.last["unchanged"] += 1
             return None
@@ -203,8 +216,7 @@ class WeightDeltas:
             self._pending[name] = new = new.copy()  # the caller may change its tensor after the push
             return _dense_pieces(name, dtype, shape, memoryview(new), chunk_bytes)
         self.last["sparse"] += 1
-        values = new.view(element)[changed]  # a copy: what the server will hold at those elements
-        self._pending[name] = (changed, values)
+        self._pending[name] = (changed, values)  # values: a copy, what the server will hold there
         return _sparse_pieces(name, dtype, shape, changed, values.view(np.uint8), chunk_bytes)
 
     def pushed(self, version: int) -> None:
@@ -212,8 +224,7 @@ class WeightDeltas:
         for name, sent in self._pending.items():
             if isinstance(sent, tuple):  # sparse: the held copy takes the changes in place
                 changed, values = sent
-                held = self.held[name]
-                held.view(values.dtype)[changed] = values
+                set_elements(self.held[name].view(values.dtype), changed, values)
             else:
                 self.held[name] = sent
         self.version, self._pending = version, {}

@@ -1,0 +1,26 @@
+"""``weights.changes`` and ``weights.set_elements``: a sparse delta's elements, found and applied
+in parallel parts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from logprob_client import weights
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 4099])
+def test_the_parts_find_and_apply_exactly_the_changed_elements(monkeypatch, rng, size):
+    monkeypatch.setattr(weights, "PART_ELEMENTS", 64)  # many parts, some changes on their edges
+    old = rng.integers(0, 2**16, size, dtype=np.uint16)
+    new = old.copy()
+    where = np.unique(np.concatenate([rng.integers(0, max(size, 1), size // 50), [0, 63, 64, 127, 128, size - 1]]))
+    where = where[(where >= 0) & (where < size)]
+    new[where] ^= rng.integers(1, 2**16, where.size, dtype=np.uint16)  # a nonzero xor: every one changes
+
+    indices, values = weights.changes(old, new)
+    assert indices.dtype == np.int64 and values.dtype == np.uint16
+    np.testing.assert_array_equal(indices, where)
+    np.testing.assert_array_equal(values, new[where])
+
+    weights.set_elements(old, indices, values)
+    np.testing.assert_array_equal(old, new)
