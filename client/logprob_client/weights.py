@@ -2,19 +2,22 @@
 
 Tensors are read one by one (a GPU tensor is copied to host memory alone, when its turn comes)
 and cut into ``chunk_bytes`` pieces of their raw bytes, so the client never holds more than one
-tensor plus one message, however large the model. torch is imported only when tensors are given.
+tensor plus one message, however large the model. A delta push (``WeightDeltas``) also holds the
+bytes last pushed, and compares up to ``LOOKAHEAD`` tensors ahead of the one it sends. torch is
+imported only when tensors are given.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from logprob_proto import logprob_pb2 as pb
@@ -22,6 +25,8 @@ from logprob_proto import logprob_pb2 as pb
 from .errors import FailedPrecondition, LogprobError
 
 DEFAULT_CHUNK_BYTES = 16 * 1024**2
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -126,10 +131,31 @@ MAX_SPARSE_ELEMENTS = 2**32
 PART_ELEMENTS = 1 << 20
 
 
+# Tensors compared ahead of the one being sent: a model's many small tensors have too few parts
+# each to keep the threads busy one tensor at a time.
+LOOKAHEAD = 4
+
+
 @functools.cache
 def _parts_pool() -> concurrent.futures.ThreadPoolExecutor:
     # numpy compares, finds and moves elements without the GIL: threads go at the memory's speed.
-    return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="logprob-delta")
+    return concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="logprob-delta")
+
+
+@functools.cache
+def _tensors_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(LOOKAHEAD, thread_name_prefix="logprob-delta-tensor")
+
+
+def _ahead(items: Iterable[T], work: Callable[[T], R]) -> Iterator[R]:
+    """``work`` of each item, in order, done up to ``LOOKAHEAD`` items ahead on worker threads."""
+    window: collections.deque[concurrent.futures.Future[R]] = collections.deque()
+    for item in items:
+        window.append(_tensors_pool().submit(work, item))
+        if len(window) > LOOKAHEAD:
+            yield window.popleft().result()
+    while window:
+        yield window.popleft().result()
 
 
 def changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -154,6 +180,16 @@ def set_elements(target: np.ndarray, indices: np.ndarray, values: np.ndarray) ->
         target[indices[start : start + PART_ELEMENTS]] = values[start : start + PART_ELEMENTS]
 
     list(_parts_pool().map(part, range(0, indices.size, PART_ELEMENTS)))
+
+
+@dataclass(frozen=True)
+class _Compared:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    new: np.ndarray  # its raw bytes (uint8), maybe the caller's memory
+    changed: np.ndarray | None  # the changed elements' indices (int64); None: nothing held to compare
+    values: np.ndarray | None  # their new values
 
 
 class WeightDeltas:
@@ -190,34 +226,39 @@ class WeightDeltas:
         partial: bool,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> Iterator[pb.UpdateWeightsRequest]:
-        """The stream of the next push (read lazily, one tensor at a time)."""
+        """The stream of the next push (read lazily, tensors compared up to ``LOOKAHEAD`` ahead)."""
         _check(version, chunk_bytes)
         self._pending, self.last = {}, {"dense": 0, "sparse": 0, "unchanged": 0}
         header = pb.UpdateWeightsHeader(model=model, version=version, partial=partial)
         if self.version is not None:
             header.partial, header.base_version = True, self.version
-        pieces = (self._pieces(name, t, chunk_bytes) for name, t in named_tensors(weights))
-        return _stream(header, filter(None, pieces))
+        compared = _ahead(named_tensors(weights), self._compare)
+        return _stream(header, filter(None, (self._pieces(c, chunk_bytes) for c in compared)))
 
-    def _pieces(self, name: str, tensor: Any, chunk_bytes: int) -> Iterator[pb.TensorChunk] | None:
-        """The pieces ``name`` goes in: sparse, dense, or None when the server holds it already."""
+    def _compare(self, named: tuple[str, Any]) -> _Compared:
+        """A tensor's bytes, and what changed in them since the held copy (on a worker thread)."""
+        name, tensor = named
         dtype, shape, data = raw_bytes(tensor)
         new = np.frombuffer(data, dtype=np.uint8)
         old = self.held.get(name) if self.version is not None else None
         itemsize = new.nbytes // max(1, math.prod(shape))
         element = f"<u{itemsize}"  # compared bit for bit, one element at a time
-        comparable = old is not None and old.nbytes == new.nbytes > 0 and math.prod(shape) <= MAX_SPARSE_ELEMENTS
-        changed, values = changes(old.view(element), new.view(element)) if comparable else (None, None)
-        if changed is not None and not changed.size:
+        if old is None or not old.nbytes == new.nbytes > 0 or math.prod(shape) > MAX_SPARSE_ELEMENTS:
+            return _Compared(name, dtype, shape, new, None, None)
+        return _Compared(name, dtype, shape, new, *changes(old.view(element), new.view(element)))
+
+    def _pieces(self, c: _Compared, chunk_bytes: int) -> Iterator[pb.TensorChunk] | None:
+        """The pieces a tensor goes in: sparse, dense, or None when the server holds it already."""
+        if c.changed is not None and not c.changed.size:
             self.last["unchanged"] += 1
             return None
-        if changed is None or changed.size * (4 + itemsize) > self.sparse_below * new.nbytes:
+        if c.changed is None or 4 * c.changed.size + c.values.nbytes > self.sparse_below * c.new.nbytes:  # uint32s
             self.last["dense"] += 1
-            self._pending[name] = new = new.copy()  # the caller may change its tensor after the push
-            return _dense_pieces(name, dtype, shape, memoryview(new), chunk_bytes)
+            self._pending[c.name] = new = c.new.copy()  # the caller may change its tensor after the push
+            return _dense_pieces(c.name, c.dtype, c.shape, memoryview(new), chunk_bytes)
         self.last["sparse"] += 1
-        self._pending[name] = (changed, values)  # values: a copy, what the server will hold there
-        return _sparse_pieces(name, dtype, shape, changed, values.view(np.uint8), chunk_bytes)
+        self._pending[c.name] = (c.changed, c.values)  # values: a copy, what the server will hold there
+        return _sparse_pieces(c.name, c.dtype, c.shape, c.changed, c.values.view(np.uint8), chunk_bytes)
 
     def pushed(self, version: int) -> None:
         """The push went live as ``version``: the server now holds what it sent."""

@@ -3,6 +3,8 @@ in parallel parts."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from logprob_client import weights
@@ -24,3 +26,17 @@ def test_the_parts_find_and_apply_exactly_the_changed_elements(monkeypatch, rng,
 
     weights.set_elements(old, indices, values)
     np.testing.assert_array_equal(old, new)
+
+
+def test_tensors_compared_ahead_come_back_in_order(rng):
+    """Work done ahead on several threads, in random durations, is yielded in the items' order."""
+    delays = rng.uniform(0, 0.01, 20)
+    done = []
+
+    def work(i: int) -> int:
+        time.sleep(delays[i])
+        done.append(i)
+        return i
+
+    assert list(weights._ahead(range(20), work)) == list(range(20))
+    assert sorted(done) == list(range(20))
