@@ -207,15 +207,23 @@ class WeightDeltas:
             raise ValueError(f"sparse_below must be in [0, 1], got {sparse_below}")
         self.sparse_below = sparse_below
         self.version: int | None = None  # the version the server made of the last push
-        self.held: dict[str, np.ndarray] = {}  # name -> raw bytes as pushed (uint8)
+        self._held: dict[str, np.ndarray] = {}  # name -> raw bytes as pushed (uint8)
         # Of the stream in flight, what ``held`` becomes: a dense tensor's bytes, or a sparse one's
         # (changed indices, their new values).
         self._pending: dict[str, np.ndarray | tuple[np.ndarray, np.ndarray]] = {}
         self.last: dict[str, int] = {}  # of the last stream built: tensors sent dense, sparse, unchanged
+        self._applying: concurrent.futures.Future[None] | None = None  # the last push's changes, going in
+
+    @property
+    def held(self) -> dict[str, np.ndarray]:
+        """What the server holds: each tensor's raw bytes (uint8) as last pushed."""
+        self._applied()
+        return self._held
 
     def reset(self) -> None:
         """Forget what the server holds: the next push is dense and full."""
-        self.version, self.held = None, {}
+        self._applied()
+        self.version, self._held = None, {}
 
     def requests(
         self,
@@ -228,6 +236,7 @@ class WeightDeltas:
     ) -> Iterator[pb.UpdateWeightsRequest]:
         """The stream of the next push (read lazily, tensors compared up to ``LOOKAHEAD`` ahead)."""
         _check(version, chunk_bytes)
+        self._applied()
         self._pending, self.last = {}, {"dense": 0, "sparse": 0, "unchanged": 0}
         header = pb.UpdateWeightsHeader(model=model, version=version, partial=partial)
         if self.version is not None:
@@ -240,7 +249,7 @@ class WeightDeltas:
         name, tensor = named
         dtype, shape, data = raw_bytes(tensor)
         new = np.frombuffer(data, dtype=np.uint8)
-        old = self.held.get(name) if self.version is not None else None
+        old = self._held.get(name) if self.version is not None else None
         itemsize = new.nbytes // max(1, math.prod(shape))
         element = f"<u{itemsize}"  # compared bit for bit, one element at a time
         if old is None or not old.nbytes == new.nbytes > 0 or math.prod(shape) > MAX_SPARSE_ELEMENTS:
@@ -261,14 +270,23 @@ class WeightDeltas:
         return _sparse_pieces(c.name, c.dtype, c.shape, c.changed, c.values.view(np.uint8), chunk_bytes)
 
     def pushed(self, version: int) -> None:
-        """The push went live as ``version``: the server now holds what it sent."""
-        for name, sent in self._pending.items():
-            if isinstance(sent, tuple):  # sparse: the held copy takes the changes in place
-                changed, values = sent
-                set_elements(self.held[name].view(values.dtype), changed, values)
-            else:
-                self.held[name] = sent
+        """The push went live as ``version``: the server now holds what it sent. The held copies
+        of sparse tensors take their changes on a worker thread, after the push has returned;
+        the next push (or ``reset``) waits for that first."""
+        sparse = {name: sent for name, sent in self._pending.items() if isinstance(sent, tuple)}
+        self._held.update((name, sent) for name, sent in self._pending.items() if not isinstance(sent, tuple))
         self.version, self._pending = version, {}
+        self._applying = _tensors_pool().submit(self._apply, sparse)
+
+    def _apply(self, sparse: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        for name, (changed, values) in sparse.items():
+            set_elements(self._held[name].view(values.dtype), changed, values)
+
+    def _applied(self) -> None:
+        """Waits until the last push's changes are in the held copies."""
+        if self._applying is not None:
+            self._applying.result()
+            self._applying = None
 
     def stale(self, error: LogprobError) -> bool:
         """Whether ``error`` refused a push because the server no longer holds the base version (a
