@@ -104,7 +104,7 @@ async def test_a_handle_that_does_not_open_is_refused_with_the_old_weights_live(
             async with grpc.aio.insecure_channel(running.target) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await pb_grpc.LogprobServiceStub(channel).UpdateWeightsFromIpc(request, timeout=60)
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert f"tensor {name!r}: its CUDA IPC handle does not open here" in caught.value.details()
             after = (await client.list_models())[0]
             assert (after.version, after.fingerprint) == (before.version, before.fingerprint)

@@ -124,6 +124,18 @@ def test_the_callers_host_and_gpus_are_checked_before_any_handle_is_opened(two_g
         ipc.check_shared(ipc.boot_id(), server, [shared("v", (2,), 8, uuid="GPU-0001")])
 
 
+def test_a_handle_that_does_not_open_is_a_failed_precondition_naming_the_tensor(two_gpus, monkeypatch):
+    """No shared IPC namespace, or the caller gone: a state of the processes, which TRL's
+    RemotePolicy falls back to gRPC on, not a malformed request."""
+
+    def refuse(*args):
+        raise RuntimeError("CUDA error: invalid argument")  # what torch raises for such a handle
+
+    monkeypatch.setattr(ipc, "rebuild_cuda_tensor", refuse)
+    with pytest.raises(FailedPrecondition, match="tensor 'w': its CUDA IPC handle does not open here"):
+        ipc.open_shared(shared("w", (4, 8), 4 * 8 * 2))
+
+
 def test_a_host_without_a_boot_id_is_never_taken_for_the_servers(monkeypatch):
     ipc.boot_id.cache_clear()
     monkeypatch.setattr(ipc, "BOOT_ID", ipc.BOOT_ID.with_name("no-such-file"))

@@ -106,7 +106,9 @@ def open_shared(tensor: SharedTensor) -> torch.Tensor:
             h.event_sync_required,
         )
     except RuntimeError as err:  # torch raises CUDA's and its own IPC errors as RuntimeError
-        raise InvalidArgument(
+        # A state of the two processes (no shared IPC namespace, the caller gone), not of the
+        # request: callers such as TRL's RemotePolicy fall back to gRPC on FAILED_PRECONDITION.
+        raise FailedPrecondition(
             f"tensor {tensor.name!r}: its CUDA IPC handle does not open here ({err}); the caller must be another "
             "process of this host, sharing its IPC namespace, and keep the tensor alive until the call returns"
         ) from None
