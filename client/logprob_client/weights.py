@@ -252,7 +252,7 @@ class WeightDeltas:
         old = self._held.get(name) if self.version is not None else None
         itemsize = new.nbytes // max(1, math.prod(shape))
         element = f"<u{itemsize}"  # compared bit for bit, one element at a time
-        if old is None or not old.nbytes == new.nbytes > 0 or math.prod(shape) > MAX_SPARSE_ELEMENTS:
+        if old is None or old.nbytes != new.nbytes or new.nbytes == 0 or math.prod(shape) > MAX_SPARSE_ELEMENTS:
             return _Compared(name, dtype, shape, new, None, None)
         return _Compared(name, dtype, shape, new, *changes(old.view(element), new.view(element)))
 

@@ -77,15 +77,13 @@ class DeviceStager:
         live = live.detach()
         if self.stream is None or not live.is_cuda or not self._take_room(live.nbytes):
             changed = live.to("cpu", copy=True).contiguous()
-            changed.view(-1)[torch.from_numpy(indices.astype(np.int64))] = torch.from_numpy(values).view(DTYPES[dtype])
+            _set_elements(changed, indices, values, dtype)
             return self.stage(changed)
         # The live weight was last written by a swap on another stream: that comes first.
         self.stream.wait_stream(torch.cuda.current_stream(live.device))
         with torch.cuda.stream(self.stream):
             changed = live.clone(memory_format=torch.contiguous_format)
-            # uint32 indices travel as int32 (4 bytes each) and are widened on the device.
-            where = torch.from_numpy(indices.view(np.int32)).to(self.device).to(torch.int64) & 0xFFFFFFFF
-            changed.view(-1)[where] = torch.from_numpy(values).to(self.device).view(DTYPES[dtype])
+            _set_elements(changed, indices, values, dtype)
             digest = pending_digest(changed, self.device)
         with self._lock:
             self.places.add(str(self.device))
@@ -114,6 +112,14 @@ class DeviceStager:
                 return False
             self._room -= nbytes
             return True
+
+
+def _set_elements(tensor: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str) -> None:
+    """``tensor``'s elements at flat ``indices`` (uint32) set to ``values`` (their raw bytes in
+    ``dtype``); only the indices and values go to where ``tensor`` lies."""
+    # uint32 indices travel as int32 (4 bytes each) and are widened there.
+    where = torch.from_numpy(indices.view(np.int32)).to(tensor.device).to(torch.int64) & 0xFFFFFFFF
+    tensor.view(-1)[where] = torch.from_numpy(values).to(tensor.device).view(DTYPES[dtype])
 
 
 class Staging:
