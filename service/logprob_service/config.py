@@ -81,7 +81,13 @@ class Settings(BaseSettings):
             "A bare SOURCE is named 'default'."
         ),
     )
-    device: str = Field("auto", description="Torch device: auto (cuda if present, else cpu), cpu, cuda, cuda:N.")
+    device: str = Field(
+        "auto",
+        description=(
+            "Torch device(s): auto (every visible GPU, else cpu), cpu, cuda, cuda:N, or a comma-separated list "
+            "(cuda:0,cuda:1): one replica of each model per device, micro-batches spread over them (data parallel)."
+        ),
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype: auto (bfloat16 on cuda, float32 on cpu)."
     )

@@ -70,7 +70,7 @@ class OfflineScorer:
     async def _start(self, stats: StatsSink) -> Scheduler:
         scheduler = Scheduler(
             self.registry,
-            self.executor,
+            [self.executor],
             max_queued_tokens=UNLIMITED,  # one caller: nothing to share or to refuse
             max_queued_tokens_per_client=UNLIMITED,
             max_batch_tokens=self.max_batch_tokens,

@@ -37,6 +37,7 @@ class BatchLaunched:
     tokens: int  # real tokens run, no padding (a prompt shared by several sequences once)
     sequences: int
     shared_tokens: int = 0  # prompt tokens not run: another sequence of the micro-batch had the prompt
+    device: str = ""  # the device that ran it ("cuda:1")
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def test_expired_and_abandoned_requests_are_dropped_and_the_expired_told_why():
 async def test_a_swap_whose_caller_goes_away_before_it_starts_never_runs():
     scheduler = Scheduler(
         ModelRegistry(),
-        executor=None,  # never reached: the loop is not started, so the swap stays pending
+        executors=[],  # never reached: the loop is not started, so the swap stays pending
         max_queued_tokens=10**6,
         max_queued_tokens_per_client=10**6,
         max_batch_tokens=400,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from logprob_proto import logprob_pb2_grpc as pb_grpc
@@ -27,7 +29,7 @@ from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import RequestLimits
 from logprob_service.engine.weight_updates import WeightUpdater
-from logprob_service.models.loading import ModelLoadError, resolve_device, resolve_dtype
+from logprob_service.models.loading import ModelLoadError, resolve_devices, resolve_dtype
 from logprob_service.models.lora import split_lora_source
 from logprob_service.models.scorer import ScoringOptions
 from logprob_service.models.served import load_served_model, serve_lora_model
@@ -45,8 +47,9 @@ class Service:
     """Everything behind the RPC surface; owned by one event loop."""
 
     settings: Settings
+    devices: list[torch.device]  # one replica of each model on each, one executor (lane) each
     registry: ModelRegistry
-    executor: DeviceExecutor
+    executors: list[DeviceExecutor]
     scheduler: Scheduler
     updater: WeightUpdater
     state: ServingState
@@ -54,15 +57,18 @@ class Service:
 
     @classmethod
     def create(cls, settings: Settings, registry: ModelRegistry | None = None) -> Service:
-        """Raises ``tokens.TokenConfigError`` for a bad token document, before anything starts."""
+        """Raises ``tokens.TokenConfigError`` for a bad token document and ``ModelLoadError`` for
+        devices this host lacks, before anything starts. A ``registry`` given already filled holds
+        one replica per device of ``settings.device``."""
         tokens = load_token_table(settings)
+        devices = resolve_devices(settings.device)
         registry = registry if registry is not None else ModelRegistry()
         metrics.track(registry)
         stats = metrics.PrometheusStats()
-        executor = DeviceExecutor(stats)
+        executors = [DeviceExecutor(stats) for _ in devices]
         scheduler = Scheduler(
             registry,
-            executor,
+            executors,
             max_queued_tokens=settings.max_queued_tokens,
             max_queued_tokens_per_client=settings.max_queued_tokens_per_client,
             max_batch_tokens=settings.max_batch_tokens,
@@ -74,7 +80,7 @@ class Service:
         )
         staging = Staging(settings.update_staging_reserve_bytes)
         updater = WeightUpdater(registry, scheduler, staging, join_group=WeightGroup, stats=stats)
-        return cls(settings, registry, executor, scheduler, updater, ServingState(), tokens)
+        return cls(settings, devices, registry, executors, scheduler, updater, ServingState(), tokens)
 
     @property
     def limits(self) -> RequestLimits:
@@ -84,12 +90,23 @@ class Service:
         )
 
     async def load_models(self) -> None:
-        """Load every configured model in a worker thread (the loop keeps answering health checks)."""
+        """Load every configured model in a worker thread (the loop keeps answering health checks),
+        once per device."""
         s = self.settings
-        device = resolve_device(s.device)
-        dtype = resolve_dtype(s.dtype, device)
+        dtype = resolve_dtype(s.dtype, self.devices[0])
+        options = ScoringOptions(
+            s.attention_backend,
+            s.long_sequence_tokens,
+            s.chunk_tokens,
+            s.compile_layers,
+            s.share_prompts,
+            s.deterministic,
+        )
         try:
-            logprob_op = select_logprob_op(s.logprob_kernel, device, s.lm_head_chunk_bytes, invariant=s.deterministic)
+            ops = [
+                select_logprob_op(s.logprob_kernel, device, s.lm_head_chunk_bytes, invariant=s.deterministic)
+                for device in self.devices
+            ]
         except ValueError as err:  # a forced kernel this host cannot run: fail before loading weights
             raise ModelLoadError(str(err)) from None
         loop = asyncio.get_running_loop()
@@ -97,38 +114,24 @@ class Service:
         for name, source in s.models.items():
             if lora[name] is not None:
                 continue
-            served = await loop.run_in_executor(
-                None,
-                lambda name=name, source=source: load_served_model(
-                    name,
-                    source,
-                    device=device,
-                    dtype=dtype,
-                    logprob_op=logprob_op,
-                    options=ScoringOptions(
-                        s.attention_backend,
-                        s.long_sequence_tokens,
-                        s.chunk_tokens,
-                        s.compile_layers,
-                        s.share_prompts,
-                        s.deterministic,
-                    ),
-                    trust_remote_code=s.trust_remote_code,
-                ),
+            load = functools.partial(
+                load_served_model, name, source, dtype=dtype, options=options, trust_remote_code=s.trust_remote_code
             )
-            self.registry.add(served)
+            replicas = [
+                await loop.run_in_executor(None, functools.partial(load, device=device, logprob_op=op))
+                for device, op in zip(self.devices, ops, strict=True)
+            ]
+            self.registry.add(replicas[0], replicas[1:])
         for name, spec in lora.items():
             if spec is not None:
                 base, adapter_dir = spec
                 if lora[base] is not None:
                     raise ModelLoadError(f"LoRA model {name!r}: its base {base!r} is itself a LoRA model")
-                served = await loop.run_in_executor(
-                    None,
-                    lambda name=name, base=base, adapter_dir=adapter_dir: serve_lora_model(
-                        name, self.registry.get(base), adapter_dir
-                    ),
-                )
-                self.registry.add(served)
+                replicas = [
+                    await loop.run_in_executor(None, serve_lora_model, name, b, adapter_dir)
+                    for b in self.registry.replicas(base)
+                ]
+                self.registry.add(replicas[0], replicas[1:])
 
     async def warm_up(self) -> None:
         """Score one short random sequence with every model through the real path, then SERVE."""
@@ -164,7 +167,8 @@ class Service:
     async def close(self) -> None:
         await self.scheduler.close()
         self.updater.close()
-        self.executor.shutdown()
+        for executor in self.executors:
+            executor.shutdown()
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:

@@ -77,12 +77,14 @@ class Stager(Protocol):
 
     places: set[str]  # where it staged them so far ("cuda:0", "cpu")
 
-    def stage(self, tensor: Any, *, copy: bool = False) -> tuple[Any, Any]:
-        """(the staged copy, the pending digest of its bytes), both queued; called on a worker
-        thread. ``copy``: a copy even where ``tensor`` already lies where it would be staged (it is
-        not the update's own)."""
+    def stage(self, tensor: Any, *, copy: bool = False, digest: bool = True) -> tuple[Any, Any]:
+        """(the staged copy, the pending digest of its bytes or None without ``digest``), both
+        queued; called on a worker thread. ``copy``: a copy even where ``tensor`` already lies
+        where it would be staged (it is not the update's own)."""
 
-    def stage_changes(self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str) -> tuple[Any, Any]:
+    def stage_changes(
+        self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str, *, digest: bool = True
+    ) -> tuple[Any, Any]:
         """``stage`` of a copy of the ``live`` weight with the elements at flat ``indices`` set to
         ``values`` (their raw bytes in ``dtype``): a sparse update's tensor."""
 

@@ -1,21 +1,26 @@
-"""The models a server holds, by name."""
+"""The models a server holds, by name: each as one replica per device (data parallel), in the
+order of the scheduler's lanes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from logprob_service.engine.interfaces import ServedModel
 from logprob_service.errors import ModelNotFound
 
 
 class ModelRegistry:
-    """Name -> served model. Filled before the server reports SERVING; read by every layer above."""
+    """Name -> served model (its replica on the first device) and its replicas on every device.
+    Filled before the server reports SERVING; read by every layer above."""
 
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
+        self._replicas: dict[str, tuple[ServedModel, ...]] = {}
 
-    def add(self, served: ServedModel) -> None:
+    def add(self, served: ServedModel, replicas: Sequence[ServedModel] = ()) -> None:
+        """``served`` on the first device, and ``replicas`` of it on the others, lane by lane."""
         self._models[served.info.name] = served
+        self._replicas[served.info.name] = (served, *replicas)
 
     def get(self, name: str) -> ServedModel:
         try:
@@ -23,6 +28,11 @@ class ModelRegistry:
         except KeyError:
             served = ", ".join(sorted(self._models)) or "none"
             raise ModelNotFound(f"model: {name!r} is not served here; served models: {served}") from None
+
+    def replicas(self, name: str) -> tuple[ServedModel, ...]:
+        """``name`` on every device, in lane order (the first is ``get(name)``)."""
+        self.get(name)
+        return self._replicas[name]
 
     def lora_models_of(self, base: str) -> list[str]:
         """Names of the LoRA models sharing ``base``'s weights."""

@@ -1,26 +1,32 @@
-"""The scheduler loop: admitted work to micro-batches on the device, results back to each request.
+"""The scheduler loop: admitted work to micro-batches on the devices, results back to each request.
 
 ``submit`` waits for the request's ``min_version`` if it has one, admits it (``Admission``:
 token budget and fair share), queues it (``BatchQueue``) and waits for its result. The loop
-takes micro-batches from the queue and hands them to the device worker (``Executor``). When the
-device is idle it waits up to ``max_wait_ms`` after the oldest unit's arrival for more work to
-fill a batch. Two micro-batches are kept in flight, so the next one is packed and enqueued while
-the device computes the current one. Units whose caller went away or whose deadline passed are
+takes micro-batches from the one queue and hands each to a device's worker (``Executor``): a
+*lane* per device, each holding a replica of every model (data parallel). A micro-batch goes to
+the lane with the fewest tokens in flight among those with room, so a device that computes
+faster (or got shorter batches) takes more. When a device is idle the loop waits up to
+``max_wait_ms`` after the oldest unit's arrival for more work to fill a batch. Two micro-batches
+are kept in flight per lane, so the next one is packed and enqueued while the device computes
+the current one. Units whose caller went away or whose deadline passed are
 dropped before they reach the device. Results are scattered back by sequence index, so every
 response is in request order however its sequences were batched.
 
-Weight swaps (``swap``) run in the loop, on the device thread, between micro-batches: while a
-swap of a model waits, the queue holds that model's requests not yet started, and those already
-partly launched finish on the old weights first. Every response is scored by one version, the
-one it reports. The loop never runs torch: the executor does.
+Weight swaps (``swap``) run in the loop, on every lane's device thread at once, between
+micro-batches: while a swap of a model waits, the queue holds that model's requests not yet
+started, and those already partly launched finish on the old weights first; no micro-batch of
+the model is launched on any lane until every replica has swapped. Every response is scored by
+one version, the one it reports, whichever replica scored it. The loop never runs torch: the
+executors do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from logprob_service.domain import ScoreJob, ScoreResult, Timings
@@ -40,8 +46,29 @@ PIPELINE_DEPTH = 2  # micro-batches in flight: one computing, one being packed a
 class _Swap:
     """A weight swap waiting for its model's started requests to finish."""
 
-    apply: Callable[[], None]  # runs on the device thread
+    apply: Callable[[int], None]  # apply(lane): on that lane's device thread, for its replica
     done: asyncio.Future[None]
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One device: its worker, and the micro-batches in flight on it with their tokens."""
+
+    index: int
+    executor: Executor
+    in_flight: dict[asyncio.Task[None], int] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.in_flight.values())
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.in_flight) < PIPELINE_DEPTH
+
+    def add(self, task: asyncio.Task[None], tokens: int) -> None:
+        self.in_flight[task] = tokens
+        task.add_done_callback(lambda t: self.in_flight.pop(t, None))
 
 
 @dataclass(eq=False)
@@ -49,6 +76,7 @@ class _Launched:
     """A micro-batch handed to the device: who owns each of its sequences, and its parts."""
 
     units: list[Unit]
+    tokens: int = 0  # run on the device (a prompt shared by several sequences once)
     start_ns: int = field(default_factory=time.perf_counter_ns)
     model_version: int = 0
     parts: list[Launch] = field(default_factory=list)
@@ -77,7 +105,7 @@ class Scheduler:
     def __init__(
         self,
         registry: ModelRegistry,
-        executor: Executor,
+        executors: Sequence[Executor],
         *,
         max_queued_tokens: int,
         max_queued_tokens_per_client: int,
@@ -89,7 +117,7 @@ class Scheduler:
         stats: StatsSink = NO_STATS,
     ) -> None:
         self._registry = registry
-        self._executor = executor
+        self._lanes = [_Lane(i, executor) for i, executor in enumerate(executors)]
         self._stats = stats
         self.admission = Admission(
             max_queued_tokens=max_queued_tokens, max_queued_tokens_per_client=max_queued_tokens_per_client, stats=stats
@@ -101,7 +129,6 @@ class Scheduler:
         self._max_version_wait_s = max_version_wait_s
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._in_flight: set[asyncio.Task[None]] = set()
         self._swaps: dict[str, _Swap] = {}  # model -> its pending weight swap
         self._version_changed = asyncio.Condition()
         stats.record(Limits(max_batch_tokens, max_batch_sequences, max_queued_tokens))
@@ -119,15 +146,16 @@ class Scheduler:
         for swap in self._swaps.values():
             swap.done.set_exception(Unavailable("the server is shutting down; the weights were not swapped"))
         self._swaps.clear()
-        tasks = [t for t in (self._loop_task, *self._in_flight) if t is not None]
+        tasks = [t for t in (self._loop_task, *self._in_flight()) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loop_task = None
 
-    async def swap(self, model: str, apply: Callable[[], None]) -> None:
-        """Run ``apply`` (which replaces ``model``'s weights) on the device thread between
-        micro-batches, once the requests of ``model`` already started have been launched."""
+    async def swap(self, model: str, apply: Callable[[int], None]) -> None:
+        """Run ``apply(lane)`` (which replaces the weights of ``model``'s replica on that lane) on
+        every lane's device thread between micro-batches, once the requests of ``model`` already
+        started have been launched; returns when every replica has swapped."""
         if model in self._swaps:
             raise RuntimeError(f"a swap of model {model!r} is already pending")  # WeightUpdater serializes them
         swap = _Swap(apply, asyncio.get_running_loop().create_future())
@@ -184,14 +212,23 @@ class Scheduler:
 
     async def _run(self) -> None:
         while True:
-            while len(self._in_flight) >= PIPELINE_DEPTH:
-                await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+            while self._freest_lane() is None:
+                await asyncio.wait(self._in_flight(), return_when=asyncio.FIRST_COMPLETED)
             # The next batch is formed only once the previous launch has returned (its kernels are
             # queued), so deadlines and cancellations are checked right before each launch.
-            batch = await self._launch(await self._next_batch())
-            task = asyncio.create_task(self._finish(batch))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+            units = await self._next_batch()
+            lane = self._freest_lane()  # lanes only free up while the batch formed: there is one
+            assert lane is not None
+            batch = await self._launch(units, lane)
+            lane.add(asyncio.create_task(self._finish(batch, lane)), batch.tokens)
+
+    def _freest_lane(self) -> _Lane | None:
+        """The lane with room and the fewest tokens in flight (the first such), or None."""
+        free = [lane for lane in self._lanes if lane.has_room]
+        return min(free, key=lambda lane: (lane.tokens, lane.index), default=None)
+
+    def _in_flight(self) -> list[asyncio.Task[None]]:
+        return [task for lane in self._lanes for task in lane.in_flight]
 
     async def _next_batch(self) -> list[Unit]:
         while True:
@@ -201,7 +238,7 @@ class Scheduler:
             first = self.queue.first_eligible(self._swaps)
             if first is not None:
                 waited = (time.perf_counter_ns() - first.request.arrived_ns) / 1e9
-                device_idle = not self._in_flight
+                device_idle = any(not lane.in_flight for lane in self._lanes)
                 if not device_idle or waited >= self._max_wait_s or self.queue.fills_a_batch(first, self._swaps):
                     return self.queue.take(self._swaps)
                 timeout = self._max_wait_s - waited
@@ -221,27 +258,32 @@ class Scheduler:
             if self.queue.holds_started_work(model, self._swaps):
                 continue
             del self._swaps[model]
-            try:
-                await self._executor.run(swap.apply)
-            except Exception as err:
-                swap.done.set_exception(err)
+            # Every replica at once; none of the model's micro-batches launches meanwhile.
+            outcomes = await asyncio.gather(
+                *(lane.executor.run(functools.partial(swap.apply, lane.index)) for lane in self._lanes),
+                return_exceptions=True,
+            )
+            errors = [e for e in outcomes if isinstance(e, BaseException)]
+            if errors:
+                swap.done.set_exception(errors[0])
             else:
                 swap.done.set_result(None)
 
-    async def _launch(self, units: list[Unit]) -> _Launched:
-        """Hand one micro-batch to the device thread; returns once its work is enqueued."""
+    async def _launch(self, units: list[Unit], lane: _Lane) -> _Launched:
+        """Hand one micro-batch to ``lane``'s device thread; returns once its work is enqueued."""
         batch = _Launched(units)
         key = units[0].request.key
         sequences = [request.job.sequences[i] for request, i in batch.owners]
-        tokens = self.queue.tokens(sequences)  # the whole micro-batch: prompts shared across units count once
-        shared = sum(s.num_tokens for s in sequences) - tokens
-        self._stats.record(BatchLaunched(key.model, tokens=tokens, sequences=len(sequences), shared_tokens=shared))
+        batch.tokens = self.queue.tokens(sequences)  # the whole micro-batch: prompts shared across units count once
+        shared = sum(s.num_tokens for s in sequences) - batch.tokens
         for request in batch.requests:
             request.first_launch_ns = request.first_launch_ns or batch.start_ns
         try:
-            served = self._registry.get(key.model)
+            served = self._registry.replicas(key.model)[lane.index]
+            device = str(served.device)
+            self._stats.record(BatchLaunched(key.model, batch.tokens, len(sequences), shared, device))
             batch.model_version = served.info.version
-            batch.parts = await self._executor.launch(
+            batch.parts = await lane.executor.launch(
                 served,
                 sequences,
                 temperature=key.temperature,
@@ -251,7 +293,7 @@ class Scheduler:
             batch.error = err
         return batch
 
-    async def _finish(self, batch: _Launched) -> None:
+    async def _finish(self, batch: _Launched, lane: _Lane) -> None:
         """Wait for a launched micro-batch's results and scatter them back to their requests."""
         try:
             if batch.error is not None:
@@ -261,7 +303,7 @@ class Scheduler:
                     for position in part.indices:
                         batch.owners[position][0].fail(part.error)
                     continue
-                for position, scores in zip(part.indices, await self._executor.fetch(part.launched)):
+                for position, scores in zip(part.indices, await lane.executor.fetch(part.launched)):
                     request, i = batch.owners[position]
                     request.scores[i] = scores
                     request.remaining -= 1

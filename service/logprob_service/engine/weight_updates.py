@@ -26,7 +26,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,9 +167,10 @@ class _Assembly:
 class _SparseAssembly:
     """One sparse tensor's changed elements, arriving in order: flat indices and their values' bytes."""
 
-    def __init__(self, first: SparsePiece, live: Any) -> None:
+    def __init__(self, first: SparsePiece, live: Any, replica_lives: Sequence[Any] = ()) -> None:
         self.name, self.dtype_name, self.shape, self.changed = first.name, first.dtype, first.shape, first.changed
         self.live = live  # the weight the changes apply to (opaque here: the stager's tensor)
+        self.replica_lives = replica_lives  # the same weight on the other devices, lane by lane
         self.itemsize = DTYPE_BYTES[first.dtype]
         self.numel = math.prod(self.shape)
         if self.numel > MAX_SPARSE_ELEMENTS:
@@ -236,16 +237,22 @@ class _Update:
     """One update in progress: its checked, staged tensors and their digests."""
 
     def __init__(
-        self, served: ServedModel, header: UpdateHeader, staging: Staging, pool: concurrent.futures.ThreadPoolExecutor
+        self,
+        replicas: Sequence[ServedModel],
+        header: UpdateHeader,
+        staging: Staging,
+        pool: concurrent.futures.ThreadPoolExecutor,
     ) -> None:
-        self.served = served
+        self.replicas = replicas  # the model on each device (lane order); the first is checked against
+        self.served = replicas[0]
         self.header = header
-        self.target: UpdatableWeights = served.updatable()
+        self.targets: list[UpdatableWeights] = [r.updatable() for r in replicas]
+        self.target = self.targets[0]
         self.staging = staging
-        self.stager = staging.stager(served.device)
+        self.stagers = [staging.stager(r.device) for r in replicas]
         self.pool = pool
-        # name -> (staged tensor, pending digest)
-        self.staged: dict[str, concurrent.futures.Future[tuple[Any, Any]]] = {}
+        # name -> (its staged copy on each replica's device, the pending digest of its bytes)
+        self.staged: dict[str, concurrent.futures.Future[tuple[list[Any], Any]]] = {}
         self.assembly: _Assembly | _SparseAssembly | None = None
         self.bytes = 0
 
@@ -259,16 +266,17 @@ class _Update:
             live = self.check_new(piece.name, piece.dtype, piece.shape)
             if isinstance(piece, SparsePiece):
                 self._check_base(piece.name)
-                a = self.assembly = _SparseAssembly(piece, live)
+                others = [t.check(piece.name, piece.dtype, piece.shape) for t in self.targets[1:]]
+                a = self.assembly = _SparseAssembly(piece, live, others)
             else:
                 a = self.assembly = _Assembly(piece)
         a.write(piece)  # type: ignore[arg-type]  # the kinds match: checked above
         if a.complete:
             self.assembly = None
             if isinstance(a, _SparseAssembly):
-                # The changed copy of the live weight is made on the pool (on the device while it has room).
-                stage = self.stager.stage_changes
-                self._submit(a.name, a.nbytes, lambda: stage(a.live, a.indices, a.values, a.dtype_name))
+                # The changed copy of each replica's live weight is made on the pool (on its device
+                # while it has room); the first replica's is digested.
+                self._submit(a.name, a.nbytes, lambda: self._stage_changes(a))
             else:
                 self.stage(a.name, a.nbytes, lambda: self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
 
@@ -310,27 +318,43 @@ class _Update:
         """Stage the tensor ``make`` returns: made, hashed and copied on the pool, off the loop.
         ``nbytes``: what the update received for it; ``copy``: the tensor is not the update's own
         (a caller's memory), so it is copied even where it already lies on the device."""
-        self._submit(name, nbytes, lambda: self.stager.stage(make(), copy=copy))
+        self._submit(name, nbytes, lambda: self._stage(make(), copy))
 
-    def _submit(self, name: str, nbytes: int, job: Callable[[], tuple[Any, Any]]) -> None:
+    def _stage(self, tensor: Any, copy: bool) -> tuple[list[Any], Any]:
+        first, digest = self.stagers[0].stage(tensor, copy=copy)
+        # The other replicas' copies come from the tensor itself (a caller's memory or the host).
+        return [first, *(stager.stage(tensor, copy=True, digest=False)[0] for stager in self.stagers[1:])], digest
+
+    def _stage_changes(self, a: _SparseAssembly) -> tuple[list[Any], Any]:
+        first, digest = self.stagers[0].stage_changes(a.live, a.indices, a.values, a.dtype_name)
+        others = [
+            stager.stage_changes(live, a.indices, a.values, a.dtype_name, digest=False)[0]
+            for stager, live in zip(self.stagers[1:], a.replica_lives, strict=True)
+        ]
+        return [first, *others], digest
+
+    def _submit(self, name: str, nbytes: int, job: Callable[[], tuple[list[Any], Any]]) -> None:
         self.bytes += nbytes
         self.staged[name] = self.pool.submit(job)
 
-    async def staged_tensors(self) -> dict[str, tuple[Any, Any]]:
-        """Every staged (tensor, digest), once all are in place. If one failed, the others not yet
-        started are cancelled, and those running and the copies they queued are waited for,
-        before the error is raised: no staging work, which may read a caller's memory, outlives
-        the call."""
+    async def staged_tensors(self) -> dict[str, tuple[list[Any], Any]]:
+        """Every staged (copy per replica, digest), once all are in place. If one failed, the
+        others not yet started are cancelled, and those running and the copies they queued are
+        waited for, before the error is raised: no staging work, which may read a caller's
+        memory, outlives the call."""
         try:
             staged = {name: await asyncio.wrap_future(future) for name, future in self.staged.items()}
         except BaseException:
             for future in self.staged.values():
                 future.cancel()
             await asyncio.to_thread(concurrent.futures.wait, self.staged.values())
-            await asyncio.to_thread(self.stager.finish, [])
+            for stager in self.stagers:
+                await asyncio.to_thread(stager.finish, [])
             raise
-        digests = await asyncio.to_thread(self.stager.finish, [digest for _, digest in staged.values()])
-        return {name: (tensor, digest) for (name, (tensor, _)), digest in zip(staged.items(), digests, strict=True)}
+        for stager in self.stagers[1:]:
+            await asyncio.to_thread(stager.finish, [])
+        digests = await asyncio.to_thread(self.stagers[0].finish, [digest for _, digest in staged.values()])
+        return {name: (copies, digest) for (name, (copies, _)), digest in zip(staged.items(), digests, strict=True)}
 
     def check_complete(self, commit: Commit) -> None:
         if self.assembly is not None:
@@ -505,7 +529,8 @@ class WeightUpdater:
     @contextlib.contextmanager
     def _updating_model(self, header: UpdateHeader) -> Iterator[_Update]:
         """The model's one update slot, and the update started in it; released on any exit."""
-        served = self._registry.get(header.model)
+        replicas = self._registry.replicas(header.model)
+        served = replicas[0]
         name, live = served.info.name, served.info.version
         if name in self._updating:
             raise Aborted(f"model: another update of {name!r} is in progress; retry when it is done")
@@ -521,36 +546,34 @@ class WeightUpdater:
         self._updating.add(name)
         try:
             header = UpdateHeader(name, version, header.partial, header.base_version)
-            yield _Update(served, header, self._staging, self._pool)
+            yield _Update(replicas, header, self._staging, self._pool)
         finally:
             self._updating.discard(name)
 
     async def _commit(self, update: _Update, commit: Commit, start_ns: int) -> UpdateOutcome:
         update.check_complete(commit)
         staged = await update.staged_tensors()
-        served, target = update.served, update.target
-        version = update.header.version
-        tensors = {name: tensor for name, (tensor, _) in staged.items()}
-        digests = {target.canonical(name): digest for name, (_, digest) in staged.items()}
-        swap_ns = 0
+        served, version = update.served, update.header.version
+        digests = {update.target.canonical(name): digest for name, (_, digest) in staged.items()}
+        swap_ns = [0] * len(update.replicas)
 
-        def apply() -> None:
-            nonlocal swap_ns
+        def apply(lane: int) -> None:
+            """On ``lane``'s device thread: its replica takes its copies and the new version."""
             t0 = time.perf_counter_ns()
-            target.apply(tensors)
-            served.updated(version, digests)
-            swap_ns = time.perf_counter_ns() - t0
+            update.targets[lane].apply({name: copies[lane] for name, (copies, _) in staged.items()})
+            update.replicas[lane].updated(version, digests)
+            swap_ns[lane] = time.perf_counter_ns() - t0
 
         await self._scheduler.swap(served.info.name, apply)
         outcome = UpdateOutcome(
             model=served.info.name,
             version=served.info.version,
             fingerprint=served.info.fingerprint,
-            tensors=len(tensors),
+            tensors=len(staged),
             bytes=update.bytes,
-            staged_on="+".join(sorted(update.stager.places)) or "none",
+            staged_on="+".join(sorted(set().union(*(stager.places for stager in update.stagers)))) or "none",
             total_ns=time.perf_counter_ns() - start_ns,
-            swap_ns=swap_ns,
+            swap_ns=max(swap_ns),
         )
         self._stats.record(WeightsUpdated(outcome.model, outcome.bytes, outcome.total_ns, outcome.swap_ns))
         log.info("model %r: version %d live (%s)", outcome.model, outcome.version, outcome)

@@ -33,6 +33,20 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def resolve_devices(devices: str) -> list[torch.device]:
+    """The devices a server holds a replica of each model on (data parallel): ``auto`` is every
+    visible GPU (the CPU where there is none); else a comma-separated list (``cuda:0,cuda:1``),
+    each as ``resolve_device``. A GPU named twice is refused; the CPU may be (tests, a CPU host)."""
+    if devices == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+    resolved = [resolve_device(name.strip()) for name in devices.split(",")]
+    gpus = [d for d in resolved if d.type == "cuda"]
+    if len(set(gpus)) < len(gpus):
+        raise ModelLoadError(f"device {devices!r} names a GPU twice: one replica per GPU")
+    return resolved
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on CUDA and float32 on the CPU."""
     if dtype == "auto":

@@ -77,7 +77,10 @@ SEQUENCES_SCORED = Counter("logprob_sequences_scored", "Sequences scored.", ["mo
 
 # Micro-batches and the queue.
 BATCH_TOKENS = Histogram(
-    "logprob_batch_tokens", "Real tokens in each packed micro-batch launched.", ["model"], buckets=TOKEN_BUCKETS
+    "logprob_batch_tokens",
+    "Real tokens in each packed micro-batch launched.",
+    ["model", "device"],
+    buckets=TOKEN_BUCKETS,
 )
 PROMPT_TOKENS_SHARED = Counter(
     "logprob_prompt_tokens_shared",
@@ -85,7 +88,10 @@ PROMPT_TOKENS_SHARED = Counter(
     ["model"],
 )
 BATCH_SEQUENCES = Histogram(
-    "logprob_batch_sequences", "Sequences in each packed micro-batch launched.", ["model"], buckets=SEQUENCE_BUCKETS
+    "logprob_batch_sequences",
+    "Sequences in each packed micro-batch launched.",
+    ["model", "device"],
+    buckets=SEQUENCE_BUCKETS,
 )
 QUEUE_REQUESTS = Gauge("logprob_queue_requests", "Requests admitted and not yet answered.", ["model"])
 QUEUE_TOKENS = Gauge(
@@ -236,9 +242,9 @@ class PrometheusStats:
                     QUEUE_REQUESTS.labels(model).inc(requests)
                 if tokens:
                     QUEUE_TOKENS.labels(model).inc(tokens)
-            case BatchLaunched(model, tokens, sequences, shared_tokens):
-                BATCH_TOKENS.labels(model).observe(tokens)
-                BATCH_SEQUENCES.labels(model).observe(sequences)
+            case BatchLaunched(model, tokens, sequences, shared_tokens, device):
+                BATCH_TOKENS.labels(model, device).observe(tokens)
+                BATCH_SEQUENCES.labels(model, device).observe(sequences)
                 PROMPT_TOKENS_SHARED.labels(model).inc(shared_tokens)
             case RequestScored(model, tokens, sequences, timings):
                 TOKENS_SCORED.labels(model).inc(tokens)

@@ -38,15 +38,18 @@ class DeviceStager:
         self._room: int | None = None  # device bytes this update may still stage (None: not yet asked)
         self._reading: list[torch.Tensor] = []  # GPU sources the queued copies read: alive until finish
 
-    def stage(self, tensor: torch.Tensor, *, copy: bool = False) -> tuple[torch.Tensor, PendingDigest]:
-        """The staged copy of ``tensor`` and the digest of its bytes, queued (on a worker thread):
-        on a GPU, on the staging stream, where the digest reads the staged copy, or the host copy's
-        bytes in chunks brought to the GPU, never hashed on the host. ``copy``: ``tensor`` is not the
+    def stage(
+        self, tensor: torch.Tensor, *, copy: bool = False, digest: bool = True
+    ) -> tuple[torch.Tensor, PendingDigest | None]:
+        """The staged copy of ``tensor`` and the digest of its bytes (None without ``digest``: a
+        replica's copy of bytes another stager digests), queued (on a worker thread): on a GPU, on
+        the staging stream, where the digest reads the staged copy, or the host copy's bytes in
+        chunks brought to the GPU, never hashed on the host. ``copy``: ``tensor`` is not the
         update's own (a caller's GPU memory), so it is copied even where it already lies."""
         tensor = tensor.contiguous()
         if self.stream is None:
             self.places.add("cpu")
-            return (tensor.clone() if copy else tensor), pending_digest(tensor)
+            return (tensor.clone() if copy else tensor), (pending_digest(tensor) if digest else None)
         # What wrote ``tensor`` on this thread's stream of its device comes first: a sparse
         # update's changed copy, or the caller's work an IPC tensor's event stands for.
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device if tensor.is_cuda else self.device))
@@ -60,16 +63,16 @@ class DeviceStager:
             if staged is None:
                 # To pageable host memory: the copy is done when ``to`` returns.
                 staged, place = tensor.to("cpu", copy=copy), "cpu"
-            digest = pending_digest(staged, self.device)
+            pending = pending_digest(staged, self.device) if digest else None
         with self._lock:
             self.places.add(place)
             if tensor.is_cuda:
                 self._reading.append(tensor)
-        return staged, digest
+        return staged, pending
 
     def stage_changes(
-        self, live: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str
-    ) -> tuple[torch.Tensor, PendingDigest]:
+        self, live: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str, *, digest: bool = True
+    ) -> tuple[torch.Tensor, PendingDigest | None]:
         """``stage`` of a copy of the ``live`` weight with the elements at flat ``indices`` (uint32)
         set to ``values`` (their raw bytes in ``dtype``): bit for bit the tensor a dense update
         would send (a sparse update). While the device has room the copy is made there, so only
@@ -78,16 +81,16 @@ class DeviceStager:
         if self.stream is None or not live.is_cuda or not self._take_room(live.nbytes):
             changed = live.to("cpu", copy=True).contiguous()
             _set_elements(changed, indices, values, dtype)
-            return self.stage(changed)
+            return self.stage(changed, digest=digest)
         # The live weight was last written by a swap on another stream: that comes first.
         self.stream.wait_stream(torch.cuda.current_stream(live.device))
         with torch.cuda.stream(self.stream):
             changed = live.clone(memory_format=torch.contiguous_format)
             _set_elements(changed, indices, values, dtype)
-            digest = pending_digest(changed, self.device)
+            pending = pending_digest(changed, self.device) if digest else None
         with self._lock:
             self.places.add(str(self.device))
-        return changed, digest
+        return changed, pending
 
     def finish(self, pending: Sequence[PendingDigest]) -> list[TensorDigest]:
         """Waits until every tensor staged so far is in place (their sources may go once this

@@ -1,0 +1,161 @@
+"""The scheduler over several devices (data parallel), with fake devices: each lane's executor
+records what it ran and finishes a micro-batch when the test says so.
+
+Checked: a micro-batch goes to the lane with the fewest tokens in flight (not round robin); a
+lane's two-batch pipeline is respected; a weight swap runs on every lane, with no micro-batch of
+the model launched anywhere until all replicas have swapped, and each response reports the
+version of the replica that scored it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pytest
+from logprob_service.domain import ModelInfo, ScoreJob, SequenceScores, TokenSequence
+from logprob_service.engine.registry import ModelRegistry
+from logprob_service.engine.scheduler import Scheduler
+
+
+@dataclass
+class Replica:
+    """A model on one fake device: its version is what its lane's swaps made it."""
+
+    info: ModelInfo
+    device: str
+
+    def updatable(self):  # the scheduler never asks; the WeightUpdater does
+        raise NotImplementedError
+
+
+@dataclass
+class Part:
+    indices: list[int]
+    launched: asyncio.Future
+    error: Exception | None = None
+
+
+@dataclass
+class FakeDevice:
+    """A lane's executor: launch records (version, tokens) and returns a part that finishes when
+    ``finish_one`` is called; ``run`` (swaps) runs at once, in order after what was launched."""
+
+    name: str
+    launched: list[tuple[int, int]] = field(default_factory=list)  # (model version, tokens)
+    pending: list[asyncio.Future] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)
+
+    async def launch(self, served, sequences, *, temperature, return_entropy):
+        future = asyncio.get_running_loop().create_future()
+        self.launched.append((served.info.version, sum(s.num_tokens for s in sequences)))
+        self.pending.append((future, [len(s.completion_ids) for s in sequences], served.info.version))
+        return [Part(list(range(len(sequences))), future)]
+
+    async def fetch(self, launched):
+        return await launched
+
+    async def run(self, fn):
+        self.ran.append("swap")
+        return fn()
+
+    def finish_one(self) -> None:
+        future, lengths, version = self.pending.pop(0)
+        # Each log-prob says which version scored it, so a response shows what scored each sequence.
+        future.set_result([SequenceScores(np.full(n, -float(version), np.float32)) for n in lengths])
+
+
+def registry_of(devices: list[FakeDevice]) -> tuple[ModelRegistry, list[Replica]]:
+    info = ModelInfo("m", "fake", "fake", 100, None, "float32", "", 0, "")
+    replicas = [Replica(replace(info, device=d.name), d.name) for d in devices]
+    registry = ModelRegistry()
+    registry.add(replicas[0], replicas[1:])
+    return registry, replicas
+
+
+def scheduler_of(registry: ModelRegistry, devices: list[FakeDevice]) -> Scheduler:
+    return Scheduler(
+        registry,
+        devices,
+        max_queued_tokens=10**6,
+        max_queued_tokens_per_client=10**6,
+        max_batch_tokens=100,
+        max_batch_sequences=1,  # one sequence per micro-batch: each request is one batch
+        max_wait_ms=0,
+    )
+
+
+def job(i: int, tokens: int) -> ScoreJob:
+    ids = np.arange(tokens, dtype=np.int64) % 100
+    return ScoreJob(f"r{i}", "m", [TokenSequence(ids[: tokens // 2], ids[tokens // 2 :])])
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Yield to the loop until ``condition()`` holds (fails the test after ``timeout`` s)."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def two():
+    devices = [FakeDevice("dev0"), FakeDevice("dev1")]
+    registry, replicas = registry_of(devices)
+    scheduler = scheduler_of(registry, devices)
+    scheduler.start()
+    yield scheduler, devices, replicas
+    await scheduler.close()
+
+
+async def test_a_batch_goes_to_the_lane_with_the_fewest_tokens_in_flight(two):
+    scheduler, (d0, d1), _ = two
+    tasks = [asyncio.create_task(scheduler.submit(job(0, 80)))]
+    await until(lambda: len(d0.launched) == 1)  # both idle: the first lane
+    tasks.append(asyncio.create_task(scheduler.submit(job(1, 10))))
+    await until(lambda: len(d1.launched) == 1)  # lane 0 holds 80 tokens, lane 1 none
+    tasks.append(asyncio.create_task(scheduler.submit(job(2, 10))))
+    await until(lambda: len(d1.launched) == 2)  # 80 against 10: lane 1 again, not round robin
+    # Lane 1 is full (two in flight), lane 0 has room: the next goes there whatever its tokens.
+    tasks.append(asyncio.create_task(scheduler.submit(job(3, 10))))
+    await until(lambda: len(d0.launched) == 2)
+    # Both full: the next waits for a batch to finish, then takes the lane that freed.
+    tasks.append(asyncio.create_task(scheduler.submit(job(4, 10))))
+    await asyncio.sleep(0.05)
+    assert (len(d0.launched), len(d1.launched)) == (2, 2)
+    d1.finish_one()
+    await until(lambda: len(d1.launched) == 3)
+    for device in (d0, d1):
+        while device.pending:
+            device.finish_one()
+            await asyncio.sleep(0)
+    await until(lambda: all(t.done() for t in tasks))
+    assert [len(t.result().scores) for t in tasks] == [1] * 5
+
+
+async def test_a_swap_runs_on_every_lane_before_the_model_launches_again(two):
+    scheduler, (d0, d1), replicas = two
+    first = [asyncio.create_task(scheduler.submit(job(i, 10))) for i in range(2)]
+    await until(lambda: len(d0.launched) == len(d1.launched) == 1)  # one in flight on each lane
+
+    def apply(lane: int) -> None:
+        replicas[lane].info = replace(replicas[lane].info, version=7)
+
+    swap = asyncio.create_task(scheduler.swap("m", apply))
+    await until(lambda: d0.ran == d1.ran == ["swap"])
+    await swap
+    assert [r.info.version for r in replicas] == [7, 7]
+    later = [asyncio.create_task(scheduler.submit(job(i, 10))) for i in range(2, 6)]
+    for device in (d0, d1):
+        device.finish_one()
+    await until(lambda: len(d0.launched) + len(d1.launched) == 6)
+    for device in (d0, d1):
+        while device.pending:
+            device.finish_one()
+            await asyncio.sleep(0)
+    results = [await t for t in first + later]
+    # The two batches launched before the swap were scored by version 0 (their kernels queued
+    # first); every later one by version 7, on whichever replica it ran.
+    assert [v for v, _ in d0.launched[1:] + d1.launched[1:]] == [7] * 4
+    assert [r.model_version for r in results] == [0, 0, 7, 7, 7, 7]
+    assert all(float(r.scores[0].logprobs[0]) == -r.model_version for r in results)
