@@ -236,6 +236,7 @@ class PassResult:
 
     latencies_ms: list[float]  # one per micro-batch or request
     first: list[np.ndarray]  # the first group's completion log-probs, float64, one per sequence
+    by_group: dict[int, list[np.ndarray]] = field(default_factory=dict)  # gRPC: every group's, as returned
 
 
 @torch.inference_mode()
@@ -326,7 +327,7 @@ def grpc_pass(clients: list[LogprobClient], workload: Workload) -> PassResult:
     with ThreadPoolExecutor(len(clients), thread_name_prefix="bench-client") as pool:
         for future in [pool.submit(drain, client) for client in clients]:
             future.result()
-    return PassResult(latencies, [lp.astype(np.float64) for lp in results[0]])
+    return PassResult(latencies, [lp.astype(np.float64) for lp in results[0]], results)
 
 
 # ----------------------------------------------------------------------------- GPU busy
