@@ -54,7 +54,7 @@ class OfflineScorer:
             self.served = serve_model("offline", "in-process", scorer)
         self.registry = ModelRegistry()
         self.registry.add(self.served)
-        self.executor = DeviceExecutor(stats)
+        self.executor = DeviceExecutor(stats, self.served.device)
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_sequences = max_batch_sequences
         # One event loop on a thread of its own, with one scheduler, for the scorer's life: a call

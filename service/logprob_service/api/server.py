@@ -65,7 +65,7 @@ class Service:
         registry = registry if registry is not None else ModelRegistry()
         metrics.track(registry)
         stats = metrics.PrometheusStats()
-        executors = [DeviceExecutor(stats) for _ in devices]
+        executors = [DeviceExecutor(stats, device) for device in devices]
         scheduler = Scheduler(
             registry,
             executors,

@@ -6,6 +6,8 @@ without it on the CPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -38,5 +40,7 @@ def block_dots(halves: torch.Tensor) -> torch.Tensor:
     ``TRITON_INTERPRET=1``), by the kernel."""
     blocks = triton.cdiv(halves.numel(), T)
     out = torch.empty((blocks, LANES), dtype=torch.int64, device=halves.device)
-    _block_dots_kernel[(blocks,)](halves, halves.numel(), multipliers(halves.device), out, T=T, TILE=2048)
+    # Triton launches on the current device: the tensor's, whichever thread calls (one per GPU).
+    with torch.cuda.device(halves.device) if halves.is_cuda else contextlib.nullcontext():
+        _block_dots_kernel[(blocks,)](halves, halves.numel(), multipliers(halves.device), out, T=T, TILE=2048)
     return out

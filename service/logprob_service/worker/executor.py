@@ -16,6 +16,7 @@ is enqueued).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -106,10 +107,14 @@ def launch_measured(
 class DeviceExecutor:
     """The engine's ``Executor``: one device thread for every torch call, one thread to wait for results."""
 
-    def __init__(self, stats: StatsSink = NO_STATS) -> None:
+    def __init__(self, stats: StatsSink = NO_STATS, device: torch.device | None = None) -> None:
         self._stats = stats
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-device")
-        self._fetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-fetch")
+        # The device thread's current device is its GPU: kernels (Triton's among them) launch
+        # there, whichever GPU the other lanes' threads drive.
+        on_gpu = device is not None and device.type == "cuda"
+        initializer = functools.partial(torch.cuda.set_device, device) if on_gpu else None
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-device", initializer=initializer)
+        self._fetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-fetch", initializer=initializer)
 
     async def launch(
         self,
