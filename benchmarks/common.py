@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.worker.tensor_parallel import Build
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 # ----------------------------------------------------------------------------- models
@@ -37,6 +39,7 @@ class ModelShape:
     kv_heads: int
     vocab: int
     max_positions: int
+    tied: bool = True  # the lm_head is the input embedding (Qwen2.5 up to 3B)
 
 
 # The shapes the benchmarks run: Qwen2.5's (random weights: speed and memory depend on shapes only).
@@ -44,13 +47,14 @@ SHAPES = {
     "0.5b": ModelShape("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, 32768),
     "1.5b": ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072),
     "7b": ModelShape("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, 1 << 21),
+    "14b": ModelShape("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, 131072, tied=False),
+    "72b": ModelShape("Qwen2.5-72B", 8192, 29568, 80, 64, 8, 152064, 131072, tied=False),
 }
 TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)
 
 
-def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
-    """A Qwen2ForCausalLM of ``shape`` with seeded random weights, in eval mode, SDPA attention."""
-    config = Qwen2Config(
+def shape_config(shape: ModelShape) -> Qwen2Config:
+    return Qwen2Config(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -60,17 +64,59 @@ def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, see
         max_position_embeddings=shape.max_positions,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=shape.tied,
         initializer_range=0.02,  # weights ~ normal(0, 0.02), as transformers initializes them
     )
+
+
+def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    """A Qwen2ForCausalLM of ``shape`` with seeded random weights, in eval mode, SDPA attention."""
+    config = shape_config(shape)
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
     model.set_attn_implementation("sdpa")
     model = model.to(dtype).eval().requires_grad_(False)
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "embeddings must be tied"
+    assert shape.tied == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
     assert getattr(model.get_output_embeddings(), "bias", None) is None, "the fp64 reference assumes no lm_head bias"
     return model
+
+
+class RandomWeights:
+    """Seeded random weights of a ``shape`` model by name, each made whole on ``device`` from a
+    generator seeded by its name (``models.tensor_parallel.TensorSource``): a tensor-parallel rank
+    takes its slice, a single-GPU model all of it, and both hold the same values. Norm scales
+    are 1, biases 0, matrices ~ N(0, 0.02) (transformers' initialization)."""
+
+    def __init__(self, shape: ModelShape, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+        with torch.device("meta"):
+            skeleton = Qwen2ForCausalLM(shape_config(shape))
+        self._shapes = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+        self._device, self._dtype, self._seed = device, dtype, seed
+
+    def names(self) -> set[str]:
+        return set(self._shapes)
+
+    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        shape = self._shapes[name]
+        if len(shape) == 1:
+            fill = 1.0 if name.endswith("norm.weight") else 0.0
+            whole = torch.full(shape, fill, device=self._device, dtype=self._dtype)
+        else:
+            generator = torch.Generator(self._device).manual_seed(self._seed * 1_000_003 + stable_hash(name))
+            whole = torch.randn(shape, generator=generator, device=self._device, dtype=self._dtype).mul_(0.02)
+        return whole if dim is None else whole.narrow(dim, start, stop - start)
+
+    @torch.no_grad()
+    def fill_(self, model: PreTrainedModel) -> PreTrainedModel:
+        """Set every parameter of a whole (unsharded) ``shape`` model."""
+        for name, param in model.named_parameters():
+            param.copy_(self.read(name, None, 0, 0))
+        return model
+
+
+def stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
 
 
 # ----------------------------------------------------------------------------- TRL's log-probs
@@ -121,9 +167,12 @@ class LoopbackServer:
     statistics cover the server's work too. ``with LoopbackServer(...) as target: ...``
     """
 
-    def __init__(self, settings: Settings, registry: ModelRegistry) -> None:
+    def __init__(self, settings: Settings, registry: ModelRegistry, build: Build | None = None) -> None:
+        """``build``: with ``settings.tensor_parallel`` > 1, what loads each rank's models (the
+        registry starts empty: the server fills it)."""
         self._settings = settings
         self._registry = registry
+        self._build = build
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bench-grpc-loop", daemon=True)
         self._service: Service | None = None
@@ -133,7 +182,9 @@ class LoopbackServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _start(self) -> int:
-        self._service = Service.create(self._settings, self._registry)
+        self._service = Service.create(self._settings, self._registry, self._build)
+        if self._build is not None:
+            await self._service.load_models()
         self._server, port = await create_server(self._service, f"{self._settings.host}:0")
         await self._service.warm_up()  # health SERVING only after a real scoring pass
         return port

@@ -23,6 +23,10 @@ _MODEL_FLAG_HELP = (
 )
 
 
+# The exit code of a server whose tensor-parallel group lost a rank (a restart serves again).
+EXIT_GROUP_LOST = 3
+
+
 def _flag_type(annotation: object) -> tuple[type, list[str] | None]:
     """argparse type and choices for a Settings field's annotation."""
     if typing.get_origin(annotation) is typing.Literal:
@@ -91,9 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from logprob_service.api.security.bearer_tokens import TokenConfigError
     from logprob_service.api.server import serve
     from logprob_service.models.loading import ModelLoadError
+    from logprob_service.worker.tensor_parallel import GroupLost
 
     try:
         asyncio.run(serve(settings))
+    except GroupLost:
+        # Logged; threads may wait forever in a collective with the lost rank, so none is joined.
+        logging.shutdown()
+        os._exit(EXIT_GROUP_LOST)
     except TokenConfigError as err:  # found before anything starts, like any other invalid setting
         print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
         return 2

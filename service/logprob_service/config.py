@@ -85,7 +85,16 @@ class Settings(BaseSettings):
         "auto",
         description=(
             "Torch device(s): auto (every visible GPU, else cpu), cpu, cuda, cuda:N, or a comma-separated list "
-            "(cuda:0,cuda:1): one replica of each model per device, micro-batches spread over them (data parallel)."
+            "(cuda:0,cuda:1): one replica of each model per device, micro-batches spread over them (data parallel). "
+            "With tensor_parallel N: the N devices of the group (auto: the first N GPUs)."
+        ),
+    )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Shard every model over this many devices (one process each, rank 0 serving gRPC): for models "
+            "larger than one GPU. 1: off. Such models cannot take weight updates or LoRA adapters."
         ),
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -31,13 +31,14 @@ from logprob_service.engine.validation import RequestLimits
 from logprob_service.engine.weight_updates import WeightUpdater
 from logprob_service.models.loading import ModelLoadError, resolve_devices, resolve_dtype
 from logprob_service.models.lora import split_lora_source
-from logprob_service.models.scorer import ScoringOptions
+from logprob_service.models.scorer import scoring_options
 from logprob_service.models.served import load_served_model, serve_lora_model
 from logprob_service.observability import metrics
 from logprob_service.ops.dispatch import select_logprob_op
 from logprob_service.worker.collectives import WeightGroup
 from logprob_service.worker.executor import DeviceExecutor
 from logprob_service.worker.staging import Staging
+from logprob_service.worker.tensor_parallel import Build, GroupLost, Leader, configured_models
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +55,22 @@ class Service:
     updater: WeightUpdater
     state: ServingState
     tokens: TokenTable | None  # None: authentication off
+    # With tensor_parallel > 1: rank 0's side of the group (started by load_models), and a future
+    # that gets the reason once the group is lost (a rank gone): the server then exits.
+    leader: Leader | None = None
+    lost: asyncio.Future[str] | None = None
+    build: Build | None = None  # what loads each rank's models (default: those the settings name)
 
     @classmethod
-    def create(cls, settings: Settings, registry: ModelRegistry | None = None) -> Service:
+    def create(cls, settings: Settings, registry: ModelRegistry | None = None, build: Build | None = None) -> Service:
         """Raises ``tokens.TokenConfigError`` for a bad token document and ``ModelLoadError`` for
         devices this host lacks, before anything starts. A ``registry`` given already filled holds
-        one replica per device of ``settings.device``."""
+        one replica per device of ``settings.device``. ``build``: with tensor parallel, what
+        ``load_models`` runs on every rank instead of loading the settings' models (benchmarks)."""
         tokens = load_token_table(settings)
-        devices = resolve_devices(settings.device)
+        devices = resolve_devices(settings.device, settings.tensor_parallel)
+        if settings.tensor_parallel > 1:
+            devices = devices[:1]  # one lane: rank 0's; the other ranks follow its launches
         registry = registry if registry is not None else ModelRegistry()
         metrics.track(registry)
         stats = metrics.PrometheusStats()
@@ -80,7 +89,7 @@ class Service:
         )
         staging = Staging(settings.update_staging_reserve_bytes)
         updater = WeightUpdater(registry, scheduler, staging, join_group=WeightGroup, stats=stats)
-        return cls(settings, devices, registry, executors, scheduler, updater, ServingState(), tokens)
+        return cls(settings, devices, registry, executors, scheduler, updater, ServingState(), tokens, build=build)
 
     @property
     def limits(self) -> RequestLimits:
@@ -93,15 +102,11 @@ class Service:
         """Load every configured model in a worker thread (the loop keeps answering health checks),
         once per device."""
         s = self.settings
+        if s.tensor_parallel > 1:
+            await self._load_tensor_parallel()
+            return
         dtype = resolve_dtype(s.dtype, self.devices[0])
-        options = ScoringOptions(
-            s.attention_backend,
-            s.long_sequence_tokens,
-            s.chunk_tokens,
-            s.compile_layers,
-            s.share_prompts,
-            s.deterministic,
-        )
+        options = scoring_options(s)
         try:
             ops = [
                 select_logprob_op(s.logprob_kernel, device, s.lm_head_chunk_bytes, invariant=s.deterministic)
@@ -132,6 +137,27 @@ class Service:
                     for b in self.registry.replicas(base)
                 ]
                 self.registry.add(replicas[0], replicas[1:])
+
+    async def _load_tensor_parallel(self) -> None:
+        """Start the group's other ranks and load every model's shards on all of them."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        lost = self.lost if self.lost is not None else loop.create_future()
+        self.lost = lost
+
+        def on_lost(reason: str) -> None:  # from any thread; the first reason wins
+            loop.call_soon_threadsafe(lambda: lost.done() or lost.set_result(reason))
+
+        devices = resolve_devices(s.device, s.tensor_parallel)
+        build = self.build or functools.partial(configured_models, s)
+        self.leader = await loop.run_in_executor(
+            None, functools.partial(Leader.start, devices, build, s.log_level, s.log_format)
+        )
+        self.leader.watch(on_lost)
+        served = await loop.run_in_executor(None, build, self.leader.tp, devices[0])
+        for name, model in served.items():
+            self.leader.lead(name, model.scorer, on_lost)
+            self.registry.add(model)
 
     async def warm_up(self) -> None:
         """Score one short random sequence with every model through the real path, then SERVE."""
@@ -169,6 +195,8 @@ class Service:
         self.updater.close()
         for executor in self.executors:
             executor.shutdown()
+        if self.leader is not None:
+            self.leader.stop()
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
@@ -253,15 +281,23 @@ async def _serve(service: Service, settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    service.lost = loop.create_future()
     startup = asyncio.create_task(_start_models(service))
     stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({startup, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if startup.done() and startup.exception() is not None:
+    await asyncio.wait({startup, stopper, service.lost}, return_when=asyncio.FIRST_COMPLETED)
+    if not service.lost.done() and startup.done() and startup.exception() is not None:
         stopper.cancel()
         await server.stop(0)
         await service.close()
         raise startup.exception()  # type: ignore[misc]
-    await stopper
+    await asyncio.wait({stopper, service.lost}, return_when=asyncio.FIRST_COMPLETED)
+    if service.lost.done():
+        # Work may be stuck in a collective with the lost rank: nothing is waited for.
+        reason = service.lost.result()
+        log.error("tensor-parallel group lost: %s; not serving, exiting", reason)
+        await service.state.draining()
+        await server.stop(0)
+        raise GroupLost(reason)
     log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
     startup.cancel()
     await service.drain(server, settings.grace_period_s)

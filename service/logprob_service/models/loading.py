@@ -33,10 +33,21 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_devices(devices: str) -> list[torch.device]:
+def resolve_devices(devices: str, tensor_parallel: int = 1) -> list[torch.device]:
     """The devices a server holds a replica of each model on (data parallel): ``auto`` is every
     visible GPU (the CPU where there is none); else a comma-separated list (``cuda:0,cuda:1``),
-    each as ``resolve_device``. A GPU named twice is refused; the CPU may be (tests, a CPU host)."""
+    each as ``resolve_device``. A GPU named twice is refused; the CPU may be (tests, a CPU host).
+
+    With ``tensor_parallel`` N > 1, the N devices of the group, rank by rank: ``auto`` is the
+    first N GPUs, ``cpu`` is the CPU N times (gloo: tests), a list must name N devices."""
+    if tensor_parallel > 1:
+        if devices == "cpu" or (devices == "auto" and not torch.cuda.is_available()):
+            return [torch.device("cpu")] * tensor_parallel
+        if devices == "auto":
+            found = torch.cuda.device_count()
+            if found < tensor_parallel:
+                raise ModelLoadError(f"tensor_parallel {tensor_parallel} needs {tensor_parallel} GPUs; {found} visible")
+            return [torch.device("cuda", i) for i in range(tensor_parallel)]
     if devices == "auto":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
@@ -44,6 +55,11 @@ def resolve_devices(devices: str) -> list[torch.device]:
     gpus = [d for d in resolved if d.type == "cuda"]
     if len(set(gpus)) < len(gpus):
         raise ModelLoadError(f"device {devices!r} names a GPU twice: one replica per GPU")
+    if tensor_parallel > 1 and len(resolved) != tensor_parallel:
+        raise ModelLoadError(
+            f"tensor_parallel {tensor_parallel} shards each model over {tensor_parallel} devices; "
+            f"device {devices!r} names {len(resolved)}"
+        )
     return resolved
 
 

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS
+from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS, Settings
 from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
+from logprob_service.models.tensor_parallel import TensorParallel, VocabParallelOp, head_shard
 from logprob_service.ops.attention import (
     AttentionBackend,
     attention_implementation_name,
@@ -69,6 +70,18 @@ class ScoringOptions:
     share_prompts: bool = True
     # Bitwise batch-invariant scores on CUDA (ops.determinism): one attention kernel for every row.
     deterministic: bool = True
+
+
+def scoring_options(settings: Settings) -> ScoringOptions:
+    """The scoring options the server's settings name."""
+    return ScoringOptions(
+        settings.attention_backend,
+        settings.long_sequence_tokens,
+        settings.chunk_tokens,
+        settings.compile_layers,
+        settings.share_prompts,
+        settings.deterministic,
+    )
 
 
 # With ``deterministic``, the preference "auto" becomes this one: the ragged kernel for lone
@@ -137,21 +150,29 @@ class CausalLMScorer:
         *,
         logprob_op: LogprobOp | None = None,
         options: ScoringOptions | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
+        """``tensor_parallel``: ``model`` is one rank's shards (``models.tensor_parallel``); every
+        rank of the group builds its scorer, and launches the same micro-batches, in the same order."""
         register_packed_attention()
         options = options or ScoringOptions()
         self.options = options
+        self.tensor_parallel = tensor_parallel
         model.set_attn_implementation(attention_implementation_name(self.attention_preference))
         self.model = model
         self.body = model.base_model
         install_chunking(self.body)
         head = model.get_output_embeddings()
-        self.head_weight: torch.Tensor = head.weight  # [V, H]; the input embedding when tied
+        self.vocab_size: int = head.weight.shape[0]
+        # [V, H]: the lm_head's rows (the input embedding when tied); this rank's slice under TP
+        self.head_weight: torch.Tensor = head.weight
         self.head_bias: torch.Tensor | None = getattr(head, "bias", None)
+        vocab_start = 0
+        if tensor_parallel is not None:
+            self.head_weight, self.head_bias, vocab_start = head_shard(model, tensor_parallel)
         self.transform = config_logit_transform(model.config)
-        self.logprob_op = logprob_op or select_logprob_op(
-            "auto", self.head_weight.device, invariant=options.deterministic
-        )
+        op = logprob_op or select_logprob_op("auto", self.head_weight.device, invariant=options.deterministic)
+        self.logprob_op = op if tensor_parallel is None else VocabParallelOp(op, tensor_parallel, vocab_start)
         self._matmuls_pinned = None
         if options.deterministic and self.device.type == "cuda":
             self._matmuls_pinned = pin_matmul_reductions()
@@ -188,6 +209,11 @@ class CausalLMScorer:
         row, so that a failure shows here and not in the first request."""
         if setting == "off" or (setting == "auto" and self.device.type != "cuda"):
             return
+        if self.tensor_parallel is not None:
+            # Compiling may fail on one rank and not another, and the ranks' collectives would part.
+            if setting == "on":
+                raise RuntimeError("compile_layers=on: not with tensor parallel (its sharded layers run eagerly)")
+            return
         compile_layers(self.body)
         try:
             self._probe()
@@ -207,7 +233,7 @@ class CausalLMScorer:
     def _probe(self) -> None:
         lengths = np.array([0, 5, 16], dtype=np.int32)  # two sequences, so the packed attention path runs
         tokens = int(lengths[-1])
-        ids = torch.arange(1, tokens + 1, device=self.device) % self.head_weight.shape[0]
+        ids = torch.arange(1, tokens + 1, device=self.device) % self.vocab_size
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in np.diff(lengths)])).to(self.device)
         self.body(
             input_ids=ids[None],
@@ -221,10 +247,11 @@ class CausalLMScorer:
         config = self.model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        ranks = self.tensor_parallel.world if self.tensor_parallel is not None else 1
         return describe_backends(
             self.attention_preference,
-            heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            heads=heads // ranks,
+            kv_heads=(getattr(config, "num_key_value_heads", None) or heads) // ranks,
             head_dim=head_dim,
             dtype=self.head_weight.dtype,
             device=self.device,

@@ -10,9 +10,11 @@ import torch
 from transformers import PretrainedConfig
 
 from logprob_service.domain import ModelInfo
+from logprob_service.errors import FailedPrecondition
 from logprob_service.models.loading import load_causal_lm
 from logprob_service.models.lora import AdapterHost
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.models.tensor_parallel import TensorParallel, load_sharded_causal_lm
 from logprob_service.models.weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
 from logprob_service.ops.dispatch import LogprobOp
 
@@ -45,6 +47,10 @@ class ServedModel:
 
     def updatable(self) -> UpdatableWeights:
         """What an update of this model may replace: the state dict, or a LoRA model's adapter."""
+        if self.scorer.tensor_parallel is not None:
+            raise FailedPrecondition(
+                f"model {self.info.name!r} is served tensor-parallel: its weights cannot be updated (only loaded)"
+            )
         if self.adapter is not None:
             return UpdatableWeights(self.adapters.adapter_weights(self.adapter))  # type: ignore[union-attr]
         return UpdatableWeights(self.scorer.model.state_dict())
@@ -76,7 +82,7 @@ def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
     """Describe a loaded model for the registry."""
     model = scorer.model
     config = model.config
-    vocab = min(model.get_input_embeddings().weight.shape[0], scorer.head_weight.shape[0])
+    vocab = min(model.get_input_embeddings().weight.shape[0], scorer.vocab_size)
     max_positions = context_length(config)
     digests = model_digests(model)
     info = ModelInfo(
@@ -86,7 +92,7 @@ def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
         vocab_size=int(vocab),
         max_positions=int(max_positions) if max_positions else None,
         dtype=str(scorer.head_weight.dtype).removeprefix("torch."),
-        device=str(scorer.device),
+        device=str(scorer.device) + (f" (tensor parallel, {tp.world} ranks)" if (tp := scorer.tensor_parallel) else ""),
         version=0,
         fingerprint=fingerprint(digests),
         attention=scorer.attention_plan(),
@@ -124,10 +130,18 @@ def load_served_model(
     logprob_op: LogprobOp,
     options: ScoringOptions | None = None,
     trust_remote_code: bool = False,
+    tensor_parallel: TensorParallel | None = None,
 ) -> ServedModel:
+    """``tensor_parallel``: this rank's shards of the model (every rank of the group loads it)."""
     log.info("loading model %r from %s on %s as %s", name, source, device, dtype)
-    model = load_causal_lm(source, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    served = serve_model(name, source, CausalLMScorer(model, logprob_op=logprob_op, options=options))
+    if tensor_parallel is None:
+        model = load_causal_lm(source, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = load_sharded_causal_lm(
+            source, tensor_parallel, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    scorer = CausalLMScorer(model, logprob_op=logprob_op, options=options, tensor_parallel=tensor_parallel)
+    served = serve_model(name, source, scorer)
     layers = "norms and MLPs compiled" if served.scorer.layers_compiled else "eager"
     log.info("model %r ready (lm_head: %s, layers: %s): %s", name, logprob_op.kernel, layers, served.info)
     return served

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from logprob_service.errors import InvalidArgument
 from logprob_service.ops.digest import digest_lanes, lanes_hex
@@ -78,8 +79,21 @@ def unique_weights(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch
 
 
 def model_digests(model: torch.nn.Module) -> dict[str, TensorDigest]:
-    """Digests of a model's state dict, each storage once (see ``unique_weights``)."""
-    return tensor_digests(unique_weights(model.state_dict().items()))
+    """Digests of a model's state dict, each storage once (see ``unique_weights``). A weight sharded
+    over a tensor-parallel group (a DTensor) is digested whole, as one GPU holding the same weights
+    digests it: it is gathered, one at a time, which is a collective (every rank of the group calls
+    this, in the same order)."""
+    state = model.state_dict()
+    unique = unique_weights((name, _local(tensor)) for name, tensor in state.items())
+    return dict(zip(unique, settle([pending_digest(_whole(state[name])) for name in unique]), strict=True))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -1,0 +1,309 @@
+"""One model sharded over a tensor-parallel group: the body by its config's TP plan, the lm_head by vocabulary.
+
+Each rank of the group (one process per GPU, ``worker.tensor_parallel``) builds the same model:
+
+* the decoder layers are sharded Megatron-style with torch's DTensor styles, as the architecture's
+  own ``base_model_tp_plan`` names them (transformers keeps one for Llama, Qwen2, Gemma 2, ...):
+  q/k/v, gate and up projections ``colwise`` (each rank computes its heads and its slice of the
+  MLP), o and down projections ``rowwise`` (partial sums, one all-reduce each). The attention
+  kernels see each rank's heads only, packed rows and all; embeddings and norms are replicated.
+  Transformers' own lm_head plan (``colwise_gather_output``) is not used: it gathers full logits.
+* the lm_head is vocab-parallel: rank r holds the rows of a contiguous slice of the vocabulary
+  (torch.chunk's split, as DTensor's ``Shard(0)``), the log-prob op runs on that slice, and one
+  collective combines the ranks' per-token statistics (``ops.vocab_parallel``). A tied lm_head is
+  the replicated input embedding, of which each rank uses its slice.
+
+The skeleton is built with its parameters on the meta device (buffers real: RoPE's frequencies are
+computed, not loaded), sharded there, and then only each rank's shards are allocated and read, so
+a model larger than one GPU (or than host memory) never exists whole anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Unpack
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
+from logprob_service.models.loading import ModelLoadError, attention_implementation
+from logprob_service.ops.dispatch import LogprobOp, OpOptions
+from logprob_service.ops.logprobs import TokenScores
+from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
+
+# The plan styles of transformers' base_model_tp_plan this module knows, as torch's DTensor styles.
+STYLES: dict[str, Callable[[], ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: ``mesh`` is the group as a 1-D device mesh."""
+
+    rank: int
+    world: int
+    mesh: DeviceMesh
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+
+def body_plan(config: PretrainedConfig, world: int) -> dict[str, ParallelStyle]:
+    """The DTensor plan of the model's body; ModelLoadError when the architecture has none this
+    module can apply, or when its heads or MLP width do not split evenly over ``world`` ranks."""
+    name = type(config).__name__
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise ModelLoadError(f"tensor parallel: {name} has no tensor-parallel plan (base_model_tp_plan)")
+    unknown = sorted({style for style in plan.values() if style not in STYLES})
+    if unknown:
+        raise ModelLoadError(f"tensor parallel: {name}'s plan uses styles {unknown}; supported: {sorted(STYLES)}")
+    heads = config.num_attention_heads
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    for field, size in sizes.items():
+        if size % world:
+            raise ModelLoadError(f"tensor parallel {world}: {name}.{field} = {size} does not split over {world} ranks")
+    return {pattern: STYLES[style]() for pattern, style in plan.items()}
+
+
+class TensorSource(Protocol):
+    """Where a sharded model's weights come from: a slice of the full tensor ``name``."""
+
+    def names(self) -> set[str]: ...
+
+    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) along ``dim`` of the full tensor (all of it when ``dim`` is None)."""
+        ...
+
+
+class StateDictSource:
+    """Slices of tensors held whole in memory (a builtin model, made on the CPU; tests)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def names(self) -> set[str]:
+        return set(self._state)
+
+    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        tensor = self._state[name]
+        return tensor if dim is None else tensor.narrow(dim, start, stop - start)
+
+
+class SafetensorsSource:
+    """Slices read from a checkpoint directory's ``*.safetensors`` files: only a rank's own bytes
+    are read (``safe_open(...).get_slice``), never a whole tensor another rank shares."""
+
+    def __init__(self, directory: Path) -> None:
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            files = json.loads(index.read_text())["weight_map"]
+            self._files = {name: directory / file for name, file in files.items()}
+        else:
+            self._files = {}
+            for file in sorted(directory.glob("*.safetensors")):
+                with safe_open(file, "pt") as f:
+                    self._files.update(dict.fromkeys(f.keys(), file))
+        if not self._files:
+            raise ModelLoadError(f"tensor parallel: no *.safetensors weights in {str(directory)!r}")
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        with safe_open(self._files[name], "pt") as f:
+            piece = f.get_slice(name)
+            if dim is None:
+                return piece[:]
+            return piece[(slice(None),) * dim + (slice(start, stop),)]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules made in this context get their parameters on the meta device (no memory, no
+    initialization cost) and their buffers for real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def sharded_skeleton(
+    config: PretrainedConfig, tp: TensorParallel, device: torch.device, dtype: torch.dtype
+) -> PreTrainedModel:
+    """The model of ``config`` with this rank's shards allocated on ``device`` (values not set)."""
+    plan = body_plan(config, tp.world)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attention_implementation(config)
+        )
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    parallelize_module(model.base_model, tp.mesh, plan)
+    if not config.tie_word_embeddings:
+        # Only the weight's rows are sharded: the module's forward (full logits) is never called.
+        parallelize_module(model.get_output_embeddings(), tp.mesh, ColwiseParallel())
+    model.to_empty(device=device)  # new tensors, module by module: a tied lm_head comes apart ...
+    model.tie_weights()  # ... and is tied to the embedding again
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
+    return model.eval()
+
+
+@torch.no_grad()
+def fill_shards_(model: PreTrainedModel, source: TensorSource, tp: TensorParallel) -> PreTrainedModel:
+    """Copy each parameter's slice of ``source`` into this rank's shard of it."""
+    missing = sorted(set(_owned(model)) - source.names())
+    if missing:
+        raise ModelLoadError(f"tensor parallel: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+    for name, param in _owned(model).items():
+        if isinstance(param, DTensor):
+            (placement,) = param.placements
+            assert isinstance(placement, Shard)
+            local = param.to_local()
+            # torch.chunk's split: every rank but the last holds ceil(size / world) rows.
+            step = -(-param.shape[placement.dim] // tp.world)
+            start = step * tp.rank
+            local.copy_(source.read(name, placement.dim, start, start + local.shape[placement.dim]))
+        else:
+            param.copy_(source.read(name, None, 0, 0))
+    return model
+
+
+def run_locally_(model: PreTrainedModel, tp: TensorParallel) -> PreTrainedModel:
+    """Make the sharded linears compute on their local shards with plain torch calls.
+
+    DTensor's own forward dispatches every op through sharding propagation in Python: measured on
+    the CPU test models, 0.2-0.8 s of overhead per forward where the whole model computes in
+    10-70 ms, and more for each new micro-batch length. So the DTensor parameters stay (they hold
+    the shards, and digests and any later redistribution read them), but each sharded linear
+    forgets the hooks that wrap its input and output in DTensors and runs as Megatron's layers do:
+    a colwise one is a local matmul (its output: this rank's heads or MLP slice), a rowwise one a
+    local matmul of this rank's slice of the input, then an all-reduce of the partial sums."""
+    for module in model.base_model.modules():
+        if isinstance(module, nn.Linear) and isinstance(module.weight, DTensor):
+            (placement,) = module.weight.placements
+            module._forward_pre_hooks.clear()
+            module._forward_hooks.clear()
+            weight = module.weight.to_local()
+            bias = module.bias.to_local() if isinstance(module.bias, DTensor) else module.bias
+            if placement == Shard(0):
+                module.forward = functools.partial(F.linear, weight=weight, bias=bias)
+            else:
+                module.forward = functools.partial(_rowwise, weight=weight, bias=bias, group=tp.group)
+    return model
+
+
+def _rowwise(
+    x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor:
+    partial = F.linear(x, weight)
+    dist.all_reduce(partial, group=group)
+    return partial if bias is None else partial + bias
+
+
+def _owned(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters by state-dict name, each once (a tied lm_head is the embedding's)."""
+    owned: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            owned[name] = param
+    return owned
+
+
+def load_sharded_causal_lm(
+    source: str,
+    tp: TensorParallel,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """``models.loading.load_causal_lm`` for one rank of a tensor-parallel group: a builtin model or
+    a local checkpoint directory (download a hub model first: every rank reads the same files)."""
+    try:
+        if source.startswith(BUILTIN_PREFIX):
+            whole = build_builtin(source.removeprefix(BUILTIN_PREFIX))
+            config, weights = whole.config, StateDictSource(whole.to(dtype).state_dict())
+        else:
+            directory = Path(source).expanduser()
+            if not directory.is_dir():
+                raise ModelLoadError(
+                    f"tensor parallel: {source!r} is not a local checkpoint directory; every rank reads the "
+                    "same files, so download a hub model first (e.g. `hf download ID --local-dir DIR`)"
+                )
+            config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+            weights = SafetensorsSource(directory)
+        return run_locally_(fill_shards_(sharded_skeleton(config, tp, device, dtype), weights, tp), tp)
+    except ModelLoadError:
+        raise
+    except Exception as err:
+        raise ModelLoadError(f"could not load model from {source!r} over {tp.world} ranks: {err}") from err
+
+
+def head_shard(model: PreTrainedModel, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """This rank's lm_head rows (and bias), and the first vocabulary id they score."""
+    head = model.get_output_embeddings()
+    weight = head.weight
+    vocab = weight.shape[0]
+    step = -(-vocab // tp.world)
+    start, stop = min(step * tp.rank, vocab), min(step * (tp.rank + 1), vocab)
+    rows = weight.to_local() if isinstance(weight, DTensor) else weight[start:stop]
+    bias = getattr(head, "bias", None)
+    if bias is not None:
+        bias = bias.to_local() if isinstance(bias, DTensor) else bias[start:stop]
+    return rows, bias, start
+
+
+@dataclass(frozen=True)
+class VocabParallelOp:
+    """The log-prob op over this rank's vocabulary slice, combined over the group: called as a
+    ``LogprobOp`` with this rank's lm_head rows, the same result on every rank."""
+
+    op: LogprobOp
+    tp: TensorParallel
+    vocab_start: int
+
+    @property
+    def kernel(self) -> str:
+        return self.op.kernel
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Unpack[OpOptions]
+    ) -> TokenScores:
+        return vocab_parallel_logprobs(
+            hidden,
+            weight,
+            targets,
+            vocab_start=self.vocab_start,
+            group=self.tp.group,
+            op=self.op,
+            bias_shard=options.get("bias"),
+            **{k: v for k, v in options.items() if k != "bias"},
+        )

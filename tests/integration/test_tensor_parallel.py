@@ -1,0 +1,133 @@
+"""Tensor parallel on the CPU: ``serve --device cpu --tensor-parallel 2`` (gloo), as users run it.
+
+One server holds three architectures sharded over two processes: Llama (untied lm_head, so the
+head is a sharded DTensor), Qwen2 (GQA, tied: each rank uses its rows of the replicated
+embedding) and Gemma 2 (logit softcap, attention softcap, sliding window, tied). Their vocabulary
+(517) splits unevenly (259 + 258). Checked: scores and entropies against the float64 reference
+from each model's own full logits (the float32 tolerance of ``ScoreReference``); fingerprints
+equal to the whole model's (each sharded weight is digested whole); weight updates refused.
+
+Then the failure contract: killing a follower rank makes the server stop serving and exit (code
+3, no hang), and the same command serves again, with the same scores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from logprob_client import LogprobClient
+from logprob_client.errors import FailedPrecondition
+from logprob_service.api.probe import check as health_check
+from logprob_service.models.weights import model_fingerprint
+
+from tests.helpers.models import ScoreReference, make_model, random_sequences
+from tests.helpers.processes import free_port, launch, wait_serving
+from tests.helpers.seeds import session_seed
+from tests.helpers.server import as_lists
+
+ARCHITECTURES = {"llama": False, "qwen2": True, "gemma2": True}  # name -> tied lm_head
+EXIT_GROUP_LOST = 3
+START_TIMEOUT_S = 180.0  # two processes import torch and transformers, then load on both
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The three models, each saved as a checkpoint directory the ranks read their shards from."""
+    made = {}
+    for name, tied in ARCHITECTURES.items():
+        model = make_model(name, tied=tied, seed=session_seed(f"tensor-parallel-{name}"))
+        directory = tmp_path_factory.mktemp(name)
+        model.save_pretrained(directory)
+        made[name] = (model, directory)
+    return made
+
+
+def serve(models, port: int, log) -> subprocess.Popen:
+    flags = [f"--model={name}={directory}" for name, (_, directory) in models.items()]
+    return launch(*flags, "--device=cpu", "--tensor-parallel=2", f"--port={port}", "--metrics-port=0", stdout=log)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("tp-log") / "server.log"
+    with log_path.open("w") as log:
+        proc = serve(models, port, log)
+        try:
+            wait_serving(f"127.0.0.1:{port}", proc, timeout=START_TIMEOUT_S)
+            yield proc, port, log_path
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_sharded_models_score_as_the_whole_model(models, server, name, rng):
+    model, _ = models[name]
+    _, port, _ = server
+    sequences = random_sequences(rng, 6)
+    temperature = float(rng.uniform(0.6, 1.6))
+    with LogprobClient(f"127.0.0.1:{port}", model=name) as client:
+        logprobs, entropies = client.score(*as_lists(sequences), temperature=temperature, return_entropy=True)
+    ScoreReference(model, sequences, temperature).check(logprobs, entropies)
+
+
+def test_fingerprints_are_the_whole_models_and_updates_are_refused(models, server):
+    _, port, _ = server
+    with LogprobClient(f"127.0.0.1:{port}") as client:
+        infos = {info.name: info for info in client.list_models()}
+        for name, (model, _) in models.items():
+            assert infos[name].fingerprint == model_fingerprint(model), name
+            assert "tensor parallel, 2 ranks" in infos[name].device
+        with pytest.raises(FailedPrecondition, match="tensor-parallel"):
+            client.update_weights("llama", models["llama"][0].state_dict())
+
+
+def followers(server_pid: int) -> list[int]:
+    """The server's child processes that are tensor-parallel ranks (not the resource tracker)."""
+    children = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server_pid)], capture_output=True, text=True
+    )
+    return [int(line.split()[0]) for line in children.stdout.splitlines() if "multiprocessing.spawn" in line]
+
+
+def test_a_lost_rank_stops_the_server_and_a_restart_serves_again(models, tmp_path, rng):
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    sequences = random_sequences(rng, 3)
+    with (tmp_path / "first.log").open("w") as log:
+        proc = serve(models, port, log)
+        try:
+            wait_serving(target, proc, timeout=START_TIMEOUT_S)
+            with LogprobClient(target, model="qwen2") as client:
+                before = client.score(*as_lists(sequences))
+            (rank1,) = followers(proc.pid)
+            os.kill(rank1, signal.SIGKILL)
+            assert proc.wait(60) == EXIT_GROUP_LOST
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "tensor-parallel group lost" in (tmp_path / "first.log").read_text()
+    assert not health_check(target, timeout_s=1)[0]
+
+    with (tmp_path / "second.log").open("w") as log:
+        proc = serve(models, port, log)
+        try:
+            wait_serving(target, proc, timeout=START_TIMEOUT_S)
+            with LogprobClient(target, model="qwen2") as client:
+                after = client.score(*as_lists(sequences))
+            for a, b in zip(before, after, strict=True):
+                np.testing.assert_array_equal(a, b)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.returncode == 0, proc.returncode
