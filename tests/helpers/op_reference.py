@@ -6,6 +6,19 @@ import torch
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform
 
 
+def transformed_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, transform: LogitTransform = IDENTITY
+) -> torch.Tensor:
+    """Float64 [N, V] logits of the same inputs, scaled, softcapped and divided by the temperature."""
+    x = hidden.double() @ weight.double().T
+    if bias is not None:
+        x = x + bias.double()
+    x = x * transform.scale
+    if transform.softcap is not None:
+        x = transform.softcap * torch.tanh(x / transform.softcap)
+    return x / transform.temperature
+
+
 def reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -14,14 +27,15 @@ def reference(
     transform: LogitTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 (log-probs, entropies) of ``targets`` from the full logits of the same inputs."""
-    x = hidden.double() @ weight.double().T
-    if bias is not None:
-        x = x + bias.double()
-    x = x * transform.scale
-    if transform.softcap is not None:
-        x = transform.softcap * torch.tanh(x / transform.softcap)
-    logp = (x / transform.temperature).log_softmax(-1)
+    logp = transformed_logits(hidden, weight, bias, transform).log_softmax(-1)
     return logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
+
+def reference_lse(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, transform: LogitTransform = IDENTITY
+) -> torch.Tensor:
+    """Float64 [N] log-sum-exp of each row's transformed logits."""
+    return transformed_logits(hidden, weight, bias, transform).logsumexp(-1)
 
 
 def random_case(

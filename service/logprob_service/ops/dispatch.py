@@ -33,6 +33,7 @@ class OpOptions(TypedDict, total=False):
     bias: torch.Tensor | None  # [V], or None
     transform: LogitTransform  # scale, softcap, temperature (default: none)
     return_entropy: bool
+    return_lse: bool  # each row's log-sum-exp too (TokenScores.lse)
 
 
 @dataclass(frozen=True)

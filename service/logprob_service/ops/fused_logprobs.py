@@ -191,6 +191,7 @@ def _combine_kernel(
     t_ptr,
     logp_ptr,  # [N] fp32 out
     ent_ptr,  # [N] fp32 out (only when ENTROPY)
+    lse_ptr,  # [N] fp32 out (only when LSE)
     N,
     H,
     stride_h,
@@ -201,6 +202,7 @@ def _combine_kernel(
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr,
+    LSE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -244,6 +246,8 @@ def _combine_kernel(
     tl.store(logp_ptr + rows, (z_y - lse2) * 0.6931471805599453, mask=row_ok)
     if ENTROPY:
         tl.store(ent_ptr + rows, (lse2 - big_t / big_s) * 0.6931471805599453, mask=row_ok)
+    if LSE:
+        tl.store(lse_ptr + rows, lse2 * 0.6931471805599453, mask=row_ok)
 
 
 def transform_constants(transform: LogitTransform) -> tuple[float, float]:
@@ -328,6 +332,7 @@ def fused_token_logprobs(
     bias: torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
+    return_lse: bool = False,
     config: KernelConfig | None = None,
     plan: LaunchPlan | None = None,
     invariant: bool = False,
@@ -336,9 +341,10 @@ def fused_token_logprobs(
 
     hidden: [N, H] and weight: [V, H], both bf16, fp16 or fp32 (hidden is cast to weight's dtype);
     targets: [N] integer in [0, V); bias: [V] or None. Returns float32 [N] log-probs (and
-    entropies when asked). ``invariant``: each row's result bit for bit the same whatever the
-    other rows (``invariant_plan``). ``config`` and ``plan`` override the tiles and the grid (tests
-    use them to exercise several tiles, groups and splits at small shapes).
+    entropies, and each row's log-sum-exp of its transformed logits, when asked). ``invariant``:
+    each row's result bit for bit the same whatever the other rows (``invariant_plan``). ``config``
+    and ``plan`` override the tiles and the grid (tests use them to exercise several tiles, groups
+    and splits at small shapes).
     """
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused log-probs support {SUPPORTED_DTYPES} weights, not {weight.dtype}")
@@ -353,8 +359,9 @@ def fused_token_logprobs(
     config = config or default_config(weight.dtype)
     logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropies = torch.empty_like(logprobs) if return_entropy else None
+    lses = torch.empty_like(logprobs) if return_lse else None
     if n == 0:
-        return TokenScores(logprobs=logprobs, entropies=entropies)
+        return TokenScores(logprobs=logprobs, entropies=entropies, lse=lses)
     planner = invariant_plan if invariant else plan_launch
     plan = plan or planner(n, hdim, vocab, weight.element_size(), config, device_info(hidden.device))
     v_tiles = triton.cdiv(vocab, config.block_v)
@@ -386,9 +393,9 @@ def fused_token_logprobs(
     block_r = 32
     _combine_kernel[(triton.cdiv(n, block_r),)](
         hidden, weight, bias32, targets, partial_m, partial_s, partial_t,
-        logprobs, entropies if entropies is not None else logprobs,
+        logprobs, entropies if entropies is not None else logprobs, lses if lses is not None else logprobs,
         n, hdim, hidden.stride(0), weight.stride(0), splits, pre, post,
-        BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), num_warps=4,
+        LSE=return_lse, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), num_warps=4,
         **flags,
     )  # fmt: skip
-    return TokenScores(logprobs=logprobs, entropies=entropies)
+    return TokenScores(logprobs=logprobs, entropies=entropies, lse=lses)

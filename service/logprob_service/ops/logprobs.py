@@ -51,6 +51,8 @@ IDENTITY = LogitTransform()
 class TokenScores:
     logprobs: torch.Tensor  # [N] float32
     entropies: torch.Tensor | None  # [N] float32, or None when not asked for
+    # [N] float32: each row's log-sum-exp of its transformed logits, when asked for (ops.vocab_parallel)
+    lse: torch.Tensor | None = None
 
 
 def rows_per_chunk(vocab_size: int, chunk_bytes: int) -> int:
@@ -80,13 +82,14 @@ def chunked_token_logprobs(
     bias: torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
+    return_lse: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> TokenScores:
     """Log-prob of ``targets`` under ``hidden @ weight.T``, in row chunks under ``chunk_bytes``.
 
     hidden: [N, H] rows that predict the targets (any float dtype); weight: [V, H] (the lm_head,
     or the input embedding when tied); targets: [N] int64 in [0, V); bias: [V] or None.
-    Returns float32 [N] log-probs (and entropies when asked).
+    Returns float32 [N] log-probs (and entropies, and log-sum-exps, when asked).
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     if not hidden.is_cuda and weight.dtype != torch.float32:
@@ -96,14 +99,17 @@ def chunked_token_logprobs(
         bias = bias.float()
     logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropies = torch.empty_like(logprobs) if return_entropy else None
+    lses = torch.empty_like(logprobs) if return_lse else None
     step = rows_per_chunk(vocab, chunk_bytes)
     for start in range(0, n, step):
         end = min(start + step, n)
         x = transform.apply_(_logits_fp32(hidden[start:end], weight, bias))  # [n, V] fp32
         lse = torch.logsumexp(x, dim=-1)  # [n]
         logprobs[start:end] = x.gather(1, targets[start:end, None]).squeeze(1) - lse
+        if lses is not None:
+            lses[start:end] = lse
         if entropies is not None:
             # In place: x becomes p = exp(x - lse); entr(p) = -p log p, 0 at p = 0.
             x.sub_(lse[:, None]).exp_()
             entropies[start:end] = torch.special.entr(x).sum(dim=-1)
-    return TokenScores(logprobs=logprobs, entropies=entropies)
+    return TokenScores(logprobs=logprobs, entropies=entropies, lse=lses)
