@@ -1,8 +1,9 @@
 """Data parallel inside one server: one gRPC endpoint over every GPU against the same server on one.
 
 The GRPO-like workload of ``bench_batching.py`` (256 sequences, prompts ~U[256, 1024], completions
-~U[64, 4096] tokens, requests of 8 sequences pulled by 8 client threads from one queue) goes
-through the real grpc.aio server of this process, first holding the model on ``cuda:0`` alone,
+~U[64, 4096] tokens, requests of 8 sequences pulled by client threads from one queue, 32 by
+default, in a process of their own as a trainer's would be) goes through the real grpc.aio server
+of this process, first holding the model on ``cuda:0`` alone,
 then one replica per GPU (``device="cuda:0,cuda:1,..."``: a lane per GPU, each micro-batch to the
 lane with the fewest tokens in flight). Same random weights (Qwen2.5 shapes, bf16, seeded) on
 every GPU. Per shape: real tokens/s of the median of ``--repeats`` timed passes after a warm-up
@@ -17,6 +18,8 @@ Smoke run on the CPU: ... bench_data_parallel.py --smoke (two CPU lanes; the fig
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import multiprocessing.connection
 import statistics
 import time
 
@@ -61,23 +64,39 @@ def measure(
 ) -> tuple[float, dict[int, list[np.ndarray]]]:
     """Median real tokens/s over the timed passes, and the last pass's log-probs by request."""
     settings, registry = serve(shape, devices, args)
-    seconds, results = [], {}
     with LoopbackServer(settings, registry) as target:
-        clients = open_clients(target, args.clients)
-        try:
-            grpc_pass(clients, workload)  # warm-up: compiled layers, allocator, connections
-            for _ in range(args.repeats):
-                synchronize(devices)
-                start = time.perf_counter()
-                results = grpc_pass(clients, workload).by_group
-                seconds.append(time.perf_counter() - start)
-        finally:
-            for client in clients:
-                client.close()
+        synchronize(devices)
+        # The clients run in a process of their own, as a trainer does: in this one they would
+        # take the GIL from the server (8-32 threads encoding requests and decoding results).
+        spawn = multiprocessing.get_context("spawn")
+        receive, send = spawn.Pipe(duplex=False)
+        clients = spawn.Process(target=client_passes, args=(target, args.clients, workload, args.repeats, send))
+        clients.start()
+        seconds, results = receive.recv()
+        clients.join()
     del registry
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next server's replicas take this one's memory
     return workload.real_tokens / statistics.median(seconds), results
+
+
+def client_passes(
+    target: str, count: int, workload: Workload, repeats: int, results: multiprocessing.connection.Connection
+) -> None:
+    """In the client process: a warm-up pass, then ``repeats`` timed passes; sends back their
+    seconds and the last pass's log-probs by request."""
+    clients = open_clients(target, count)
+    try:
+        grpc_pass(clients, workload)  # warm-up: compiled layers, allocator, connections
+        seconds, by_group = [], {}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            by_group = grpc_pass(clients, workload).by_group
+            seconds.append(time.perf_counter() - start)
+    finally:
+        for client in clients:
+            client.close()
+    results.send((seconds, by_group))
 
 
 def main() -> None:
@@ -85,7 +104,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model, two CPU lanes, a short workload")
     parser.add_argument("--shapes", default="0.5b,1.5b", help=f"comma-separated, of: {', '.join(SHAPES)}")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the data-parallel server (default: all)")
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=32, help="client threads, in a process of their own")
     parser.add_argument("--max-batch-tokens", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=3)
     add_scoring_arguments(parser)
@@ -106,7 +125,7 @@ def main() -> None:
         f"# Data parallel inside one server: 1 device against {len(many)}, through one gRPC endpoint",
         *run_environment(one[0]),
         f"workload: {workload_args[0]} sequences, prompts U{workload_args[1]}, completions U{workload_args[2]}, "
-        f"requests of 8 from {args.clients} clients; max_batch_tokens {args.max_batch_tokens}; median of "
+        f"requests of 8 from {args.clients} clients (their own process); max_batch_tokens {args.max_batch_tokens}; median of "
         f"{args.repeats} passes after 1 warm-up",
         "",
         f"| shape | 1 device (tokens/s) | {len(many)} devices (tokens/s) | ratio | bitwise equal requests |",

@@ -15,8 +15,8 @@ lm_head) are served:
 * ``--shape 72b``: too large for one GPU (145 GB of bf16 weights); TP=2 only: tokens/s, and the
   peak memory in use on each GPU (sampled every 20 ms: the driver's view, context included).
 
-Both servers run the layers eagerly (``compile_layers=off``): the sharded layers are not compiled,
-and the same setting on both measures the parallelism, not the compiler.
+Both servers run with the same ``--compile-layers`` (default ``auto``: norms and MLPs compiled, as
+served by default), so the ratio measures the parallelism, not the compiler.
 
 Run (2 GPUs): PYTHONPATH=service:client python3 benchmarks/bench_tensor_parallel.py [--shape 72b]
 """
@@ -34,7 +34,17 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from bench_batching import MODEL_NAME, Workload, grpc_pass, make_workload, open_clients
-from common import SHAPES, TINY, LoopbackServer, ModelShape, RandomWeights, build_model, shape_config
+from common import (
+    SHAPES,
+    TINY,
+    LoopbackServer,
+    ModelShape,
+    RandomWeights,
+    add_scoring_arguments,
+    build_model,
+    scoring_options,
+    shape_config,
+)
 from harness import publish, run_environment
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
@@ -44,23 +54,24 @@ from logprob_service.models.tensor_parallel import TensorParallel, fill_shards_,
 from logprob_service.ops.dispatch import select_logprob_op
 
 SEED = 0
-OPTIONS = ScoringOptions(compile_layers="off")
 
 
 def dtype_on(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build_rank(shape: ModelShape, tp: TensorParallel, device: torch.device) -> dict[str, ServedModel]:
+def build_rank(
+    shape: ModelShape, options: ScoringOptions, tp: TensorParallel, device: torch.device
+) -> dict[str, ServedModel]:
     """One rank's shards of the ``shape`` model (``worker.tensor_parallel.Build``: runs on every rank)."""
     model = sharded_skeleton(shape_config(shape), tp, device, dtype_on(device))
     run_locally_(fill_shards_(model, RandomWeights(shape, device, dtype_on(device), SEED), tp), tp)
     op = select_logprob_op("auto", device, invariant=True)
-    scorer = CausalLMScorer(model, logprob_op=op, options=OPTIONS, tensor_parallel=tp)
+    scorer = CausalLMScorer(model, logprob_op=op, options=options, tensor_parallel=tp)
     return {MODEL_NAME: serve_model(MODEL_NAME, "random", scorer)}
 
 
-def settings(devices: str, tensor_parallel: int, max_batch_tokens: int) -> Settings:
+def settings(devices: str, tensor_parallel: int, args: argparse.Namespace) -> Settings:
     return Settings(
         host="127.0.0.1",
         port=0,
@@ -68,8 +79,8 @@ def settings(devices: str, tensor_parallel: int, max_batch_tokens: int) -> Setti
         models={MODEL_NAME: "random"},
         device=devices,
         tensor_parallel=tensor_parallel,
-        compile_layers="off",
-        max_batch_tokens=max_batch_tokens,
+        compile_layers=args.compile_layers,
+        max_batch_tokens=args.max_batch_tokens,
     )
 
 
@@ -121,10 +132,11 @@ def passes(server: LoopbackServer, workload: Workload, args: argparse.Namespace)
 def one_gpu(shape: ModelShape, workload: Workload, args: argparse.Namespace) -> tuple[float, dict]:
     device = torch.device(args.devices[0])
     model = RandomWeights(shape, device, dtype_on(device), SEED).fill_(build_model(shape, device, dtype_on(device), 0))
-    scorer = CausalLMScorer(model, logprob_op=select_logprob_op("auto", device, invariant=True), options=OPTIONS)
+    op = select_logprob_op("auto", device, invariant=True)
+    scorer = CausalLMScorer(model, logprob_op=op, options=scoring_options(args))
     registry = ModelRegistry()
     registry.add(serve_model(MODEL_NAME, "random", scorer))
-    result = passes(LoopbackServer(settings(str(device), 1, args.max_batch_tokens), registry), workload, args)
+    result = passes(LoopbackServer(settings(str(device), 1, args), registry), workload, args)
     del registry, scorer, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -132,8 +144,8 @@ def one_gpu(shape: ModelShape, workload: Workload, args: argparse.Namespace) -> 
 
 
 def two_gpus(shape: ModelShape, workload: Workload, args: argparse.Namespace) -> tuple[float, dict, list[int]]:
-    build: Callable = functools.partial(build_rank, shape)
-    server = LoopbackServer(settings(",".join(args.devices), 2, args.max_batch_tokens), ModelRegistry(), build)
+    build: Callable = functools.partial(build_rank, shape, scoring_options(args))
+    server = LoopbackServer(settings(",".join(args.devices), 2, args), ModelRegistry(), build)
     with PeakMemory(2) as memory:
         rate, results = passes(server, workload, args)
     return rate, results, memory.peak
@@ -146,6 +158,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-batch-tokens", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=2)
+    add_scoring_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny model, two CPU ranks (gloo); figures mean nothing")
     args = parser.parse_args()
     lengths = ((256, 1024), (64, 4096))
@@ -162,7 +175,8 @@ def main() -> None:
         *run_environment(torch.device(args.devices[0])),
         f"workload: {args.sequences} sequences ({workload.real_tokens:,} tokens), prompts U{lengths[0]}, "
         f"completions U{lengths[1]}, requests of 8 from {args.clients} clients; max_batch_tokens "
-        f"{args.max_batch_tokens}; layers eager on both; median of {args.repeats} passes after 1 warm-up",
+        f"{args.max_batch_tokens}; compile_layers {args.compile_layers} on both; "
+        f"median of {args.repeats} passes after 1 warm-up",
         "",
     ]
     parallel, by_two, peak = two_gpus(shape, workload, args)

@@ -209,18 +209,15 @@ class CausalLMScorer:
         row, so that a failure shows here and not in the first request."""
         if setting == "off" or (setting == "auto" and self.device.type != "cuda"):
             return
-        if self.tensor_parallel is not None:
-            # Compiling may fail on one rank and not another, and the ranks' collectives would part.
-            if setting == "on":
-                raise RuntimeError("compile_layers=on: not with tensor parallel (its sharded layers run eagerly)")
-            return
         compile_layers(self.body)
         try:
             self._probe()
         except Exception as err:
             uncompile_layers(self.body)
-            if setting == "on":
-                raise RuntimeError(f"compile_layers=on: compiling the decoder layers failed: {err}") from err
+            # Under tensor parallel a failure is fatal even for auto: the probe may have stopped
+            # between two collectives on this rank only, and the ranks would part.
+            if setting == "on" or self.tensor_parallel is not None:
+                raise RuntimeError(f"compile_layers={setting}: compiling the decoder layers failed: {err}") from err
             log.warning("decoder layers left eager: compiling them failed: %s", err)
 
     def run_layers_eagerly(self, why: str) -> None:
