@@ -125,8 +125,8 @@ def main() -> None:
         f"# Data parallel inside one server: 1 device against {len(many)}, through one gRPC endpoint",
         *run_environment(one[0]),
         f"workload: {workload_args[0]} sequences, prompts U{workload_args[1]}, completions U{workload_args[2]}, "
-        f"requests of 8 from {args.clients} clients (their own process); max_batch_tokens {args.max_batch_tokens}; median of "
-        f"{args.repeats} passes after 1 warm-up",
+        f"requests of 8 from {args.clients} clients (their own process); max_batch_tokens {args.max_batch_tokens}; "
+        f"median of {args.repeats} passes after 1 warm-up",
         "",
         f"| shape | 1 device (tokens/s) | {len(many)} devices (tokens/s) | ratio | bitwise equal requests |",
         "|---|---|---|---|---|",
