@@ -63,6 +63,32 @@ def test_sequence_cap_and_keys_are_respected():
     assert described(queue.take()) == [("b", [1, 2])]
 
 
+def makespan(queue: BatchQueue, devices: int, spread: int) -> int:
+    """When the last of ``devices`` is done with ``queue``'s work, each taking a micro-batch whenever
+    it is free and spending one time unit per token."""
+    clocks = [0] * devices
+    while queue.units:
+        free = clocks.index(min(clocks))
+        clocks[free] += sum(u.tokens for u in queue.take(spread=spread))
+    return max(clocks)
+
+
+def test_shared_by_devices_a_bursts_last_micro_batches_get_smaller():
+    # 1,100 tokens, a budget of 400: greedy full micro-batches (400, 400, 300) leave one of two
+    # devices a whole micro-batch behind; taking at most half of what is left (and no less than
+    # 100) ends them closer: 400, 300, 200, 100, 100.
+    queue = queue_of(job("a", [100] * 11))
+    assert [sum(u.tokens for u in queue.take(spread=2)) for _ in range(5)] == [400, 300, 200, 100, 100]
+    assert not queue.units
+    assert makespan(queue_of(job("a", [100] * 11)), 2, spread=1) == 700
+    assert makespan(queue_of(job("a", [100] * 11)), 2, spread=2) == 600  # the ideal: 550
+
+
+def test_shared_by_devices_a_sequence_over_the_share_still_goes():
+    queue = queue_of(job("a", [300, 50]), max_batch_tokens=400)  # a share of 350 over 4: 100
+    assert described(queue.take(spread=4)) == [("a", [0, 1])]  # 300 > 100: the full budget instead
+
+
 def test_a_sequence_longer_than_the_budget_goes_alone():
     queue = queue_of(job("long", [50, 900, 60]), job("b", [30]))
     batches = [described(queue.take()) for _ in range(2)]

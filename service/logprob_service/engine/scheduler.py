@@ -240,7 +240,7 @@ class Scheduler:
                 waited = (time.perf_counter_ns() - first.request.arrived_ns) / 1e9
                 device_idle = any(not lane.in_flight for lane in self._lanes)
                 if not device_idle or waited >= self._max_wait_s or self.queue.fills_a_batch(first, self._swaps):
-                    return self.queue.take(self._swaps)
+                    return self.queue.take(self._swaps, spread=len(self._lanes))
                 timeout = self._max_wait_s - waited
             self._wake.clear()
             try:
