@@ -330,6 +330,23 @@ def grpc_pass(clients: list[LogprobClient], workload: Workload) -> PassResult:
     return PassResult(latencies, [lp.astype(np.float64) for lp in results[0]], results)
 
 
+def timed_passes(target: str, count: int, workload: Workload, repeats: int) -> tuple[list[float], dict]:
+    """``count`` clients of ``target``: a warm-up pass, then ``repeats`` timed passes; their seconds,
+    and the last one's log-probs by request (``PassResult.by_group``)."""
+    clients = open_clients(target, count)
+    try:
+        grpc_pass(clients, workload)  # warm-up: compiled layers, allocator, connections
+        seconds, by_group = [], {}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            by_group = grpc_pass(clients, workload).by_group
+            seconds.append(time.perf_counter() - start)
+    finally:
+        for client in clients:
+            client.close()
+    return seconds, by_group
+
+
 # ----------------------------------------------------------------------------- GPU busy
 
 

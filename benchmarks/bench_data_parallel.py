@@ -21,11 +21,10 @@ import argparse
 import multiprocessing
 import multiprocessing.connection
 import statistics
-import time
 
 import numpy as np
 import torch
-from bench_batching import MODEL_NAME, Workload, grpc_pass, make_workload, open_clients
+from bench_batching import MODEL_NAME, Workload, make_workload, timed_passes
 from common import SHAPES, TINY, LoopbackServer, ModelShape, add_scoring_arguments, build_model, scoring_options
 from harness import publish, run_environment
 from logprob_service.config import Settings
@@ -83,20 +82,8 @@ def measure(
 def client_passes(
     target: str, count: int, workload: Workload, repeats: int, results: multiprocessing.connection.Connection
 ) -> None:
-    """In the client process: a warm-up pass, then ``repeats`` timed passes; sends back their
-    seconds and the last pass's log-probs by request."""
-    clients = open_clients(target, count)
-    try:
-        grpc_pass(clients, workload)  # warm-up: compiled layers, allocator, connections
-        seconds, by_group = [], {}
-        for _ in range(repeats):
-            start = time.perf_counter()
-            by_group = grpc_pass(clients, workload).by_group
-            seconds.append(time.perf_counter() - start)
-    finally:
-        for client in clients:
-            client.close()
-    results.send((seconds, by_group))
+    """In the client process: ``timed_passes``, sent back."""
+    results.send(timed_passes(target, count, workload, repeats))
 
 
 def main() -> None:

@@ -28,12 +28,11 @@ import functools
 import statistics
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
-from bench_batching import MODEL_NAME, Workload, grpc_pass, make_workload, open_clients
+from bench_batching import MODEL_NAME, Workload, make_workload, timed_passes
 from common import (
     SHAPES,
     TINY,
@@ -114,18 +113,8 @@ class PeakMemory:
 
 def passes(server: LoopbackServer, workload: Workload, args: argparse.Namespace) -> tuple[float, dict]:
     """Median real tokens/s of the timed passes, and the last pass's log-probs by request."""
-    seconds, results = [], {}
     with server as target:
-        clients = open_clients(target, args.clients)
-        try:
-            grpc_pass(clients, workload)  # warm-up
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                results = grpc_pass(clients, workload).by_group
-                seconds.append(time.perf_counter() - start)
-        finally:
-            for client in clients:
-                client.close()
+        seconds, results = timed_passes(target, args.clients, workload, args.repeats)
     return workload.real_tokens / statistics.median(seconds), results
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from logprob_service.ops.logprobs import IDENTITY, LogitTransform
+from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores
 
 
 def transformed_logits(
@@ -36,6 +36,27 @@ def reference_lse(
 ) -> torch.Tensor:
     """Float64 [N] log-sum-exp of each row's transformed logits."""
     return transformed_logits(hidden, weight, bias, transform).logsumexp(-1)
+
+
+# What the ops return beside log-probs, all asked for where ``assert_matches_reference`` checks them.
+ALL_OUTPUTS = {"return_entropy": True, "return_lse": True}
+
+
+def assert_matches_reference(
+    out: TokenScores,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+    atol: float,
+) -> None:
+    """The op's float32 log-probs, entropies and log-sum-exps are within ``atol`` of float64's."""
+    ref_lp, ref_ent = reference(hidden, weight, targets, bias, transform)
+    assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == targets.shape
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=atol, rtol=0)
+    torch.testing.assert_close(out.entropies.double(), ref_ent, atol=atol, rtol=0)
+    torch.testing.assert_close(out.lse.double(), reference_lse(hidden, weight, bias, transform), atol=atol, rtol=0)
 
 
 def random_case(

@@ -13,10 +13,11 @@ Then the failure contract: killing a follower rank makes the server stop serving
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
-import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -52,26 +53,32 @@ def serve(models, port: int, log) -> subprocess.Popen:
     return launch(*flags, "--device=cpu", "--tensor-parallel=2", f"--port={port}", "--metrics-port=0", stdout=log)
 
 
-@pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("tp-log") / "server.log"
+@contextlib.contextmanager
+def running(models, port: int, log_path) -> Iterator[subprocess.Popen]:
+    """The server, SERVING; stopped (SIGTERM) on the way out if it still runs."""
     with log_path.open("w") as log:
         proc = serve(models, port, log)
         try:
             wait_serving(f"127.0.0.1:{port}", proc, timeout=START_TIMEOUT_S)
-            yield proc, port, log_path
+            yield proc
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
 
 
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    port = free_port()
+    with running(models, port, tmp_path_factory.mktemp("tp-log") / "server.log") as proc:
+        yield proc, port
+
+
 @pytest.mark.numerical
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_sharded_models_score_as_the_whole_model(models, server, name, rng):
     model, _ = models[name]
-    _, port, _ = server
+    _, port = server
     sequences = random_sequences(rng, 6)
     temperature = float(rng.uniform(0.6, 1.6))
     with LogprobClient(f"127.0.0.1:{port}", model=name) as client:
@@ -80,7 +87,7 @@ def test_sharded_models_score_as_the_whole_model(models, server, name, rng):
 
 
 def test_fingerprints_are_the_whole_models_and_updates_are_refused(models, server):
-    _, port, _ = server
+    _, port = server
     with LogprobClient(f"127.0.0.1:{port}") as client:
         infos = {info.name: info for info in client.list_models()}
         for name, (model, _) in models.items():
@@ -93,7 +100,7 @@ def test_fingerprints_are_the_whole_models_and_updates_are_refused(models, serve
 def followers(server_pid: int) -> list[int]:
     """The server's child processes that are tensor-parallel ranks (not the resource tracker)."""
     children = subprocess.run(
-        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server_pid)], capture_output=True, text=True
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server_pid)], capture_output=True, text=True, check=True
     )
     return [int(line.split()[0]) for line in children.stdout.splitlines() if "multiprocessing.spawn" in line]
 
@@ -102,32 +109,19 @@ def test_a_lost_rank_stops_the_server_and_a_restart_serves_again(models, tmp_pat
     port = free_port()
     target = f"127.0.0.1:{port}"
     sequences = random_sequences(rng, 3)
-    with (tmp_path / "first.log").open("w") as log:
-        proc = serve(models, port, log)
-        try:
-            wait_serving(target, proc, timeout=START_TIMEOUT_S)
-            with LogprobClient(target, model="qwen2") as client:
-                before = client.score(*as_lists(sequences))
-            (rank1,) = followers(proc.pid)
-            os.kill(rank1, signal.SIGKILL)
-            assert proc.wait(60) == EXIT_GROUP_LOST
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    with running(models, port, tmp_path / "first.log") as proc:
+        with LogprobClient(target, model="qwen2") as client:
+            before = client.score(*as_lists(sequences))
+        (rank1,) = followers(proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.wait(60) == EXIT_GROUP_LOST
     assert "tensor-parallel group lost" in (tmp_path / "first.log").read_text()
     assert not health_check(target, timeout_s=1)[0]
 
-    with (tmp_path / "second.log").open("w") as log:
-        proc = serve(models, port, log)
-        try:
-            wait_serving(target, proc, timeout=START_TIMEOUT_S)
-            with LogprobClient(target, model="qwen2") as client:
-                after = client.score(*as_lists(sequences))
-            for a, b in zip(before, after, strict=True):
-                np.testing.assert_array_equal(a, b)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 60
-            while proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert proc.returncode == 0, proc.returncode
+    with running(models, port, tmp_path / "second.log") as proc:
+        with LogprobClient(target, model="qwen2") as client:
+            after = client.score(*as_lists(sequences))
+        for a, b in zip(before, after, strict=True):
+            np.testing.assert_array_equal(a, b)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

@@ -29,7 +29,7 @@ from logprob_service.ops.fused_logprobs import (  # noqa: E402  (after the impor
 from logprob_service.ops.logprobs import LogitTransform  # noqa: E402
 
 from tests.helpers import tolerances  # noqa: E402
-from tests.helpers.op_reference import random_case, reference, reference_lse  # noqa: E402
+from tests.helpers.op_reference import ALL_OUTPUTS, assert_matches_reference, random_case, reference  # noqa: E402
 
 pytestmark = pytest.mark.numerical
 
@@ -50,23 +50,9 @@ TRANSFORMS = {
 def test_matches_float64_reference(dtype, n, h, v, transform, bias):
     hidden, weight, targets, b = random_case(n, h, v, dtype=dtype, bias=bias, device=DEVICE)
     out = fused_token_logprobs(
-        hidden,
-        weight,
-        targets,
-        bias=b,
-        transform=transform,
-        return_entropy=True,
-        return_lse=True,
-        config=SMALL,
-        plan=LaunchPlan(3, 2),
+        hidden, weight, targets, bias=b, transform=transform, config=SMALL, plan=LaunchPlan(3, 2), **ALL_OUTPUTS
     )
-    ref_lp, ref_ent = reference(hidden, weight, targets, b, transform)
-    assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (n,)
-    torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=tolerances.OP_FP32, rtol=0)
-    torch.testing.assert_close(out.entropies.double(), ref_ent, atol=tolerances.OP_FP32, rtol=0)
-    torch.testing.assert_close(
-        out.lse.double(), reference_lse(hidden, weight, b, transform), atol=tolerances.OP_FP32, rtol=0
-    )
+    assert_matches_reference(out, hidden, weight, targets, b, transform, tolerances.OP_FP32)
 
 
 @pytest.mark.parametrize("plan", [LaunchPlan(1, 1), LaunchPlan(2, 5), LaunchPlan(8, 1), LaunchPlan(100, 3)])

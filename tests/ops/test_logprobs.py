@@ -11,7 +11,7 @@ import torch
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, rows_per_chunk
 
 from tests.helpers import tolerances
-from tests.helpers.op_reference import random_case, reference, reference_lse
+from tests.helpers.op_reference import ALL_OUTPUTS, assert_matches_reference, random_case, reference
 
 pytestmark = pytest.mark.numerical
 
@@ -27,22 +27,9 @@ def test_matches_float64_reference(n, h, v, transform, bias):
     hidden, weight, targets, b = random_case(n, h, v, bias=bias)
     # A budget of 3 rows per chunk forces many chunks and a ragged last one.
     out = chunked_token_logprobs(
-        hidden,
-        weight,
-        targets,
-        bias=b,
-        transform=transform,
-        return_entropy=True,
-        return_lse=True,
-        chunk_bytes=3 * v * 4,
+        hidden, weight, targets, bias=b, transform=transform, chunk_bytes=3 * v * 4, **ALL_OUTPUTS
     )
-    ref_lp, ref_ent = reference(hidden, weight, targets, b, transform)
-    assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (n,)
-    torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=tolerances.OP_FP32, rtol=0)
-    torch.testing.assert_close(out.entropies.double(), ref_ent, atol=tolerances.OP_FP32, rtol=0)
-    torch.testing.assert_close(
-        out.lse.double(), reference_lse(hidden, weight, b, transform), atol=tolerances.OP_FP32, rtol=0
-    )
+    assert_matches_reference(out, hidden, weight, targets, b, transform, tolerances.OP_FP32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
