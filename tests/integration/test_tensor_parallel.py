@@ -7,6 +7,9 @@ embedding) and Gemma 2 (logit softcap, attention softcap, sliding window, tied).
 from each model's own full logits (the float32 tolerance of ``ScoreReference``); fingerprints
 equal to the whole model's (each sharded weight is digested whole); weight updates refused.
 
+Also through the same server: a lone long sequence runs layer by layer in chunks, and a GRPO
+group runs its prompt once (the completions' attention reads the prompt's rows), on every rank.
+
 Then the failure contract: killing a follower rank makes the server stop serving and exit (code
 3, no hang), and the same command serves again, with the same scores.
 """
@@ -24,6 +27,7 @@ import pytest
 from logprob_client import LogprobClient
 from logprob_client.errors import FailedPrecondition
 from logprob_service.api.probe import check as health_check
+from logprob_service.domain import TokenSequence
 from logprob_service.models.weights import model_fingerprint
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
@@ -48,9 +52,16 @@ def models(tmp_path_factory):
     return made
 
 
+# A lone sequence longer than this runs layer by layer in chunks (models.chunked), on every rank.
+LONG_SEQUENCE_TOKENS, CHUNK_TOKENS = 96, 40
+
+
 def serve(models, port: int, log) -> subprocess.Popen:
     flags = [f"--model={name}={directory}" for name, (_, directory) in models.items()]
-    return launch(*flags, "--device=cpu", "--tensor-parallel=2", f"--port={port}", "--metrics-port=0", stdout=log)
+    long = [f"--long-sequence-tokens={LONG_SEQUENCE_TOKENS}", f"--chunk-tokens={CHUNK_TOKENS}"]
+    return launch(
+        *flags, *long, "--device=cpu", "--tensor-parallel=2", f"--port={port}", "--metrics-port=0", stdout=log
+    )
 
 
 @contextlib.contextmanager
@@ -84,6 +95,21 @@ def test_sharded_models_score_as_the_whole_model(models, server, name, rng):
     with LogprobClient(f"127.0.0.1:{port}", model=name) as client:
         logprobs, entropies = client.score(*as_lists(sequences), temperature=temperature, return_entropy=True)
     ScoreReference(model, sequences, temperature).check(logprobs, entropies)
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_long_sequences_run_in_chunks_and_groups_run_their_prompt_once(models, server, name, rng):
+    model, _ = models[name]
+    _, port = server
+    vocab = model.config.vocab_size
+    long = TokenSequence(rng.integers(0, vocab, 60), rng.integers(0, vocab, 150))  # 210 > 96: in chunks
+    prompt = rng.integers(0, vocab, 30)
+    group = [TokenSequence(prompt, rng.integers(0, vocab, int(n))) for n in rng.integers(1, 40, 4)]
+    with LogprobClient(f"127.0.0.1:{port}", model=name) as client:
+        (lone,) = client.score(*as_lists([long]))
+        (shared,) = client.score_groups([prompt], [[s.completion_ids for s in group]])
+    ScoreReference(model, [long, *group]).check([lone, *shared])
 
 
 def test_fingerprints_are_the_whole_models_and_updates_are_refused(models, server):

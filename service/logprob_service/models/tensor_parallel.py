@@ -284,6 +284,8 @@ def head_shard(model: PreTrainedModel, tp: TensorParallel) -> tuple[torch.Tensor
     vocab = weight.shape[0]
     step = -(-vocab // tp.world)
     start, stop = min(step * tp.rank, vocab), min(step * (tp.rank + 1), vocab)
+    if stop <= start:  # only a toy vocabulary: fewer than (world - 1) x ceil(vocab / world) ids
+        raise ModelLoadError(f"tensor parallel {tp.world}: a vocabulary of {vocab} leaves rank {tp.rank} no ids")
     rows = weight.to_local() if isinstance(weight, DTensor) else weight[start:stop]
     bias = getattr(head, "bias", None)
     if bias is not None:
