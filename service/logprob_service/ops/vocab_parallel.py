@@ -28,6 +28,9 @@ import torch.distributed as dist
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores
 
+# torch 2.13 renames all_gather_into_tensor (a FutureWarning on every call there) to all_gather_single.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def vocab_parallel_logprobs(
     hidden: torch.Tensor,
@@ -64,7 +67,7 @@ def vocab_parallel_logprobs(
     stats = torch.stack([lse_r, z_r, e_r])  # [3, N]
     world = dist.get_world_size(group)
     gathered = torch.empty((world * 3, stats.shape[1]), dtype=stats.dtype, device=stats.device)
-    dist.all_gather_into_tensor(gathered, stats, group=group)
+    _all_gather(gathered, stats, group=group)
     lse_all, z_all, e_all = gathered.view(world, 3, -1).unbind(1)  # each [world, N]
     lse = torch.logsumexp(lse_all, dim=0)
     logprobs = z_all.sum(dim=0) - lse
