@@ -34,10 +34,12 @@ from .inputs import Prepared, flatten_groups, prepare, regroup
 from .ipc import ipc_request
 from .resume import StreamResume
 from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
-from .weights import DEFAULT_CHUNK_BYTES, UpdateResult, WeightDeltas, named_tensors, update_requests
+from .weights import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS, UpdateResult, WeightDeltas, named_tensors, update_streams
 from .wire import ModelInfo, Options, ScoreInput, collect, model_info, repeats_prompt, result, score_request
 
 DEFAULT_TIMEOUT_S = 120.0
+# UpdateWeights, called with messages serialized by ``weights`` (pieces framed around tensor bytes).
+_UPDATE_WEIGHTS = f"/{pb.DESCRIPTOR.services_by_name['LogprobService'].full_name}/UpdateWeights"
 
 
 class ScoreKeywords(TypedDict, total=False):
@@ -65,12 +67,15 @@ class ScoreKeywords(TypedDict, total=False):
 class UpdateKeywords(TypedDict, total=False):
     """The keywords of ``update_weights``: ``version`` (0: the live one + 1), ``partial`` (False: every
     weight must come; True: only those given are replaced), ``chunk_bytes`` (the size of the pieces
-    tensors are streamed in), ``timeout`` (seconds), ``delta`` (send only what changed since this
-    client's last delta push of the model: ``weights.WeightDeltas``)."""
+    tensors are streamed in), ``streams`` (how many UpdateWeights calls carry the push at once, each
+    with its share of the tensors: 2, or 1 with ``legacy_wire``), ``timeout`` (seconds), ``delta``
+    (send only what changed since this client's last delta push of the model:
+    ``weights.WeightDeltas``)."""
 
     version: int
     partial: bool
     chunk_bytes: int
+    streams: int
     timeout: float | None
     delta: bool
 
@@ -146,6 +151,9 @@ class _Client:
             )
         self._channel = channel if channel is not None else self.connection.open(target, aio=self._aio)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
+        self._update_weights = self._channel.stream_unary(
+            _UPDATE_WEIGHTS, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
+        )
 
     @property
     def max_attempts(self) -> int:
@@ -202,15 +210,16 @@ class _Client:
         version: int = 0,
         partial: bool = False,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        streams: int | None = None,
         timeout: float | None = None,
         delta: bool = False,
-    ) -> tuple[Iterator[pb.UpdateWeightsRequest], float | None]:
-        """An UpdateWeights stream (read lazily, one tensor at a time) and its timeout."""
-        if not delta:
-            return update_requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes), timeout
-        deltas = self.deltas.setdefault(model, WeightDeltas())
-        requests = deltas.requests(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
-        return requests, timeout
+    ) -> tuple[list[Iterator[bytes]], float]:
+        """The UpdateWeights calls of a push (each read lazily, a tensor at a time), and their timeout."""
+        if streams is None:
+            streams = 1 if self.legacy_wire else DEFAULT_STREAMS  # servers before 2026-11-24 take one
+        make = self.deltas.setdefault(model, WeightDeltas()).update_streams if delta else update_streams
+        calls = make(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes, streams=streams)
+        return calls, timeout or self.timeout
 
     def _pushed(self, model: str, keywords: UpdateKeywords, response: pb.UpdateWeightsResponse) -> UpdateResult:
         """A push's result; a delta push's also becomes what the server holds."""
@@ -317,12 +326,24 @@ class LogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))  # read again if the server left the base
         while True:
-            requests, timeout = self.update(model, weights, **keywords)
+            streams, timeout = self.update(model, weights, **keywords)
             try:
-                return self._pushed(model, keywords, self._call(self._stub.UpdateWeights, requests, timeout))
+                return self._pushed(model, keywords, self._push(streams, timeout))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
+
+    def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
+        """The UpdateWeights calls of one push, made together (each stream is read on a thread of
+        gRPC's); all answer alike, so the first is returned, or the first error raised."""
+        calls = [self._update_weights.future(stream, timeout=timeout) for stream in streams]
+        try:
+            responses = [call.result() for call in calls]  # every call, not just the first
+            return responses[0]
+        except grpc.RpcError as err:
+            for call in calls:
+                call.cancel()
+            raise error_from_rpc(err) from None
 
     def update_weights_ipc(
         self,
@@ -424,12 +445,22 @@ class AsyncLogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))
         while True:
-            requests, timeout = self.update(model, weights, **keywords)
+            streams, timeout = self.update(model, weights, **keywords)
             try:
-                return self._pushed(model, keywords, await self._call(self._stub.UpdateWeights, requests, timeout))
+                return self._pushed(model, keywords, await self._push(streams, timeout))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
+
+    async def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
+        """See ``LogprobClient._push`` (here each stream is read on the event loop)."""
+        calls = [self._update_weights(stream, timeout=timeout) for stream in streams]
+        try:
+            return (await asyncio.gather(*calls))[0]
+        except grpc.RpcError as err:
+            for call in calls:
+                call.cancel()
+            raise error_from_rpc(err) from None
 
     async def update_weights_ipc(
         self,

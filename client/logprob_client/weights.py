@@ -2,9 +2,15 @@
 
 Tensors are read one by one (a GPU tensor is copied to host memory alone, when its turn comes)
 and cut into ``chunk_bytes`` pieces of their raw bytes, so the client never holds more than one
-tensor plus one message, however large the model. A delta push (``WeightDeltas``) also holds the
-bytes last pushed, and compares up to ``LOOKAHEAD`` tensors ahead of the one it sends. torch is
-imported only when tensors are given.
+tensor plus one message per stream, however large the model. A delta push (``WeightDeltas``) also
+holds the bytes last pushed, and compares up to ``LOOKAHEAD`` tensors ahead of the one it sends.
+torch is imported only when tensors are given.
+
+Messages are handed to gRPC already serialized: a dense piece is framed here around the tensor's
+bytes (``dense_piece``), one copy of them into the message, where protobuf would make two (into
+the message object, then out of it). One gRPC stream carries one message at a time, so a push is
+spread over ``streams`` calls at once (``UpdateWeightsHeader.streams``), each with its share of
+the tensors (``split``), to keep more bytes in flight.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import functools
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,7 +32,10 @@ from logprob_proto import logprob_pb2 as pb
 
 from .errors import FailedPrecondition, LogprobError
 
-DEFAULT_CHUNK_BYTES = 16 * 1024**2
+# 2 MiB pieces over 2 streams moved the most bytes through gRPC on loopback (H100 host, 16 cores:
+# 2.9-3.4 GB/s where one stream of 16 MiB pieces moved 1.1-1.3; benchmarks/RESULTS.md).
+DEFAULT_CHUNK_BYTES = 2 * 1024**2
+DEFAULT_STREAMS = 2
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -69,10 +80,31 @@ def raw_bytes(tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
     return array.dtype.name, tuple(array.shape), memoryview(array.view(np.uint8).reshape(-1)).cast("B")
 
 
+def _varint(value: int) -> bytes:
+    """protobuf's base-128 varint of a non-negative int."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_TENSOR_TAG = b"\x12"  # UpdateWeightsRequest.tensor: field 2, length-delimited
+_DATA_TAG = b"\x2a"  # TensorChunk.data: field 5, length-delimited
+
+
+def dense_piece(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: memoryview) -> bytes:
+    """A dense piece's UpdateWeightsRequest, serialized: the bytes protobuf writes for it (fields in
+    number order, ``data`` last), made with one copy of ``data``."""
+    fields = pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset).SerializeToString()
+    data_head = _DATA_TAG + _varint(len(data))
+    return b"".join((_TENSOR_TAG, _varint(len(fields) + len(data_head) + len(data)), fields, data_head, data))
+
+
 def _dense_pieces(name: str, dtype: str, shape: tuple[int, ...], data: memoryview, chunk_bytes: int):
     for offset in range(0, max(len(data), 1), chunk_bytes):  # an empty tensor still sends one piece
-        piece = data[offset : offset + chunk_bytes]
-        yield pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset, data=bytes(piece))
+        yield dense_piece(name, dtype, shape, offset, data[offset : offset + chunk_bytes])
 
 
 def _sparse_pieces(
@@ -82,7 +114,7 @@ def _sparse_pieces(
     per_piece = max(1, chunk_bytes // (4 + itemsize))
     for start in range(0, len(indices), per_piece):
         end = start + per_piece
-        yield pb.TensorChunk(
+        chunk = pb.TensorChunk(
             name=name,
             dtype=dtype,
             shape=shape,
@@ -91,23 +123,73 @@ def _sparse_pieces(
             indices=indices[start:end].astype("<u4").tobytes(),
             data=values[start * itemsize : end * itemsize].tobytes(),
         )
+        yield pb.UpdateWeightsRequest(tensor=chunk).SerializeToString()
 
 
-def _stream(header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[pb.TensorChunk]]):
-    yield pb.UpdateWeightsRequest(header=header)
+def _stream(header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[bytes]]) -> Iterator[bytes]:
+    """One UpdateWeights call's serialized messages: the header, each tensor's pieces, the commit."""
+    yield pb.UpdateWeightsRequest(header=header).SerializeToString()
     count = 0
     for pieces in tensors:
-        for piece in pieces:
-            yield pb.UpdateWeightsRequest(tensor=piece)
+        yield from pieces
         count += 1
-    yield pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count))
+    yield pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count)).SerializeToString()
 
 
-def _check(version: int, chunk_bytes: int) -> None:
+def _check(version: int, chunk_bytes: int, streams: int = 1) -> None:
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     if version < 0:
         raise ValueError(f"version must be >= 0 (0: the live version + 1), got {version}")
+    if streams < 1:
+        raise ValueError(f"streams must be >= 1, got {streams}")
+
+
+def tensor_nbytes(tensor: Any) -> int:
+    """A tensor's or array's bytes, read from its shape (nothing is copied)."""
+    if type(tensor).__module__.startswith("torch"):
+        return tensor.numel() * tensor.element_size()
+    return np.asarray(tensor).nbytes
+
+
+def split(sizes: Sequence[int], streams: int) -> list[list[int]]:
+    """The indices of ``sizes``, dealt to at most ``streams`` groups of about equal total size
+    (each in the order given): largest first, to the group with the least so far."""
+    groups: list[list[int]] = [[] for _ in range(min(streams, len(sizes)) or 1)]
+    totals = [0] * len(groups)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        least = totals.index(min(totals))
+        groups[least].append(i)
+        totals[least] += sizes[i]
+    return [sorted(group) for group in groups]
+
+
+def _headers(header: pb.UpdateWeightsHeader, streams: int) -> pb.UpdateWeightsHeader:
+    """``header``, marked as the header of each of ``streams`` calls of one update."""
+    if streams > 1:
+        header.streams, header.update_id = streams, uuid.uuid4().hex
+    return header
+
+
+def update_streams(
+    model: str,
+    weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    *,
+    version: int,
+    partial: bool,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    streams: int = 1,
+) -> list[Iterator[bytes]]:
+    """The UpdateWeights calls of one dense push, each a stream of serialized messages (header, its
+    tensors in ``chunk_bytes`` pieces, commit), read lazily: a tensor is read when its turn comes
+    (over one stream, ``weights`` itself is read so too)."""
+    _check(version, chunk_bytes, streams)
+    groups: list[Iterable[tuple[str, Any]]] = [named_tensors(weights)]
+    if streams > 1:
+        named = list(groups[0])
+        groups = [[named[i] for i in group] for group in split([tensor_nbytes(t) for _, t in named], streams)]
+    header = _headers(pb.UpdateWeightsHeader(model=model, version=version, partial=partial), len(groups))
+    return [_stream(header, (_dense_pieces(n, *raw_bytes(t), chunk_bytes) for n, t in group)) for group in groups]
 
 
 def update_requests(
@@ -117,11 +199,10 @@ def update_requests(
     version: int,
     partial: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[pb.UpdateWeightsRequest]:
-    """The UpdateWeights stream: header, every tensor in ``chunk_bytes`` pieces, commit."""
-    _check(version, chunk_bytes)
-    header = pb.UpdateWeightsHeader(model=model, version=version, partial=partial)
-    return _stream(header, (_dense_pieces(name, *raw_bytes(t), chunk_bytes) for name, t in named_tensors(weights)))
+) -> Iterator[bytes]:
+    """The serialized messages of a push over one call: ``update_streams`` with one stream."""
+    (stream,) = update_streams(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
+    return stream
 
 
 # Sparse pieces name elements with uint32 indices.
@@ -211,8 +292,9 @@ class WeightDeltas:
         # Of the stream in flight, what ``held`` becomes: a dense tensor's bytes, or a sparse one's
         # (changed indices, their new values).
         self._pending: dict[str, np.ndarray | tuple[np.ndarray, np.ndarray]] = {}
-        self.last: dict[str, int] = {}  # of the last stream built: tensors sent dense, sparse, unchanged
+        self.last: dict[str, int] = {}  # of the last push built: tensors sent dense, sparse, unchanged
         self._applying: concurrent.futures.Future[None] | None = None  # the last push's changes, going in
+        self._lock = threading.Lock()  # a push's streams are read on threads of their own
 
     @property
     def held(self) -> dict[str, np.ndarray]:
@@ -225,7 +307,7 @@ class WeightDeltas:
         self._applied()
         self.version, self._held = None, {}
 
-    def requests(
+    def update_streams(
         self,
         model: str,
         weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
@@ -233,16 +315,23 @@ class WeightDeltas:
         version: int,
         partial: bool,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    ) -> Iterator[pb.UpdateWeightsRequest]:
-        """The stream of the next push (read lazily, tensors compared up to ``LOOKAHEAD`` ahead)."""
-        _check(version, chunk_bytes)
+        streams: int = 1,
+    ) -> list[Iterator[bytes]]:
+        """The calls of the next push, as ``update_streams`` makes them (each read lazily, its
+        tensors compared up to ``LOOKAHEAD`` ahead of the one it sends)."""
+        _check(version, chunk_bytes, streams)
         self._applied()
         self._pending, self.last = {}, {"dense": 0, "sparse": 0, "unchanged": 0}
         header = pb.UpdateWeightsHeader(model=model, version=version, partial=partial)
         if self.version is not None:
             header.partial, header.base_version = True, self.version
-        compared = _ahead(named_tensors(weights), self._compare)
-        return _stream(header, filter(None, (self._pieces(c, chunk_bytes) for c in compared)))
+        named = list(named_tensors(weights))
+        groups = split([tensor_nbytes(t) for _, t in named], streams)
+        header = _headers(header, len(groups))
+        return [
+            _stream(header, filter(None, (self._pieces(c, chunk_bytes) for c in _ahead(tensors, self._compare))))
+            for tensors in ([named[i] for i in group] for group in groups)
+        ]
 
     def _compare(self, named: tuple[str, Any]) -> _Compared:
         """A tensor's bytes, and what changed in them since the held copy (on a worker thread)."""
@@ -256,18 +345,22 @@ class WeightDeltas:
             return _Compared(name, dtype, shape, new, None, None)
         return _Compared(name, dtype, shape, new, *changes(old.view(element), new.view(element)))
 
-    def _pieces(self, c: _Compared, chunk_bytes: int) -> Iterator[pb.TensorChunk] | None:
+    def _pieces(self, c: _Compared, chunk_bytes: int) -> Iterator[bytes] | None:
         """The pieces a tensor goes in: sparse, dense, or None when the server holds it already."""
         if c.changed is not None and not c.changed.size:
-            self.last["unchanged"] += 1
+            self._count("unchanged")
             return None
         if c.changed is None or 4 * c.changed.size + c.values.nbytes > self.sparse_below * c.new.nbytes:  # uint32s
-            self.last["dense"] += 1
+            self._count("dense")
             self._pending[c.name] = new = c.new.copy()  # the caller may change its tensor after the push
             return _dense_pieces(c.name, c.dtype, c.shape, memoryview(new), chunk_bytes)
-        self.last["sparse"] += 1
+        self._count("sparse")
         self._pending[c.name] = (c.changed, c.values)  # values: a copy, what the server will hold there
         return _sparse_pieces(c.name, c.dtype, c.shape, c.changed, c.values.view(np.uint8), chunk_bytes)
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.last[kind] += 1
 
     def pushed(self, version: int) -> None:
         """The push went live as ``version``: the server now holds what it sent. The held copies

@@ -155,16 +155,20 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsHeader(_message.Message):
-    __slots__ = ("model", "version", "partial", "base_version")
+    __slots__ = ("model", "version", "partial", "base_version", "streams", "update_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     partial: bool
     base_version: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
+    streams: int
+    update_id: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., partial: _Optional[bool] = ..., base_version: _Optional[int] = ..., streams: _Optional[int] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data", "changed", "indices")

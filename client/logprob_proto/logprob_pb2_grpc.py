@@ -115,6 +115,8 @@ class LogprobServiceServicer:
         between two micro-batches: no micro-batch ever mixes versions. On any error, or a stream that
         ends before its commit, the live weights and version are untouched (INVALID_ARGUMENT /
         ABORTED naming the tensor). Needs the admin scope when authentication is configured.
+        One update may come over several such calls at once (`UpdateWeightsHeader.streams`): one
+        HTTP/2 stream carries one message at a time, so parallel streams keep more bytes in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterable
 
 import grpc
 import numpy as np
@@ -29,6 +30,11 @@ def request(*seqs, groups=(), model="", temperature=0.0, request_id="") -> pb.Sc
             for p, cs in groups
         ],
     )
+
+
+def parsed(messages: Iterable[bytes]) -> list[pb.UpdateWeightsRequest]:
+    """An UpdateWeights stream as ``logprob_client.weights`` serializes it, read back as messages."""
+    return [pb.UpdateWeightsRequest.FromString(m) for m in messages]
 
 
 async def call(target: str, req: pb.ScoreRequest, timeout: float = 30.0):

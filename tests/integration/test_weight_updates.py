@@ -20,6 +20,7 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.models.weights import model_fingerprint
 from transformers import AutoModelForCausalLM
 
+from tests.helpers.calls import parsed
 from tests.helpers.models import ScoreReference, make_model, random_sequences
 from tests.helpers.seeds import session_seed
 from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
@@ -175,7 +176,7 @@ async def test_a_bad_update_leaves_the_live_weights_and_names_the_tensor(served,
 async def test_a_stream_cut_midway_or_ended_early_changes_nothing(served):
     model = served.scorer("policy").model
     new = good_update(model)
-    messages = list(update_requests("policy", new, version=0, partial=False, chunk_bytes=1000))
+    messages = parsed(update_requests("policy", new, version=0, partial=False, chunk_bytes=1000))
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         stub = pb_grpc.LogprobServiceStub(channel)
         before = await live(client, "policy")
@@ -211,7 +212,7 @@ async def test_versions_only_go_up(served):
         await client.update_weights("policy", state, version=5)
         with pytest.raises(FailedPrecondition, match="version: 5 is not above"):
             await client.update_weights("policy", state, version=5)
-        messages = list(update_requests("policy", state, version=0, partial=False))
+        messages = parsed(update_requests("policy", state, version=0, partial=False))
         messages[-1].commit.tensor_count += 1
         async with grpc.aio.insecure_channel(served.target) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -258,7 +259,7 @@ async def test_a_refused_update_gets_its_status_while_the_client_is_still_sendin
 
 async def test_one_update_of_a_model_at_a_time(served):
     state = served.scorer("policy").model.state_dict()
-    messages = list(update_requests("policy", state, version=0, partial=False))
+    messages = parsed(update_requests("policy", state, version=0, partial=False))
     release = asyncio.Event()
 
     async def slow():

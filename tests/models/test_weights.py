@@ -11,6 +11,7 @@ from logprob_client.weights import update_requests
 from logprob_service.errors import InvalidArgument
 from logprob_service.models.weights import UpdatableWeights, fingerprint, model_digests, tensor_digests
 
+from tests.helpers.calls import parsed
 from tests.helpers.models import make_model
 
 
@@ -70,7 +71,7 @@ def test_update_stream_carries_every_byte_in_order_in_small_pieces(rng):
         "f16-strided": torch.randn(10, 8, dtype=torch.float16).t(),  # not contiguous: sent in C order
         "empty": torch.empty(0, 4),
     }
-    messages = list(update_requests("m", weights.items(), version=3, partial=True, chunk_bytes=100))
+    messages = parsed(update_requests("m", weights.items(), version=3, partial=True, chunk_bytes=100))
     assert messages[0].header.model == "m" and messages[0].header.version == 3 and messages[0].header.partial
     assert messages[-1].commit.tensor_count == 4
     assert max(len(m.tensor.data) for m in messages[1:-1]) == 100

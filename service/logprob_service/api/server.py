@@ -23,6 +23,7 @@ from logprob_service.api.security import tls
 from logprob_service.api.security.auth import AuthInterceptor
 from logprob_service.api.security.bearer_tokens import TokenTable, load_token_table
 from logprob_service.api.servicer import LogprobServicer
+from logprob_service.api.tensor_pieces import TensorPieceViews
 from logprob_service.config import Settings
 from logprob_service.domain import ScoreJob, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
@@ -227,8 +228,14 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
     settings = service.settings
     server = grpc.aio.server(
         # Outermost first: credentials are checked before anything else, then undecodable bytes
-        # are refused, then the handler's own errors are mapped to statuses.
-        interceptors=[AuthInterceptor(service.tokens), MalformedMessageInterceptor(), ExceptionToStatusInterceptor()],
+        # are refused, then the handler's own errors are mapped to statuses; weight pieces are
+        # read with their bytes as views.
+        interceptors=[
+            AuthInterceptor(service.tokens),
+            MalformedMessageInterceptor(),
+            ExceptionToStatusInterceptor(),
+            TensorPieceViews(),
+        ],
         options=server_options(settings),
     )
     pb_grpc.add_LogprobServiceServicer_to_server(

@@ -10,6 +10,7 @@ from google.protobuf.message import Message
 from logprob_proto import logprob_pb2 as pb
 
 from logprob_service.api.status import status_of
+from logprob_service.api.tensor_pieces import DensePiece
 from logprob_service.domain import (
     IpcHandle,
     ModelInfo,
@@ -158,33 +159,42 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
 
 
 def _update_header(header: pb.UpdateWeightsHeader | pb.LoadWeightsRequest) -> UpdateHeader:
-    base = (
-        header.base_version if isinstance(header, pb.UpdateWeightsHeader) and header.HasField("base_version") else None
-    )
+    if not isinstance(header, pb.UpdateWeightsHeader):
+        return UpdateHeader(model_name(header), validate_version("version", header.version), header.partial)
+    base = header.base_version if header.HasField("base_version") else None
     return UpdateHeader(
         model=model_name(header),
         version=validate_version("version", header.version),
         partial=header.partial,
         base_version=None if base is None else validate_version("base_version", base),
+        streams=max(1, header.streams),
+        update_id=header.update_id,
     )
 
 
-async def update_messages(requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[UpdateMessage]:
-    """An UpdateWeights stream as domain messages."""
+def _piece(t: pb.TensorChunk, data: bytes | memoryview) -> TensorPiece | SparsePiece:
+    if t.changed < 0:
+        raise InvalidArgument(f"tensor {t.name!r}: changed {t.changed} must be >= 0 (0: a dense piece)")
+    if t.changed:
+        return SparsePiece(t.name, t.dtype, tuple(t.shape), t.offset, t.changed, t.indices, t.data)
+    if t.indices:
+        raise InvalidArgument(f"tensor {t.name!r}: indices come only with sparse pieces (changed > 0)")
+    return TensorPiece(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=t.offset, data=data)
+
+
+async def update_messages(
+    requests: AsyncIterator[pb.UpdateWeightsRequest | DensePiece],
+) -> AsyncIterator[UpdateMessage]:
+    """An UpdateWeights stream (read by ``tensor_pieces.read_update_request``) as domain messages."""
     async for request in requests:
+        if isinstance(request, DensePiece):
+            yield _piece(request.chunk, request.data)
+            continue
         kind = request.WhichOneof("kind")
         if kind == "header":
             yield _update_header(request.header)
         elif kind == "tensor":
-            t = request.tensor
-            if t.changed < 0:
-                raise InvalidArgument(f"tensor {t.name!r}: changed {t.changed} must be >= 0 (0: a dense piece)")
-            if t.changed:
-                yield SparsePiece(t.name, t.dtype, tuple(t.shape), t.offset, t.changed, t.indices, t.data)
-            elif t.indices:
-                raise InvalidArgument(f"tensor {t.name!r}: indices come only with sparse pieces (changed > 0)")
-            else:
-                yield TensorPiece(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=t.offset, data=t.data)
+            yield _piece(request.tensor, request.tensor.data)
         elif kind == "commit":
             yield Commit(tensor_count=request.commit.tensor_count)
         else:

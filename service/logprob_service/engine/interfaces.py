@@ -72,10 +72,26 @@ class Executor(Protocol):
         """Run ``fn`` on the device thread after everything launched before it (a weight swap)."""
 
 
+class Received(Protocol):
+    """One tensor whose bytes arrive in pieces (``Stager.receive``)."""
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        """Bytes ``[offset, offset + len(data))`` of the tensor, written where it is staged; called
+        on a receiving thread, several at once, in any order."""
+
+    def finish(self) -> tuple[list[Any], Any]:
+        """Once every ``write`` has returned: the staged tensor and each replica's copy, and the
+        pending digest of its bytes (all queued); called on a worker thread."""
+
+
 class Stager(Protocol):
     """Where one update's tensors wait for their swap: on the device while it has room, else in host memory."""
 
     places: set[str]  # where it staged them so far ("cuda:0", "cpu")
+
+    def receive(self, dtype: str, shape: tuple[int, ...], replicas: Sequence[Any] = ()) -> Received:
+        """Where a tensor's pieces go as they arrive, staged at once (no host copy of the whole
+        tensor first), and copied by ``replicas`` (the other devices' stagers) once complete."""
 
     def stage(self, tensor: Any, *, copy: bool = False, digest: bool = True) -> tuple[Any, Any]:
         """(the staged copy, the pending digest of its bytes or None without ``digest``), both
@@ -97,9 +113,6 @@ class Staging(Protocol):
     """The tensors of weight updates (``worker.staging``)."""
 
     def stager(self, device: Any) -> Stager: ...
-
-    def tensor_from_bytes(self, buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
-        """A host tensor over a received buffer's raw little-endian, C-order bytes."""
 
     def read_file(self, file: Path) -> list[tuple[str, str, tuple[int, ...], Any]]:
         """(name, dtype, shape, tensor) of every tensor of a safetensors file."""

@@ -3,16 +3,21 @@
 One update of one model:
   header   the model's update slot is taken (one update per model at a time; another is ABORTED),
            the new version checked (above the live one; 0 means live + 1)
-  tensors  each tensor's pieces are written, in order, into a host buffer; its name, dtype and
-           shape are checked against the live weight at its first piece (INVALID_ARGUMENT naming
-           it); once complete it is hashed and staged on a worker thread (on the device while
-           ``staging_reserve_bytes`` stay free there, else in host memory), overlapping the
-           reception of the next tensor
+  tensors  each tensor's name, dtype and shape are checked against the live weight at its first
+           piece (INVALID_ARGUMENT naming it); each piece, checked to come in order and fit, is
+           written on a receiving thread straight to where the tensor is staged (on the device
+           while ``staging_reserve_bytes`` stay free there, else in host memory), overlapping the
+           reception of the next pieces; once complete the tensor is digested (queued)
   commit   the tensor count is checked, and for a full update that every weight came; then the
            scheduler swaps the staged tensors in between two micro-batches, and the version and
            fingerprint go live with them
 Anything that fails before the swap (a bad tensor, a stream that ends or breaks before its
 commit, a cancelled call) drops the staged tensors: the live weights and version are untouched.
+
+An update may come over several streams at once (``UpdateHeader.streams``): they join one
+``_Session`` by its ``update_id``, each carries its own tensors and commit, and the update goes
+live when the last commits; every stream is answered with the same outcome, and a failure of any
+fails them all.
 
 Nothing here sees protobuf (``api.wire`` turns the stream's messages into the objects below) or
 a tensor (``Staging``, ``worker.staging``, makes and stages them).
@@ -21,8 +26,10 @@ a tensor (``Staging``, ``worker.staging``, makes and stages them).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -34,10 +41,10 @@ from typing import Any
 import numpy as np
 
 from logprob_service.domain import DTYPE_BYTES, SharedTensor
-from logprob_service.engine.interfaces import JoinGroup, ServedModel, Staging, UpdatableWeights, WeightGroup
+from logprob_service.engine.interfaces import JoinGroup, Received, ServedModel, Staging, UpdatableWeights, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
-from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument
+from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument, LogprobError
 from logprob_service.stats import NO_STATS, StatsSink, WeightsUpdated
 
 log = logging.getLogger(__name__)
@@ -49,6 +56,8 @@ class UpdateHeader:
     version: int  # 0: the live version + 1
     partial: bool  # only some weights come; the others keep their live values
     base_version: int | None = None  # the version sparse tensors change (must be the live one)
+    streams: int = 1  # the update comes over this many streams together, named by update_id
+    update_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class TensorPiece:
     dtype: str
     shape: tuple[int, ...]
     offset: int
-    data: bytes
+    data: bytes | memoryview  # a view of the received message, where the wire allows
 
 
 @dataclass(frozen=True)
@@ -128,12 +137,14 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 class _Assembly:
-    """One tensor's bytes, arriving in order into a host buffer."""
+    """One tensor's bytes, arriving in order: checked here, written where they are staged (``into``)
+    on the receiving threads."""
 
-    def __init__(self, first: TensorPiece) -> None:
+    def __init__(self, first: TensorPiece, into: Received) -> None:
         self.name, self.dtype_name, self.shape = first.name, first.dtype, first.shape
         self.nbytes = tensor_nbytes(first.dtype, self.shape)
-        self.buffer = np.empty(self.nbytes, dtype=np.uint8)
+        self.into = into
+        self.writes: list[concurrent.futures.Future[None]] = []
         self.received = 0
 
     @property
@@ -144,7 +155,8 @@ class _Assembly:
     def progress(self) -> str:
         return f"{self.received} of its {self.nbytes} bytes"
 
-    def write(self, piece: TensorPiece) -> None:
+    def write(self, piece: TensorPiece, writers: concurrent.futures.Executor) -> concurrent.futures.Future[None]:
+        """Check ``piece`` and submit its write; returns the write."""
         if piece.dtype != self.dtype_name or piece.shape != self.shape:
             raise InvalidArgument(
                 f"tensor {self.name!r}: a piece says dtype {piece.dtype} shape {list(piece.shape)}, "
@@ -160,8 +172,15 @@ class _Assembly:
             raise InvalidArgument(
                 f"tensor {self.name!r}: piece ends at byte {end}, past the tensor's {self.nbytes} bytes"
             )
-        self.buffer[self.received : end] = np.frombuffer(piece.data, dtype=np.uint8)
+        self.writes.append(writers.submit(self.into.write, piece.offset, piece.data))
         self.received = end
+        return self.writes[-1]
+
+    def finish(self) -> tuple[list[Any], Any]:
+        """Once its writes are done (raising the first that failed): ``Received.finish``."""
+        for write in self.writes:
+            write.result()
+        return self.into.finish()
 
 
 class _SparseAssembly:
@@ -231,6 +250,18 @@ class _SparseAssembly:
 
 # Sparse pieces name elements with uint32 indices.
 MAX_SPARSE_ELEMENTS = 2**32
+# Pieces of an update received but not yet written where they are staged, at most: each holds its
+# message's memory meanwhile (16 MiB or less from this project's client).
+WRITES_IN_FLIGHT = 8
+
+
+class _Stream:
+    """What one stream of an update has brought: the tensor it is in the middle of, and how many it
+    completed (its commit counts them)."""
+
+    def __init__(self) -> None:
+        self.assembly: _Assembly | _SparseAssembly | None = None
+        self.tensors: list[str] = []
 
 
 class _Update:
@@ -242,6 +273,7 @@ class _Update:
         header: UpdateHeader,
         staging: Staging,
         pool: concurrent.futures.ThreadPoolExecutor,
+        writers: concurrent.futures.ThreadPoolExecutor,
     ) -> None:
         self.replicas = replicas  # the model on each device (lane order); the first is checked against
         self.served = replicas[0]
@@ -251,13 +283,14 @@ class _Update:
         self.staging = staging
         self.stagers = [staging.stager(r.device) for r in replicas]
         self.pool = pool
+        self.writers = writers
         # name -> (its staged copy on each replica's device, the pending digest of its bytes)
         self.staged: dict[str, concurrent.futures.Future[tuple[list[Any], Any]]] = {}
-        self.assembly: _Assembly | _SparseAssembly | None = None
+        self.writes: collections.deque[concurrent.futures.Future[None]] = collections.deque()  # not yet waited for
         self.bytes = 0
 
-    def add_piece(self, piece: TensorPiece | SparsePiece) -> None:
-        a = self.assembly
+    def add_piece(self, piece: TensorPiece | SparsePiece, stream: _Stream) -> None:
+        a = stream.assembly
         sparse = isinstance(piece, SparsePiece)
         if a is not None and (piece.name != a.name or sparse != isinstance(a, _SparseAssembly)):
             kind = "a sparse piece" if sparse else "a dense piece"
@@ -267,18 +300,30 @@ class _Update:
             if isinstance(piece, SparsePiece):
                 self._check_base(piece.name)
                 others = [t.check(piece.name, piece.dtype, piece.shape) for t in self.targets[1:]]
-                a = self.assembly = _SparseAssembly(piece, live, others)
+                a = stream.assembly = _SparseAssembly(piece, live, others)
             else:
-                a = self.assembly = _Assembly(piece)
-        a.write(piece)  # type: ignore[arg-type]  # the kinds match: checked above
+                into = self.stagers[0].receive(piece.dtype, piece.shape, self.stagers[1:])
+                a = stream.assembly = _Assembly(piece, into)
+            self.staged[a.name] = concurrent.futures.Future()  # named: a second tensor of that name is refused
+        if isinstance(a, _SparseAssembly):
+            a.write(piece)  # type: ignore[arg-type]  # the kinds match: checked above
+        else:
+            self.writes.append(a.write(piece, self.writers))  # type: ignore[arg-type]
         if a.complete:
-            self.assembly = None
+            stream.assembly = None
+            stream.tensors.append(a.name)
             if isinstance(a, _SparseAssembly):
                 # The changed copy of each replica's live weight is made on the pool (on its device
                 # while it has room); the first replica's is digested.
                 self._submit(a.name, a.nbytes, lambda: self._stage_changes(a))
             else:
-                self.stage(a.name, a.nbytes, lambda: self.staging.tensor_from_bytes(a.buffer, a.dtype_name, a.shape))
+                self._submit(a.name, a.nbytes, a.finish)
+
+    async def room(self) -> None:
+        """Waits while more than ``WRITES_IN_FLIGHT`` pieces are still being written (raising a
+        write's error): the stream is read no faster than its bytes reach their place."""
+        while len(self.writes) > WRITES_IN_FLIGHT or (self.writes and self.writes[0].done()):
+            await asyncio.wrap_future(self.writes.popleft())
 
     def _check_base(self, name: str) -> None:
         base, live = self.header.base_version, self.served.info.version
@@ -335,7 +380,11 @@ class _Update:
 
     def _submit(self, name: str, nbytes: int, job: Callable[[], tuple[list[Any], Any]]) -> None:
         self.bytes += nbytes
-        self.staged[name] = self.pool.submit(job)
+        submitted = self.pool.submit(job)
+        if name in self.staged:  # a received tensor, named when its first piece came
+            submitted.add_done_callback(functools.partial(_settle, self.staged[name]))
+        else:
+            self.staged[name] = submitted
 
     async def staged_tensors(self) -> dict[str, tuple[list[Any], Any]]:
         """Every staged (copy per replica, digest), once all are in place. If one failed, the
@@ -345,25 +394,35 @@ class _Update:
         try:
             staged = {name: await asyncio.wrap_future(future) for name, future in self.staged.items()}
         except BaseException:
-            for future in self.staged.values():
-                future.cancel()
-            await asyncio.to_thread(concurrent.futures.wait, self.staged.values())
-            for stager in self.stagers:
-                await asyncio.to_thread(stager.finish, [])
+            await self.abandon()
             raise
         for stager in self.stagers[1:]:
             await asyncio.to_thread(stager.finish, [])
         digests = await asyncio.to_thread(self.stagers[0].finish, [digest for _, digest in staged.values()])
         return {name: (copies, digest) for (name, (copies, _)), digest in zip(staged.items(), digests, strict=True)}
 
-    def check_complete(self, commit: Commit) -> None:
-        if self.assembly is not None:
-            a = self.assembly
+    async def abandon(self) -> None:
+        """Cancels the staging not yet started and waits for what runs (its writes, its copies):
+        nothing staged for a failed update, which may read a caller's memory, outlives it."""
+        for future in self.staged.values():
+            future.cancel()
+        await asyncio.to_thread(concurrent.futures.wait, [*self.writes, *self.staged.values()])
+        for stager in self.stagers:
+            await asyncio.to_thread(stager.finish, [])
+
+    @staticmethod
+    def check_commit(stream: _Stream, commit: Commit) -> None:
+        """That a stream's commit comes after whole tensors, as many as it counts."""
+        if stream.assembly is not None:
+            a = stream.assembly
             raise Aborted(f"tensor {a.name!r}: the commit came after only {a.progress}; nothing applied")
-        if commit.tensor_count != len(self.staged):
+        if commit.tensor_count != len(stream.tensors):
             raise InvalidArgument(
-                f"commit.tensor_count: {commit.tensor_count}, but {len(self.staged)} tensors came; nothing applied"
+                f"commit.tensor_count: {commit.tensor_count}, but {len(stream.tensors)} tensors came; nothing applied"
             )
+
+    def check_complete(self) -> None:
+        """That a full update brought every weight."""
         if not self.header.partial:
             missing = self.target.missing(self.staged)
             if missing:
@@ -373,17 +432,95 @@ class _Update:
                     f"model's weights: {shown}; nothing applied"
                 )
 
-    def ended_early(self) -> Aborted:
+    def ended_early(self, stream: _Stream) -> Aborted:
         where = (
-            f"in tensor {self.assembly.name!r} ({self.assembly.progress})"
-            if self.assembly is not None
-            else f"after tensor {next(reversed(self.staged))!r} ({len(self.staged)} tensors)"
-            if self.staged
+            f"in tensor {stream.assembly.name!r} ({stream.assembly.progress})"
+            if stream.assembly is not None
+            else f"after tensor {stream.tensors[-1]!r} ({len(stream.tensors)} tensors)"
+            if stream.tensors
             else "before any tensor"
         )
         return Aborted(
             f"the update stream of model {self.served.info.name!r} ended {where}, before its commit; nothing applied"
         )
+
+
+def _settle(target: concurrent.futures.Future[Any], source: concurrent.futures.Future[Any]) -> None:
+    """``target`` takes ``source``'s result or error (unless it was cancelled meanwhile)."""
+    if target.cancelled() or not target.set_running_or_notify_cancel():
+        return
+    if source.cancelled():
+        target.set_exception(concurrent.futures.CancelledError())
+    elif (error := source.exception()) is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
+
+
+# How long the streams of one update have to arrive, counted from the first.
+STREAMS_JOIN_S = 30.0
+
+
+class _Session:
+    """An update coming over several streams (``UpdateHeader.streams``): the update they all feed,
+    how many have come and committed, and the outcome every stream is answered with."""
+
+    def __init__(self, update: _Update, header: UpdateHeader, start_ns: int) -> None:
+        self.update, self.header, self.start_ns = update, header, start_ns
+        self.joined, self.committed = 1, 0
+        self.outcome: asyncio.Future[UpdateOutcome] = asyncio.get_running_loop().create_future()
+        self._timer = asyncio.get_running_loop().call_later(STREAMS_JOIN_S, self._check_joined)
+        self.on_end: Callable[[], None] = lambda: None  # releases the model's update slot
+
+    def join(self, header: UpdateHeader) -> None:
+        """Another stream of the update. One too many is refused alone; one whose header differs
+        from the first's fails the update (its streams disagree on what it is)."""
+        if self.joined == self.header.streams:
+            raise InvalidArgument(
+                f"header.streams: update {header.update_id!r} already has its {self.header.streams} streams"
+            )
+        if header != self.header:
+            self.fail(
+                InvalidArgument(
+                    f"header: a stream of update {header.update_id!r} says {header}, its first stream said "
+                    f"{self.header}; nothing applied"
+                )
+            )
+            self.check()
+        self.joined += 1
+
+    def _check_joined(self) -> None:
+        if self.joined < self.header.streams:
+            self.fail(
+                Aborted(
+                    f"header.streams: only {self.joined} of the {self.header.streams} streams of update "
+                    f"{self.header.update_id!r} came within {STREAMS_JOIN_S:g} s; nothing applied"
+                )
+            )
+
+    def check(self) -> None:
+        """Raises the update's failure, if a stream failed it."""
+        if self.outcome.done() and self.outcome.exception() is not None:
+            raise self.outcome.exception()  # type: ignore[misc]
+
+    def succeed(self, outcome: UpdateOutcome) -> None:
+        self.outcome.set_result(outcome)
+        self.end()
+
+    def fail(self, error: BaseException) -> None:
+        """The update fails for every stream: ``error`` becomes each stream's answer."""
+        if not isinstance(error, LogprobError):
+            error = Aborted(
+                f"a stream of update {self.header.update_id!r} broke off ({type(error).__name__}); nothing applied"
+            )
+        if not self.outcome.done():
+            self.outcome.set_exception(error)
+            self.outcome.exception()  # retrieved: streams that already returned never read it
+            self.end()
+
+    def end(self) -> None:
+        self._timer.cancel()
+        self.on_end()
 
 
 class WeightUpdater:
@@ -404,7 +541,11 @@ class WeightUpdater:
         self._join_group = join_group
         self._stats = stats
         self._updating: set[str] = set()
+        self._sessions: dict[str, _Session] = {}  # updates over several streams, by model
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
+        # Received pieces are written where they are staged on these, without the GIL, while the
+        # event loop receives the next ones.
+        self._writers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-receive")
         self._groups: dict[str, WeightGroup] = {}  # joined trainers' groups, by name
 
     def updating(self, model: str) -> bool:
@@ -412,20 +553,65 @@ class WeightUpdater:
         return model in self._updating
 
     async def update(self, messages: AsyncIterator[UpdateMessage]) -> UpdateOutcome:
-        """An UpdateWeights stream: a header, tensor pieces, a commit."""
+        """An UpdateWeights stream: a header, tensor pieces, a commit; or one of the streams of an
+        update that comes over several."""
         start = time.perf_counter_ns()
         first = await anext(messages, None)
         if not isinstance(first, UpdateHeader):
             raise InvalidArgument("header: the first message of an update stream must be its header")
+        if first.streams > 1:
+            return await self._update_in_session(first, messages, start)
         with self._updating_model(first) as update:
-            async for message in messages:
-                if isinstance(message, TensorPiece | SparsePiece):
-                    update.add_piece(message)
-                elif isinstance(message, Commit):
-                    return await self._commit(update, message, start)
-                else:
-                    raise InvalidArgument("header: a second header in one update stream")
-            raise update.ended_early()
+            await self._receive(update, messages)
+            return await self._commit(update, start)
+
+    async def _receive(
+        self, update: _Update, messages: AsyncIterator[UpdateMessage], session: _Session | None = None
+    ) -> None:
+        """One stream's tensors, up to its commit (checked)."""
+        stream = _Stream()
+        async for message in messages:
+            if session is not None:
+                session.check()
+            if isinstance(message, TensorPiece | SparsePiece):
+                update.add_piece(message, stream)
+                await update.room()
+            elif isinstance(message, Commit):
+                update.check_commit(stream, message)
+                return
+            else:
+                raise InvalidArgument("header: a second header in one update stream")
+        raise update.ended_early(stream)
+
+    async def _update_in_session(
+        self, header: UpdateHeader, messages: AsyncIterator[UpdateMessage], start: int
+    ) -> UpdateOutcome:
+        """One of the streams of an update: it starts the session or joins it, brings its tensors,
+        commits; the last to commit swaps the update in; every stream answers with its outcome."""
+        if not header.update_id:
+            raise InvalidArgument(f"header.update_id: empty; an update over {header.streams} streams needs an id")
+        name = self._registry.replicas(header.model)[0].info.name
+        session = self._sessions.get(name)
+        if session is not None and session.header.update_id == header.update_id:
+            session.join(header)
+        else:
+            update = self._start_update(header)
+            session = self._sessions[name] = _Session(update, header, start)
+            session.on_end = functools.partial(self._end_session, name, session)
+        try:
+            await self._receive(session.update, messages, session)
+            session.committed += 1
+            if session.committed == header.streams:
+                session.succeed(await self._commit(session.update, session.start_ns))
+        except BaseException as err:
+            session.fail(err)  # the other streams' answer; this one's is its own error
+            raise
+        return await asyncio.shield(session.outcome)
+
+    def _end_session(self, name: str, session: _Session) -> None:
+        if self._sessions.get(name) is session:
+            del self._sessions[name]
+            self._end_update(name)
 
     async def load(self, header: UpdateHeader, path: str) -> UpdateOutcome:
         """A LoadWeights request: the tensors of the safetensors files at ``path``."""
@@ -435,7 +621,7 @@ class WeightUpdater:
             for file in files:  # one file in host memory at a time (checkpoint shards are a few GB)
                 for name, dtype, shape, tensor in await asyncio.to_thread(self._staging.read_file, file):
                     update.add_tensor(name, dtype, shape, tensor)
-            return await self._commit(update, Commit(len(update.staged)), start)
+            return await self._commit(update, start)
 
     async def join_group(self, spec: GroupSpec) -> WeightGroup:
         """Join a trainer's group (replacing one of the same name); returns once every rank is in."""
@@ -510,7 +696,7 @@ class WeightUpdater:
                         f"{i} of {len(tensors)} tensors ({err}); nothing applied, the group is closed"
                     ) from None
                 update.stage(spec.name, tensor_nbytes(spec.dtype, spec.shape), lambda t=received: t)
-            yield await self._commit(update, Commit(len(tensors)), start)
+            yield await self._commit(update, start)
 
     async def update_from_ipc(self, header: UpdateHeader, boot_id: str, tensors: list[SharedTensor]) -> UpdateOutcome:
         """An update whose tensors lie in a caller's GPU memory on this host (UpdateWeightsFromIpc):
@@ -524,11 +710,19 @@ class WeightUpdater:
                 update.stage(
                     t.name, tensor_nbytes(t.dtype, t.shape), lambda t=t: self._staging.open_shared(t), copy=True
                 )
-            return await self._commit(update, Commit(len(tensors)), start)
+            return await self._commit(update, start)
 
     @contextlib.contextmanager
     def _updating_model(self, header: UpdateHeader) -> Iterator[_Update]:
         """The model's one update slot, and the update started in it; released on any exit."""
+        update = self._start_update(header)
+        try:
+            yield update
+        finally:
+            self._end_update(update.served.info.name)
+
+    def _start_update(self, header: UpdateHeader) -> _Update:
+        """The update, started in the model's one update slot (``_end_update`` releases it)."""
         replicas = self._registry.replicas(header.model)
         served = replicas[0]
         name, live = served.info.name, served.info.version
@@ -543,15 +737,21 @@ class WeightUpdater:
         version = header.version or live + 1
         if version <= live:
             raise FailedPrecondition(f"version: {version} is not above model {name!r}'s live version {live}")
+        update = _Update(
+            replicas,
+            UpdateHeader(name, version, header.partial, header.base_version),
+            self._staging,
+            self._pool,
+            self._writers,
+        )
         self._updating.add(name)
-        try:
-            header = UpdateHeader(name, version, header.partial, header.base_version)
-            yield _Update(replicas, header, self._staging, self._pool)
-        finally:
-            self._updating.discard(name)
+        return update
 
-    async def _commit(self, update: _Update, commit: Commit, start_ns: int) -> UpdateOutcome:
-        update.check_complete(commit)
+    def _end_update(self, name: str) -> None:
+        self._updating.discard(name)
+
+    async def _commit(self, update: _Update, start_ns: int) -> UpdateOutcome:
+        update.check_complete()
         staged = await update.staged_tensors()
         served, version = update.served, update.header.version
         digests = {update.target.canonical(name): digest for name, (_, digest) in staged.items()}
@@ -581,6 +781,7 @@ class WeightUpdater:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._writers.shutdown(wait=False, cancel_futures=True)
         for group in self._groups.values():
             group.close()
         self._groups.clear()

@@ -3,13 +3,22 @@ and staging them where the swap will read them from.
 
 ``engine.weight_updates`` runs the update's protocol (slots, versions, checks, commit, swap) and
 calls this through the ``engine.interfaces.Staging`` protocol, so the engine touches no tensor.
+
+Received bytes go straight to where they are staged: each piece of a tensor is copied (on a
+receiving thread, without the GIL) into a page-locked slot, from which the staging stream copies
+it into the tensor's staged place on the device while the next pieces arrive. No tensor is first
+assembled in host memory; on the host, the staged tensor is the buffer the pieces land in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +62,11 @@ class DeviceStager:
         # What wrote ``tensor`` on this thread's stream of its device comes first: a sparse
         # update's changed copy, or the caller's work an IPC tensor's event stands for.
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device if tensor.is_cuda else self.device))
+        return self._queue(tensor, copy, digest)
+
+    def _queue(self, tensor: torch.Tensor, copy: bool, digest: bool) -> tuple[torch.Tensor, PendingDigest | None]:
+        """``stage`` on a GPU, once the staging stream waits for what wrote ``tensor``."""
+        assert self.stream is not None
         staged: torch.Tensor | None = None
         with torch.cuda.stream(self.stream):
             if self._take_room(tensor.nbytes):
@@ -69,6 +83,50 @@ class DeviceStager:
             if tensor.is_cuda:
                 self._reading.append(tensor)
         return staged, pending
+
+    def receive(self, dtype: str, shape: tuple[int, ...], replicas: Sequence[DeviceStager] = ()) -> Received:
+        """Where the bytes of a tensor that arrives in pieces go: see ``Received``; ``replicas``
+        stage a copy each (other devices' replicas of the model). No torch call here: the engine
+        asks on its event loop."""
+        return Received(self, DTYPES[dtype], shape, replicas)
+
+    def copy_of(self, staged: torch.Tensor, source: DeviceStager) -> torch.Tensor:
+        """``stage`` of a copy of ``staged`` (another stager's tensor, undigested), after ``source``'s
+        staging stream has written it."""
+        if self.stream is None:
+            return self.stage(staged, copy=True, digest=False)[0]
+        if source.stream is not None:
+            self.stream.wait_stream(source.stream)
+        return self._queue(staged, True, False)[0]
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """The flat uint8 place of a received tensor: on the device while it has room, else in host
+        memory; allocated on the staging stream, which writes it."""
+        if self.stream is not None and self._take_room(nbytes):
+            with torch.cuda.stream(self.stream), contextlib.suppress(torch.OutOfMemoryError):
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _upload(self, target: torch.Tensor, offset: int, data: np.ndarray) -> None:
+        """``target[offset:]`` (on the device) takes ``data`` through the page-locked slots."""
+        assert self.stream is not None
+        slots = _slots(self.device)
+        for start in range(0, data.size, SLOT_BYTES):
+            piece = data[start : start + SLOT_BYTES]
+            slot = slots.take()
+            np.copyto(slot.host[: piece.size].numpy(), piece)  # without the GIL
+            with torch.cuda.stream(self.stream):
+                target[offset + start : offset + start + piece.size].copy_(slot.host[: piece.size], non_blocking=True)
+                slot.done.record(self.stream)
+            slots.give(slot)
+
+    def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, PendingDigest]:
+        """A received tensor, complete: its digest queued after the copies that wrote it."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            pending = pending_digest(tensor, self.device)
+        with self._lock:
+            self.places.add(str(tensor.device))
+        return tensor, pending
 
     def stage_changes(
         self, live: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str, *, digest: bool = True
@@ -117,6 +175,75 @@ class DeviceStager:
             return True
 
 
+class Received:
+    """One tensor arriving in pieces (an UpdateWeights stream): ``write`` each piece's bytes at its
+    offset, from any receiving thread, in any order; once every write has returned, ``finish``
+    gives the staged tensor and its pending digest. The place is allocated at the first write."""
+
+    def __init__(
+        self, stager: DeviceStager, dtype: torch.dtype, shape: tuple[int, ...], replicas: Sequence[DeviceStager]
+    ) -> None:
+        self.stager, self.dtype, self.shape, self.replicas = stager, dtype, shape, replicas
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self._place: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def _target(self) -> torch.Tensor:
+        with self._lock:
+            if self._place is None:
+                self._place = self.stager._allocate(self.nbytes)
+            return self._place
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        """Bytes ``[offset, offset + len(data))`` of the tensor (checked by the engine to fit)."""
+        target, piece = self._target(), np.frombuffer(data, dtype=np.uint8)
+        if target.is_cuda:
+            self.stager._upload(target, offset, piece)
+        else:
+            np.copyto(target[offset : offset + piece.size].numpy(), piece)
+
+    def finish(self) -> tuple[list[torch.Tensor], PendingDigest]:
+        """The staged tensor and each replica's copy of it, and the pending digest of its bytes."""
+        staged, pending = self.stager._staged(self._target().view(self.dtype).view(self.shape))
+        return [staged, *(replica.copy_of(staged, self.stager) for replica in self.replicas)], pending
+
+
+# Page-locked slots per device that received bytes pass through: a copy to the device from pageable
+# memory blocks the calling thread and goes through the driver's own small page-locked buffer; from
+# page-locked memory it is an asynchronous transfer on the staging stream, overlapping the next
+# pieces' arrival. 8 x 4 MiB: more pieces in flight than receiving threads, for 32 MiB of host memory.
+SLOT_BYTES = 4 << 20
+SLOT_COUNT = 8
+
+
+@dataclass
+class _Slot:
+    host: torch.Tensor  # SLOT_BYTES of page-locked uint8
+    done: torch.cuda.Event  # recorded after the copy that last read it
+
+
+class _Slots:
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for _ in range(SLOT_COUNT):
+            self._free.put(_Slot(torch.empty(SLOT_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()))
+
+    def take(self) -> _Slot:
+        """A free slot, once the copy that last read it is done (blocks without the GIL)."""
+        slot = self._free.get()
+        slot.done.synchronize()
+        return slot
+
+    def give(self, slot: _Slot) -> None:
+        self._free.put(slot)
+
+
+@functools.cache
+def _slots(device: torch.device) -> _Slots:
+    with torch.cuda.device(device):
+        return _Slots()
+
+
 def _set_elements(tensor: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str) -> None:
     """``tensor``'s elements at flat ``indices`` (uint32) set to ``values`` (their raw bytes in
     ``dtype``); only the indices and values go to where ``tensor`` lies."""
@@ -133,11 +260,6 @@ class Staging:
 
     def stager(self, device: torch.device) -> DeviceStager:
         return DeviceStager(device, self.reserve_bytes)
-
-    @staticmethod
-    def tensor_from_bytes(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A host tensor over ``buffer``'s raw little-endian, C-order bytes (no copy)."""
-        return torch.from_numpy(buffer).view(DTYPES[dtype]).reshape(shape)
 
     @staticmethod
     def check_shared(boot_id: str, device: torch.device, tensors: Sequence[SharedTensor]) -> None:
