@@ -172,6 +172,14 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(
         2.0, ge=0, description="When the device is idle: how long to wait for more work to fill a micro-batch."
     )
+    max_wait_quiet_ms: float = Field(
+        0.25,
+        ge=0,
+        description=(
+            "When the device is idle, waiting for more work (max_wait_ms) ends once no request has arrived for "
+            "this long: a burst of requests is batched, a lone request is not held."
+        ),
+    )
 
     # Limits and overload.
     max_sequences_per_request: int = Field(

@@ -4,7 +4,8 @@ records what it ran and finishes a micro-batch when the test says so.
 Checked: a micro-batch goes to the lane with the fewest tokens in flight (not round robin); a
 lane's two-batch pipeline is respected; a weight swap runs on every lane, with no micro-batch of
 the model launched anywhere until all replicas have swapped, and each response reports the
-version of the replica that scored it.
+version of the replica that scored it; an idle device waits for more work while requests keep
+coming, and not for a lone one.
 """
 
 from __future__ import annotations
@@ -74,15 +75,16 @@ def registry_of(devices: list[FakeDevice]) -> tuple[ModelRegistry, list[Replica]
     return registry, replicas
 
 
-def scheduler_of(registry: ModelRegistry, devices: list[FakeDevice]) -> Scheduler:
+def scheduler_of(registry: ModelRegistry, devices: list[FakeDevice], **waits: float) -> Scheduler:
+    """One sequence per micro-batch (each request is one batch) and no wait, unless ``waits`` say."""
     return Scheduler(
         registry,
         devices,
         max_queued_tokens=10**6,
         max_queued_tokens_per_client=10**6,
         max_batch_tokens=100,
-        max_batch_sequences=1,  # one sequence per micro-batch: each request is one batch
-        max_wait_ms=0,
+        max_batch_sequences=1 if not waits else 100,
+        **({"max_wait_ms": 0} | waits),
     )
 
 
@@ -159,3 +161,37 @@ async def test_a_swap_runs_on_every_lane_before_the_model_launches_again(two):
     assert [v for v, _ in d0.launched[1:] + d1.launched[1:]] == [7] * 4
     assert [r.model_version for r in results] == [0, 0, 7, 7, 7, 7]
     assert all(float(r.scores[0].logprobs[0]) == -r.model_version for r in results)
+
+
+async def test_an_idle_device_does_not_hold_a_lone_request_for_work_that_is_not_coming():
+    device = FakeDevice("dev0")
+    registry, _ = registry_of([device])
+    scheduler = scheduler_of(registry, [device], max_wait_ms=60_000, max_wait_quiet_ms=20)
+    scheduler.start()
+    try:
+        task = asyncio.create_task(scheduler.submit(job(0, 10)))
+        await until(lambda: len(device.launched) == 1)  # after ~20 ms, not the minute max_wait_ms allows
+        device.finish_one()
+        await task
+    finally:
+        await scheduler.close()
+
+
+async def test_an_idle_device_batches_requests_that_keep_coming():
+    """The second request comes 50 ms after the first: within the quiet limit (2 s), so the idle
+    device's wait goes on and both share one micro-batch."""
+    device = FakeDevice("dev0")
+    registry, _ = registry_of([device])
+    scheduler = scheduler_of(registry, [device], max_wait_ms=60_000, max_wait_quiet_ms=2_000)
+    scheduler.start()
+    try:
+        tasks = [asyncio.create_task(scheduler.submit(job(0, 10)))]
+        await asyncio.sleep(0.05)
+        assert not device.launched
+        tasks.append(asyncio.create_task(scheduler.submit(job(1, 12))))
+        await until(lambda: len(device.launched) == 1)
+        assert device.launched == [(0, 22)]  # one micro-batch of both
+        device.finish_one()
+        await asyncio.gather(*tasks)
+    finally:
+        await scheduler.close()

@@ -38,7 +38,7 @@ def check(model, prompts, completions, logprobs, temperature):
 async def test_many_concurrent_clients_get_their_own_results_in_order(gemma_checkpoint, rng):
     # Every request (at most 6 x 118 tokens) fits one micro-batch, so fewer micro-batches than
     # requests means requests were batched together.
-    running = await start(test_settings(gemma_checkpoint, max_batch_tokens=1000, max_wait_ms=5))
+    running = await start(test_settings(gemma_checkpoint, max_batch_tokens=1000, max_wait_ms=5, max_wait_quiet_ms=5))
     spy = LaunchSpy(running.scorer("default"))
     model = running.scorer("default").model
 
@@ -165,7 +165,7 @@ async def test_a_sequence_that_cannot_fit_alone_fails_alone(running):
 
 
 async def test_temperatures_and_models_batch_separately(gemma_checkpoint, rng):
-    running = await start(test_settings(gemma_checkpoint, max_wait_ms=50))
+    running = await start(test_settings(gemma_checkpoint, max_wait_ms=50, max_wait_quiet_ms=50))
     spy = LaunchSpy(running.scorer("default"))
     try:
         async with AsyncLogprobClient(running.target) as client:

@@ -84,6 +84,7 @@ class Service:
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_sequences=settings.max_batch_sequences,
             max_wait_ms=settings.max_wait_ms,
+            max_wait_quiet_ms=settings.max_wait_quiet_ms,
             max_version_wait_s=settings.max_version_wait_s,
             share_prompts=settings.share_prompts,
             stats=stats,

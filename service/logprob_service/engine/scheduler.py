@@ -6,7 +6,10 @@ takes micro-batches from the one queue and hands each to a device's worker (``Ex
 *lane* per device, each holding a replica of every model (data parallel). A micro-batch goes to
 the lane with the fewest tokens in flight among those with room, so a device that computes
 faster (or got shorter batches) takes more. When a device is idle the loop waits up to
-``max_wait_ms`` after the oldest unit's arrival for more work to fill a batch. Two micro-batches
+``max_wait_ms`` after the oldest unit's arrival for more work to fill a batch, but no longer than
+``max_wait_quiet_ms`` after the last request arrived: requests sent together (a trainer's step,
+a call split into RPCs) arrive in a burst and are batched, and a lone request is not held for
+work that is not coming. Two micro-batches
 are kept in flight per lane, so the next one is packed and enqueued while the device computes
 the current one. Units whose caller went away or whose deadline passed are
 dropped before they reach the device. Results are scattered back by sequence index, so every
@@ -112,6 +115,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_batch_sequences: int,
         max_wait_ms: float,
+        max_wait_quiet_ms: float | None = None,
         max_version_wait_s: float = 300.0,
         share_prompts: bool = False,
         stats: StatsSink = NO_STATS,
@@ -126,6 +130,9 @@ class Scheduler:
             max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences, share_prompts=share_prompts
         )
         self._max_wait_s = max_wait_ms / 1000
+        # None: no quiet limit, the idle device waits max_wait_ms whatever comes.
+        self._quiet_s = self._max_wait_s if max_wait_quiet_ms is None else max_wait_quiet_ms / 1000
+        self._last_arrival_ns = 0
         self._max_version_wait_s = max_version_wait_s
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -197,6 +204,7 @@ class Scheduler:
         self.admission.admit(job)
         future: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
         self.queue.push(_request(job, future))
+        self._last_arrival_ns = time.perf_counter_ns()
         self._stats.record(QueueChanged(job.model, requests=1))
         self._wake.set()
         try:
@@ -237,11 +245,18 @@ class Scheduler:
             timeout = None
             first = self.queue.first_eligible(self._swaps)
             if first is not None:
-                waited = (time.perf_counter_ns() - first.request.arrived_ns) / 1e9
+                now = time.perf_counter_ns()
+                waited = (now - first.request.arrived_ns) / 1e9
+                quiet = (now - self._last_arrival_ns) / 1e9
                 device_idle = any(not lane.in_flight for lane in self._lanes)
-                if not device_idle or waited >= self._max_wait_s or self.queue.fills_a_batch(first, self._swaps):
+                if (
+                    not device_idle
+                    or waited >= self._max_wait_s
+                    or quiet >= self._quiet_s
+                    or self.queue.fills_a_batch(first, self._swaps)
+                ):
                     return self.queue.take(self._swaps, spread=len(self._lanes))
-                timeout = self._max_wait_s - waited
+                timeout = min(self._max_wait_s - waited, self._quiet_s - quiet)
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
