@@ -259,6 +259,15 @@ class Settings(BaseSettings):
             "memory stays free, else in host memory."
         ),
     )
+    update_bytes_per_s_while_scoring: int = Field(
+        500_000_000,
+        ge=0,
+        description=(
+            "While requests are being scored, UpdateWeights streams are read at most this fast (bytes/s, all "
+            "together; 0: no limit): receiving takes the server's one Python interpreter lock, which the "
+            "device thread needs to launch scoring. Idle, they are read as fast as they come."
+        ),
+    )
     max_version_wait_s: float = Field(
         300.0,
         ge=0,

@@ -90,7 +90,14 @@ class Service:
             stats=stats,
         )
         staging = Staging(settings.update_staging_reserve_bytes)
-        updater = WeightUpdater(registry, scheduler, staging, join_group=WeightGroup, stats=stats)
+        updater = WeightUpdater(
+            registry,
+            scheduler,
+            staging,
+            join_group=WeightGroup,
+            bytes_per_s_while_scoring=settings.update_bytes_per_s_while_scoring,
+            stats=stats,
+        )
         return cls(settings, devices, registry, executors, scheduler, updater, ServingState(), tokens, build=build)
 
     @property

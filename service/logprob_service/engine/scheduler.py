@@ -141,6 +141,11 @@ class Scheduler:
         stats.record(Limits(max_batch_tokens, max_batch_sequences, max_queued_tokens))
 
     @property
+    def scoring(self) -> bool:
+        """Whether requests are queued or being scored."""
+        return bool(self._in_flight()) or self.queue.first_eligible(()) is not None
+
+    @property
     def pending_swaps(self) -> set[str]:
         """The models whose weight swap waits for their started requests."""
         return set(self._swaps)

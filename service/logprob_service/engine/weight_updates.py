@@ -70,6 +70,10 @@ class TensorPiece:
     offset: int
     data: bytes | memoryview  # a view of the received message, where the wire allows
 
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
 
 @dataclass(frozen=True)
 class SparsePiece:
@@ -83,6 +87,10 @@ class SparsePiece:
     changed: int
     indices: bytes
     values: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.indices) + len(self.values)
 
 
 @dataclass(frozen=True)
@@ -523,6 +531,28 @@ class _Session:
         self.on_end()
 
 
+class _Pacer:
+    """Paces the reading of update streams while requests are being scored: at most
+    ``bytes_per_s`` in all (0: no limit), a token bucket over the bytes read. Reading a message
+    takes the interpreter lock for its copies in gRPC's receive path, and the device thread needs
+    that lock to launch each scoring kernel: unpaced, a push at full speed holds it most of the
+    time and scoring waits on it."""
+
+    def __init__(self, bytes_per_s: int, scoring: Callable[[], bool]) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._scoring = scoring
+        self._free_at = 0.0  # monotonic time at which the bytes read so far are paid for
+
+    async def pace(self, nbytes: int) -> None:
+        """Waits, while requests are being scored, until ``nbytes`` more may be read."""
+        now = time.monotonic()
+        if not self.bytes_per_s or not self._scoring():
+            self._free_at = now
+            return
+        self._free_at = max(self._free_at, now) + nbytes / self.bytes_per_s
+        await asyncio.sleep(self._free_at - now)
+
+
 class WeightUpdater:
     """Runs the weight updates of a server's models (asyncio side; the swap runs on the device thread)."""
 
@@ -533,6 +563,7 @@ class WeightUpdater:
         staging: Staging,
         *,
         join_group: JoinGroup | None = None,
+        bytes_per_s_while_scoring: int = 0,
         stats: StatsSink = NO_STATS,
     ) -> None:
         self._registry = registry
@@ -542,6 +573,7 @@ class WeightUpdater:
         self._stats = stats
         self._updating: set[str] = set()
         self._sessions: dict[str, _Session] = {}  # updates over several streams, by model
+        self._pacer = _Pacer(bytes_per_s_while_scoring, lambda: scheduler.scoring)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
         # Received pieces are written where they are staged on these, without the GIL, while the
         # event loop receives the next ones.
@@ -576,6 +608,7 @@ class WeightUpdater:
             if isinstance(message, TensorPiece | SparsePiece):
                 update.add_piece(message, stream)
                 await update.room()
+                await self._pacer.pace(message.nbytes)
             elif isinstance(message, Commit):
                 update.check_commit(stream, message)
                 return
