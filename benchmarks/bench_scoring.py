@@ -13,7 +13,8 @@ weights (transformers' normal(0, 0.02) init, seeded), bf16, SDPA, 16 sequences x
 5. this service in-process: ``OfflineScorer.score``, the server's queue, loop and device worker
    (body -> completion rows -> lm_head log-prob op: the fused Triton kernel on CUDA; also with the
    eager fp32 chunks, for comparison)
-6. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``
+6. this service through gRPC on loopback: the real ``grpc.aio`` server in this process, ``LogprobClient``;
+   with the server's defaults, and with ``max_wait_ms`` 0 (in-process scoring's setting)
 
 Each method: 2 warm-up runs, then ``--repeats`` timed runs, the device synchronized around each;
 the median wall time is reported. Peak memory: peak allocated bytes over the timed runs
@@ -313,6 +314,15 @@ def run_all(
     with LoopbackServer(settings, registry) as target, LogprobClient(target, timeout=600.0) as client:
         rows.append(
             run_method("service via gRPC (loopback)", lambda: service_grpc(client, batch), ref_packed, **common)
+        )
+    # The same with the idle device's wait for more work off, as in-process scoring runs it: what
+    # is left over the in-process row is the wire's alone.
+    no_wait = settings.model_copy(update={"max_wait_ms": 0.0})
+    with LoopbackServer(no_wait, registry) as target, LogprobClient(target, timeout=600.0) as client:
+        rows.append(
+            run_method(
+                "service via gRPC (loopback), max_wait_ms 0", lambda: service_grpc(client, batch), ref_packed, **common
+            )
         )
     scorer.close()
     eager.close()

@@ -3,16 +3,20 @@
 A server (this process; the real grpc.aio server on a background thread) holds a random model of
 the Qwen2.5-1.5B shape in bf16 (3.1 GB). A separate *pusher* process, the trainer's side, holds
 new random weights of the same shape in host memory and streams them with
-``LogprobClient.update_weights`` (tensor by tensor, ``--chunk-mib`` pieces). A separate *load*
-process scores GRPO-like requests back to back from several threads and records each latency.
+``LogprobClient.update_weights`` (tensor by tensor, ``--chunk-mib`` pieces, over ``--streams``
+calls at once, the client's defaults). A separate *load* process scores GRPO-like requests back
+to back from several threads and records each latency.
 
 Measured, in one run:
-  1. update alone, staged on the GPU and (forced by a huge staging reserve) on the host: GB/s
-     seen by the client, the server's total and swap time, and the peak device memory above
-     what was allocated before the update (the staged copy of the weights, when on the GPU);
+  1. update alone, staged on the GPU (over one stream, and over ``--streams``) and (forced by a
+     huge staging reserve) on the host: GB/s seen by the client, the server's total and swap
+     time, and the peak device memory above what was allocated before the update (the staged
+     copy of the weights, when on the GPU);
   2. sparse deltas (``update_weights(..., delta=True)``) of 2% of every tensor's elements: time,
      bytes sent, and both against the dense push;
-  3. scoring latency p50/p99 with no update, then while updates run back to back.
+  3. scoring latency p50/p99 with no update, then while updates run back to back: with the
+     server's default pacing of update streams while it scores
+     (``update_bytes_per_s_while_scoring``), then unpaced (a second server over the same model).
 
 Run: PYTHONPATH=service:client python3 benchmarks/bench_weights.py   (--tiny for a CPU smoke run)
 """
@@ -30,6 +34,7 @@ import numpy as np
 import torch
 from common import LoopbackServer, ModelShape, build_model
 from harness import peak_allocated, publish, reset_peak, run_environment
+from logprob_client.weights import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
@@ -46,9 +51,10 @@ DELTA_FRACTION = 0.02  # of each tensor's elements changed between two delta pus
 
 
 def pusher(target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], chunk_bytes: int, jobs, results) -> None:
-    """The trainer's side: new weights in host memory, pushed once per job received: "push" dense;
-    "delta" a sparse delta, after an untimed delta push that makes the server hold what the client
-    does, of ``DELTA_FRACTION`` of every tensor's elements changed (an RL step's small update)."""
+    """The trainer's side: new weights in host memory, pushed once per job received, a (kind,
+    streams) pair: "push" dense; "delta" a sparse delta, after an untimed delta push that makes
+    the server hold what the client does, of ``DELTA_FRACTION`` of every tensor's elements changed
+    (an RL step's small update)."""
     from logprob_client import LogprobClient
 
     torch.manual_seed(1)
@@ -56,15 +62,17 @@ def pusher(target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], ch
     with LogprobClient(target, timeout=600) as client:
         results.put("ready")
         while (job := jobs.get()) is not None:
-            delta = job == "delta"
+            kind, streams = job
+            delta = kind == "delta"
+            options = {"chunk_bytes": chunk_bytes, "streams": streams, "delta": delta}
             if delta:
-                client.update_weights(MODEL, weights, delta=True, chunk_bytes=chunk_bytes)
+                client.update_weights(MODEL, weights, **options)
                 for tensor in weights.values():
                     flat = tensor.view(-1)
                     where = torch.randint(flat.numel(), (max(1, int(DELTA_FRACTION * flat.numel())),))
                     flat[where] += 0.001
             start = time.perf_counter()
-            result = client.update_weights(MODEL, weights, chunk_bytes=chunk_bytes, delta=delta)
+            result = client.update_weights(MODEL, weights, **options)
             results.put((time.perf_counter() - start, result))
 
 
@@ -109,6 +117,7 @@ def load(target: str, vocab: int, lengths: tuple[int, int], threads: int, second
 @dataclass
 class Update:
     staged: str
+    streams: int
     seconds: float
     gbytes: float
     server_total_s: float
@@ -116,14 +125,59 @@ class Update:
     extra_gib: float
 
 
-def push_once(jobs, results, device: torch.device, staged: str, job: str = "push") -> Update:
+def push_once(jobs, results, device: torch.device, staged: str, streams: int, kind: str = "push") -> Update:
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     reset_peak(device)
-    jobs.put(job)
+    jobs.put((kind, streams))
     seconds, result = results.get(timeout=900)
     extra = (peak_allocated(device) - before) / GiB if device.type == "cuda" else float("nan")
     assert result.staged_on == staged, f"expected staging on {staged}, the server staged on {result.staged_on}"
-    return Update(staged, seconds, result.bytes / 1e9, result.total_s, result.swap_s, extra)
+    return Update(staged, streams, seconds, result.bytes / 1e9, result.total_s, result.swap_s, extra)
+
+
+class Pusher:
+    """A pusher process for the server at ``target``: ``with Pusher(...) as (jobs, results)``."""
+
+    def __init__(self, ctx, target: str, spec, chunk_bytes: int) -> None:
+        self.jobs, self.results = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=pusher, args=(target, spec, chunk_bytes, self.jobs, self.results))
+
+    def __enter__(self):
+        self.process.start()
+        assert self.results.get(timeout=600) == "ready"
+        return self.jobs, self.results
+
+    def __exit__(self, *exc: object) -> None:
+        self.jobs.put(None)
+        self.process.join()
+
+
+def load_lengths(shape: ModelShape) -> tuple[int, int]:
+    """Prompt and completion tokens of each sequence of the scoring load."""
+    return min(256, shape.max_positions // 4), min(512, shape.max_positions // 2)
+
+
+def load_phase(ctx, target: str, shape: ModelShape, args, updates=None) -> tuple[list[float], int]:
+    """Latencies of the scoring load over one phase, with ``updates`` (jobs, results) pushing
+    back to back meanwhile (None: no updates); and how many pushes went live during it."""
+    load_results = ctx.Queue()
+    proc = ctx.Process(
+        target=load, args=(target, shape.vocab, load_lengths(shape), args.load_threads, args.load_seconds, load_results)
+    )
+    proc.start()
+    pushed = 0
+    if updates is not None:
+        jobs, results = updates
+        end = time.perf_counter() + 1.0 + args.load_seconds
+        while time.perf_counter() < end:
+            jobs.put(("push", args.streams))
+            results.get(timeout=900)
+            pushed += 1
+    latencies = load_results.get(timeout=900)
+    if isinstance(latencies, BaseException):
+        raise RuntimeError("the scoring load failed") from latencies
+    proc.join()
+    return latencies, pushed
 
 
 def quantiles(latencies: list[float]) -> tuple[float, float, int]:
@@ -134,7 +188,10 @@ def quantiles(latencies: list[float]) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
-    parser.add_argument("--chunk-mib", type=float, default=16, help="update piece size (client side)")
+    parser.add_argument(
+        "--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / 2**20, help="update piece size (client side)"
+    )
+    parser.add_argument("--streams", type=int, default=DEFAULT_STREAMS, help="calls per push (client side)")
     parser.add_argument("--repeats", type=int, default=3, help="updates per staging mode")
     parser.add_argument("--load-seconds", type=float, default=20, help="each scoring-load phase")
     parser.add_argument("--load-threads", type=int, default=4)
@@ -151,50 +208,35 @@ def main() -> None:
     settings = Settings(host="127.0.0.1", port=0, metrics_port=0, models={MODEL: "random"}, device=str(device))
 
     ctx = mp.get_context("spawn")
-    jobs, results = ctx.Queue(), ctx.Queue()
-    with LoopbackServer(settings, registry) as target:
-        push_proc = ctx.Process(target=pusher, args=(target, spec, int(args.chunk_mib * 2**20), jobs, results))
-        push_proc.start()
-        assert results.get(timeout=600) == "ready"
-
-        updates = [push_once(jobs, results, device, str(device)) for _ in range(args.repeats)]
-        deltas = [push_once(jobs, results, device, str(device), "delta") for _ in range(args.repeats)]
+    chunk_bytes = int(args.chunk_mib * 2**20)
+    phases = {}
+    with LoopbackServer(settings, registry) as target, Pusher(ctx, target, spec, chunk_bytes) as updates:
+        jobs, results = updates
+        updates_done = [
+            push_once(jobs, results, device, str(device), streams)
+            for streams in sorted({1, args.streams})
+            for _ in range(args.repeats)
+        ]
+        deltas = [push_once(jobs, results, device, str(device), args.streams, "delta") for _ in range(args.repeats)]
         if device.type == "cuda":
-            server_settings = settings.model_copy(update={"update_staging_reserve_bytes": 10**15})
-            with LoopbackServer(server_settings, registry) as host_target:
-                # A second server on the same model, whose reserve forces host staging.
-                host_jobs, host_results = ctx.Queue(), ctx.Queue()
-                proc = ctx.Process(
-                    target=pusher, args=(host_target, spec, int(args.chunk_mib * 2**20), host_jobs, host_results)
-                )
-                proc.start()
-                assert host_results.get(timeout=600) == "ready"
-                updates += [push_once(host_jobs, host_results, device, "cpu") for _ in range(args.repeats)]
-                host_jobs.put(None)
-                proc.join()
+            # A second server on the same model, whose reserve forces host staging.
+            host_settings = settings.model_copy(update={"update_staging_reserve_bytes": 10**15})
+            with (
+                LoopbackServer(host_settings, registry) as host_target,
+                Pusher(ctx, host_target, spec, chunk_bytes) as q,
+            ):
+                updates_done += [push_once(*q, device, "cpu", args.streams) for _ in range(args.repeats)]
 
-        # Scoring latency: a phase without updates, then one with updates back to back.
-        phases = {}
-        for phase in ("no update", "updates running"):
-            load_results = ctx.Queue()
-            lengths = (min(256, shape.max_positions // 4), min(512, shape.max_positions // 2))
-            proc = ctx.Process(
-                target=load, args=(target, shape.vocab, lengths, args.load_threads, args.load_seconds, load_results)
-            )
-            proc.start()
-            pushed = []
-            if phase == "updates running":
-                end = time.perf_counter() + 1.0 + args.load_seconds
-                while time.perf_counter() < end:
-                    jobs.put("push")
-                    pushed.append(results.get(timeout=900))
-            latencies = load_results.get(timeout=900)
-            if isinstance(latencies, BaseException):
-                raise RuntimeError("the scoring load failed") from latencies
-            phases[phase] = (latencies, len(pushed))
-            proc.join()
-        jobs.put(None)
-        push_proc.join()
+        # Scoring latency: a phase without updates, one with updates back to back (paced as the
+        # server's settings say), and one with them unpaced, through a second server.
+        phases["no update"] = load_phase(ctx, target, shape, args)
+        rate = settings.update_bytes_per_s_while_scoring
+        phases[f"updates running, paced at {rate / 1e9:g} GB/s while scoring"] = load_phase(
+            ctx, target, shape, args, updates
+        )
+        unpaced = settings.model_copy(update={"update_bytes_per_s_while_scoring": 0})
+        with LoopbackServer(unpaced, registry) as free_target, Pusher(ctx, free_target, spec, chunk_bytes) as q:
+            phases["updates running, unpaced"] = load_phase(ctx, free_target, shape, args, q)
         final_version = registry.get(MODEL).info.version
 
     lines = [
@@ -203,20 +245,21 @@ def main() -> None:
         f"client pieces: {args.chunk_mib:g} MiB; pusher and scoring load in their own processes; "
         f"{final_version} updates went live in all",
         "",
-        "| staged on | client time (s) | GB/s | server total (s) | swap (s) | peak extra GPU memory (GiB) |",
-        "|---|---|---|---|---|---|",
+        "| staged on | streams | client time (s) | GB/s | server total (s) | swap (s) | peak extra GPU memory (GiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for u in updates:
+    for u in updates_done:
         lines.append(
-            f"| {u.staged} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | {u.server_total_s:.2f} | "
+            f"| {u.staged} | {u.streams} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | {u.server_total_s:.2f} | "
             f"{u.swap_s:.3f} | {u.extra_gib:.2f} |"
         )
-    dense = statistics.median(u.seconds for u in updates if u.staged == str(device))
+    dense = statistics.median(u.seconds for u in updates_done if (u.staged, u.streams) == (str(device), args.streams))
     dense_bytes = weights_gb * 1e9
     lines += [
         "",
         f"Sparse deltas: {DELTA_FRACTION:.0%} of every tensor's elements changed since the version the server "
-        f"holds; against the median dense push staged on {device} above ({dense:.2f} s)",
+        f"holds, pushed over {args.streams} streams; against the median dense push over as many staged on {device} "
+        f"above ({dense:.2f} s)",
         "",
         "| client time (s) | bytes sent (GB) | of the dense bytes | x faster than dense | server total (s) |",
         "|---|---|---|---|---|",
@@ -226,6 +269,7 @@ def main() -> None:
             f"| {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / dense_bytes:.1%} | {dense / u.seconds:.2f}x | "
             f"{u.server_total_s:.2f} |"
         )
+    lengths = load_lengths(shape)
     lines += [
         "",
         f"Scoring load: {args.load_threads} callers, each 4 x ({lengths[0]} prompt + {lengths[1]} completion) "

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient
+from logprob_service.api import tensor_pieces
+from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
+from logprob_service.worker import staging
 from peft import LoraConfig, get_peft_model
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
@@ -44,6 +47,27 @@ async def test_update_on_cuda_scores_as_a_fresh_model(tmp_path, reserve, rng):
             want = fresh.score(sequences)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w.logprobs, atol=1e-4, rtol=0)
+    finally:
+        await stop(running)
+
+
+@pytest.mark.parametrize("reserve", [0, 10**15], ids=["staged-on-gpu", "staged-on-host"])
+async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path, reserve, rng, monkeypatch):
+    """Pieces read as views of the received messages (no size floor here) and written through
+    4 KiB page-locked slots, 10,000-byte pieces over 3 streams: a piece spans several slots and
+    slots wrap mid-tensor. The weights that go live are the pushed ones, bit for bit (fingerprint)."""
+    monkeypatch.setattr(tensor_pieces, "MIN_VIEWED_BYTES", 0)
+    monkeypatch.setattr(staging, "SLOT_BYTES", 4096)
+    make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    new = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16)
+    running = await start(
+        settings({"policy": str(tmp_path)}, device="cuda", dtype="bfloat16", update_staging_reserve_bytes=reserve)
+    )
+    try:
+        async with AsyncLogprobClient(running.target, model="policy") as client:
+            result = await client.update_weights("policy", new.state_dict(), chunk_bytes=10_000, streams=3)
+        assert result.staged_on == ("cpu" if reserve else "cuda:0")
+        assert result.fingerprint == model_fingerprint(new)
     finally:
         await stop(running)
 
