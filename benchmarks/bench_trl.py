@@ -75,7 +75,7 @@ def save_policy(path: Path, dtype: torch.dtype, smoke: bool) -> None:
 
 def synchronize() -> None:
     if torch.cuda.is_available():
-        synchronize()
+        torch.cuda.synchronize()
 
 
 @dataclass

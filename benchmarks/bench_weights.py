@@ -14,9 +14,9 @@ Measured, in one run:
      copy of the weights, when on the GPU);
   2. sparse deltas (``update_weights(..., delta=True)``) of 2% of every tensor's elements: time,
      bytes sent, and both against the dense push;
-  3. scoring latency p50/p99 with no update, then while updates run back to back: with the
-     server's default pacing of update streams while it scores
-     (``update_bytes_per_s_while_scoring``), then unpaced (a second server over the same model).
+  3. scoring latency p50/p99 with no update, then while updates run back to back: with update
+     streams yielding to micro-batch launches (the server's default, ``update_yield_to_launches``),
+     then read at full speed (a second server over the same model).
 
 Run: PYTHONPATH=service:client python3 benchmarks/bench_weights.py   (--tiny for a CPU smoke run)
 """
@@ -227,16 +227,13 @@ def main() -> None:
             ):
                 updates_done += [push_once(*q, device, "cpu", args.streams) for _ in range(args.repeats)]
 
-        # Scoring latency: a phase without updates, one with updates back to back (paced as the
-        # server's settings say), and one with them unpaced, through a second server.
+        # Scoring latency: a phase without updates, one with updates back to back (yielding to
+        # launches, the default), and one with them read at full speed, through a second server.
         phases["no update"] = load_phase(ctx, target, shape, args)
-        rate = settings.update_bytes_per_s_while_scoring
-        phases[f"updates running, paced at {rate / 1e9:g} GB/s while scoring"] = load_phase(
-            ctx, target, shape, args, updates
-        )
-        unpaced = settings.model_copy(update={"update_bytes_per_s_while_scoring": 0})
-        with LoopbackServer(unpaced, registry) as free_target, Pusher(ctx, free_target, spec, chunk_bytes) as q:
-            phases["updates running, unpaced"] = load_phase(ctx, free_target, shape, args, q)
+        phases["updates running, yielding to launches"] = load_phase(ctx, target, shape, args, updates)
+        full_speed = settings.model_copy(update={"update_yield_to_launches": False})
+        with LoopbackServer(full_speed, registry) as free_target, Pusher(ctx, free_target, spec, chunk_bytes) as q:
+            phases["updates running, read at full speed"] = load_phase(ctx, free_target, shape, args, q)
         final_version = registry.get(MODEL).info.version
 
     lines = [

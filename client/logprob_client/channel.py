@@ -24,6 +24,10 @@ Everything here is gRPC's own machinery, set through channel options and the ser
   for pinging too often.
 - **Security.** TLS / mutual TLS credentials and the bearer token sent on every call
   (``security.py``).
+- **Weight pushes over several connections.** One HTTP/2 connection carries a push's parallel
+  streams no faster than one (measured on loopback: 1.6 GB/s either way, 2.3-2.6 GB/s over four
+  connections), so each stream of a push gets a connection of its own (``own_connection``),
+  ``pick_first``: every one reaches the same server, the first address the target resolves to.
 """
 
 from __future__ import annotations
@@ -48,14 +52,20 @@ KEEPALIVE_TIME_MS = 30_000
 
 
 def service_config(
-    max_attempts: int = 5, initial_backoff_s: float = INITIAL_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S
+    max_attempts: int = 5,
+    initial_backoff_s: float = INITIAL_BACKOFF_S,
+    max_backoff_s: float = MAX_BACKOFF_S,
+    *,
+    pick_first: bool = False,
 ) -> dict[str, Any]:
     """``round_robin`` over the addresses the target resolves to whose health service says
-    SERVING, and, for ``max_attempts`` >= 2, the retry policy of the unary RPCs."""
-    config: dict[str, Any] = {
-        "loadBalancingConfig": [{"round_robin": {}}],
-        "healthCheckConfig": {"serviceName": SERVICE},
-    }
+    SERVING (``pick_first``: the first address that connects, for a weight push's streams), and,
+    for ``max_attempts`` >= 2, the retry policy of the unary RPCs."""
+    config: dict[str, Any] = (
+        {"loadBalancingConfig": [{"pick_first": {}}]}
+        if pick_first
+        else {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE}}
+    )
     if max_attempts >= 2:  # gRPC's retry policy needs at least 2 attempts; 1 means no retries
         policy = {
             "maxAttempts": max_attempts,  # gRPC caps this at 5
@@ -78,12 +88,18 @@ def backoff_s(retry: int) -> float:
 
 
 def channel_options(
-    *, max_message_bytes: int = 256 * MiB, max_attempts: int = 5, extra: list[tuple[str, Any]] | None = None
+    *,
+    max_message_bytes: int = 256 * MiB,
+    max_attempts: int = 5,
+    extra: list[tuple[str, Any]] | None = None,
+    own_connection: bool = False,
 ) -> list[tuple[str, Any]]:
+    """The clients' channel options; ``own_connection``: a channel that shares no connection with
+    the others and keeps to one server (``pick_first``), for one stream of a weight push."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.service_config", json.dumps(service_config(max_attempts=max_attempts))),
+        ("grpc.service_config", json.dumps(service_config(max_attempts=max_attempts, pick_first=own_connection))),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging an idle connection (gRPC stops after 2)
@@ -97,6 +113,8 @@ def channel_options(
         ]
     else:
         options.append(("grpc.enable_retries", 0))
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))  # channels to one target share connections otherwise
     return options + list(extra or [])
 
 
@@ -169,10 +187,15 @@ class Connection:
         """The names of the TLS and token settings given (they cannot apply to a channel built elsewhere)."""
         return [f.name for f in fields(self) if f.name.startswith(("tls", "token")) and getattr(self, f.name)]
 
-    def open(self, target: str | Sequence[str], *, aio: bool) -> grpc.Channel | grpc.aio.Channel:
+    def open(
+        self, target: str | Sequence[str], *, aio: bool, own_connection: bool = False
+    ) -> grpc.Channel | grpc.aio.Channel:
         """A blocking (``aio=False``) or asyncio channel to one target or a list of replicas
-        (``channel_target``); plaintext, or TLS; sending the token on every call."""
-        merged = channel_options(max_attempts=self.max_attempts, extra=list(self.options))
+        (``channel_target``); plaintext, or TLS; sending the token on every call.
+        ``own_connection``: see ``channel_options``."""
+        merged = channel_options(
+            max_attempts=self.max_attempts, extra=list(self.options), own_connection=own_connection
+        )
         credentials = tls_credentials(
             tls=self.tls,
             ca_file=self.tls_ca_file,

@@ -149,11 +149,27 @@ class _Client:
                 f"{', '.join(self.connection.security())} cannot apply to a given channel: "
                 "pass them to open_channel(...) instead"
             )
+        self._target = None if channel is not None else target
         self._channel = channel if channel is not None else self.connection.open(target, aio=self._aio)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
-        self._update_weights = self._channel.stream_unary(
-            _UPDATE_WEIGHTS, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
-        )
+        # A push's streams, each on a connection of its own (``channel.py``), opened at the first
+        # push over several and kept; with a given channel, they share it.
+        self._push_channels: list[Any] = []
+
+    def _pushers(self, streams: int) -> list[Any]:
+        """The UpdateWeights callables of a push over ``streams`` calls, taking serialized messages."""
+        if streams == 1 or self._target is None:
+            channels = [self._channel] * streams
+        else:
+            while len(self._push_channels) < streams:
+                self._push_channels.append(self.connection.open(self._target, aio=self._aio, own_connection=True))
+            channels = self._push_channels[:streams]
+        return [
+            channel.stream_unary(
+                _UPDATE_WEIGHTS, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
+            )
+            for channel in channels
+        ]
 
     @property
     def max_attempts(self) -> int:
@@ -336,7 +352,7 @@ class LogprobClient(_Client):
     def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
         """The UpdateWeights calls of one push, made together (each stream is read on a thread of
         gRPC's); all answer alike, so the first is returned, or the first error raised."""
-        calls = [self._update_weights.future(stream, timeout=timeout) for stream in streams]
+        calls = [push.future(stream, timeout=timeout) for push, stream in zip(self._pushers(len(streams)), streams)]
         try:
             responses = [call.result() for call in calls]  # every call, not just the first
             return responses[0]
@@ -374,7 +390,8 @@ class LogprobClient(_Client):
         return UpdateResult.from_proto(self._call(self._stub.LoadWeights, request, timeout))
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in (self._channel, *self._push_channels):
+            channel.close()
 
     def __enter__(self) -> LogprobClient:
         return self
@@ -454,7 +471,7 @@ class AsyncLogprobClient(_Client):
 
     async def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
         """See ``LogprobClient._push`` (here each stream is read on the event loop)."""
-        calls = [self._update_weights(stream, timeout=timeout) for stream in streams]
+        calls = [push(stream, timeout=timeout) for push, stream in zip(self._pushers(len(streams)), streams)]
         try:
             return (await asyncio.gather(*calls))[0]
         except grpc.RpcError as err:
@@ -485,7 +502,8 @@ class AsyncLogprobClient(_Client):
         return UpdateResult.from_proto(await self._call(self._stub.LoadWeights, request, timeout))
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in (self._channel, *self._push_channels):
+            await channel.close()
 
     async def __aenter__(self) -> AsyncLogprobClient:
         return self

@@ -32,10 +32,11 @@ from logprob_proto import logprob_pb2 as pb
 
 from .errors import FailedPrecondition, LogprobError
 
-# 2 MiB pieces over 2 streams moved the most bytes through gRPC on loopback (H100 host, 16 cores:
-# 2.9-3.4 GB/s where one stream of 16 MiB pieces moved 1.1-1.3; benchmarks/RESULTS.md).
+# 2 MiB pieces over 4 streams, each on a connection of its own, moved the most bytes through gRPC
+# on loopback (H100 hosts, 16 cores: 2.3-2.6 GB/s, where one stream of 16 MiB pieces moved 1.1-1.3
+# and 4 streams over one connection 1.6; benchmarks/RESULTS.md).
 DEFAULT_CHUNK_BYTES = 2 * 1024**2
-DEFAULT_STREAMS = 2
+DEFAULT_STREAMS = 4
 T = TypeVar("T")
 R = TypeVar("R")
 

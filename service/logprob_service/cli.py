@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         help_text = (
             f"{field.description} [env LOGPROB_{name.upper()}; default: {field.get_default(call_default_factory=True)}]"
-        )
+        ).replace("%", "%%")  # argparse formats help with %: a literal "0.3%" broke --help
         if field.annotation is bool:
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
         else:

@@ -259,13 +259,12 @@ class Settings(BaseSettings):
             "memory stays free, else in host memory."
         ),
     )
-    update_bytes_per_s_while_scoring: int = Field(
-        500_000_000,
-        ge=0,
+    update_yield_to_launches: bool = Field(
+        True,
         description=(
-            "While requests are being scored, UpdateWeights streams are read at most this fast (bytes/s, all "
-            "together; 0: no limit): receiving takes the server's one Python interpreter lock, which the "
-            "device thread needs to launch scoring. Idle, they are read as fast as they come."
+            "UpdateWeights streams are not read while a micro-batch is being launched (each message at most "
+            "0.1 s later): receiving holds the server's one Python interpreter lock, which the device thread "
+            "needs for every kernel it launches, so scoring latency holds during pushes."
         ),
     )
     max_version_wait_s: float = Field(

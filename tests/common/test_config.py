@@ -117,3 +117,14 @@ def test_invalid_settings_name_the_field(overrides, field):
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.yaml"):
         load_settings(tmp_path / "nope.yaml")
+
+
+def test_serve_help_lists_every_flag(capsys):
+    """argparse formats help texts with %: a setting whose description has a literal % once broke --help."""
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["serve", "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    for name in Settings.model_fields:
+        if name != "models" and name not in ENV_ONLY_SETTINGS:
+            assert "--" + name.replace("_", "-") in shown, name

@@ -95,7 +95,7 @@ class Service:
             scheduler,
             staging,
             join_group=WeightGroup,
-            bytes_per_s_while_scoring=settings.update_bytes_per_s_while_scoring,
+            yield_to_launches=settings.update_yield_to_launches,
             stats=stats,
         )
         return cls(settings, devices, registry, executors, scheduler, updater, ServingState(), tokens, build=build)

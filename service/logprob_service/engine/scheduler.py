@@ -26,6 +26,7 @@ executors do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -135,15 +136,20 @@ class Scheduler:
         self._last_arrival_ns = 0
         self._max_version_wait_s = max_version_wait_s
         self._wake = asyncio.Event()
+        self._not_launching = asyncio.Event()
+        self._not_launching.set()
         self._loop_task: asyncio.Task[None] | None = None
         self._swaps: dict[str, _Swap] = {}  # model -> its pending weight swap
         self._version_changed = asyncio.Condition()
         stats.record(Limits(max_batch_tokens, max_batch_sequences, max_queued_tokens))
 
-    @property
-    def scoring(self) -> bool:
-        """Whether requests are queued or being scored."""
-        return bool(self._in_flight()) or self.queue.first_eligible(()) is not None
+    async def between_launches(self, max_wait_s: float) -> None:
+        """Returns when no micro-batch is being launched (or after ``max_wait_s``): a device
+        thread launching one runs Python for each kernel, and anything else that holds the
+        interpreter lock meanwhile (reading a weight push) delays it."""
+        if not self._not_launching.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._not_launching.wait(), max_wait_s)
 
     @property
     def pending_swaps(self) -> set[str]:
@@ -298,6 +304,7 @@ class Scheduler:
         shared = sum(s.num_tokens for s in sequences) - batch.tokens
         for request in batch.requests:
             request.first_launch_ns = request.first_launch_ns or batch.start_ns
+        self._not_launching.clear()
         try:
             served = self._registry.replicas(key.model)[lane.index]
             device = str(served.device)
@@ -311,6 +318,8 @@ class Scheduler:
             )
         except Exception as err:
             batch.error = err
+        finally:
+            self._not_launching.set()
         return batch
 
     async def _finish(self, batch: _Launched, lane: _Lane) -> None:

@@ -467,6 +467,9 @@ def _settle(target: concurrent.futures.Future[Any], source: concurrent.futures.F
 
 # How long the streams of one update have to arrive, counted from the first.
 STREAMS_JOIN_S = 30.0
+# An update stream yielding to micro-batch launches (``yield_to_launches``) reads its next message
+# after at most this long, so that it goes on, slowly, even when launches follow each other.
+LAUNCH_YIELD_MAX_S = 0.1
 
 
 class _Session:
@@ -531,28 +534,6 @@ class _Session:
         self.on_end()
 
 
-class _Pacer:
-    """Paces the reading of update streams while requests are being scored: at most
-    ``bytes_per_s`` in all (0: no limit), a token bucket over the bytes read. Reading a message
-    takes the interpreter lock for its copies in gRPC's receive path, and the device thread needs
-    that lock to launch each scoring kernel: unpaced, a push at full speed holds it most of the
-    time and scoring waits on it."""
-
-    def __init__(self, bytes_per_s: int, scoring: Callable[[], bool]) -> None:
-        self.bytes_per_s = bytes_per_s
-        self._scoring = scoring
-        self._free_at = 0.0  # monotonic time at which the bytes read so far are paid for
-
-    async def pace(self, nbytes: int) -> None:
-        """Waits, while requests are being scored, until ``nbytes`` more may be read."""
-        now = time.monotonic()
-        if not self.bytes_per_s or not self._scoring():
-            self._free_at = now
-            return
-        self._free_at = max(self._free_at, now) + nbytes / self.bytes_per_s
-        await asyncio.sleep(self._free_at - now)
-
-
 class WeightUpdater:
     """Runs the weight updates of a server's models (asyncio side; the swap runs on the device thread)."""
 
@@ -563,7 +544,7 @@ class WeightUpdater:
         staging: Staging,
         *,
         join_group: JoinGroup | None = None,
-        bytes_per_s_while_scoring: int = 0,
+        yield_to_launches: bool = False,
         stats: StatsSink = NO_STATS,
     ) -> None:
         self._registry = registry
@@ -573,7 +554,7 @@ class WeightUpdater:
         self._stats = stats
         self._updating: set[str] = set()
         self._sessions: dict[str, _Session] = {}  # updates over several streams, by model
-        self._pacer = _Pacer(bytes_per_s_while_scoring, lambda: scheduler.scoring)
+        self._yield_to_launches = yield_to_launches
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
         # Received pieces are written where they are staged on these, without the GIL, while the
         # event loop receives the next ones.
@@ -602,13 +583,17 @@ class WeightUpdater:
     ) -> None:
         """One stream's tensors, up to its commit (checked)."""
         stream = _Stream()
-        async for message in messages:
+        while True:
+            if self._yield_to_launches:
+                await self._scheduler.between_launches(LAUNCH_YIELD_MAX_S)
+            message = await anext(messages, None)
+            if message is None:
+                break
             if session is not None:
                 session.check()
             if isinstance(message, TensorPiece | SparsePiece):
                 update.add_piece(message, stream)
                 await update.room()
-                await self._pacer.pace(message.nbytes)
             elif isinstance(message, Commit):
                 update.check_commit(stream, message)
                 return
