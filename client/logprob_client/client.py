@@ -153,12 +153,12 @@ class _Client:
         self._channel = channel if channel is not None else self.connection.open(target, aio=self._aio)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
         # A push's streams, each on a connection of its own (``channel.py``), opened at the first
-        # push over several and kept; with a given channel, they share it.
+        # push that needs them and kept; with a given channel, they share it.
         self._push_channels: list[Any] = []
 
     def _pushers(self, streams: int) -> list[Any]:
         """The UpdateWeights callables of a push over ``streams`` calls, taking serialized messages."""
-        if streams == 1 or self._target is None:
+        if self._target is None:
             channels = [self._channel] * streams
         else:
             while len(self._push_channels) < streams:

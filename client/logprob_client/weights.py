@@ -97,9 +97,9 @@ _DATA_TAG = b"\x2a"  # TensorChunk.data: field 5, length-delimited
 
 def dense_piece(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: memoryview) -> bytes:
     """A dense piece's UpdateWeightsRequest, serialized: the bytes protobuf writes for it (fields in
-    number order, ``data`` last), made with one copy of ``data``."""
+    number order, ``data`` last, and left out when empty), made with one copy of ``data``."""
     fields = pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset).SerializeToString()
-    data_head = _DATA_TAG + _varint(len(data))
+    data_head = _DATA_TAG + _varint(len(data)) if len(data) else b""
     return b"".join((_TENSOR_TAG, _varint(len(fields) + len(data_head) + len(data)), fields, data_head, data))
 
 

@@ -329,8 +329,12 @@ class _Update:
 
     async def room(self) -> None:
         """Waits while more than ``WRITES_IN_FLIGHT`` pieces are still being written (raising a
-        write's error): the stream is read no faster than its bytes reach their place."""
-        while len(self.writes) > WRITES_IN_FLIGHT or (self.writes and self.writes[0].done()):
+        write's error): the stream is read no faster than its bytes reach their place. Writes
+        already done are taken without a trip through the event loop: at 2 MiB a message, one
+        more await per message cost as much as gRPC's receiving."""
+        while self.writes and self.writes[0].done():
+            self.writes.popleft().result()
+        while len(self.writes) > WRITES_IN_FLIGHT:
             await asyncio.wrap_future(self.writes.popleft())
 
     def _check_base(self, name: str) -> None:
@@ -467,6 +471,8 @@ def _settle(target: concurrent.futures.Future[Any], source: concurrent.futures.F
 
 # How long the streams of one update have to arrive, counted from the first.
 STREAMS_JOIN_S = 30.0
+# Updates over several streams remembered once ended, so that a stream coming late gets its answer.
+ENDED_SESSIONS_KEPT = 64
 # An update stream yielding to micro-batch launches (``yield_to_launches``) reads its next message
 # after at most this long, so that it goes on, slowly, even when launches follow each other.
 LAUNCH_YIELD_MAX_S = 0.1
@@ -482,6 +488,7 @@ class _Session:
         self.outcome: asyncio.Future[UpdateOutcome] = asyncio.get_running_loop().create_future()
         self._timer = asyncio.get_running_loop().call_later(STREAMS_JOIN_S, self._check_joined)
         self.on_end: Callable[[], None] = lambda: None  # releases the model's update slot
+        self.commit: asyncio.Future[UpdateOutcome] | None = None  # the swap, once every stream committed
 
     def join(self, header: UpdateHeader) -> None:
         """Another stream of the update. One too many is refused alone; one whose header differs
@@ -514,9 +521,15 @@ class _Session:
         if self.outcome.done() and self.outcome.exception() is not None:
             raise self.outcome.exception()  # type: ignore[misc]
 
-    def succeed(self, outcome: UpdateOutcome) -> None:
-        self.outcome.set_result(outcome)
-        self.end()
+    def settle(self, commit: asyncio.Future[UpdateOutcome]) -> None:
+        """The commit is done: its outcome, or its failure, is every stream's answer."""
+        if commit.cancelled():
+            self.fail(Aborted(f"update {self.header.update_id!r}: its commit was cancelled (the server stopping)"))
+        elif (error := commit.exception()) is not None:
+            self.fail(error)
+        elif not self.outcome.done():
+            self.outcome.set_result(commit.result())
+            self.end()
 
     def fail(self, error: BaseException) -> None:
         """The update fails for every stream: ``error`` becomes each stream's answer."""
@@ -554,6 +567,7 @@ class WeightUpdater:
         self._stats = stats
         self._updating: set[str] = set()
         self._sessions: dict[str, _Session] = {}  # updates over several streams, by model
+        self._ended: collections.OrderedDict[str, _Session] = collections.OrderedDict()  # by update_id
         self._yield_to_launches = yield_to_launches
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
         # Received pieces are written where they are staged on these, without the GIL, while the
@@ -610,6 +624,9 @@ class WeightUpdater:
             raise InvalidArgument(f"header.update_id: empty; an update over {header.streams} streams needs an id")
         name = self._registry.replicas(header.model)[0].info.name
         session = self._sessions.get(name)
+        if (ended := self._ended.get(header.update_id)) is not None:
+            ended.check()  # a stream that comes after its update failed gets the update's failure
+            raise InvalidArgument(f"header.update_id: update {header.update_id!r} already went live")
         if session is not None and session.header.update_id == header.update_id:
             session.join(header)
         else:
@@ -620,13 +637,19 @@ class WeightUpdater:
             await self._receive(session.update, messages, session)
             session.committed += 1
             if session.committed == header.streams:
-                session.succeed(await self._commit(session.update, session.start_ns))
+                # A task of its own: the update is whole, and goes live even if this stream's
+                # call is cancelled meanwhile (every stream is then answered with the outcome).
+                session.commit = asyncio.ensure_future(self._commit(session.update, session.start_ns))
+                session.commit.add_done_callback(session.settle)
         except BaseException as err:
             session.fail(err)  # the other streams' answer; this one's is its own error
             raise
         return await asyncio.shield(session.outcome)
 
     def _end_session(self, name: str, session: _Session) -> None:
+        self._ended[session.header.update_id] = session
+        while len(self._ended) > ENDED_SESSIONS_KEPT:
+            self._ended.popitem(last=False)
         if self._sessions.get(name) is session:
             del self._sessions[name]
             self._end_update(name)

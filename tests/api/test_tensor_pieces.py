@@ -1,0 +1,258 @@
+"""UpdateWeights requests read with a dense piece's bytes as a view of the received message
+(``api.tensor_pieces.read_update_request``): the same fields as protobuf's parse, the bytes not
+copied, every other message parsed by protobuf, and malformed bytes refused as protobuf refuses
+them (``DecodeError``, which ``api.malformed`` turns into INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+from logprob_client.weights import dense_piece
+from logprob_proto import logprob_pb2 as pb
+from logprob_service.api.tensor_pieces import MIN_VIEWED_BYTES, DensePiece, read_update_request
+
+
+def varint(value: int) -> bytes:
+    """protobuf's base-128 varint (written here, not taken from the code under test)."""
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def framed(chunk: bytes) -> bytes:
+    """An UpdateWeightsRequest whose tensor field holds ``chunk`` (a TensorChunk's bytes), by hand."""
+    return b"\x12" + varint(len(chunk)) + chunk
+
+
+def as_request(read: pb.UpdateWeightsRequest | DensePiece) -> pb.UpdateWeightsRequest:
+    """What ``read_update_request`` returned, as the message protobuf's parse would be."""
+    if isinstance(read, pb.UpdateWeightsRequest):
+        return read
+    chunk = pb.TensorChunk()
+    chunk.CopyFrom(read.chunk)
+    chunk.data = bytes(read.data)
+    return pb.UpdateWeightsRequest(tensor=chunk)
+
+
+def random_bytes(rng: np.random.Generator, n: int) -> bytes:
+    return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "offset", "nbytes"),
+    [
+        ("model.embed_tokens.weight", (517, 64), 0, MIN_VIEWED_BYTES),  # the message just over the line
+        ("model.layers.0.self_attn.q_proj.weight", (4096, 4096), 12_345_678, 2 * 1024**2),
+        ("w" * 300, (1 << 40,), (1 << 40) - 100_000, 100_000),
+        ("lm_head.weight", (3, 5, 7, 11, 13), 0, MIN_VIEWED_BYTES - 20),  # the message over, the data under
+    ],
+)
+def test_a_large_dense_piece_is_read_as_a_view_of_the_message(name, shape, offset, nbytes, rng):
+    data = random_bytes(rng, nbytes)
+    raw = dense_piece(name, "bfloat16", shape, offset, memoryview(data))
+    assert len(raw) >= MIN_VIEWED_BYTES
+    read = read_update_request(raw)
+    assert isinstance(read, DensePiece)
+    expected = pb.UpdateWeightsRequest.FromString(raw)
+    assert read.chunk.name == name and read.chunk.dtype == "bfloat16"
+    assert tuple(read.chunk.shape) == shape and read.chunk.offset == offset
+    assert not read.chunk.changed and not read.chunk.indices
+    assert isinstance(read.data, memoryview) and read.data.obj is raw, "a view of the received bytes, not a copy"
+    assert read.data.nbytes == nbytes and read.data == data
+    assert as_request(read) == expected
+    assert not read.chunk.data  # the data is not in the chunk as well (no copy there either)
+
+
+def test_a_dense_piece_written_by_protobuf_is_read_as_a_view(rng):
+    data = random_bytes(rng, 80_000)
+    chunk = pb.TensorChunk(name="w", dtype="float32", shape=[20_000], offset=4, data=data)
+    raw = pb.UpdateWeightsRequest(tensor=chunk).SerializeToString()
+    read = read_update_request(raw)
+    assert isinstance(read, DensePiece) and read.data.obj is raw and read.data == data
+    assert as_request(read) == pb.UpdateWeightsRequest.FromString(raw)
+
+
+def small_and_other_messages(rng: np.random.Generator) -> dict[str, bytes]:
+    """Messages that protobuf must parse: under MIN_VIEWED_BYTES, not a tensor, or not a dense
+    piece with its data last."""
+    header = pb.UpdateWeightsHeader(model="policy", version=3, partial=True, base_version=2, streams=3, update_id="x")
+    big_data = random_bytes(rng, 100_000)
+    name = b"\x0a\x01w"  # TensorChunk.name = "w"
+    dtype = b"\x12\x07float32"
+    shape = b"\x1a\x03" + varint(25_000)  # packed [25000]
+    data_field = b"\x2a" + varint(len(big_data)) + big_data
+
+    sparse_values = random_bytes(rng, 40_000)
+    sparse_indices = np.sort(rng.choice(1 << 20, 10_000, replace=False)).astype("<u4").tobytes()
+    sparse = pb.TensorChunk(
+        name="w", dtype="float32", shape=[1 << 20], offset=7, changed=10_007, indices=sparse_indices, data=sparse_values
+    )
+    # The sparse piece with its data written last by hand (protobuf writes indices, field 7, last).
+    sparse_data_last = framed(
+        b"".join(
+            [
+                name,
+                dtype,
+                b"\x1a\x03" + varint(1 << 20),  # shape
+                b"\x20\x07",  # offset 7
+                b"\x30" + varint(10_007),  # changed
+                b"\x3a" + varint(len(sparse_indices)) + sparse_indices,
+                b"\x2a" + varint(len(sparse_values)) + sparse_values,
+            ]
+        )
+    )
+    return {
+        "small-dense": dense_piece("w", "float32", (100,), 0, memoryview(random_bytes(rng, 400))),
+        "dense-just-under": dense_piece("w", "float32", (1 << 20,), 0, memoryview(random_bytes(rng, 65_000))),
+        "header": pb.UpdateWeightsRequest(header=header).SerializeToString(),
+        "header-large": pb.UpdateWeightsRequest(
+            header=pb.UpdateWeightsHeader(model="m" * 70_000, streams=2, update_id="y" * 10)
+        ).SerializeToString(),
+        "commit": pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=12)).SerializeToString(),
+        "empty": b"",
+        "sparse-small": pb.UpdateWeightsRequest(
+            tensor=pb.TensorChunk(
+                name="w", dtype="float32", shape=[64], changed=2, indices=b"\1\0\0\0\5\0\0\0", data=b"12345678"
+            )
+        ).SerializeToString(),
+        "sparse-large": pb.UpdateWeightsRequest(tensor=sparse).SerializeToString(),
+        "sparse-data-last": sparse_data_last,
+        "data-first": framed(data_field + name + dtype + shape),
+        "data-then-unknown-field": framed(name + dtype + shape + data_field + b"\x78\x01"),  # field 15 after
+        "data-twice": framed(name + b"\x2a\x03abc" + dtype + shape + data_field),  # the last data wins
+        "no-data": framed(name * 10_000 + dtype + shape),
+        "tensor-then-commit": framed(name + dtype + shape + data_field) + b"\x1a\x02\x08\x01",
+        "header-then-tensor": pb.UpdateWeightsRequest(header=header).SerializeToString()
+        + framed(name + dtype + shape + data_field),  # a oneof: the last field wins
+    }
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "small-dense",
+        "dense-just-under",
+        "header",
+        "header-large",
+        "commit",
+        "empty",
+        "sparse-small",
+        "sparse-large",
+        "sparse-data-last",
+        "data-first",
+        "data-then-unknown-field",
+        "no-data",
+        "tensor-then-commit",
+    ],
+)
+def test_other_messages_are_parsed_by_protobuf(kind, rng):
+    raw = small_and_other_messages(rng)[kind]
+    read = read_update_request(raw)
+    assert isinstance(read, pb.UpdateWeightsRequest), type(read)
+    assert read == pb.UpdateWeightsRequest.FromString(raw)
+    if kind.startswith("sparse"):
+        assert read.tensor.changed > 0 and read.tensor.indices
+
+
+@pytest.mark.parametrize("kind", ["data-twice", "header-then-tensor"])
+def test_messages_read_either_way_are_what_protobuf_reads(kind, rng):
+    """Where a dense piece is read as a view although it is not quite protobuf's own writing, it
+    still reads as protobuf reads it."""
+    raw = small_and_other_messages(rng)[kind]
+    read = read_update_request(raw)
+    assert isinstance(read, DensePiece) == (kind == "data-twice"), type(read)
+    assert as_request(read) == pb.UpdateWeightsRequest.FromString(raw)
+
+
+def outcome(read, raw: bytes):
+    """What reading ``raw`` with ``read`` comes to: the message, or that it raised DecodeError
+    (any other exception propagates, and fails the test)."""
+    try:
+        return as_request(read(raw)).SerializeToString(deterministic=True)
+    except DecodeError:
+        return DecodeError
+
+
+def test_truncated_large_dense_pieces_raise_decode_error(rng):
+    data = random_bytes(rng, 70_000)
+    raw = dense_piece("model.norm.weight", "float32", (1 << 20,), 4096, memoryview(data))
+    head = len(raw) - len(data)
+    cuts = [len(raw) - 1, len(raw) - 1000, head, head - 1, *range(1, head), *rng.integers(head, len(raw), 20).tolist()]
+    for cut in cuts:
+        with pytest.raises(DecodeError):
+            pb.UpdateWeightsRequest.FromString(raw[:cut])  # protobuf refuses it ...
+        with pytest.raises(DecodeError):
+            read_update_request(raw[:cut])  # ... and so does the reader, with the same exception
+
+
+def corruptions(rng: np.random.Generator, raw: bytes, head: int, n: int):
+    """``n`` corruptions of ``raw`` in its first ``head`` bytes (where the fields are) or its end:
+    a byte changed, removed, inserted, or appended."""
+    for _ in range(n):
+        b = bytearray(raw)
+        where = int(rng.integers(0, head)) if rng.random() < 0.85 else len(b) - 1 - int(rng.integers(0, 4))
+        what = int(rng.integers(0, 4))
+        if what == 0:
+            b[where] = int(rng.integers(0, 256))
+        elif what == 1:
+            del b[where]
+        elif what == 2:
+            b.insert(where, int(rng.integers(0, 256)))
+        else:
+            b += bytes(rng.integers(0, 256, int(rng.integers(1, 4)), dtype=np.uint8))
+        yield bytes(b)
+
+
+def test_corrupt_messages_read_as_protobuf_reads_them(rng):
+    """Each corrupt message: both readers raise DecodeError, or both read the same message; never
+    another exception."""
+    data = random_bytes(rng, 70_000)
+    messages = [
+        (dense_piece("model.layers.0.mlp.down_proj.weight", "float32", (64, 96), 0, memoryview(data)), len(data)),
+        (dense_piece("x", "bfloat16", (1 << 30,), (1 << 33) + 17, memoryview(data)), len(data)),
+        (dense_piece("w", "float16", (40,), 0, memoryview(data[:80])), 80),  # a small one: protobuf reads it
+    ]
+    decode_errors = views = 0
+    for raw, ndata in messages:
+        head = len(raw) - ndata + 4  # the fields, the data's tag and length, and its first bytes
+        for bad in corruptions(rng, raw, head, 300):
+            want = outcome(pb.UpdateWeightsRequest.FromString, bad)
+            assert outcome(read_update_request, bad) == want, bad[:head].hex()
+            decode_errors += want is DecodeError
+            views += want is not DecodeError and isinstance(read_update_request(bad), DensePiece)
+    assert decode_errors > 100 and views > 30, (decode_errors, views)  # both kinds of outcome were tried
+
+
+def data_field(n: int) -> bytes:
+    return b"\x2a" + varint(n) + bytes(range(256)) * (n // 256) + bytes(n % 256)
+
+
+MALFORMED = {
+    "long-length": b"\x12" + b"\xff" * 10 + b"\x01" + bytes(MIN_VIEWED_BYTES),  # a varint of 11 bytes
+    "long-tag": framed(b"\xff" * 12 + b"\x01" + data_field(MIN_VIEWED_BYTES)),
+    "group": framed(b"\x0b" + data_field(MIN_VIEWED_BYTES)),  # wire type 3: a group's start, never ended
+    "wire-type-7": framed(b"\x0f" + data_field(MIN_VIEWED_BYTES)),
+    "field-0": framed(b"\x02\x00" + data_field(MIN_VIEWED_BYTES)),  # field number 0, before a data field last
+    "bad-utf8": framed(b"\x0a\x02\xc3\x28" + data_field(MIN_VIEWED_BYTES)),  # the name is not UTF-8
+    "length-past-end": framed(b"\x0a\x01w" + data_field(MIN_VIEWED_BYTES))[:-1],
+    "data-past-end": b"\x12"
+    + varint(MIN_VIEWED_BYTES + 10)
+    + b"\x2a"
+    + varint(MIN_VIEWED_BYTES + 20)
+    + bytes(MIN_VIEWED_BYTES),
+    "fixed64-past-end": framed(data_field(MIN_VIEWED_BYTES) + b"\x79\x00\x00"),  # field 15, 8 bytes: 2 come
+}
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED))
+def test_malformed_large_messages_raise_decode_error_as_protobuf_does(kind):
+    raw = MALFORMED[kind]
+    assert len(raw) >= MIN_VIEWED_BYTES
+    with pytest.raises(DecodeError):
+        pb.UpdateWeightsRequest.FromString(raw)
+    with pytest.raises(DecodeError):
+        read_update_request(raw)

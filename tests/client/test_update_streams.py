@@ -1,0 +1,283 @@
+"""A push spread over several UpdateWeights calls, without a server: ``dense_piece`` frames a piece
+byte for byte as protobuf would, ``split`` deals tensors to calls of about equal size, and the
+calls of ``update_streams`` (dense) and ``WeightDeltas.update_streams`` (deltas) carry every tensor
+exactly once, each call with the update's one header and a commit counting its own tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from logprob_client.weights import WeightDeltas, dense_piece, split, update_streams
+from logprob_proto import logprob_pb2 as pb
+
+from tests.helpers.calls import parsed
+
+
+def protobuf_piece(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: bytes) -> bytes:
+    chunk = pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset, data=data)
+    return pb.UpdateWeightsRequest(tensor=chunk).SerializeToString()
+
+
+# (name, dtype, shape, offset, data bytes): lengths around the varints' 1/2/3-byte steps (128, 16384)
+# for data, and so for the whole chunk; offsets of 0 (not written), 1, 2 and 3 varint bytes, and 8.
+PIECES = [
+    ("w", "float32", (1,), 0, 4),
+    ("model.layers.0.mlp.up_proj.weight", "bfloat16", (96, 64), 128, 100),
+    ("model.norm.weight", "float32", (64,), 0, 127),
+    ("a", "float16", (64,), 2, 128),
+    ("model.embed_tokens.weight", "float32", (517, 64), 16_384, 16_383),
+    ("b", "bfloat16", (3, 5, 7, 11), 1_000_000, 16_384),
+    ("c" * 200, "float32", (1 << 20,), (1 << 40) + 3, 16_385),  # a name of 200 bytes: a 2-byte length
+    ("lm_head.weight", "float32", (517, 64), 517 * 64 * 4 - 70_000, 70_000),
+    ("big", "float32", (1 << 22,), 0, (1 << 21) + 1),  # data of a 3-byte length, the chunk's too
+]
+
+
+@pytest.mark.parametrize(("name", "dtype", "shape", "offset", "nbytes"), PIECES, ids=[str(p[4]) for p in PIECES])
+def test_dense_piece_is_protobufs_serialization(name, dtype, shape, offset, nbytes, rng):
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    framed = dense_piece(name, dtype, shape, offset, memoryview(data))
+    assert framed == protobuf_piece(name, dtype, shape, offset, data)
+    message = pb.UpdateWeightsRequest.FromString(framed)
+    assert message.tensor.data == data and message.tensor.offset == offset and tuple(message.tensor.shape) == shape
+
+
+def test_dense_piece_of_a_view_into_a_larger_buffer(rng):
+    """The client hands it slices of a tensor's bytes: only the slice is framed."""
+    whole = rng.integers(0, 256, 50_000, dtype=np.uint8)
+    view = memoryview(whole)[12_345:40_000]
+    framed = dense_piece("w", "float32", (12_500,), 12_345, view)
+    assert framed == protobuf_piece("w", "float32", (12_500,), 12_345, whole[12_345:40_000].tobytes())
+
+
+def test_dense_piece_of_empty_data_is_protobufs_serialization():
+    """An empty tensor is sent as one piece of no bytes. proto3 writes no empty ``bytes`` field
+    (``data`` has no presence): protobuf's serialization ends after ``shape``/``offset``."""
+    framed = dense_piece("empty", "float32", (0, 4), 0, memoryview(b""))
+    assert pb.UpdateWeightsRequest.FromString(framed) == pb.UpdateWeightsRequest.FromString(
+        protobuf_piece("empty", "float32", (0, 4), 0, b"")
+    )  # read back alike ...
+    assert framed == protobuf_piece("empty", "float32", (0, 4), 0, b"")  # ... and written alike
+
+
+def check_split(sizes: list[int], streams: int, groups: list[list[int]]) -> None:
+    """The contract of ``split``, stated independently of how it deals."""
+    assert len(groups) == max(1, min(streams, len(sizes)))
+    assert sorted(i for group in groups for i in group) == list(range(len(sizes))), "every index exactly once"
+    assert all(group == sorted(group) for group in groups), "each group in the order given"
+    if sizes and min(sizes) > 0:
+        assert all(groups), "no empty group while there are tensors of some bytes to deal"
+    if sizes:
+        totals = [sum(sizes[i] for i in group) for group in groups]
+        assert max(totals) - min(totals) <= max(sizes), (totals, sizes)
+
+
+@pytest.mark.parametrize("trial", range(30))
+def test_split_random_sizes(trial, rng):
+    sizes = rng.integers(0, 1 << int(rng.integers(1, 30)), int(rng.integers(1, 60))).tolist()
+    streams = int(rng.integers(1, 9))
+    check_split(sizes, streams, split(sizes, streams))
+
+
+def test_split_a_model_like_list_of_sizes():
+    # An embedding and head, and many small and middling layers: the big two go to different groups.
+    sizes = [517 * 64 * 4] + [64 * 4, 64 * 96 * 4, 64 * 96 * 4, 96 * 64 * 4, 64 * 64 * 4] * 6 + [517 * 64 * 4]
+    for streams in (1, 2, 3, 4, 8):
+        groups = split(sizes, streams)
+        check_split(sizes, streams, groups)
+        if streams > 1:
+            assert not any({0, len(sizes) - 1} <= set(group) for group in groups)
+
+
+def test_split_fewer_sizes_than_streams_gives_fewer_groups():
+    assert split([5, 7], 4) == [[1], [0]]
+    assert split([3], 2) == [[0]]
+    assert len(split([0, 0, 0], 8)) == 3
+    assert split([], 3) == [[]]  # one call: a header and a commit of nothing
+    check_split([9, 1, 1], 1, split([9, 1, 1], 1))
+    assert split([9, 1, 1], 1) == [[0, 1, 2]]
+
+
+def test_split_of_empty_tensors_may_leave_groups_empty():
+    """Sizes of 0 all go to the first group with the least (0): the other groups get nothing, and
+    their calls carry a header and a commit of no tensors. Allowed; checked so that a change shows."""
+    groups = split([0, 0, 0], 3)
+    check_split([0, 0, 0], 3, groups)
+    assert sum(map(len, groups)) == 3
+
+
+def test_split_equal_sizes_keep_their_order():
+    groups = split([4] * 10, 3)
+    check_split([4] * 10, 3, groups)
+    assert sorted(len(group) for group in groups) == [3, 3, 4]
+
+
+def tensor_bytes(tensor) -> bytes:
+    """A tensor's or array's raw little-endian bytes in C order, as the server must get them."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return np.ascontiguousarray(tensor).tobytes()
+
+
+def reassemble(calls: list[list[pb.UpdateWeightsRequest]]) -> dict[str, tuple[int, str, tuple[int, ...], bytes]]:
+    """name -> (the call it came on, dtype, shape, bytes), checking each tensor's pieces come in
+    order on one call, and that each tensor comes on one call only."""
+    tensors: dict[str, tuple[int, str, tuple[int, ...], bytearray]] = {}
+    for c, messages in enumerate(calls):
+        for m in messages[1:-1]:
+            assert m.WhichOneof("kind") == "tensor"
+            t = m.tensor
+            if t.name not in tensors:
+                assert t.offset == 0, f"{t.name}: its first piece starts at {t.offset}"
+                tensors[t.name] = (c, t.dtype, tuple(t.shape), bytearray())
+            call, dtype, shape, data = tensors[t.name]
+            assert call == c, f"{t.name}: came on calls {call} and {c}"
+            assert (t.dtype, tuple(t.shape), t.offset) == (dtype, shape, len(data))
+            assert not t.changed and not t.indices
+            data += t.data
+    return {name: (c, dtype, shape, bytes(data)) for name, (c, dtype, shape, data) in tensors.items()}
+
+
+def weights_of_every_kind(rng: np.random.Generator) -> dict[str, object]:
+    return {
+        "bf16": torch.from_numpy(rng.standard_normal((33, 17)).astype(np.float32)).to(torch.bfloat16),
+        "f32": torch.from_numpy(rng.standard_normal((40, 9)).astype(np.float32)),
+        "numpy-f32": rng.standard_normal((5, 7)).astype(np.float32),
+        "numpy-f16": rng.standard_normal(300).astype(np.float16),
+        "strided": torch.from_numpy(rng.standard_normal((10, 12)).astype(np.float32)).t(),  # not contiguous
+        "empty": torch.empty(0, 4),
+        "one": torch.from_numpy(rng.standard_normal(1).astype(np.float32)),
+    }
+
+
+def test_update_streams_carry_every_tensor_once_with_its_bytes(rng):
+    weights = weights_of_every_kind(rng)
+    assert not weights["strided"].is_contiguous()
+    calls = update_streams("m", weights, version=7, partial=True, chunk_bytes=100, streams=3)
+    assert len(calls) == 3
+    messages = [parsed(call) for call in calls]
+
+    headers = [m[0] for m in messages]
+    assert all(h.WhichOneof("kind") == "header" for h in headers)
+    assert headers[0].header.streams == 3 and headers[0].header.update_id
+    assert all(h == headers[0] for h in headers), "every call sends the update's one header"
+    h = headers[0].header
+    assert (h.model, h.version, h.partial, h.HasField("base_version")) == ("m", 7, True, False)
+
+    got = reassemble(messages)
+    assert set(got) == set(weights)
+    for name, tensor in weights.items():
+        _, dtype, shape, data = got[name]
+        assert shape == tuple(tensor.shape) and data == tensor_bytes(tensor), name
+        assert dtype == (
+            str(tensor.dtype).removeprefix("torch.") if isinstance(tensor, torch.Tensor) else tensor.dtype.name
+        )
+    assert got["empty"][3] == b""
+    for c, call in enumerate(messages):
+        assert call[-1].WhichOneof("kind") == "commit"
+        assert call[-1].commit.tensor_count == sum(1 for came_on, *_ in got.values() if came_on == c) > 0
+        assert max(len(m.tensor.data) for m in call[1:-1]) <= 100
+
+
+def test_update_streams_of_two_pushes_have_different_ids(rng):
+    weights = weights_of_every_kind(rng)
+    first, second = (parsed(update_streams("m", weights, version=0, partial=False, streams=2)[0])[0] for _ in range(2))
+    assert first.header.update_id and second.header.update_id and first.header.update_id != second.header.update_id
+
+
+def test_update_streams_from_pairs_and_fewer_tensors_than_streams(rng):
+    pairs = [("a", rng.standard_normal(100).astype(np.float32)), ("b", rng.standard_normal(7).astype(np.float32))]
+    calls = [parsed(call) for call in update_streams("m", iter(pairs), version=0, partial=True, streams=5)]
+    assert len(calls) == 2
+    assert all(
+        call[0].header.streams == 2 and call[0].header.update_id == calls[0][0].header.update_id for call in calls
+    )
+    got = reassemble(calls)
+    assert {name: data for name, (_, _, _, data) in got.items()} == {n: a.tobytes() for n, a in pairs}
+    assert [call[-1].commit.tensor_count for call in calls] == [1, 1]
+
+
+def test_one_stream_sets_no_streams_or_id(rng):
+    weights = weights_of_every_kind(rng)
+    (call,) = update_streams("m", weights, version=0, partial=False, chunk_bytes=64, streams=1)
+    messages = parsed(call)
+    assert messages[0].header.streams == 0 and messages[0].header.update_id == ""
+    assert (
+        messages[0].SerializeToString()
+        == pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(model="m")).SerializeToString()
+    )
+    assert messages[-1].commit.tensor_count == len(weights)
+    got = reassemble([messages])
+    assert {name: data for name, (_, _, _, data) in got.items()} == {n: tensor_bytes(t) for n, t in weights.items()}
+    # A single tensor over several streams is one call too, and says nothing of streams.
+    (alone,) = update_streams("m", {"w": weights["f32"]}, version=0, partial=True, streams=4)
+    assert parsed(alone)[0].header.streams == 0
+
+
+@pytest.mark.parametrize("bad", [dict(streams=0), dict(chunk_bytes=0), dict(version=-1)])
+def test_update_streams_refuses_bad_arguments(bad):
+    with pytest.raises(ValueError, match=">= "):
+        update_streams("m", {}, **(dict(version=0, partial=True) | bad))
+
+
+def apply_sparse(held: bytes, pieces: list[pb.TensorChunk], itemsize: int) -> bytes:
+    out = np.frombuffer(held, dtype=np.uint8).copy()
+    for t in pieces:
+        for i, where in enumerate(np.frombuffer(t.indices, dtype="<u4")):
+            out[where * itemsize : (where + 1) * itemsize] = np.frombuffer(
+                t.data[i * itemsize : (i + 1) * itemsize], np.uint8
+            )
+    return out.tobytes()
+
+
+def test_weight_deltas_over_two_streams(rng):
+    names = [f"layer{i}" for i in range(8)]
+    start = {n: rng.standard_normal((16, 16)).astype(np.float32) for n in names}
+    start["big"] = torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32)).to(torch.bfloat16)
+    deltas = WeightDeltas()
+
+    first = [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, streams=2)]
+    assert len(first) == 2 and deltas.last == {"dense": len(start), "sparse": 0, "unchanged": 0}
+    assert all(call[0] == first[0][0] for call in first) and first[0][0].header.streams == 2
+    assert not first[0][0].header.partial and not first[0][0].header.HasField("base_version")
+    got = reassemble(first)
+    assert {n: d for n, (_, _, _, d) in got.items()} == {n: tensor_bytes(t) for n, t in start.items()}
+    deltas.pushed(5)
+
+    # Two tensors unchanged, two with a few elements changed (sparse), the rest rewritten (dense).
+    step = {n: a.copy() for n, a in start.items() if isinstance(a, np.ndarray)}
+    step["big"] = start["big"].clone()
+    unchanged, sparse = ["layer0", "layer5"], ["layer1", "layer6"]
+    for n in sparse:
+        flat = step[n].reshape(-1)
+        where = rng.choice(flat.size, 5, replace=False)
+        flat[where] += 1.0 + rng.random(5).astype(np.float32)
+    dense = [n for n in step if n not in unchanged + sparse]
+    for n in dense:
+        step[n] = step[n] + 1 if isinstance(step[n], torch.Tensor) else step[n] + np.float32(1)
+
+    second = [parsed(call) for call in deltas.update_streams("m", step, version=0, partial=False, streams=2)]
+    assert deltas.last == {"dense": len(dense), "sparse": len(sparse), "unchanged": len(unchanged)}
+    header = second[0][0].header
+    assert all(call[0] == second[0][0] for call in second)
+    assert (header.streams, header.partial, header.base_version) == (2, True, 5)
+    assert header.update_id and header.update_id != first[0][0].header.update_id
+
+    came = {}  # name -> (call, pieces)
+    for c, call in enumerate(second):
+        for m in call[1:-1]:
+            assert came.setdefault(m.tensor.name, (c, []))[0] == c, f"{m.tensor.name} came on two calls"
+            came[m.tensor.name][1].append(m.tensor)
+        assert call[-1].commit.tensor_count == sum(1 for on, _ in came.values() if on == c)
+    assert set(came) == set(dense + sparse), "unchanged tensors are not sent"
+    for n in sparse:
+        pieces = came[n][1]
+        assert all(t.changed == 5 for t in pieces)
+        assert apply_sparse(tensor_bytes(start[n]), pieces, 4) == tensor_bytes(step[n])
+    for n in dense:
+        pieces = came[n][1]
+        assert all(not t.changed for t in pieces)
+        assert b"".join(t.data for t in pieces) == tensor_bytes(step[n])
+    deltas.pushed(6)
+    assert all(deltas.held[n].tobytes() == tensor_bytes(step[n]) for n in step)
