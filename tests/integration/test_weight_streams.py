@@ -12,7 +12,9 @@ them all (``WeightUpdater._sessions``, read by ``joined``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
@@ -125,6 +127,26 @@ async def test_a_push_over_three_streams_goes_live_once(served, rng, chunk_bytes
         assert after.fingerprint == r.fingerprint == model_fingerprint(new) != before.fingerprint
         assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
         assert not served.service.updater.updating("policy")
+
+
+async def test_an_ended_update_over_several_streams_holds_no_staged_tensors(served, rng, monkeypatch):
+    """Once live, an update's staged copies are garbage: the updater remembers an ended update's
+    id (for streams that come late), never the update, which holds them (a model's size each)."""
+    updates = []
+    start_update = served.service.updater._start_update
+
+    def recording(header):
+        update = start_update(header)
+        updates.append(weakref.ref(update))
+        return update
+
+    monkeypatch.setattr(served.service.updater, "_start_update", recording)
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        for _ in range(2):
+            state = make_model("llama", tied=False, seed=new_seed(rng)).state_dict()
+            await client.update_weights("policy", state, streams=3)
+    gc.collect()
+    assert len(updates) == 2 and all(ref() is None for ref in updates), "an ended update is still referenced"
 
 
 async def test_the_clients_push_over_several_streams(served, rng):

@@ -567,7 +567,7 @@ class WeightUpdater:
         self._stats = stats
         self._updating: set[str] = set()
         self._sessions: dict[str, _Session] = {}  # updates over several streams, by model
-        self._ended: collections.OrderedDict[str, _Session] = collections.OrderedDict()  # by update_id
+        self._ended: collections.OrderedDict[str, LogprobError | None] = collections.OrderedDict()  # by update_id
         self._yield_to_launches = yield_to_launches
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-stage")
         # Received pieces are written where they are staged on these, without the GIL, while the
@@ -624,9 +624,11 @@ class WeightUpdater:
             raise InvalidArgument(f"header.update_id: empty; an update over {header.streams} streams needs an id")
         name = self._registry.replicas(header.model)[0].info.name
         session = self._sessions.get(name)
-        if (ended := self._ended.get(header.update_id)) is not None:
-            ended.check()  # a stream that comes after its update failed gets the update's failure
-            raise InvalidArgument(f"header.update_id: update {header.update_id!r} already went live")
+        if header.update_id in self._ended:
+            # A stream that comes after its update ended gets the update's failure, if it failed.
+            raise self._ended[header.update_id] or InvalidArgument(
+                f"header.update_id: update {header.update_id!r} already went live"
+            )
         if session is not None and session.header.update_id == header.update_id:
             session.join(header)
         else:
@@ -647,7 +649,9 @@ class WeightUpdater:
         return await asyncio.shield(session.outcome)
 
     def _end_session(self, name: str, session: _Session) -> None:
-        self._ended[session.header.update_id] = session
+        # Only the failure is kept: the session holds the update's staged tensors.
+        failed = session.outcome.done() and session.outcome.exception()
+        self._ended[session.header.update_id] = failed if isinstance(failed, LogprobError) else None
         while len(self._ended) > ENDED_SESSIONS_KEPT:
             self._ended.popitem(last=False)
         if self._sessions.get(name) is session:
