@@ -48,7 +48,7 @@ if not torch.cuda.is_available():
 from logprob_service.observability.metrics import start_metrics_server  # noqa: E402  (after sys.path)
 
 from tests.helpers.models import make_model  # noqa: E402
-from tests.helpers.server import start, stop, test_settings  # noqa: E402
+from tests.helpers.server import settings, start, stop, test_settings  # noqa: E402
 
 SWEEP_ENV = "LOGPROB_TEST_SEEDS"
 _SEED = pytest.StashKey[int]()
@@ -126,6 +126,22 @@ def gemma_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest_asyncio.fixture
 async def running(gemma_checkpoint: Path):
     server = await start(test_settings(gemma_checkpoint))
+    yield server
+    await stop(server)
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untied Llama checkpoint (float32, seeded): the starting weights of the weight-update tests."""
+    path = tmp_path_factory.mktemp("llama-checkpoint")
+    make_model("llama", tied=False, seed=session_seed("llama-checkpoint")).save_pretrained(path)
+    return path
+
+
+@pytest_asyncio.fixture
+async def policy_server(llama_checkpoint: Path):
+    """A server of ``llama_checkpoint`` as model "policy" (CPU, float32)."""
+    server = await start(settings({"policy": str(llama_checkpoint)}))
     yield server
     await stop(server)
 

@@ -165,11 +165,18 @@ def split(sizes: Sequence[int], streams: int) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
-def _headers(header: pb.UpdateWeightsHeader, streams: int) -> pb.UpdateWeightsHeader:
-    """``header``, marked as the header of each of ``streams`` calls of one update."""
+def _calls(
+    weights: Mapping[str, Any] | Iterable[tuple[str, Any]], streams: int, header: pb.UpdateWeightsHeader
+) -> tuple[list[Iterable[tuple[str, Any]]], pb.UpdateWeightsHeader]:
+    """The ``(name, tensor)`` pairs of each call of a push over at most ``streams`` calls (``split``;
+    over one call, ``weights`` as given, read lazily), and ``header`` marked for that many calls."""
+    groups: list[Iterable[tuple[str, Any]]] = [named_tensors(weights)]
     if streams > 1:
-        header.streams, header.update_id = streams, uuid.uuid4().hex
-    return header
+        named = list(groups[0])
+        groups = [[named[i] for i in group] for group in split([tensor_nbytes(t) for _, t in named], streams)]
+    if len(groups) > 1:
+        header.streams, header.update_id = len(groups), uuid.uuid4().hex
+    return groups, header
 
 
 def update_streams(
@@ -185,11 +192,7 @@ def update_streams(
     tensors in ``chunk_bytes`` pieces, commit), read lazily: a tensor is read when its turn comes
     (over one stream, ``weights`` itself is read so too)."""
     _check(version, chunk_bytes, streams)
-    groups: list[Iterable[tuple[str, Any]]] = [named_tensors(weights)]
-    if streams > 1:
-        named = list(groups[0])
-        groups = [[named[i] for i in group] for group in split([tensor_nbytes(t) for _, t in named], streams)]
-    header = _headers(pb.UpdateWeightsHeader(model=model, version=version, partial=partial), len(groups))
+    groups, header = _calls(weights, streams, pb.UpdateWeightsHeader(model=model, version=version, partial=partial))
     return [_stream(header, (_dense_pieces(n, *raw_bytes(t), chunk_bytes) for n, t in group)) for group in groups]
 
 
@@ -326,12 +329,10 @@ class WeightDeltas:
         header = pb.UpdateWeightsHeader(model=model, version=version, partial=partial)
         if self.version is not None:
             header.partial, header.base_version = True, self.version
-        named = list(named_tensors(weights))
-        groups = split([tensor_nbytes(t) for _, t in named], streams)
-        header = _headers(header, len(groups))
+        groups, header = _calls(weights, streams, header)
         return [
-            _stream(header, filter(None, (self._pieces(c, chunk_bytes) for c in _ahead(tensors, self._compare))))
-            for tensors in ([named[i] for i in group] for group in groups)
+            _stream(header, filter(None, (self._pieces(c, chunk_bytes) for c in _ahead(group, self._compare))))
+            for group in groups
         ]
 
     def _compare(self, named: tuple[str, Any]) -> _Compared:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,8 +26,6 @@ from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 
 from tests.helpers.calls import Gate, parsed
-from tests.helpers.models import make_model
-from tests.helpers.seeds import session_seed
 from tests.helpers.server import settings, start, stop
 from tests.helpers.waiting import eventually
 
@@ -160,13 +157,6 @@ async def test_a_failed_launch_ends_the_wait_too(held, rng):
 # Through a real server: a push's reading while the model's launch is held.
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama-yield")
-    make_model("llama", tied=False, seed=session_seed("llama-yield")).save_pretrained(path)
-    return path
-
-
 @pytest.fixture
 def pieces_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the tensor pieces the server's updates take in, in order."""
@@ -202,9 +192,9 @@ async def push_while_a_launch_is_held(running, pieces_read: list[str], rng, chec
     assert result.version == 1 and len(pieces_read) == len(messages) - 2
 
 
-async def test_a_push_is_not_read_while_a_launch_is_in_progress(checkpoint, pieces_read, monkeypatch, rng):
+async def test_a_push_is_not_read_while_a_launch_is_in_progress(llama_checkpoint, pieces_read, monkeypatch, rng):
     monkeypatch.setattr(weight_updates, "LAUNCH_YIELD_MAX_S", 3600.0)  # yield for as long as the launch lasts
-    running = await start(settings({"policy": str(checkpoint)}))
+    running = await start(settings({"policy": str(llama_checkpoint)}))
     try:
         assert running.service.settings.update_yield_to_launches  # the default
 
@@ -217,9 +207,9 @@ async def test_a_push_is_not_read_while_a_launch_is_in_progress(checkpoint, piec
         await stop(running)
 
 
-async def test_a_push_goes_on_slowly_while_launches_last(checkpoint, pieces_read, monkeypatch, rng):
+async def test_a_push_goes_on_slowly_while_launches_last(llama_checkpoint, pieces_read, monkeypatch, rng):
     monkeypatch.setattr(weight_updates, "LAUNCH_YIELD_MAX_S", 0.05)
-    running = await start(settings({"policy": str(checkpoint)}))
+    running = await start(settings({"policy": str(llama_checkpoint)}))
     try:
 
         async def read_slowly(messages):
@@ -234,8 +224,8 @@ async def test_a_push_goes_on_slowly_while_launches_last(checkpoint, pieces_read
         await stop(running)
 
 
-async def test_with_yielding_off_a_push_is_read_while_a_launch_is_in_progress(checkpoint, pieces_read, rng):
-    running = await start(settings({"policy": str(checkpoint)}, update_yield_to_launches=False))
+async def test_with_yielding_off_a_push_is_read_while_a_launch_is_in_progress(llama_checkpoint, pieces_read, rng):
+    running = await start(settings({"policy": str(llama_checkpoint)}, update_yield_to_launches=False))
     try:
         waits = []
         between_launches = running.service.scheduler.between_launches

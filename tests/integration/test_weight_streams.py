@@ -16,7 +16,6 @@ import gc
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterable
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -30,26 +29,16 @@ from logprob_service.models.weights import UpdatableWeights, model_fingerprint
 
 from tests.helpers.calls import parsed
 from tests.helpers.models import make_model, random_sequences
-from tests.helpers.seeds import session_seed
-from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
+from tests.helpers.server import as_lists, assert_scores_match, live, new_seed
 from tests.helpers.waiting import TIMEOUT_S, eventually
 
 UPDATE_WEIGHTS = "/logprob.v1.LogprobService/UpdateWeights"
 NORM = "model.norm.weight"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama-streams")
-    make_model("llama", tied=False, seed=session_seed("llama-streams")).save_pretrained(path)
-    return path
-
-
 @pytest.fixture
-async def served(checkpoint: Path):
-    running = await start(settings({"policy": str(checkpoint)}))
-    yield running
-    await stop(running)
+def served(policy_server):
+    return policy_server
 
 
 def raw_update(channel: grpc.aio.Channel):

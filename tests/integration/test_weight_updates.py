@@ -7,7 +7,6 @@ its own full logits (``tests.models.reference_scores``). Tolerance 1e-5 (float32
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -22,25 +21,15 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers.calls import parsed
 from tests.helpers.models import ScoreReference, make_model, random_sequences
-from tests.helpers.seeds import session_seed
 from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
 from tests.helpers.waiting import eventually
 
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama-v0")
-    make_model("llama", tied=False, seed=session_seed("llama-v0")).save_pretrained(path)
-    return path
-
-
 @pytest.fixture
-async def served(checkpoint: Path):
-    running = await start(settings({"policy": str(checkpoint)}))
-    yield running
-    await stop(running)
+def served(policy_server):
+    return policy_server
 
 
 async def test_after_an_update_scores_are_those_of_the_new_weights(served, tmp_path, rng):
@@ -233,8 +222,8 @@ async def test_min_version_waits_for_the_update(served, rng):
         assert_scores_match(new, sequences, await asyncio.wait_for(waiting, 30))
 
 
-async def test_min_version_that_never_comes_fails_with_failed_precondition(checkpoint):
-    running = await start(settings({"policy": str(checkpoint)}, max_version_wait_s=0.3))
+async def test_min_version_that_never_comes_fails_with_failed_precondition(llama_checkpoint):
+    running = await start(settings({"policy": str(llama_checkpoint)}, max_version_wait_s=0.3))
     try:
         async with AsyncLogprobClient(running.target, model="policy") as client:
             with pytest.raises(FailedPrecondition, match="min_version: model 'policy' is at version 0; version 3"):
