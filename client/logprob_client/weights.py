@@ -75,7 +75,8 @@ def raw_bytes(tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
 
         host = tensor.detach().to("cpu").contiguous()
         dtype = str(host.dtype).removeprefix("torch.")
-        data = host.view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)
+        # reshape: a 0-d tensor (a scalar parameter) has no dimension to view as bytes
+        data = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)
         return dtype, tuple(host.shape), memoryview(data).cast("B")
     array = np.ascontiguousarray(tensor)
     return array.dtype.name, tuple(array.shape), memoryview(array.view(np.uint8).reshape(-1)).cast("B")

@@ -148,6 +148,7 @@ def weights_of_every_kind(rng: np.random.Generator) -> dict[str, object]:
         "strided": torch.from_numpy(rng.standard_normal((10, 12)).astype(np.float32)).t(),  # not contiguous
         "empty": torch.empty(0, 4),
         "one": torch.from_numpy(rng.standard_normal(1).astype(np.float32)),
+        "scalar": torch.tensor(float(rng.standard_normal()), dtype=torch.bfloat16),  # 0-d
     }
 
 
