@@ -259,7 +259,7 @@ class _SparseAssembly:
 # Sparse pieces name elements with uint32 indices.
 MAX_SPARSE_ELEMENTS = 2**32
 # Pieces of an update received but not yet written where they are staged, at most: each holds its
-# message's memory meanwhile (16 MiB or less from this project's client).
+# message's memory meanwhile (4 MiB from this project's client).
 WRITES_IN_FLIGHT = 8
 
 
@@ -330,8 +330,8 @@ class _Update:
     async def room(self) -> None:
         """Waits while more than ``WRITES_IN_FLIGHT`` pieces are still being written (raising a
         write's error): the stream is read no faster than its bytes reach their place. Writes
-        already done are taken without a trip through the event loop: at 2 MiB a message, one
-        more await per message cost as much as gRPC's receiving."""
+        already done are taken without an await, which would cost a trip through the event loop
+        for every message."""
         while self.writes and self.writes[0].done():
             self.writes.popleft().result()
         while len(self.writes) > WRITES_IN_FLIGHT:
