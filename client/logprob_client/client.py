@@ -68,7 +68,7 @@ class UpdateKeywords(TypedDict, total=False):
     """The keywords of ``update_weights``: ``version`` (0: the live one + 1), ``partial`` (False: every
     weight must come; True: only those given are replaced), ``chunk_bytes`` (the size of the pieces
     tensors are streamed in), ``streams`` (how many UpdateWeights calls carry the push at once, each
-    with its share of the tensors: 2, or 1 with ``legacy_wire``), ``timeout`` (seconds), ``delta``
+    with its share of the tensors: 4, or 1 with ``legacy_wire``), ``timeout`` (seconds), ``delta``
     (send only what changed since this client's last delta push of the model:
     ``weights.WeightDeltas``)."""
 

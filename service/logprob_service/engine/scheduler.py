@@ -214,8 +214,9 @@ class Scheduler:
         await self._wait_for_version(job)
         self.admission.admit(job)
         future: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
-        self.queue.push(_request(job, future))
-        self._last_arrival_ns = time.perf_counter_ns()
+        request = _request(job, future)
+        self.queue.push(request)
+        self._last_arrival_ns = request.arrived_ns
         self._stats.record(QueueChanged(job.model, requests=1))
         self._wake.set()
         try:
