@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
+from logprob_service import host_malloc
 from logprob_service.api.health import SERVICE_NAME, ServingState
 from logprob_service.api.interceptors import ExceptionToStatusInterceptor
 from logprob_service.api.malformed import MalformedMessageInterceptor
@@ -234,6 +235,8 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
     Health starts NOT_SERVING; ``service.warm_up()`` flips it to SERVING.
     """
     settings = service.settings
+    if settings.keep_freed_host_memory and not host_malloc.keep_freed_blocks():
+        log.info("keep_freed_host_memory: this C library has no glibc mallopt; its allocator is left as it is")
     server = grpc.aio.server(
         # Outermost first: credentials are checked before anything else, then undecodable bytes
         # are refused, then the handler's own errors are mapped to statuses; weight pieces are
