@@ -8,6 +8,11 @@ connections (channels with ``grpc.use_local_subchannel_pool``), each message a f
 with one join, as ``logprob_client.weights.dense_piece`` makes it. GB/s of the min-max of
 ``--repeats`` runs. No GPU is needed; run it on the host whose figures it explains.
 
+Each configuration runs against a server process with glibc's allocator defaults and one that
+keeps freed blocks (``logprob_service.host_malloc``, as the service does), then once more with
+this client process keeping them too (what ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``
+do for a trainer).
+
 Run: python3 benchmarks/bench_transport.py
 """
 
@@ -23,13 +28,16 @@ import time
 import grpc
 import numpy as np
 from harness import publish
+from logprob_service import host_malloc
 
 METHOD = "/bench.Transport/Push"
 HEADER = bytes(16)  # stands for a piece's framing
 
 
-def serve(port_queue) -> None:
+def serve(port_queue, keep_freed: bool) -> None:
     """The server process: counts and copies what it receives; answers the byte count."""
+    if keep_freed:
+        assert host_malloc.keep_freed_blocks()
 
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", -1)])
@@ -93,23 +101,38 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    ports: mp.Queue = mp.Queue()
-    server = mp.Process(target=serve, args=(ports,), daemon=True)
-    server.start()
-    port = ports.get(timeout=60)
+    ctx = mp.get_context("spawn")
+    ports: mp.Queue = ctx.Queue()
+    servers = {keep: ctx.Process(target=serve, args=(ports, keep), daemon=True) for keep in (False, True)}
+    port = {}
+    for keep, server in servers.items():  # one at a time: each port is known to be its own
+        server.start()
+        port[keep] = ports.get(timeout=60)
     lines = [
         "# gRPC Python on loopback: one client process, one grpc.aio server process",
         f"grpc {grpc.__version__}, {os.cpu_count()} CPUs; {args.total_mib} MiB a push; min-max of {args.repeats} runs",
         "",
-        "| piece (MiB) | streams | connections | GB/s |",
-        "|---:|---:|---:|---|",
+        "| client allocator | server allocator | piece (MiB) | streams | connections | GB/s |",
+        "|---|---|---:|---:|---:|---|",
     ]
-    for piece_mib in (2, 4):
-        for streams, connections in ((1, 1), (4, 1), (4, 4), (8, 8)):
-            rates = [push(port, piece_mib, args.total_mib, streams, connections) for _ in range(args.repeats)]
-            lines.append(f"| {piece_mib} | {streams} | {connections} | {min(rates):.2f}-{max(rates):.2f} |")
-    server.kill()
+    for client_keeps, server_keeps in ((False, False), (False, True), (True, True)):
+        if client_keeps:
+            assert host_malloc.keep_freed_blocks()
+        for piece_mib in (2, 4):
+            for streams in (1, 4, 8):
+                rates = [
+                    push(port[server_keeps], piece_mib, args.total_mib, streams, streams) for _ in range(args.repeats)
+                ]
+                lines.append(
+                    f"| {ALLOCATOR[client_keeps]} | {ALLOCATOR[server_keeps]} | {piece_mib} | {streams} | {streams} | "
+                    f"{min(rates):.2f}-{max(rates):.2f} |"
+                )
+    for server in servers.values():
+        server.kill()
     publish("\n".join(lines), "bench_transport.md")
+
+
+ALLOCATOR = {False: "glibc defaults", True: "keeps freed blocks"}
 
 
 if __name__ == "__main__":

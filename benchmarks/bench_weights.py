@@ -11,9 +11,12 @@ Measured, in one run:
   1. update alone, staged on the GPU (over one stream, and over ``--streams``) and (forced by a
      huge staging reserve) on the host: GB/s seen by the client, the server's total and swap
      time, and the peak device memory above what was allocated before the update (the staged
-     copy of the weights, when on the GPU);
+     copy of the weights, when on the GPU); also from a pusher started with glibc's thresholds
+     raised (``CLIENT_MALLOC_ENV``, as the README advises trainers), and from one whose weights are
+     on the GPU;
   2. sparse deltas (``update_weights(..., delta=True)``) of 2% of every tensor's elements: time,
-     bytes sent, and both against the dense push;
+     bytes sent, and both against the dense push from the same tensors: from host memory (copies
+     held on the host), and from the GPU (copies held and compared there, ``on_device``);
   3. scoring latency p50/p99 with no update, then while updates run back to back: with update
      streams yielding to micro-batch launches (the server's default, ``update_yield_to_launches``),
      then read at full speed (a second server over the same model).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -35,6 +39,7 @@ import torch
 from common import LoopbackServer, ModelShape, build_model
 from harness import peak_allocated, publish, reset_peak, run_environment
 from logprob_client.weights import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS
+from logprob_service import host_malloc
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
@@ -50,16 +55,22 @@ DELTA_FRACTION = 0.02  # of each tensor's elements changed between two delta pus
 # ----------------------------------------------------------------------------- other processes
 
 
-def pusher(target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], chunk_bytes: int, jobs, results) -> None:
-    """The trainer's side: new weights in host memory, pushed once per job received, a (kind,
-    streams) pair: "push" dense; "delta" a sparse delta, after an untimed delta push that makes
-    the server hold what the client does, of ``DELTA_FRACTION`` of every tensor's elements changed
-    (an RL step's small update)."""
+def pusher(
+    target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], chunk_bytes: int, on_gpu: bool, jobs, results
+) -> None:
+    """The trainer's side: new weights in host memory (or on the GPU, its copies for deltas held
+    there too: ``WeightDeltas(on_device=True)``), pushed once per job received, a (kind, streams)
+    pair: "push" dense; "delta" a sparse delta, after an untimed delta push that makes the server
+    hold what the client does, of ``DELTA_FRACTION`` of every tensor's elements changed (an RL
+    step's small update)."""
     from logprob_client import LogprobClient
+    from logprob_client.weights import WeightDeltas
 
     torch.manual_seed(1)
-    weights = {name: (torch.randn(shape) * 0.02).to(dtype) for name, shape, dtype in spec}
+    device = "cuda" if on_gpu else "cpu"
+    weights = {name: (torch.randn(shape, device=device) * 0.02).to(dtype) for name, shape, dtype in spec}
     with LogprobClient(target, timeout=600) as client:
+        client.deltas[MODEL] = WeightDeltas(on_device=on_gpu)
         results.put("ready")
         while (job := jobs.get()) is not None:
             kind, streams = job
@@ -69,7 +80,7 @@ def pusher(target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], ch
                 client.update_weights(MODEL, weights, **options)
                 for tensor in weights.values():
                     flat = tensor.view(-1)
-                    where = torch.randint(flat.numel(), (max(1, int(DELTA_FRACTION * flat.numel())),))
+                    where = torch.randint(flat.numel(), (max(1, int(DELTA_FRACTION * flat.numel())),), device=device)
                     flat[where] += 0.001
             start = time.perf_counter()
             result = client.update_weights(MODEL, weights, **options)
@@ -116,6 +127,7 @@ def load(target: str, vocab: int, lengths: tuple[int, int], threads: int, second
 
 @dataclass
 class Update:
+    client: str
     staged: str
     streams: int
     seconds: float
@@ -125,27 +137,45 @@ class Update:
     extra_gib: float
 
 
-def push_once(jobs, results, device: torch.device, staged: str, streams: int, kind: str = "push") -> Update:
+def push_once(updates: Pusher, device: torch.device, staged: str, streams: int, kind: str = "push") -> Update:
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     reset_peak(device)
-    jobs.put((kind, streams))
-    seconds, result = results.get(timeout=900)
+    updates.jobs.put((kind, streams))
+    seconds, result = updates.results.get(timeout=900)
     extra = (peak_allocated(device) - before) / GiB if device.type == "cuda" else float("nan")
     assert result.staged_on == staged, f"expected staging on {staged}, the server staged on {result.staged_on}"
-    return Update(staged, streams, seconds, result.bytes / 1e9, result.total_s, result.swap_s, extra)
+    return Update(updates.label, staged, streams, seconds, result.bytes / 1e9, result.total_s, result.swap_s, extra)
+
+
+# What a trainer's launcher sets to keep its client's message buffers warm, as the server does for
+# itself (logprob_service.host_malloc, README "Weight updates").
+CLIENT_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(host_malloc.MMAP_THRESHOLD),
+    "MALLOC_TRIM_THRESHOLD_": str(host_malloc.TRIM_THRESHOLD),
+}
 
 
 class Pusher:
-    """A pusher process for the server at ``target``: ``with Pusher(...) as (jobs, results)``."""
+    """A pusher process for the server at ``target``: ``with Pusher(...) as updates``. ``on_gpu``:
+    its weights on the GPU; ``malloc_env``: started with ``CLIENT_MALLOC_ENV``."""
 
-    def __init__(self, ctx, target: str, spec, chunk_bytes: int) -> None:
+    def __init__(self, ctx, target: str, spec, chunk_bytes: int, on_gpu: bool = False, malloc_env: bool = False):
         self.jobs, self.results = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=pusher, args=(target, spec, chunk_bytes, self.jobs, self.results))
+        self.malloc_env = malloc_env
+        self.label = ("GPU" if on_gpu else "host") + (", MALLOC_* set" if malloc_env else "")
+        self.process = ctx.Process(target=pusher, args=(target, spec, chunk_bytes, on_gpu, self.jobs, self.results))
 
-    def __enter__(self):
-        self.process.start()
+    def __enter__(self) -> Pusher:
+        saved = dict(os.environ)
+        if self.malloc_env:  # a spawned process's glibc reads them as it starts
+            os.environ.update(CLIENT_MALLOC_ENV)
+        try:
+            self.process.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         assert self.results.get(timeout=600) == "ready"
-        return self.jobs, self.results
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.jobs.put(None)
@@ -157,8 +187,8 @@ def load_lengths(shape: ModelShape) -> tuple[int, int]:
     return min(256, shape.max_positions // 4), min(512, shape.max_positions // 2)
 
 
-def load_phase(ctx, target: str, shape: ModelShape, args, updates=None) -> tuple[list[float], int]:
-    """Latencies of the scoring load over one phase, with ``updates`` (jobs, results) pushing
+def load_phase(ctx, target: str, shape: ModelShape, args, updates: Pusher | None = None) -> tuple[list[float], int]:
+    """Latencies of the scoring load over one phase, with ``updates`` (a pusher) pushing
     back to back meanwhile (None: no updates); and how many pushes went live during it."""
     load_results = ctx.Queue()
     proc = ctx.Process(
@@ -167,11 +197,10 @@ def load_phase(ctx, target: str, shape: ModelShape, args, updates=None) -> tuple
     proc.start()
     pushed = 0
     if updates is not None:
-        jobs, results = updates
         end = time.perf_counter() + 1.0 + args.load_seconds
         while time.perf_counter() < end:
-            jobs.put(("push", args.streams))
-            results.get(timeout=900)
+            updates.jobs.put(("push", args.streams))
+            updates.results.get(timeout=900)
             pushed += 1
     latencies = load_results.get(timeout=900)
     if isinstance(latencies, BaseException):
@@ -209,23 +238,26 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     chunk_bytes = int(args.chunk_mib * 2**20)
+    repeats = range(args.repeats)
     phases = {}
     with LoopbackServer(settings, registry) as target, Pusher(ctx, target, spec, chunk_bytes) as updates:
-        jobs, results = updates
         updates_done = [
-            push_once(jobs, results, device, str(device), streams)
-            for streams in sorted({1, args.streams})
-            for _ in range(args.repeats)
+            push_once(updates, device, str(device), streams) for streams in sorted({1, args.streams}) for _ in repeats
         ]
-        deltas = [push_once(jobs, results, device, str(device), args.streams, "delta") for _ in range(args.repeats)]
+        deltas = [(push_once(updates, device, str(device), args.streams, "delta"), "host") for _ in repeats]
+        with Pusher(ctx, target, spec, chunk_bytes, malloc_env=True) as tuned:
+            updates_done += [push_once(tuned, device, str(device), args.streams) for _ in repeats]
         if device.type == "cuda":
+            with Pusher(ctx, target, spec, chunk_bytes, on_gpu=True) as on_gpu:
+                updates_done += [push_once(on_gpu, device, str(device), args.streams) for _ in repeats]
+                deltas += [(push_once(on_gpu, device, str(device), args.streams, "delta"), "GPU") for _ in repeats]
             # A second server on the same model, whose reserve forces host staging.
             host_settings = settings.model_copy(update={"update_staging_reserve_bytes": 10**15})
             with (
                 LoopbackServer(host_settings, registry) as host_target,
                 Pusher(ctx, host_target, spec, chunk_bytes) as q,
             ):
-                updates_done += [push_once(*q, device, "cpu", args.streams) for _ in range(args.repeats)]
+                updates_done += [push_once(q, device, "cpu", args.streams) for _ in repeats]
 
         # Scoring latency: a phase without updates, one with updates back to back (yielding to
         # launches, the default), and one with them read at full speed, through a second server.
@@ -242,29 +274,35 @@ def main() -> None:
         f"client pieces: {args.chunk_mib:g} MiB; pusher and scoring load in their own processes; "
         f"{final_version} updates went live in all",
         "",
-        "| staged on | streams | client time (s) | GB/s | server total (s) | swap (s) | peak extra GPU memory (GiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| client's tensors | staged on | streams | client time (s) | GB/s | server total (s) | swap (s) | "
+        "peak extra GPU memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for u in updates_done:
         lines.append(
-            f"| {u.staged} | {u.streams} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | {u.server_total_s:.2f} | "
-            f"{u.swap_s:.3f} | {u.extra_gib:.2f} |"
+            f"| {u.client} | {u.staged} | {u.streams} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | "
+            f"{u.server_total_s:.2f} | {u.swap_s:.3f} | {u.extra_gib:.2f} |"
         )
-    dense = statistics.median(u.seconds for u in updates_done if (u.staged, u.streams) == (str(device), args.streams))
-    dense_bytes = weights_gb * 1e9
+
+    def dense(client: str) -> float:
+        """The median dense push from the same tensors, over as many streams, staged on ``device``."""
+        same = (client, str(device), args.streams)
+        return statistics.median(u.seconds for u in updates_done if (u.client, u.staged, u.streams) == same)
+
     lines += [
         "",
         f"Sparse deltas: {DELTA_FRACTION:.0%} of every tensor's elements changed since the version the server "
-        f"holds, pushed over {args.streams} streams; against the median dense push over as many staged on {device} "
-        f"above ({dense:.2f} s)",
+        f"holds, pushed over {args.streams} streams; against the median dense push from the same tensors over as "
+        f"many streams, staged on {device}, above",
         "",
-        "| client time (s) | bytes sent (GB) | of the dense bytes | x faster than dense | server total (s) |",
-        "|---|---|---|---|---|",
+        "| client's tensors and held copies | client time (s) | bytes sent (GB) | of the dense bytes | dense push (s) "
+        "| x faster than dense | server total (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for u in deltas:
+    for u, held in deltas:
         lines.append(
-            f"| {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / dense_bytes:.1%} | {dense / u.seconds:.2f}x | "
-            f"{u.server_total_s:.2f} |"
+            f"| {held} | {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / weights_gb / 1e9:.1%} | "
+            f"{dense(u.client):.2f} | {dense(u.client) / u.seconds:.2f}x | {u.server_total_s:.2f} |"
         )
     lengths = load_lengths(shape)
     lines += [

@@ -273,9 +273,15 @@ class _Compared:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    new: np.ndarray  # its raw bytes (uint8), maybe the caller's memory
-    changed: np.ndarray | None  # the changed elements' indices (int64); None: nothing held to compare
+    nbytes: int
+    new: Any  # its raw bytes: host uint8, maybe the caller's memory; or on its device, as integers
+    changed: np.ndarray | None  # the changed elements' indices (int64); None: send it dense
     values: np.ndarray | None  # their new values
+    on_device: tuple[Any, Any] | None = None  # changed and values on the tensor's device (on_device)
+
+
+# torch's integer dtype of each element size, to compare tensors bit for bit on their device.
+_TORCH_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 class WeightDeltas:
@@ -285,25 +291,32 @@ class WeightDeltas:
     Per tensor, the changed elements (compared bit for bit) go sparse, as uint32 indices and their
     values, when those bytes are at most ``sparse_below`` of the dense ones; else the tensor goes
     dense. Unchanged tensors are not sent. The first push (and one after ``reset``) is dense.
-    Holds the model's size in host memory.
+
+    Holds the model's size: in host memory, or with ``on_device``, each torch tensor's copy on that
+    tensor's own device, where it is compared (a trainer's GPU compares a model in milliseconds and
+    copies only the changes to the host; in host memory a push reads the model's size twice). That
+    costs the trainer's GPU the model's size in memory.
     """
 
-    def __init__(self, sparse_below: float = 0.5) -> None:
+    def __init__(self, sparse_below: float = 0.5, *, on_device: bool = False) -> None:
         if not 0 <= sparse_below <= 1:
             raise ValueError(f"sparse_below must be in [0, 1], got {sparse_below}")
         self.sparse_below = sparse_below
+        self.on_device = on_device
         self.version: int | None = None  # the version the server made of the last push
-        self._held: dict[str, np.ndarray] = {}  # name -> raw bytes as pushed (uint8)
+        # name -> raw bytes as pushed: host uint8, or (on_device) a torch tensor of integers
+        self._held: dict[str, Any] = {}
         # Of the stream in flight, what ``held`` becomes: a dense tensor's bytes, or a sparse one's
-        # (changed indices, their new values).
-        self._pending: dict[str, np.ndarray | tuple[np.ndarray, np.ndarray]] = {}
+        # (changed indices, their new values), as ``held`` keeps them.
+        self._pending: dict[str, Any] = {}
         self.last: dict[str, int] = {}  # of the last push built: tensors sent dense, sparse, unchanged
         self._applying: concurrent.futures.Future[None] | None = None  # the last push's changes, going in
         self._lock = threading.Lock()  # a push's streams are read on threads of their own
 
     @property
-    def held(self) -> dict[str, np.ndarray]:
-        """What the server holds: each tensor's raw bytes (uint8) as last pushed."""
+    def held(self) -> dict[str, Any]:
+        """What the server holds: each tensor's raw bytes as last pushed (uint8 arrays; with
+        ``on_device``, a torch tensor's as a flat integer tensor on its device)."""
         self._applied()
         return self._held
 
@@ -339,26 +352,56 @@ class WeightDeltas:
     def _compare(self, named: tuple[str, Any]) -> _Compared:
         """A tensor's bytes, and what changed in them since the held copy (on a worker thread)."""
         name, tensor = named
+        if self.on_device and type(tensor).__module__.startswith("torch"):
+            return self._compare_on_device(name, tensor)
         dtype, shape, data = raw_bytes(tensor)
         new = np.frombuffer(data, dtype=np.uint8)
         old = self._held.get(name) if self.version is not None else None
         itemsize = new.nbytes // max(1, math.prod(shape))
         element = f"<u{itemsize}"  # compared bit for bit, one element at a time
-        if old is None or old.nbytes != new.nbytes or new.nbytes == 0 or math.prod(shape) > MAX_SPARSE_ELEMENTS:
-            return _Compared(name, dtype, shape, new, None, None)
-        return _Compared(name, dtype, shape, new, *changes(old.view(element), new.view(element)))
+        if not isinstance(old, np.ndarray) or old.nbytes != new.nbytes or not self._sparse_may_pay(new.nbytes, shape):
+            return _Compared(name, dtype, shape, new.nbytes, new, None, None)
+        return _Compared(name, dtype, shape, new.nbytes, new, *changes(old.view(element), new.view(element)))
+
+    def _compare_on_device(self, name: str, tensor: Any) -> _Compared:
+        import torch
+
+        flat = tensor.detach().reshape(-1).contiguous()
+        bits = flat.view(getattr(torch, _TORCH_BITS[flat.element_size()]))
+        dtype, shape, nbytes = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), flat.nbytes
+        old = self._held.get(name) if self.version is not None else None
+        held = (old.dtype, old.shape, old.device) if isinstance(old, torch.Tensor) else None
+        if held != (bits.dtype, bits.shape, bits.device) or not self._sparse_may_pay(nbytes, shape):
+            return _Compared(name, dtype, shape, nbytes, bits, None, None)
+        changed = torch.nonzero(old != bits).view(-1)
+        if self._dense_pays(changed.numel(), flat.element_size(), nbytes):  # not worth bringing to the host
+            return _Compared(name, dtype, shape, nbytes, bits, None, None)
+        values = bits[changed]
+        return _Compared(
+            name, dtype, shape, nbytes, bits, changed.cpu().numpy(), values.cpu().numpy(), (changed, values)
+        )
+
+    @staticmethod
+    def _sparse_may_pay(nbytes: int, shape: tuple[int, ...]) -> bool:
+        return nbytes > 0 and math.prod(shape) <= MAX_SPARSE_ELEMENTS
+
+    def _dense_pays(self, changed: int, itemsize: int, nbytes: int) -> bool:
+        return (4 + itemsize) * changed > self.sparse_below * nbytes  # uint32 indices and the values
 
     def _pieces(self, c: _Compared, chunk_bytes: int) -> Iterator[bytes] | None:
         """The pieces a tensor goes in: sparse, dense, or None when the server holds it already."""
         if c.changed is not None and not c.changed.size:
             self._count("unchanged")
             return None
-        if c.changed is None or 4 * c.changed.size + c.values.nbytes > self.sparse_below * c.new.nbytes:  # uint32s
+        if c.changed is None or self._dense_pays(c.changed.size, c.values.itemsize, c.nbytes):
             self._count("dense")
-            self._pending[c.name] = new = c.new.copy()  # the caller may change its tensor after the push
-            return _dense_pieces(c.name, c.dtype, c.shape, memoryview(new), chunk_bytes)
+            # A copy: the caller may change its tensor after the push.
+            self._pending[c.name] = new = c.new.copy() if isinstance(c.new, np.ndarray) else c.new.clone()
+            data = new if isinstance(new, np.ndarray) else raw_bytes(new)[2]  # from the device
+            return _dense_pieces(c.name, c.dtype, c.shape, memoryview(data).cast("B"), chunk_bytes)
         self._count("sparse")
-        self._pending[c.name] = (c.changed, c.values)  # values: a copy, what the server will hold there
+        # What the server will hold there: values are a copy (on the device too).
+        self._pending[c.name] = c.on_device or (c.changed, c.values)
         return _sparse_pieces(c.name, c.dtype, c.shape, c.changed, c.values.view(np.uint8), chunk_bytes)
 
     def _count(self, kind: str) -> None:
@@ -374,9 +417,13 @@ class WeightDeltas:
         self.version, self._pending = version, {}
         self._applying = _tensors_pool().submit(self._apply, sparse)
 
-    def _apply(self, sparse: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    def _apply(self, sparse: dict[str, tuple[Any, Any]]) -> None:
         for name, (changed, values) in sparse.items():
-            set_elements(self._held[name].view(values.dtype), changed, values)
+            held = self._held[name]
+            if isinstance(held, np.ndarray):
+                set_elements(held.view(values.dtype), changed, values)
+            else:
+                held[changed] = values
 
     def _applied(self) -> None:
         """Waits until the last push's changes are in the held copies."""

@@ -232,11 +232,19 @@ def apply_sparse(held: bytes, pieces: list[pb.TensorChunk], itemsize: int) -> by
     return out.tobytes()
 
 
-def test_weight_deltas_over_two_streams(rng):
+def held_bytes(held) -> bytes:
+    return held.tobytes() if isinstance(held, np.ndarray) else held.numpy().tobytes()
+
+
+# on_device: torch tensors' copies are held, and compared, as torch tensors on their device (here
+# the CPU); arrays still on the host.
+@pytest.mark.parametrize("on_device", [False, True])
+def test_weight_deltas_over_two_streams(rng, on_device):
     names = [f"layer{i}" for i in range(8)]
     start = {n: rng.standard_normal((16, 16)).astype(np.float32) for n in names}
     start["big"] = torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32)).to(torch.bfloat16)
-    deltas = WeightDeltas()
+    start["small"] = torch.from_numpy(rng.standard_normal((8, 24)).astype(np.float32)).to(torch.bfloat16)
+    deltas = WeightDeltas(on_device=on_device)
 
     first = [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, streams=2)]
     assert len(first) == 2 and deltas.last == {"dense": len(start), "sparse": 0, "unchanged": 0}
@@ -247,13 +255,12 @@ def test_weight_deltas_over_two_streams(rng):
     deltas.pushed(5)
 
     # Two tensors unchanged, two with a few elements changed (sparse), the rest rewritten (dense).
-    step = {n: a.copy() for n, a in start.items() if isinstance(a, np.ndarray)}
-    step["big"] = start["big"].clone()
-    unchanged, sparse = ["layer0", "layer5"], ["layer1", "layer6"]
+    step = {n: a.copy() if isinstance(a, np.ndarray) else a.clone() for n, a in start.items()}
+    unchanged, sparse = ["layer0", "layer5"], ["layer1", "layer6", "small"]
     for n in sparse:
         flat = step[n].reshape(-1)
-        where = rng.choice(flat.size, 5, replace=False)
-        flat[where] += 1.0 + rng.random(5).astype(np.float32)
+        where = rng.choice(flat.shape[0], 5, replace=False)
+        flat[where] += torch.from_numpy(1.0 + rng.random(5)).to(flat.dtype) if n == "small" else 1.0 + rng.random(5)
     dense = [n for n in step if n not in unchanged + sparse]
     for n in dense:
         step[n] = step[n] + 1 if isinstance(step[n], torch.Tensor) else step[n] + np.float32(1)
@@ -275,10 +282,11 @@ def test_weight_deltas_over_two_streams(rng):
     for n in sparse:
         pieces = came[n][1]
         assert all(t.changed == 5 for t in pieces)
-        assert apply_sparse(tensor_bytes(start[n]), pieces, 4) == tensor_bytes(step[n])
+        assert apply_sparse(tensor_bytes(start[n]), pieces, 2 if n == "small" else 4) == tensor_bytes(step[n])
     for n in dense:
         pieces = came[n][1]
         assert all(not t.changed for t in pieces)
         assert b"".join(t.data for t in pieces) == tensor_bytes(step[n])
     deltas.pushed(6)
-    assert all(deltas.held[n].tobytes() == tensor_bytes(step[n]) for n in step)
+    assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
+    assert isinstance(deltas.held["small"], torch.Tensor) == on_device

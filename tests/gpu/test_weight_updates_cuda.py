@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient
+from logprob_client.weights import WeightDeltas
 from logprob_service.api import tensor_pieces
 from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
@@ -72,10 +73,12 @@ async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path,
         await stop(running)
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["client-holds-on-host", "client-holds-on-gpu"])
 @pytest.mark.parametrize("reserve", [0, 10**15], ids=["staged-on-gpu", "staged-on-host"])
-async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(tmp_path, reserve, rng):
+async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(tmp_path, reserve, on_device, rng):
     """The changed copy of each live weight is made on the GPU (or on the host without room):
-    either way, the weights that go live are those a dense push of the same tensors makes."""
+    either way, the weights that go live are those a dense push of the same tensors makes. The
+    client's tensors are on the GPU, its copies held (and compared) on the host or on the GPU."""
     make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
     first = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).state_dict()
     step = {}
@@ -84,6 +87,7 @@ async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(tmp_path
         where = torch.from_numpy(rng.choice(flat.numel(), max(1, flat.numel() // 50), replace=False))
         flat[where] += torch.from_numpy(rng.standard_normal(where.numel()).astype(np.float32)).to(flat.dtype)
         step[name] = flat.reshape(tensor.shape)
+    first, step = ({n: t.cuda() for n, t in w.items()} for w in (first, step))
     cfg = {"device": "cuda", "dtype": "bfloat16", "update_staging_reserve_bytes": reserve}
     sparse, dense = await start(settings({"policy": str(tmp_path)}, **cfg)), None
     try:
@@ -93,8 +97,11 @@ async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(tmp_path
             AsyncLogprobClient(sparse.target, model="policy") as by_delta,
             AsyncLogprobClient(dense.target, model="policy") as by_dense,
         ):
+            by_delta.deltas["policy"] = WeightDeltas(on_device=on_device)
             await by_delta.update_weights("policy", first, delta=True)  # nothing held yet: dense
             result = await by_delta.update_weights("policy", step, delta=True)
+            held = by_delta.deltas["policy"].held.values()
+            assert all((isinstance(h, torch.Tensor) and h.is_cuda) == on_device for h in held)
             assert by_delta.deltas["policy"].last["sparse"] > 0 and result.staged_on == ("cpu" if reserve else "cuda:0")
             want = await by_dense.update_weights("policy", step)
             assert result.fingerprint == want.fingerprint

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient
+from logprob_client.weights import WeightDeltas
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.models.weights import model_fingerprint
@@ -44,11 +45,14 @@ def model_with(weights: dict[str, torch.Tensor], like: torch.nn.Module) -> torch
     return model.eval()
 
 
-async def test_a_delta_sends_the_changed_elements_and_lands_as_a_dense_push_would(served, rng):
+# on_device: the client holds and compares torch tensors where they are (here the CPU, with torch).
+@pytest.mark.parametrize("on_device", [False, True])
+async def test_a_delta_sends_the_changed_elements_and_lands_as_a_dense_push_would(served, rng, on_device):
     start_weights = {k: v.clone() for k, v in served.scorer("policy").model.state_dict().items()}
     dense_bytes = sum(t.nbytes for t in start_weights.values())
     sequences = random_sequences(rng, 4)
     async with AsyncLogprobClient(served.target, model="policy") as client:
+        client.deltas["policy"] = WeightDeltas(on_device=on_device)
         first = await client.update_weights("policy", start_weights, delta=True)  # nothing held yet: dense
         assert client.deltas["policy"].last == {"dense": len(start_weights), "sparse": 0, "unchanged": 0}
         assert first.bytes == dense_bytes and first.fingerprint == (await live(client, "policy")).fingerprint
@@ -72,7 +76,7 @@ async def test_a_delta_sends_the_changed_elements_and_lands_as_a_dense_push_woul
         assert result.fingerprint == model_fingerprint(expected)
         assert_scores_match(expected, sequences, await client.score(*as_lists(sequences)))
         # What the client holds for the next delta (sparse tensors took their changes in place).
-        held = client.deltas["policy"].held
+        held = {n: np.asarray(h).view(np.uint8) for n, h in client.deltas["policy"].held.items()}
         assert all(np.array_equal(held[n], again[n].numpy().view(np.uint8).reshape(-1)) for n in names)
 
 
