@@ -81,12 +81,14 @@ async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(tmp_path
     client's tensors are on the GPU, its copies held (and compared) on the host or on the GPU."""
     make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
     first = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).state_dict()
-    step = {}
-    for name, tensor in first.items():  # 2% of each tensor's elements (at least one) changed
-        flat = tensor.clone().reshape(-1)
-        where = torch.from_numpy(rng.choice(flat.numel(), max(1, flat.numel() // 50), replace=False))
-        flat[where] += torch.from_numpy(rng.standard_normal(where.numel()).astype(np.float32)).to(flat.dtype)
-        step[name] = flat.reshape(tensor.shape)
+    step, by_storage = {}, {}
+    for name, tensor in first.items():  # 2% of each weight's elements (at least one) changed
+        if tensor.data_ptr() not in by_storage:  # tied names are one weight: changed alike
+            flat = tensor.clone().reshape(-1)
+            where = torch.from_numpy(rng.choice(flat.numel(), max(1, flat.numel() // 50), replace=False))
+            flat[where] += torch.from_numpy(rng.standard_normal(where.numel()).astype(np.float32)).to(flat.dtype)
+            by_storage[tensor.data_ptr()] = flat.reshape(tensor.shape)
+        step[name] = by_storage[tensor.data_ptr()]
     first, step = ({n: t.cuda() for n, t in w.items()} for w in (first, step))
     cfg = {"device": "cuda", "dtype": "bfloat16", "update_staging_reserve_bytes": reserve}
     sparse, dense = await start(settings({"policy": str(tmp_path)}, **cfg)), None

@@ -83,6 +83,19 @@ async def test_a_tied_model_takes_a_checkpoint_without_its_lm_head(tmp_path, rng
             assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
             state = {k: v for k, v in new.state_dict().items() if k != "model.embed_tokens.weight"}
             assert (await client.update_weights("gemma", state)).version == 2  # lm_head.weight alone covers it
+
+            # Both tied names with equal bytes: one weight. With other bytes, which one landed would
+            # depend on which of the push's calls came first: refused, over one call or several.
+            both = new.state_dict()
+            assert (await client.update_weights("gemma", both)).version == 3
+            other = {**both, "lm_head.weight": both["lm_head.weight"] + 1.0}
+            for streams in (1, 4):
+                with pytest.raises(
+                    InvalidRequest, match=r"tensor '(lm_head|model\.embed_tokens)\.weight': is the same"
+                ):
+                    await client.update_weights("gemma", other, streams=streams)
+            assert (await live(client, "gemma")).version == 3
+            assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
     finally:
         await stop(running)
 

@@ -547,6 +547,21 @@ class _Session:
         self.on_end()
 
 
+def _one_digest_per_weight(target: UpdatableWeights, digests: dict[str, Any]) -> dict[str, Any]:
+    """The staged tensors' digests by the name each weight is fingerprinted under. Tied names (an
+    lm_head that is the input embedding) are one weight: sent under both, they must carry the same
+    bytes, else which one lands would depend on the order the calls of a push arrive in."""
+    by_weight: dict[str, tuple[str, Any]] = {}
+    for name, digest in digests.items():
+        first, first_digest = by_weight.setdefault(target.canonical(name), (name, digest))
+        if first_digest != digest:
+            raise InvalidArgument(
+                f"tensor {name!r}: is the same weight as {first!r} (tied), which came with other bytes; "
+                "send one of the two names, or both with equal bytes"
+            )
+    return {weight: digest for weight, (_, digest) in by_weight.items()}
+
+
 class WeightUpdater:
     """Runs the weight updates of a server's models (asyncio side; the swap runs on the device thread)."""
 
@@ -799,7 +814,7 @@ class WeightUpdater:
         update.check_complete()
         staged = await update.staged_tensors()
         served, version = update.served, update.header.version
-        digests = {update.target.canonical(name): digest for name, (_, digest) in staged.items()}
+        digests = _one_digest_per_weight(update.target, {name: digest for name, (_, digest) in staged.items()})
         swap_ns = [0] * len(update.replicas)
 
         def apply(lane: int) -> None:
