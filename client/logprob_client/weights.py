@@ -94,6 +94,8 @@ def _varint(value: int) -> bytes:
 
 _TENSOR_TAG = b"\x12"  # UpdateWeightsRequest.tensor: field 2, length-delimited
 _DATA_TAG = b"\x2a"  # TensorChunk.data: field 5, length-delimited
+_CHANGED_TAG = b"\x30"  # TensorChunk.changed: field 6, varint
+_INDICES_TAG = b"\x3a"  # TensorChunk.indices: field 7, length-delimited
 
 
 def dense_piece(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: memoryview) -> bytes:
@@ -109,23 +111,41 @@ def _dense_pieces(name: str, dtype: str, shape: tuple[int, ...], data: memoryvie
         yield dense_piece(name, dtype, shape, offset, data[offset : offset + chunk_bytes])
 
 
+def sparse_piece(
+    name: str, dtype: str, shape: tuple[int, ...], offset: int, changed: int, indices: memoryview, values: memoryview
+) -> bytes:
+    """A sparse piece's UpdateWeightsRequest, serialized as protobuf writes it (fields in number
+    order: ``data``, the values, before ``changed`` and ``indices``), with one copy of ``indices``
+    (little-endian uint32s) and ``values`` (their raw bytes)."""
+    fields = pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset).SerializeToString()
+    parts = [
+        fields,
+        *((_DATA_TAG, _varint(len(values)), values) if len(values) else ()),
+        *((_CHANGED_TAG, _varint(changed)) if changed else ()),
+        *((_INDICES_TAG, _varint(len(indices)), indices) if len(indices) else ()),
+    ]
+    return b"".join((_TENSOR_TAG, _varint(sum(len(p) for p in parts)), *parts))
+
+
 def _sparse_pieces(
     name: str, dtype: str, shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray, chunk_bytes: int
 ):
-    itemsize = values.nbytes // len(indices)
+    """``indices``: uint32; ``values``: their raw bytes (uint8)."""
+    count, itemsize = indices.size, values.nbytes // indices.size
     per_piece = max(1, chunk_bytes // (4 + itemsize))
-    for start in range(0, len(indices), per_piece):
-        end = start + per_piece
-        chunk = pb.TensorChunk(
-            name=name,
-            dtype=dtype,
-            shape=shape,
-            offset=start,
-            changed=len(indices),
-            indices=indices[start:end].astype("<u4").tobytes(),
-            data=values[start * itemsize : end * itemsize].tobytes(),
+    index_bytes = memoryview(indices.astype("<u4", copy=False)).cast("B")
+    value_bytes = memoryview(values)
+    for start in range(0, count, per_piece):
+        end = min(start + per_piece, count)
+        yield sparse_piece(
+            name,
+            dtype,
+            shape,
+            start,
+            count,
+            index_bytes[start * 4 : end * 4],
+            value_bytes[start * itemsize : end * itemsize],
         )
-        yield pb.UpdateWeightsRequest(tensor=chunk).SerializeToString()
 
 
 def _stream(header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[bytes]]) -> Iterator[bytes]:
@@ -245,17 +265,18 @@ def _ahead(items: Iterable[T], work: Callable[[T], R]) -> Iterator[R]:
 
 
 def changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where the flat arrays ``old`` and ``new`` (one size and dtype) differ: the indices (ascending,
-    int64) and ``new``'s values there, found in parallel parts."""
+    """Where the flat arrays ``old`` and ``new`` (one size and dtype, at most ``MAX_SPARSE_ELEMENTS``)
+    differ: the indices (ascending, uint32, as they travel) and ``new``'s values there, found in
+    parallel parts."""
 
     def part(start: int) -> tuple[np.ndarray, np.ndarray]:
         piece = new[start : start + PART_ELEMENTS]
         where = np.flatnonzero(old[start : start + PART_ELEMENTS] != piece)
-        return where + start, piece[where]
+        return (where + start).astype(np.uint32), piece[where]
 
     parts = list(_parts_pool().map(part, range(0, new.size, PART_ELEMENTS)))
     if not parts:
-        return np.empty(0, np.int64), new[:0].copy()
+        return np.empty(0, np.uint32), new[:0].copy()
     return np.concatenate([i for i, _ in parts]), np.concatenate([v for _, v in parts])
 
 
@@ -275,7 +296,7 @@ class _Compared:
     shape: tuple[int, ...]
     nbytes: int
     new: Any  # its raw bytes: host uint8, maybe the caller's memory; or on its device, as integers
-    changed: np.ndarray | None  # the changed elements' indices (int64); None: send it dense
+    changed: np.ndarray | None  # the changed elements' indices (uint32); None: send it dense
     values: np.ndarray | None  # their new values
     on_device: tuple[Any, Any] | None = None  # changed and values on the tensor's device (on_device)
 
@@ -377,9 +398,9 @@ class WeightDeltas:
         if self._dense_pays(changed.numel(), flat.element_size(), nbytes):  # not worth bringing to the host
             return _Compared(name, dtype, shape, nbytes, bits, None, None)
         values = bits[changed]
-        return _Compared(
-            name, dtype, shape, nbytes, bits, changed.cpu().numpy(), values.cpu().numpy(), (changed, values)
-        )
+        # To the host as the uint32s they travel as (int32 wraps to the same bits): half the bytes.
+        indices = changed.to(torch.int32).cpu().numpy().view(np.uint32)
+        return _Compared(name, dtype, shape, nbytes, bits, indices, values.cpu().numpy(), (changed, values))
 
     @staticmethod
     def _sparse_may_pay(nbytes: int, shape: tuple[int, ...]) -> bool:

@@ -20,7 +20,7 @@ def test_the_parts_find_and_apply_exactly_the_changed_elements(monkeypatch, rng,
     new[where] ^= rng.integers(1, 2**16, where.size, dtype=np.uint16)  # a nonzero xor: every one changes
 
     indices, values = weights.changes(old, new)
-    assert indices.dtype == np.int64 and values.dtype == np.uint16
+    assert indices.dtype == np.uint32 and values.dtype == np.uint16
     np.testing.assert_array_equal(indices, where)
     np.testing.assert_array_equal(values, new[where])
 

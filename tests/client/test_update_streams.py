@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from logprob_client.weights import WeightDeltas, dense_piece, split, update_streams
+from logprob_client.weights import WeightDeltas, dense_piece, sparse_piece, split, update_streams
 from logprob_proto import logprob_pb2 as pb
 
 from tests.helpers.calls import parsed
@@ -41,6 +41,27 @@ def test_dense_piece_is_protobufs_serialization(name, dtype, shape, offset, nbyt
     assert framed == protobuf_piece(name, dtype, shape, offset, data)
     message = pb.UpdateWeightsRequest.FromString(framed)
     assert message.tensor.data == data and message.tensor.offset == offset and tuple(message.tensor.shape) == shape
+
+
+@pytest.mark.parametrize(("name", "dtype", "shape", "offset", "nbytes"), PIECES, ids=[str(p[4]) for p in PIECES])
+def test_sparse_piece_is_protobufs_serialization(name, dtype, shape, offset, nbytes, rng):
+    """The same lengths for the values (``data``), and as many uint32 indices after them."""
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    count = max(1, nbytes // itemsize)
+    values = rng.integers(0, 256, count * itemsize, dtype=np.uint8)
+    indices = np.sort(rng.choice(1 << 24, count, replace=False)).astype("<u4")
+    changed = offset + count
+    framed = sparse_piece(name, dtype, shape, offset, changed, memoryview(indices).cast("B"), memoryview(values))
+    chunk = pb.TensorChunk(
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        offset=offset,
+        changed=changed,
+        indices=indices.tobytes(),
+        data=values.tobytes(),
+    )
+    assert framed == pb.UpdateWeightsRequest(tensor=chunk).SerializeToString()
 
 
 def test_dense_piece_of_a_view_into_a_larger_buffer(rng):

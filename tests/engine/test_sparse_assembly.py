@@ -1,0 +1,50 @@
+"""A sparse tensor's pieces, checked as they come: indices ascend strictly across pieces and stay
+within the tensor; the first bad one is named."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from logprob_service.engine.weight_updates import SparsePiece, _SparseAssembly
+from logprob_service.errors import InvalidArgument
+
+SHAPE = (10, 10)  # 100 elements
+
+
+def piece(offset: int, indices: list[int], changed: int = 5) -> SparsePiece:
+    return SparsePiece(
+        "w",
+        "float32",
+        SHAPE,
+        offset,
+        changed,
+        np.asarray(indices, "<u4").tobytes(),
+        np.arange(len(indices), dtype="<f4").tobytes(),
+    )
+
+
+def test_pieces_that_ascend_across_their_edge_are_taken_whole():
+    a = _SparseAssembly(piece(0, [3, 7]), live=None)
+    a.write(piece(0, [3, 7]))
+    a.write(piece(2, [8, 50, 99]))
+    assert a.complete and a.indices.tolist() == [3, 7, 8, 50, 99]
+    assert a.values.view("<f4").tolist() == [0, 1, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("second", "bad"),
+    [
+        ([7, 50, 99], "changed element 2 has index 7"),  # equal to the last of the piece before
+        ([5, 50, 99], "changed element 2 has index 5"),  # below it
+        ([8, 50, 50], "changed element 4 has index 50"),  # not strictly ascending within the piece
+        ([8, 60, 40], "changed element 4 has index 40"),
+        ([8, 50, 100], "changed element 4 has index 100, out of [0, 100)"),  # past the tensor's end
+    ],
+)
+def test_the_first_bad_index_is_named(second, bad):
+    a = _SparseAssembly(piece(0, [3, 7]), live=None)
+    a.write(piece(0, [3, 7]))
+    with pytest.raises(InvalidArgument, match=re.escape(f"tensor 'w': {bad}")):
+        a.write(piece(2, second))
