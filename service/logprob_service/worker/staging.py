@@ -120,6 +120,12 @@ class DeviceStager:
                 slot.done.record(self.stream)
             slots.give(slot)
 
+    def _on_device(self, data: np.ndarray) -> torch.Tensor:
+        """``data``'s bytes (uint8) on the device, queued on the current stream (the staging stream)."""
+        target = torch.empty(data.nbytes, dtype=torch.uint8, device=self.device)
+        self._upload(target, 0, data.reshape(-1).view(np.uint8))
+        return target
+
     def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, PendingDigest]:
         """A received tensor, complete: its digest queued after the copies that wrote it."""
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -138,13 +144,16 @@ class DeviceStager:
         live = live.detach()
         if self.stream is None or not live.is_cuda or not self._take_room(live.nbytes):
             changed = live.to("cpu", copy=True).contiguous()
-            _set_elements(changed, indices, values, dtype)
+            _set_elements(changed, torch.from_numpy(indices), torch.from_numpy(values), dtype)
             return self.stage(changed, digest=digest)
         # The live weight was last written by a swap on another stream: that comes first.
         self.stream.wait_stream(torch.cuda.current_stream(live.device))
         with torch.cuda.stream(self.stream):
             changed = live.clone(memory_format=torch.contiguous_format)
-            _set_elements(changed, indices, values, dtype)
+            # The changes go up through the page-locked slots: a copy from pageable memory would
+            # first wait for everything queued on the staging stream (the tensors before this one),
+            # holding this thread for each tensor of a delta.
+            _set_elements(changed, self._on_device(indices), self._on_device(values), dtype)
             pending = pending_digest(changed, self.device) if digest else None
         with self._lock:
             self.places.add(str(self.device))
@@ -244,12 +253,12 @@ def _slots(device: torch.device) -> _Slots:
         return _Slots()
 
 
-def _set_elements(tensor: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str) -> None:
-    """``tensor``'s elements at flat ``indices`` (uint32) set to ``values`` (their raw bytes in
-    ``dtype``); only the indices and values go to where ``tensor`` lies."""
+def _set_elements(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, dtype: str) -> None:
+    """``tensor``'s elements at flat ``indices`` (uint32s' raw bytes) set to ``values`` (their raw
+    bytes in ``dtype``); both already where ``tensor`` lies."""
     # uint32 indices travel as int32 (4 bytes each) and are widened there.
-    where = torch.from_numpy(indices.view(np.int32)).to(tensor.device).to(torch.int64) & 0xFFFFFFFF
-    tensor.view(-1)[where] = torch.from_numpy(values).to(tensor.device).view(DTYPES[dtype])
+    where = indices.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    tensor.view(-1)[where] = values.view(DTYPES[dtype])
 
 
 class Staging:
