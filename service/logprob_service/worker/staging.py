@@ -107,44 +107,24 @@ class DeviceStager:
                 return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _upload(self, target: torch.Tensor, offset: int, *parts: np.ndarray) -> None:
-        """``target[offset:]`` (on the device) takes the bytes of ``parts`` (uint8), one after
-        another, through the page-locked slots, each slot filled before it goes: small parts
-        share one trip."""
+    def _upload(self, target: torch.Tensor, offset: int, data: np.ndarray) -> None:
+        """``target[offset:]`` (on the device) takes ``data`` through the page-locked slots."""
         assert self.stream is not None
         slots = _slots(self.device)
-        slot, filled = None, 0
-        for part in parts:
-            start = 0
-            while start < part.size:
-                if slot is None:
-                    slot, filled = slots.take(), 0
-                n = min(part.size - start, SLOT_BYTES - filled)
-                np.copyto(slot.host[filled : filled + n].numpy(), part[start : start + n])  # without the GIL
-                filled, start = filled + n, start + n
-                if filled == SLOT_BYTES:
-                    self._send(slot, filled, target[offset : offset + filled])
-                    offset, slot = offset + filled, None
-        if slot is not None:
-            self._send(slot, filled, target[offset : offset + filled])
+        for start in range(0, data.size, SLOT_BYTES):
+            piece = data[start : start + SLOT_BYTES]
+            slot = slots.take()
+            np.copyto(slot.host[: piece.size].numpy(), piece)  # without the GIL
+            with torch.cuda.stream(self.stream):
+                target[offset + start : offset + start + piece.size].copy_(slot.host[: piece.size], non_blocking=True)
+                slot.done.record(self.stream)
+            slots.give(slot)
 
-    def _send(self, slot: _Slot, nbytes: int, target: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            target.copy_(slot.host[:nbytes], non_blocking=True)
-            slot.done.record(self.stream)
-        _slots(self.device).give(slot)
-
-    def _changes_on_device(
-        self, indices: np.ndarray, values: np.ndarray, dtype: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sparse update's uint32 ``indices`` (as int32) and ``values`` (raw bytes of ``dtype``) on
-        the device, queued on the current stream (the staging stream): one buffer, the values first
-        and the indices after them at a multiple of 8 bytes, both views of it aligned."""
-        at = -(-values.nbytes // 8) * 8
-        target = torch.empty(at + indices.nbytes, dtype=torch.uint8, device=self.device)
-        padding = np.zeros(at - values.nbytes, dtype=np.uint8)
-        self._upload(target, 0, values.reshape(-1).view(np.uint8), padding, indices.reshape(-1).view(np.uint8))
-        return target[at:].view(torch.int32), target[: values.nbytes].view(DTYPES[dtype])
+    def _on_device(self, data: np.ndarray) -> torch.Tensor:
+        """``data``'s bytes (uint8) on the device, queued on the current stream (the staging stream)."""
+        target = torch.empty(data.nbytes, dtype=torch.uint8, device=self.device)
+        self._upload(target, 0, data.reshape(-1).view(np.uint8))
+        return target
 
     def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, PendingDigest]:
         """A received tensor, complete: its digest queued after the copies that wrote it."""
@@ -164,9 +144,7 @@ class DeviceStager:
         live = live.detach()
         if self.stream is None or not live.is_cuda or not self._take_room(live.nbytes):
             changed = live.to("cpu", copy=True).contiguous()
-            _set_elements(
-                changed, torch.from_numpy(indices.view(np.int32)), torch.from_numpy(values).view(DTYPES[dtype])
-            )
+            _set_elements(changed, torch.from_numpy(indices), torch.from_numpy(values), dtype)
             return self.stage(changed, digest=digest)
         # The live weight was last written by a swap on another stream: that comes first.
         self.stream.wait_stream(torch.cuda.current_stream(live.device))
@@ -175,7 +153,7 @@ class DeviceStager:
             # The changes go up through the page-locked slots: a copy from pageable memory would
             # first wait for everything queued on the staging stream (the tensors before this one),
             # holding this thread for each tensor of a delta.
-            _set_elements(changed, *self._changes_on_device(indices, values, dtype))
+            _set_elements(changed, self._on_device(indices), self._on_device(values), dtype)
             pending = pending_digest(changed, self.device) if digest else None
         with self._lock:
             self.places.add(str(self.device))
@@ -275,16 +253,12 @@ def _slots(device: torch.device) -> _Slots:
         return _Slots()
 
 
-# Elements that int32 indices reach; torch indexes with int32 as it does with int64, one kernel less.
-INT32_INDICES = 2**31
-
-
-def _set_elements(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """``tensor``'s elements at flat ``indices`` (uint32s, held as int32) set to ``values``; both
-    already where ``tensor`` lies."""
-    if tensor.numel() > INT32_INDICES:  # indices past int32's reach read as negative: widened first
-        indices = indices.to(torch.int64) & 0xFFFFFFFF
-    tensor.view(-1)[indices] = values
+def _set_elements(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, dtype: str) -> None:
+    """``tensor``'s elements at flat ``indices`` (uint32s' raw bytes) set to ``values`` (their raw
+    bytes in ``dtype``); both already where ``tensor`` lies."""
+    # uint32 indices travel as int32 (4 bytes each) and are widened there.
+    where = indices.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    tensor.view(-1)[where] = values.view(DTYPES[dtype])
 
 
 class Staging:
