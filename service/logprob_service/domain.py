@@ -159,3 +159,15 @@ class SharedTensor:
     dtype: str
     shape: tuple[int, ...]
     handle: IpcHandle
+
+
+@dataclass(frozen=True)
+class SparseChanges:
+    """A sparse update's changes to one weight: the ``live`` weight they apply to (a tensor, opaque
+    here), the flat ``indices`` of the changed elements (uint32, ascending) and their new
+    ``values`` (raw bytes of ``dtype``)."""
+
+    live: object
+    indices: np.ndarray
+    values: np.ndarray
+    dtype: str

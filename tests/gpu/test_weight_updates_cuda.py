@@ -15,6 +15,7 @@ import torch
 from logprob_client import AsyncLogprobClient
 from logprob_client.weights import WeightDeltas
 from logprob_service.api import tensor_pieces
+from logprob_service.engine import weight_updates
 from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
 from logprob_service.worker import staging
@@ -73,12 +74,17 @@ async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path,
         await stop(running)
 
 
+@pytest.mark.parametrize("batch", [3, weight_updates.SPARSE_BATCH_TENSORS], ids=["batches-of-3", "one-batch"])
 @pytest.mark.parametrize("on_device", [False, True], ids=["client-holds-on-host", "client-holds-on-gpu"])
 @pytest.mark.parametrize("reserve", [0, 10**15], ids=["staged-on-gpu", "staged-on-host"])
-async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(tmp_path, reserve, on_device, rng):
-    """The changed copy of each live weight is made on the GPU (or on the host without room):
-    either way, the weights that go live are those a dense push of the same tensors makes. The
-    client's tensors are on the GPU, its copies held (and compared) on the host or on the GPU."""
+async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(
+    tmp_path, reserve, on_device, batch, rng, monkeypatch
+):
+    """The changed copies of the live weights are made on the GPU, some tensors at a time (or on
+    the host without room): either way, the weights that go live are those a dense push of the
+    same tensors makes. The client's tensors are on the GPU, its copies held (and compared) on the
+    host or on the GPU."""
+    monkeypatch.setattr(weight_updates, "SPARSE_BATCH_TENSORS", batch)
     make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
     first = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).state_dict()
     step, by_storage = {}, {}

@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
+import torch
 from logprob_client import AsyncLogprobClient
+from logprob_service.engine import weight_updates
 from logprob_service.models.weights import model_fingerprint
 
 from tests.helpers.models import make_model, random_sequences
@@ -83,3 +86,28 @@ async def test_an_update_goes_live_on_every_replica_together(two_replicas, rng):
         results = await asyncio.gather(*(client.score(*as_lists(b), min_version=result.version) for b in batches))
     for batch, logprobs in zip(batches, results, strict=True):  # by the new weights, on either replica
         assert_scores_match(new.eval(), batch, logprobs)
+
+
+async def test_a_sparse_delta_reaches_every_replica_bit_for_bit(two_replicas, rng, monkeypatch):
+    """A delta's changed copies are staged for each replica, a few tensors at a time (batches of
+    3 here): every replica then holds what a dense push of the same weights would give."""
+    monkeypatch.setattr(weight_updates, "SPARSE_BATCH_TENSORS", 3)
+    replicas = two_replicas.service.registry.replicas("default")
+    base = {k: v.detach().clone() for k, v in replicas[0].scorer.model.state_dict().items()}
+    step, by_storage = {}, {}
+    for name, tensor in replicas[0].scorer.model.state_dict().items():  # 2% of each weight's elements
+        key = tensor.data_ptr()
+        if key not in by_storage:  # tied names are one weight: changed alike
+            flat = tensor.detach().clone().reshape(-1)
+            where = torch.from_numpy(rng.choice(flat.numel(), max(1, flat.numel() // 50), replace=False))
+            flat[where] += torch.from_numpy(rng.standard_normal(where.numel()).astype(np.float32))
+            by_storage[key] = flat.reshape(tensor.shape)
+        step[name] = by_storage[key]
+    async with AsyncLogprobClient(two_replicas.target, model="default") as client:
+        await client.update_weights("default", base, delta=True)  # nothing held yet: dense
+        result = await client.update_weights("default", step, delta=True)
+        assert client.deltas["default"].last["sparse"] > 3
+    expected = make_model("qwen2", tied=True, seed=0)
+    expected.load_state_dict(step)
+    assert result.fingerprint == model_fingerprint(expected)
+    assert [model_fingerprint(r.scorer.model) for r in replicas] == [result.fingerprint] * 2

@@ -11,9 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
-
-from logprob_service.domain import ModelInfo, SequenceScores, SharedTensor, TokenSequence
+from logprob_service.domain import ModelInfo, SequenceScores, SharedTensor, SparseChanges, TokenSequence
 
 T = TypeVar("T")
 
@@ -98,11 +96,9 @@ class Stager(Protocol):
         queued; called on a worker thread. ``copy``: a copy even where ``tensor`` already lies
         where it would be staged (it is not the update's own)."""
 
-    def stage_changes(
-        self, live: Any, indices: np.ndarray, values: np.ndarray, dtype: str, *, digest: bool = True
-    ) -> tuple[Any, Any]:
-        """``stage`` of a copy of the ``live`` weight with the elements at flat ``indices`` set to
-        ``values`` (their raw bytes in ``dtype``): a sparse update's tensor."""
+    def stage_changes(self, changes: Sequence[SparseChanges], *, digest: bool = True) -> list[tuple[Any, Any]]:
+        """``stage`` of a copy of each change's ``live`` weight with its changed elements set:
+        a sparse update's tensors, staged together."""
 
     def finish(self, pending: Sequence[Any]) -> list[Any]:
         """Waits until everything staged so far is in place (its sources may go), then the digests

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from logprob_service.domain import SharedTensor
+from logprob_service.domain import SharedTensor, SparseChanges
 from logprob_service.errors import InvalidArgument
 from logprob_service.models.loading import DTYPES
 from logprob_service.models.weights import PendingDigest, TensorDigest, dtype_name, pending_digest, settle
@@ -107,24 +107,32 @@ class DeviceStager:
                 return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _upload(self, target: torch.Tensor, offset: int, data: np.ndarray) -> None:
-        """``target[offset:]`` (on the device) takes ``data`` through the page-locked slots."""
+    def _upload(self, target: torch.Tensor, offset: int, *parts: np.ndarray) -> None:
+        """``target[offset:]`` (on the device) takes the bytes of ``parts`` (uint8), one after
+        another, through the page-locked slots, each slot filled before it goes: small parts
+        share one trip."""
         assert self.stream is not None
         slots = _slots(self.device)
-        for start in range(0, data.size, SLOT_BYTES):
-            piece = data[start : start + SLOT_BYTES]
-            slot = slots.take()
-            np.copyto(slot.host[: piece.size].numpy(), piece)  # without the GIL
-            with torch.cuda.stream(self.stream):
-                target[offset + start : offset + start + piece.size].copy_(slot.host[: piece.size], non_blocking=True)
-                slot.done.record(self.stream)
-            slots.give(slot)
+        slot, filled = None, 0
+        for part in parts:
+            start = 0
+            while start < part.size:
+                if slot is None:
+                    slot, filled = slots.take(), 0
+                n = min(part.size - start, SLOT_BYTES - filled)
+                np.copyto(slot.host[filled : filled + n].numpy(), part[start : start + n])  # without the GIL
+                filled, start = filled + n, start + n
+                if filled == SLOT_BYTES:
+                    self._send(slot, filled, target[offset : offset + filled])
+                    offset, slot = offset + filled, None
+        if slot is not None:
+            self._send(slot, filled, target[offset : offset + filled])
 
-    def _on_device(self, data: np.ndarray) -> torch.Tensor:
-        """``data``'s bytes (uint8) on the device, queued on the current stream (the staging stream)."""
-        target = torch.empty(data.nbytes, dtype=torch.uint8, device=self.device)
-        self._upload(target, 0, data.reshape(-1).view(np.uint8))
-        return target
+    def _send(self, slot: _Slot, nbytes: int, target: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            target.copy_(slot.host[:nbytes], non_blocking=True)
+            slot.done.record(self.stream)
+        _slots(self.device).give(slot)
 
     def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, PendingDigest]:
         """A received tensor, complete: its digest queued after the copies that wrote it."""
@@ -135,29 +143,63 @@ class DeviceStager:
         return tensor, pending
 
     def stage_changes(
-        self, live: torch.Tensor, indices: np.ndarray, values: np.ndarray, dtype: str, *, digest: bool = True
-    ) -> tuple[torch.Tensor, PendingDigest | None]:
-        """``stage`` of a copy of the ``live`` weight with the elements at flat ``indices`` (uint32)
-        set to ``values`` (their raw bytes in ``dtype``): bit for bit the tensor a dense update
-        would send (a sparse update). While the device has room the copy is made there, so only
-        the changes cross from host memory; else in host memory."""
-        live = live.detach()
-        if self.stream is None or not live.is_cuda or not self._take_room(live.nbytes):
-            changed = live.to("cpu", copy=True).contiguous()
-            _set_elements(changed, torch.from_numpy(indices), torch.from_numpy(values), dtype)
-            return self.stage(changed, digest=digest)
-        # The live weight was last written by a swap on another stream: that comes first.
-        self.stream.wait_stream(torch.cuda.current_stream(live.device))
-        with torch.cuda.stream(self.stream):
-            changed = live.clone(memory_format=torch.contiguous_format)
-            # The changes go up through the page-locked slots: a copy from pageable memory would
-            # first wait for everything queued on the staging stream (the tensors before this one),
-            # holding this thread for each tensor of a delta.
-            _set_elements(changed, self._on_device(indices), self._on_device(values), dtype)
-            pending = pending_digest(changed, self.device) if digest else None
-        with self._lock:
-            self.places.add(str(self.device))
-        return changed, pending
+        self, changes: Sequence[SparseChanges], *, digest: bool = True
+    ) -> list[tuple[torch.Tensor, PendingDigest | None]]:
+        """``stage`` of a copy of each ``live`` weight with the elements at its flat ``indices``
+        (uint32) set to its ``values`` (raw bytes of its ``dtype``): bit for bit the tensors a
+        dense update would send (a sparse update). While the device has room the copies are made
+        there, together (``_changed_copies``), so only the changes cross from host memory; else
+        in host memory, one by one."""
+        staged: list[tuple[torch.Tensor, PendingDigest | None] | None] = [None] * len(changes)
+        together: dict[torch.dtype, list[int]] = {}  # on the device, by dtype
+        for i, c in enumerate(changes):
+            live = c.live.detach()
+            if self.stream is not None and live.is_cuda and self._take_room(live.nbytes):
+                together.setdefault(live.dtype, []).append(i)
+            else:
+                changed = live.to("cpu", copy=True).contiguous()
+                where = torch.from_numpy(c.indices.view(np.int32)).to(torch.int64) & 0xFFFFFFFF
+                changed.view(-1)[where] = torch.from_numpy(c.values).view(DTYPES[c.dtype])
+                staged[i] = self.stage(changed, digest=digest)
+        if together:
+            # The live weights were last written by a swap on another stream: that comes first.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                for group in together.values():
+                    for i, copy in zip(group, self._changed_copies([changes[i] for i in group]), strict=True):
+                        staged[i] = copy, pending_digest(copy, self.device) if digest else None
+            with self._lock:
+                self.places.add(str(self.device))
+        return staged  # type: ignore[return-value]  # every one filled
+
+    def _changed_copies(self, changes: Sequence[SparseChanges]) -> list[torch.Tensor]:
+        """Copies of the ``live`` weights (one dtype, on this device) with their changes, queued on
+        the staging stream with a few calls for all of them: one copy of the weights into one
+        buffer, one upload of every change, one scatter. A tensor at a time took ~0.5 ms of torch
+        calls each, 0.26 s for a 1.5B model's 338 tensors (H100).
+
+        Uploaded as one buffer: the values, then (at a multiple of 8 bytes) each tensor's start
+        in the copies and its count of changes (int64), then the indices (uint32). A change's
+        place in the copies is its tensor's start plus its index."""
+        lives = [c.live.detach().reshape(-1) for c in changes]
+        copies = torch.cat(lives)
+        numels = [t.numel() for t in lives]
+        values = [c.values.reshape(-1).view(np.uint8) for c in changes]
+        value_bytes = sum(v.size for v in values)
+        at = -(-value_bytes // 8) * 8
+        starts = np.cumsum([0, *numels[:-1]], dtype=np.int64)
+        counts = np.array([c.indices.size for c in changes], dtype=np.int64)
+        indices = [c.indices.reshape(-1).view(np.uint8) for c in changes]
+        upload = torch.empty(
+            at + starts.nbytes + counts.nbytes + sum(i.size for i in indices), dtype=torch.uint8, device=self.device
+        )
+        parts = [*values, np.zeros(at - value_bytes, np.uint8), starts.view(np.uint8), counts.view(np.uint8), *indices]
+        self._upload(upload, 0, *parts)
+        meta = upload[at : at + starts.nbytes + counts.nbytes].view(torch.int64)
+        where = upload[at + starts.nbytes + counts.nbytes :].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        where += torch.repeat_interleave(meta[: len(changes)], meta[len(changes) :], output_size=where.numel())
+        copies[where] = upload[:value_bytes].view(copies.dtype)
+        return [copy.view(c.live.shape) for copy, c in zip(copies.split(numels), changes, strict=True)]
 
     def finish(self, pending: Sequence[PendingDigest]) -> list[TensorDigest]:
         """Waits until every tensor staged so far is in place (their sources may go once this
@@ -251,14 +293,6 @@ class _Slots:
 def _slots(device: torch.device) -> _Slots:
     with torch.cuda.device(device):
         return _Slots()
-
-
-def _set_elements(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, dtype: str) -> None:
-    """``tensor``'s elements at flat ``indices`` (uint32s' raw bytes) set to ``values`` (their raw
-    bytes in ``dtype``); both already where ``tensor`` lies."""
-    # uint32 indices travel as int32 (4 bytes each) and are widened there.
-    where = indices.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    tensor.view(-1)[where] = values.view(DTYPES[dtype])
 
 
 class Staging:
