@@ -176,7 +176,7 @@ class DeviceStager:
         """Copies of the ``live`` weights (one dtype, on this device) with their changes, queued on
         the staging stream with a few calls for all of them: one copy of the weights into one
         buffer, one upload of every change, one scatter. A tensor at a time took ~0.5 ms of torch
-        calls each, 0.26 s for a 1.5B model's 338 tensors (H100).
+        calls each: 0.26 s for a 1.5B model's 338 tensors, against 0.12 s so (H100).
 
         Uploaded as one buffer: the values, then (at a multiple of 8 bytes) each tensor's start
         in the copies and its count of changes (int64), then the indices (uint32). A change's
