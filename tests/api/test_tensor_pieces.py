@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
-from logprob_client.weights import dense_piece
+from logprob_client.weights import dense_piece, sparse_piece
 from logprob_proto import logprob_pb2 as pb
-from logprob_service.api.tensor_pieces import MIN_VIEWED_BYTES, DensePiece, read_update_request
+from logprob_service.api.tensor_pieces import MIN_VIEWED_BYTES, PieceView, read_update_request
 
 
 def varint(value: int) -> bytes:
@@ -28,13 +28,13 @@ def framed(chunk: bytes) -> bytes:
     return b"\x12" + varint(len(chunk)) + chunk
 
 
-def as_request(read: pb.UpdateWeightsRequest | DensePiece) -> pb.UpdateWeightsRequest:
+def as_request(read: pb.UpdateWeightsRequest | PieceView) -> pb.UpdateWeightsRequest:
     """What ``read_update_request`` returned, as the message protobuf's parse would be."""
     if isinstance(read, pb.UpdateWeightsRequest):
         return read
     chunk = pb.TensorChunk()
     chunk.CopyFrom(read.chunk)
-    chunk.data = bytes(read.data)
+    chunk.data, chunk.indices = bytes(read.data), bytes(read.indices)
     return pb.UpdateWeightsRequest(tensor=chunk)
 
 
@@ -56,11 +56,11 @@ def test_a_large_dense_piece_is_read_as_a_view_of_the_message(name, shape, offse
     raw = dense_piece(name, "bfloat16", shape, offset, memoryview(data))
     assert len(raw) >= MIN_VIEWED_BYTES
     read = read_update_request(raw)
-    assert isinstance(read, DensePiece)
+    assert isinstance(read, PieceView)
     expected = pb.UpdateWeightsRequest.FromString(raw)
     assert read.chunk.name == name and read.chunk.dtype == "bfloat16"
     assert tuple(read.chunk.shape) == shape and read.chunk.offset == offset
-    assert not read.chunk.changed and not read.chunk.indices
+    assert not read.chunk.changed and not read.indices
     assert isinstance(read.data, memoryview) and read.data.obj is raw, "a view of the received bytes, not a copy"
     assert read.data.nbytes == nbytes and read.data == data
     assert as_request(read) == expected
@@ -72,13 +72,26 @@ def test_a_dense_piece_written_by_protobuf_is_read_as_a_view(rng):
     chunk = pb.TensorChunk(name="w", dtype="float32", shape=[20_000], offset=4, data=data)
     raw = pb.UpdateWeightsRequest(tensor=chunk).SerializeToString()
     read = read_update_request(raw)
-    assert isinstance(read, DensePiece) and read.data.obj is raw and read.data == data
+    assert isinstance(read, PieceView) and read.data.obj is raw and read.data == data
+    assert as_request(read) == pb.UpdateWeightsRequest.FromString(raw)
+
+
+def test_a_large_sparse_piece_is_read_with_views_of_the_message(rng):
+    values = random_bytes(rng, 2 * 40_000)
+    indices = np.sort(rng.choice(1 << 24, 40_000, replace=False)).astype("<u4")
+    raw = sparse_piece("w", "bfloat16", (1 << 24,), 40_000, 90_000, memoryview(indices).cast("B"), memoryview(values))
+    read = read_update_request(raw)
+    assert isinstance(read, PieceView)
+    assert (read.chunk.name, read.chunk.offset, read.chunk.changed) == ("w", 40_000, 90_000)
+    assert read.data.obj is raw and read.indices.obj is raw, "views of the received bytes, not copies"
+    assert read.data == values and read.indices == indices.tobytes()
+    assert not read.chunk.data and not read.chunk.indices
     assert as_request(read) == pb.UpdateWeightsRequest.FromString(raw)
 
 
 def small_and_other_messages(rng: np.random.Generator) -> dict[str, bytes]:
-    """Messages that protobuf must parse: under MIN_VIEWED_BYTES, not a tensor, or not a dense
-    piece with its data last."""
+    """Messages that protobuf must parse (under MIN_VIEWED_BYTES, not one tensor piece, or one
+    without data or indices) and tensor pieces written otherwise than by protobuf or the client."""
     header = pb.UpdateWeightsHeader(model="policy", version=3, partial=True, base_version=2, streams=3, update_id="x")
     big_data = random_bytes(rng, 100_000)
     name = b"\x0a\x01w"  # TensorChunk.name = "w"
@@ -141,10 +154,6 @@ def small_and_other_messages(rng: np.random.Generator) -> dict[str, bytes]:
         "commit",
         "empty",
         "sparse-small",
-        "sparse-large",
-        "sparse-data-last",
-        "data-first",
-        "data-then-unknown-field",
         "no-data",
         "tensor-then-commit",
     ],
@@ -158,13 +167,16 @@ def test_other_messages_are_parsed_by_protobuf(kind, rng):
         assert read.tensor.changed > 0 and read.tensor.indices
 
 
-@pytest.mark.parametrize("kind", ["data-twice", "header-then-tensor"])
+VIEWED = ["sparse-large", "sparse-data-last", "data-first", "data-then-unknown-field", "data-twice"]
+
+
+@pytest.mark.parametrize("kind", [*VIEWED, "header-then-tensor"])
 def test_messages_read_either_way_are_what_protobuf_reads(kind, rng):
-    """Where a dense piece is read as a view although it is not quite protobuf's own writing, it
-    still reads as protobuf reads it."""
+    """Where a piece is read with views although it is not quite protobuf's own writing (fields
+    in another order, one twice, an unknown one), it still reads as protobuf reads it."""
     raw = small_and_other_messages(rng)[kind]
     read = read_update_request(raw)
-    assert isinstance(read, DensePiece) == (kind == "data-twice"), type(read)
+    assert isinstance(read, PieceView) == (kind in VIEWED), type(read)
     assert as_request(read) == pb.UpdateWeightsRequest.FromString(raw)
 
 
@@ -215,6 +227,11 @@ def test_corrupt_messages_read_as_protobuf_reads_them(rng):
         (dense_piece("model.layers.0.mlp.down_proj.weight", "float32", (64, 96), 0, memoryview(data)), len(data)),
         (dense_piece("x", "bfloat16", (1 << 30,), (1 << 33) + 17, memoryview(data)), len(data)),
         (dense_piece("w", "float16", (40,), 0, memoryview(data[:80])), 80),  # a small one: protobuf reads it
+        # A sparse piece: its indices last (the values, before them, are among the corrupted bytes).
+        (
+            sparse_piece("s", "bfloat16", (1 << 20,), 3, 12_003, memoryview(data[:48_000]), memoryview(data[:24_000])),
+            48_000,
+        ),
     ]
     decode_errors = views = 0
     for raw, ndata in messages:
@@ -223,7 +240,7 @@ def test_corrupt_messages_read_as_protobuf_reads_them(rng):
             want = outcome(pb.UpdateWeightsRequest.FromString, bad)
             assert outcome(read_update_request, bad) == want, bad[:head].hex()
             decode_errors += want is DecodeError
-            views += want is not DecodeError and isinstance(read_update_request(bad), DensePiece)
+            views += want is not DecodeError and isinstance(read_update_request(bad), PieceView)
     assert decode_errors > 100 and views > 30, (decode_errors, views)  # both kinds of outcome were tried
 
 

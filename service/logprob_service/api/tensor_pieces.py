@@ -1,17 +1,18 @@
 """UpdateWeights requests read with their tensor bytes as views of the received message.
 
 gRPC hands each received message to the method's deserializer as one ``bytes`` object. protobuf's
-parser would copy a dense piece's ``data`` (up to the whole message) into a new ``bytes``; here the
-wire format of such a piece is walked by hand instead, and its ``data`` stays a ``memoryview`` of
-the message, which the update writes straight to where the tensor is staged. Only the piece's few
-other fields go through protobuf. Any message that is not a dense piece written the usual way
-(``data`` last, as protobuf and ``logprob_client`` write it) is parsed by protobuf as before, so
-the results, and the errors of malformed messages (``api.malformed``), are the same either way.
+parser would copy a tensor piece's ``data`` (and a sparse piece's ``indices``), up to the whole
+message, into new ``bytes``; here the wire format of such a piece is walked by hand instead, and
+those two fields stay ``memoryview``s of the message, which the update writes straight to where
+the tensor is staged (or, sparse, assembles). Only the piece's few other fields go through
+protobuf, so the results, and the errors of malformed messages (``api.malformed``), are the same
+either way; any message that is not one tensor piece is parsed by protobuf as before.
 
 Wire format (protobuf): a message is a sequence of fields, each a varint tag ``number << 3 |
 wire type`` and a value: a varint (type 0), 8 bytes (1), a varint length and that many bytes (2),
 or 4 bytes (5). An UpdateWeightsRequest holding a tensor is the one field 2 (type 2) whose bytes
-are a TensorChunk; its ``data`` is field 5 (type 2).
+are a TensorChunk; its ``data`` is field 5 and its ``indices`` field 7 (both type 2). Where a
+field comes more than once, the last one counts, as protobuf reads it.
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.api import handlers
 
 _TENSOR_TAG = 2 << 3 | 2  # UpdateWeightsRequest.tensor
-_DATA_FIELD = 5  # TensorChunk.data
-_SPARSE_FIELDS = (6, 7)  # TensorChunk.changed, TensorChunk.indices
+_VIEWED = (5, 7)  # TensorChunk.data, TensorChunk.indices
 # Smaller messages are parsed by protobuf: a copy of a few KiB costs less than walking the fields.
 MIN_VIEWED_BYTES = 64 << 10
+_EMPTY = memoryview(b"")
 
 
 @dataclass(frozen=True)
-class DensePiece:
-    """A dense piece of a tensor: its fields but ``data`` (a TensorChunk), and ``data`` as a view."""
+class PieceView:
+    """A tensor piece: its fields but ``data`` and ``indices`` (a TensorChunk), and those two as
+    views of the received message (empty where the piece has none)."""
 
     chunk: pb.TensorChunk
     data: memoryview
+    indices: memoryview
 
 
 def _varint(raw: bytes, pos: int) -> tuple[int, int]:
@@ -52,41 +55,47 @@ def _varint(raw: bytes, pos: int) -> tuple[int, int]:
             raise IndexError("varint longer than 10 bytes")
 
 
-def _dense_piece(raw: bytes) -> DensePiece | None:
-    """``raw`` as a dense piece whose ``data`` is its last field, or None for any other message."""
+def _piece_view(raw: bytes) -> PieceView | None:
+    """``raw`` as a tensor piece with ``data`` or ``indices``, or None for any other message (or
+    one protobuf would refuse: it reads it, and raises)."""
     if len(raw) < MIN_VIEWED_BYTES or raw[0] != _TENSOR_TAG:
         return None
+    view = memoryview(raw)
+    viewed: dict[int, memoryview] = {}  # field number -> its bytes, the last of that number
+    others: list[memoryview] = []  # every other field, as written
     try:
-        length, start = _varint(raw, 1)
-        if start + length != len(raw):
+        length, pos = _varint(raw, 1)
+        if pos + length != len(raw):
             return None
-        pos = start
         while pos < len(raw):
             field_start = pos
             tag, pos = _varint(raw, pos)
             number, wire_type = tag >> 3, tag & 7
-            if number in _SPARSE_FIELDS:
-                return None
             if wire_type == 0:
                 _, pos = _varint(raw, pos)
             elif wire_type == 2:
                 size, pos = _varint(raw, pos)
-                if number == _DATA_FIELD and pos + size == len(raw):
-                    view = memoryview(raw)
-                    return DensePiece(pb.TensorChunk.FromString(view[start:field_start]), view[pos:])
+                if number in _VIEWED and pos + size <= len(raw):
+                    viewed[number] = view[pos : pos + size]
+                    pos += size
+                    continue
                 pos += size
             elif wire_type in (1, 5):
                 pos += 8 if wire_type == 1 else 4
             else:
                 return None
+            others.append(view[field_start:pos])
     except IndexError:
         return None
-    return None  # no data field, or not last: protobuf reads it
+    if pos != len(raw) or not viewed:  # a field past the end, or nothing to view
+        return None
+    chunk = pb.TensorChunk.FromString(b"".join(others))
+    return PieceView(chunk, viewed.get(5, _EMPTY), viewed.get(7, _EMPTY))
 
 
-def read_update_request(raw: bytes) -> pb.UpdateWeightsRequest | DensePiece:
+def read_update_request(raw: bytes) -> pb.UpdateWeightsRequest | PieceView:
     """The UpdateWeights method's request deserializer."""
-    return _dense_piece(raw) or pb.UpdateWeightsRequest.FromString(raw)
+    return _piece_view(raw) or pb.UpdateWeightsRequest.FromString(raw)
 
 
 class TensorPieceViews(handlers.ServiceInterceptor):

@@ -10,7 +10,7 @@ from google.protobuf.message import Message
 from logprob_proto import logprob_pb2 as pb
 
 from logprob_service.api.status import status_of
-from logprob_service.api.tensor_pieces import DensePiece
+from logprob_service.api.tensor_pieces import PieceView
 from logprob_service.domain import (
     IpcHandle,
     ModelInfo,
@@ -172,29 +172,29 @@ def _update_header(header: pb.UpdateWeightsHeader | pb.LoadWeightsRequest) -> Up
     )
 
 
-def _piece(t: pb.TensorChunk, data: bytes | memoryview) -> TensorPiece | SparsePiece:
+def _piece(t: pb.TensorChunk, data: bytes | memoryview, indices: bytes | memoryview) -> TensorPiece | SparsePiece:
     if t.changed < 0:
         raise InvalidArgument(f"tensor {t.name!r}: changed {t.changed} must be >= 0 (0: a dense piece)")
     if t.changed:
-        return SparsePiece(t.name, t.dtype, tuple(t.shape), t.offset, t.changed, t.indices, t.data)
-    if t.indices:
+        return SparsePiece(t.name, t.dtype, tuple(t.shape), t.offset, t.changed, indices, data)
+    if indices:
         raise InvalidArgument(f"tensor {t.name!r}: indices come only with sparse pieces (changed > 0)")
     return TensorPiece(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=t.offset, data=data)
 
 
 async def update_messages(
-    requests: AsyncIterator[pb.UpdateWeightsRequest | DensePiece],
+    requests: AsyncIterator[pb.UpdateWeightsRequest | PieceView],
 ) -> AsyncIterator[UpdateMessage]:
     """An UpdateWeights stream (read by ``tensor_pieces.read_update_request``) as domain messages."""
     async for request in requests:
-        if isinstance(request, DensePiece):
-            yield _piece(request.chunk, request.data)
+        if isinstance(request, PieceView):
+            yield _piece(request.chunk, request.data, request.indices)
             continue
         kind = request.WhichOneof("kind")
         if kind == "header":
             yield _update_header(request.header)
         elif kind == "tensor":
-            yield _piece(request.tensor, request.tensor.data)
+            yield _piece(request.tensor, request.tensor.data, request.tensor.indices)
         elif kind == "commit":
             yield Commit(tensor_count=request.commit.tensor_count)
         else:

@@ -85,8 +85,8 @@ class SparsePiece:
     shape: tuple[int, ...]
     offset: int
     changed: int
-    indices: bytes
-    values: bytes
+    indices: bytes | memoryview
+    values: bytes | memoryview
 
     @property
     def nbytes(self) -> int:
