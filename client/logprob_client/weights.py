@@ -296,7 +296,9 @@ class _Compared:
     shape: tuple[int, ...]
     nbytes: int
     new: Any  # its raw bytes: host uint8, maybe the caller's memory; or on its device, as integers
-    changed: np.ndarray | None  # the changed elements' indices (uint32); None: send it dense
+    # The changed elements' indices (uint32); None: send it dense (nothing held to compare, or
+    # sparse would not pay: ``WeightDeltas._dense_pays``).
+    changed: np.ndarray | None
     values: np.ndarray | None  # their new values
     on_device: tuple[Any, Any] | None = None  # changed and values on the tensor's device (on_device)
 
@@ -382,7 +384,10 @@ class WeightDeltas:
         element = f"<u{itemsize}"  # compared bit for bit, one element at a time
         if not isinstance(old, np.ndarray) or old.nbytes != new.nbytes or not self._sparse_may_pay(new.nbytes, shape):
             return _Compared(name, dtype, shape, new.nbytes, new, None, None)
-        return _Compared(name, dtype, shape, new.nbytes, new, *changes(old.view(element), new.view(element)))
+        indices, values = changes(old.view(element), new.view(element))
+        if self._dense_pays(indices.size, itemsize, new.nbytes):
+            return _Compared(name, dtype, shape, new.nbytes, new, None, None)
+        return _Compared(name, dtype, shape, new.nbytes, new, indices, values)
 
     def _compare_on_device(self, name: str, tensor: Any) -> _Compared:
         import torch
@@ -414,7 +419,7 @@ class WeightDeltas:
         if c.changed is not None and not c.changed.size:
             self._count("unchanged")
             return None
-        if c.changed is None or self._dense_pays(c.changed.size, c.values.itemsize, c.nbytes):
+        if c.changed is None:
             self._count("dense")
             # A copy: the caller may change its tensor after the push.
             self._pending[c.name] = new = c.new.copy() if isinstance(c.new, np.ndarray) else c.new.clone()
