@@ -19,7 +19,11 @@ Measured, in one run:
      held on the host), and from the GPU (copies held and compared there, ``on_device``);
   3. scoring latency p50/p99 with no update, then while updates run back to back: with update
      streams yielding to micro-batch launches (the server's default, ``update_yield_to_launches``),
-     then read at full speed (a second server over the same model).
+     then read at full speed (a second server over the same model);
+  4. with ``--weight-receivers N`` (default 2): a further server over the same model with N weight
+     receivers, pushed to on their ports: dense pushes from host memory and from the GPU, GPU-held
+     deltas, and scoring latency while its pushes run (``--quick`` leaves out the MALLOC_* pusher,
+     host staging and the full-speed phase).
 
 Run: PYTHONPATH=service:client python3 benchmarks/bench_weights.py   (--tiny for a CPU smoke run)
 """
@@ -128,6 +132,7 @@ def load(target: str, vocab: int, lengths: tuple[int, int], threads: int, second
 @dataclass
 class Update:
     client: str
+    to: str
     staged: str
     streams: int
     seconds: float
@@ -144,7 +149,12 @@ def push_once(updates: Pusher, device: torch.device, staged: str, streams: int, 
     seconds, result = updates.results.get(timeout=900)
     extra = (peak_allocated(device) - before) / GiB if device.type == "cuda" else float("nan")
     assert result.staged_on == staged, f"expected staging on {staged}, the server staged on {result.staged_on}"
-    return Update(updates.label, staged, streams, seconds, result.bytes / 1e9, result.total_s, result.swap_s, extra)
+    print(
+        f"{updates.label} to {updates.to}, {kind}: {seconds:.2f} s, {result.bytes / 1e9 / seconds:.2f} GB/s", flush=True
+    )
+    return Update(
+        updates.label, updates.to, staged, streams, seconds, result.bytes / 1e9, result.total_s, result.swap_s, extra
+    )
 
 
 # What a trainer's launcher sets to keep its client's message buffers warm, as the server does for
@@ -157,11 +167,21 @@ CLIENT_MALLOC_ENV = {
 
 class Pusher:
     """A pusher process for the server at ``target``: ``with Pusher(...) as updates``. ``on_gpu``:
-    its weights on the GPU; ``malloc_env``: started with ``CLIENT_MALLOC_ENV``."""
+    its weights on the GPU; ``malloc_env``: started with ``CLIENT_MALLOC_ENV``; ``to``: what the
+    server takes pushes on, for the tables."""
 
-    def __init__(self, ctx, target: str, spec, chunk_bytes: int, on_gpu: bool = False, malloc_env: bool = False):
+    def __init__(
+        self,
+        ctx,
+        target: str,
+        spec,
+        chunk_bytes: int,
+        on_gpu: bool = False,
+        malloc_env: bool = False,
+        to: str = "server port",
+    ):
         self.jobs, self.results = ctx.Queue(), ctx.Queue()
-        self.malloc_env = malloc_env
+        self.malloc_env, self.to = malloc_env, to
         self.label = ("GPU" if on_gpu else "host") + (", MALLOC_* set" if malloc_env else "")
         self.process = ctx.Process(target=pusher, args=(target, spec, chunk_bytes, on_gpu, self.jobs, self.results))
 
@@ -224,6 +244,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="updates per staging mode")
     parser.add_argument("--load-seconds", type=float, default=20, help="each scoring-load phase")
     parser.add_argument("--load-threads", type=int, default=4)
+    parser.add_argument(
+        "--weight-receivers", type=int, default=2, help="weight receivers of a further server pushed to (0: none)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="leave out the MALLOC_* pusher, host staging and the full-speed phase"
+    )
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0")
@@ -245,12 +271,14 @@ def main() -> None:
             push_once(updates, device, str(device), streams) for streams in sorted({1, args.streams}) for _ in repeats
         ]
         deltas = [(push_once(updates, device, str(device), args.streams, "delta"), "host") for _ in repeats]
-        with Pusher(ctx, target, spec, chunk_bytes, malloc_env=True) as tuned:
-            updates_done += [push_once(tuned, device, str(device), args.streams) for _ in repeats]
+        if not args.quick:
+            with Pusher(ctx, target, spec, chunk_bytes, malloc_env=True) as tuned:
+                updates_done += [push_once(tuned, device, str(device), args.streams) for _ in repeats]
         if device.type == "cuda":
             with Pusher(ctx, target, spec, chunk_bytes, on_gpu=True) as on_gpu:
                 updates_done += [push_once(on_gpu, device, str(device), args.streams) for _ in repeats]
                 deltas += [(push_once(on_gpu, device, str(device), args.streams, "delta"), "GPU") for _ in repeats]
+        if device.type == "cuda" and not args.quick:
             # A second server on the same model, whose reserve forces host staging.
             host_settings = settings.model_copy(update={"update_staging_reserve_bytes": 10**15})
             with (
@@ -263,9 +291,22 @@ def main() -> None:
         # launches, the default), and one with them read at full speed, through a second server.
         phases["no update"] = load_phase(ctx, target, shape, args)
         phases["updates running, yielding to launches"] = load_phase(ctx, target, shape, args, updates)
-        full_speed = settings.model_copy(update={"update_yield_to_launches": False})
-        with LoopbackServer(full_speed, registry) as free_target, Pusher(ctx, free_target, spec, chunk_bytes) as q:
-            phases["updates running, read at full speed"] = load_phase(ctx, free_target, shape, args, q)
+        if not args.quick:
+            full_speed = settings.model_copy(update={"update_yield_to_launches": False})
+            with LoopbackServer(full_speed, registry) as free_target, Pusher(ctx, free_target, spec, chunk_bytes) as q:
+                phases["updates running, read at full speed"] = load_phase(ctx, free_target, shape, args, q)
+        if args.weight_receivers:
+            # A server on the same model with weight receivers: pushes go to their ports.
+            to = f"{args.weight_receivers} receivers"
+            with_receivers = settings.model_copy(update={"weight_receivers": args.weight_receivers})
+            with LoopbackServer(with_receivers, registry) as r_target:
+                with Pusher(ctx, r_target, spec, chunk_bytes, to=to) as r:
+                    updates_done += [push_once(r, device, str(device), args.streams) for _ in repeats]
+                    phases[f"updates over {to}, yielding to launches"] = load_phase(ctx, r_target, shape, args, r)
+                if device.type == "cuda":
+                    with Pusher(ctx, r_target, spec, chunk_bytes, on_gpu=True, to=to) as rg:
+                        updates_done += [push_once(rg, device, str(device), args.streams) for _ in repeats]
+                        deltas += [(push_once(rg, device, str(device), args.streams, "delta"), "GPU") for _ in repeats]
         final_version = registry.get(MODEL).info.version
 
     lines = [
@@ -274,20 +315,21 @@ def main() -> None:
         f"client pieces: {args.chunk_mib:g} MiB; pusher and scoring load in their own processes; "
         f"{final_version} updates went live in all",
         "",
-        "| client's tensors | staged on | streams | client time (s) | GB/s | server total (s) | swap (s) | "
+        "| client's tensors | pushed to | staged on | streams | client time (s) | GB/s | server total (s) | swap (s) | "
         "peak extra GPU memory (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for u in updates_done:
         lines.append(
-            f"| {u.client} | {u.staged} | {u.streams} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | "
+            f"| {u.client} | {u.to} | {u.staged} | {u.streams} | {u.seconds:.2f} | {u.gbytes / u.seconds:.2f} | "
             f"{u.server_total_s:.2f} | {u.swap_s:.3f} | {u.extra_gib:.2f} |"
         )
 
-    def dense(client: str) -> float:
-        """The median dense push from the same tensors, over as many streams, staged on ``device``."""
-        same = (client, str(device), args.streams)
-        return statistics.median(u.seconds for u in updates_done if (u.client, u.staged, u.streams) == same)
+    def dense(delta: Update) -> float:
+        """The median dense push from the same tensors to the same port(s), over as many streams,
+        staged on ``device``."""
+        same = (delta.client, delta.to, str(device), args.streams)
+        return statistics.median(u.seconds for u in updates_done if (u.client, u.to, u.staged, u.streams) == same)
 
     lines += [
         "",
@@ -295,14 +337,14 @@ def main() -> None:
         f"holds, pushed over {args.streams} streams; against the median dense push from the same tensors over as "
         f"many streams, staged on {device}, above",
         "",
-        "| client's tensors and held copies | client time (s) | bytes sent (GB) | of the dense bytes | dense push (s) "
-        "| x faster than dense | server total (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| client's tensors and held copies | pushed to | client time (s) | bytes sent (GB) | of the dense bytes "
+        "| dense push (s) | x faster than dense | server total (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for u, held in deltas:
         lines.append(
-            f"| {held} | {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / weights_gb / 1e9:.1%} | "
-            f"{dense(u.client):.2f} | {dense(u.client) / u.seconds:.2f}x | {u.server_total_s:.2f} |"
+            f"| {held} | {u.to} | {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / weights_gb / 1e9:.1%} | "
+            f"{dense(u):.2f} | {dense(u) / u.seconds:.2f}x | {u.server_total_s:.2f} |"
         )
     lengths = load_lengths(shape)
     lines += [

@@ -27,7 +27,7 @@ import numpy as np
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from .channel import Connection
+from .channel import Connection, channel_target
 from .errors import LogprobError, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
@@ -114,12 +114,15 @@ class _Client:
     ``SequenceGroup``, the prompt sent once, and are kept in one RPC (False: every sequence whole).
     Ids go as int32 bytes and scores come back as float32 bytes; ``legacy_wire=True`` sends v1
     requests instead (every sequence whole, repeated fields), for servers older than these fields
-    (2026-11-23). ``connection``: the fields of ``channel.Connection`` (``max_attempts``:
-    UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential backoff up to that many tries,
-    within the deadline; other failures raise at once; ``options``; TLS: ``tls``, ``tls_ca_file``,
-    ``tls_cert_file``, ``tls_key_file``, ``tls_server_name``; a bearer token: ``token`` or
-    ``token_file``). With ``channel=`` (a channel of the client's kind), those are the channel's
-    business: build it with ``channel.open_channel``.
+    (2026-11-23). ``weight_receivers``: a push's streams go to the server's weight receivers
+    when it announces some (ListModels; the server's ``weight_receivers`` setting) and the target
+    is one "host:port": the same host, their ports (False: always the target). ``connection``:
+    the fields of ``channel.Connection`` (``max_attempts``: UNAVAILABLE and RESOURCE_EXHAUSTED are
+    retried with exponential backoff up to that many tries, within the deadline; other failures
+    raise at once; ``options``; TLS: ``tls``, ``tls_ca_file``, ``tls_cert_file``,
+    ``tls_key_file``, ``tls_server_name``; a bearer token: ``token`` or ``token_file``). With
+    ``channel=`` (a channel of the client's kind), those are the channel's business: build it
+    with ``channel.open_channel``.
     """
 
     _aio: bool
@@ -134,6 +137,7 @@ class _Client:
         max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
         share_prompts: bool = True,
         legacy_wire: bool = False,
+        weight_receivers: bool = True,
         channel: Any = None,
         **connection: Any,
     ) -> None:
@@ -141,6 +145,7 @@ class _Client:
         self.share_prompts = share_prompts
         self.deltas: dict[str, WeightDeltas] = {}  # per model: what delta pushes left on the server
         self.legacy_wire = legacy_wire
+        self.weight_receivers = weight_receivers
         self.timeout = timeout
         self.rpc_limits = RpcLimits(max_sequences_per_rpc, max_tokens_per_rpc)
         self.connection = Connection(**connection)
@@ -152,24 +157,49 @@ class _Client:
         self._target = None if channel is not None else target
         self._channel = channel if channel is not None else self.connection.open(target, aio=self._aio)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
-        # A push's streams, each on a connection of its own (``channel.py``), opened at the first
-        # push that needs them and kept; with a given channel, they share it.
-        self._push_channels: list[Any] = []
+        # A push's streams, each on a connection of its own (``channel.py``), by target: opened at
+        # the first push that needs them and kept; with a given channel, they share it.
+        self._push_channels: dict[str, list[Any]] = {}
 
-    def _pushers(self, streams: int) -> list[Any]:
-        """The UpdateWeights callables of a push over ``streams`` calls, taking serialized messages."""
+    @property
+    def _receivers_host(self) -> str | None:
+        """The host of this client's one "host:port" target, where the server's weight receivers
+        listen; None when pushes go to the target itself (receivers off, a given channel, replicas
+        or a target with a scheme)."""
+        target = self._target if isinstance(self._target, str) else None
+        if not self.weight_receivers or self.legacy_wire or target is None or "/" in target:
+            return None
+        host, _, port = target.rpartition(":")
+        return host if host and port.isdigit() and (":" not in host or host.startswith("[")) else None
+
+    def _pushers(self, streams: int, receiver_ports: Sequence[int]) -> list[Any]:
+        """The UpdateWeights callables of a push over ``streams`` calls, taking serialized messages:
+        spread over the server's weight receivers when it announces some, else to the target."""
         if self._target is None:
             channels = [self._channel] * streams
         else:
-            while len(self._push_channels) < streams:
-                self._push_channels.append(self.connection.open(self._target, aio=self._aio, own_connection=True))
-            channels = self._push_channels[:streams]
+            host = self._receivers_host
+            targets = (
+                [f"{host}:{receiver_ports[i % len(receiver_ports)]}" for i in range(streams)]
+                if host is not None and receiver_ports
+                else [channel_target(self._target)] * streams
+            )
+            channels, taken = [], dict.fromkeys(targets, 0)
+            for target in targets:
+                opened = self._push_channels.setdefault(target, [])
+                if taken[target] == len(opened):
+                    opened.append(self.connection.open(target, aio=self._aio, own_connection=True))
+                channels.append(opened[taken[target]])
+                taken[target] += 1
         return [
             channel.stream_unary(
                 _UPDATE_WEIGHTS, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
             )
             for channel in channels
         ]
+
+    def _all_channels(self) -> list[Any]:
+        return [self._channel, *(channel for opened in self._push_channels.values() for channel in opened)]
 
     @property
     def max_attempts(self) -> int:
@@ -349,10 +379,17 @@ class LogprobClient(_Client):
                 if not self._again_dense(model, keywords, err):
                     raise
 
+    def _receiver_ports(self, timeout: float) -> Sequence[int]:
+        """The ports of the server's weight receivers (ListModels), where a push can use them."""
+        if self._receivers_host is None:
+            return ()
+        return self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout).weight_receiver_ports
+
     def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
         """The UpdateWeights calls of one push, made together (each stream is read on a thread of
         gRPC's); all answer alike, so the first is returned, or the first error raised."""
-        calls = [push.future(stream, timeout=timeout) for push, stream in zip(self._pushers(len(streams)), streams)]
+        pushers = self._pushers(len(streams), self._receiver_ports(timeout))
+        calls = [push.future(stream, timeout=timeout) for push, stream in zip(pushers, streams)]
         try:
             responses = [call.result() for call in calls]  # every call, not just the first
             return responses[0]
@@ -390,7 +427,7 @@ class LogprobClient(_Client):
         return UpdateResult.from_proto(self._call(self._stub.LoadWeights, request, timeout))
 
     def close(self) -> None:
-        for channel in (self._channel, *self._push_channels):
+        for channel in self._all_channels():
             channel.close()
 
     def __enter__(self) -> LogprobClient:
@@ -469,9 +506,16 @@ class AsyncLogprobClient(_Client):
                 if not self._again_dense(model, keywords, err):
                     raise
 
+    async def _receiver_ports(self, timeout: float) -> Sequence[int]:
+        """See ``LogprobClient._receiver_ports``."""
+        if self._receivers_host is None:
+            return ()
+        return (await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)).weight_receiver_ports
+
     async def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
         """See ``LogprobClient._push`` (here each stream is read on the event loop)."""
-        calls = [push(stream, timeout=timeout) for push, stream in zip(self._pushers(len(streams)), streams)]
+        pushers = self._pushers(len(streams), await self._receiver_ports(timeout))
+        calls = [push(stream, timeout=timeout) for push, stream in zip(pushers, streams)]
         try:
             return (await asyncio.gather(*calls))[0]
         except grpc.RpcError as err:
@@ -502,7 +546,7 @@ class AsyncLogprobClient(_Client):
         return UpdateResult.from_proto(await self._call(self._stub.LoadWeights, request, timeout))
 
     async def close(self) -> None:
-        for channel in (self._channel, *self._push_channels):
+        for channel in self._all_channels():
             await channel.close()
 
     async def __aenter__(self) -> AsyncLogprobClient:

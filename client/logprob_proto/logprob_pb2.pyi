@@ -149,10 +149,12 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ..., attention: _Optional[str] = ..., determinism: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "weight_receiver_ports")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RECEIVER_PORTS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    weight_receiver_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., weight_receiver_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsHeader(_message.Message):
     __slots__ = ("model", "version", "partial", "base_version", "streams", "update_id")

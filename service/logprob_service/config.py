@@ -269,6 +269,28 @@ class Settings(BaseSettings):
             "variables)."
         ),
     )
+    weight_receivers: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description=(
+            "Processes of the server's own that also take UpdateWeights calls, each on a port of its own "
+            "(ListModels announces them; logprob_client spreads a push's streams over them). Each copies "
+            "what gRPC receives in its own interpreter and hands the messages over through shared memory "
+            "(12 slots of 4 MiB each); the serving process checks and stages them as it would from its own "
+            "port. With 2, a dense push is no longer bound by one process's receiving (see "
+            "benchmarks/RESULTS.md). 0: pushes come to the serving port only."
+        ),
+    )
+    weight_receiver_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "First port of the weight receivers (they take consecutive ports from it); 0: free ports, "
+            "announced by ListModels. Open the same ports to trainers as the gRPC port."
+        ),
+    )
     update_yield_to_launches: bool = Field(
         True,
         description=(
@@ -308,6 +330,20 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"max_tokens_per_request ({self.max_tokens_per_request}) must not exceed {queue} "
                     f"({getattr(self, queue)}): a request larger than the queue could never be admitted"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _receiver_ports_free(self) -> Settings:
+        if not (self.weight_receivers and self.weight_receiver_port):
+            return self
+        ports = range(self.weight_receiver_port, self.weight_receiver_port + self.weight_receivers)
+        if ports[-1] > 65535:
+            raise ValueError(f"weight_receiver_port {ports[0]} + {self.weight_receivers} receivers passes port 65535")
+        for name in ("port", "metrics_port"):
+            if getattr(self, name) in ports:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) is among the weight receivers' ports {ports[0]}-{ports[-1]}"
                 )
         return self
 

@@ -14,7 +14,7 @@ from logprob_client import AsyncLogprobClient, LogprobClient
 from logprob_client.channel import SERVICE, channel_options, channel_target, service_config
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.api.server import server_options
+from logprob_service.api.server_options import server_options
 from logprob_service.config import Settings
 
 from tests.helpers.fake_server import HealthServicer, sequences_of, serving

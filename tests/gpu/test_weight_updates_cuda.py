@@ -53,37 +53,48 @@ async def test_update_on_cuda_scores_as_a_fresh_model(tmp_path, reserve, rng):
         await stop(running)
 
 
+RECEIVERS = pytest.mark.parametrize("receivers", [0, 2], ids=["to-the-port", "through-2-receivers"])
+
+
+@RECEIVERS
 @pytest.mark.parametrize("reserve", [0, 10**15], ids=["staged-on-gpu", "staged-on-host"])
-async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path, reserve, rng, monkeypatch):
+async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path, reserve, receivers, rng, monkeypatch):
     """Pieces read as views of the received messages (no size floor here) and written through
     4 KiB page-locked slots, 10,000-byte pieces over 3 streams: a piece spans several slots and
-    slots wrap mid-tensor. The weights that go live are the pushed ones, bit for bit (fingerprint)."""
+    slots wrap mid-tensor. The weights that go live are the pushed ones, bit for bit (fingerprint),
+    pushed to the server's port or through weight receivers (read in their shared memory)."""
     monkeypatch.setattr(tensor_pieces, "MIN_VIEWED_BYTES", 0)
     monkeypatch.setattr(staging, "SLOT_BYTES", 4096)
     make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
     new = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16)
-    running = await start(
-        settings({"policy": str(tmp_path)}, device="cuda", dtype="bfloat16", update_staging_reserve_bytes=reserve)
-    )
+    cfg = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "update_staging_reserve_bytes": reserve,
+        "weight_receivers": receivers,
+    }
+    running = await start(settings({"policy": str(tmp_path)}, **cfg))
     try:
         async with AsyncLogprobClient(running.target, model="policy") as client:
             result = await client.update_weights("policy", new.state_dict(), chunk_bytes=10_000, streams=3)
         assert result.staged_on == ("cpu" if reserve else "cuda:0")
+        assert (running.service.receivers.forwarded if receivers else 0) == (3 if receivers else 0)
         assert result.fingerprint == model_fingerprint(new)
     finally:
         await stop(running)
 
 
+@RECEIVERS
 @pytest.mark.parametrize("batch", [3, weight_updates.SPARSE_BATCH_TENSORS], ids=["batches-of-3", "one-batch"])
 @pytest.mark.parametrize("on_device", [False, True], ids=["client-holds-on-host", "client-holds-on-gpu"])
 @pytest.mark.parametrize("reserve", [0, 10**15], ids=["staged-on-gpu", "staged-on-host"])
 async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(
-    tmp_path, reserve, on_device, batch, rng, monkeypatch
+    tmp_path, reserve, on_device, batch, receivers, rng, monkeypatch
 ):
     """The changed copies of the live weights are made on the GPU, some tensors at a time (or on
     the host without room): either way, the weights that go live are those a dense push of the
     same tensors makes. The client's tensors are on the GPU, its copies held (and compared) on the
-    host or on the GPU."""
+    host or on the GPU; the delta goes to the server's port or through weight receivers."""
     monkeypatch.setattr(weight_updates, "SPARSE_BATCH_TENSORS", batch)
     make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
     first = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).state_dict()
@@ -97,7 +108,7 @@ async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(
         step[name] = by_storage[tensor.data_ptr()]
     first, step = ({n: t.cuda() for n, t in w.items()} for w in (first, step))
     cfg = {"device": "cuda", "dtype": "bfloat16", "update_staging_reserve_bytes": reserve}
-    sparse, dense = await start(settings({"policy": str(tmp_path)}, **cfg)), None
+    sparse, dense = await start(settings({"policy": str(tmp_path)}, weight_receivers=receivers, **cfg)), None
     try:
         dense = await start(settings({"policy": str(tmp_path)}, **cfg))
         sequences = random_sequences(rng, 8)

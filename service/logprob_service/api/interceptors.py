@@ -1,4 +1,5 @@
-"""One interceptor that turns exceptions into precise gRPC statuses, and accounts for every RPC.
+"""Interceptors: one that turns exceptions into precise gRPC statuses and accounts for every RPC,
+and one that reads UpdateWeights pieces with their bytes as views (``tensor_pieces``).
 
 Domain errors (``errors.LogprobError``) carry their status and a message for the caller.
 Anything else is a bug: answered INTERNAL (``accounting`` logs it with the request id and the
@@ -22,6 +23,7 @@ import grpc
 
 from logprob_service.api import accounting, handlers
 from logprob_service.api.status import status_of
+from logprob_service.api.tensor_pieces import read_update_request
 from logprob_service.errors import LogprobError
 
 
@@ -79,3 +81,14 @@ class ExceptionToStatusInterceptor(handlers.ServiceInterceptor):
                 return answer.response
 
         return handlers.rebuild(handler, behaviour)
+
+
+class TensorPieceViews(handlers.ServiceInterceptor):
+    """Reads UpdateWeights requests with ``tensor_pieces.read_update_request`` (tensor bytes as
+    views of the received message). It must come after ``MalformedMessageInterceptor`` in the
+    server's list, which then catches its errors."""
+
+    def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if rpc != "UpdateWeights":
+            return handler
+        return handlers.rebuild(handler, handlers.behaviour_of(handler), read_update_request)

@@ -6,25 +6,28 @@ import asyncio
 import functools
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from logprob_service import host_malloc
+from logprob_service.api import handlers
 from logprob_service.api.health import SERVICE_NAME, ServingState
-from logprob_service.api.interceptors import ExceptionToStatusInterceptor
+from logprob_service.api.interceptors import ExceptionToStatusInterceptor, TensorPieceViews
 from logprob_service.api.malformed import MalformedMessageInterceptor
+from logprob_service.api.receivers import WeightReceivers
 from logprob_service.api.security import tls
 from logprob_service.api.security.auth import AuthInterceptor
 from logprob_service.api.security.bearer_tokens import TokenTable, load_token_table
+from logprob_service.api.server_options import server_options
 from logprob_service.api.servicer import LogprobServicer
-from logprob_service.api.tensor_pieces import TensorPieceViews
 from logprob_service.config import Settings
 from logprob_service.domain import ScoreJob, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
@@ -62,6 +65,7 @@ class Service:
     leader: Leader | None = None
     lost: asyncio.Future[str] | None = None
     build: Build | None = None  # what loads each rank's models (default: those the settings name)
+    receivers: WeightReceivers | None = None  # with weight_receivers > 0, once the server started
 
     @classmethod
     def create(cls, settings: Settings, registry: ModelRegistry | None = None, build: Build | None = None) -> Service:
@@ -201,31 +205,14 @@ class Service:
         await self.close()
 
     async def close(self) -> None:
+        if self.receivers is not None:
+            await self.receivers.close()
         await self.scheduler.close()
         self.updater.close()
         for executor in self.executors:
             executor.shutdown()
         if self.leader is not None:
             self.leader.stop()
-
-
-def server_options(settings: Settings) -> list[tuple[str, Any]]:
-    """gRPC server options: message limits, keepalive, connection age."""
-    options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        # Announced in HTTP/2 SETTINGS: a client's RPCs beyond it wait for a free stream.
-        ("grpc.max_concurrent_streams", settings.max_concurrent_rpcs_per_connection),
-        # Accept the clients' keepalive pings (logprob_client.channel pings every 30 s, idle or not).
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ]
-    if settings.max_connection_age_s > 0:
-        # A GOAWAY after this age (gRPC adds +-10% jitter) makes clients reconnect and re-resolve
-        # their target, so a client balancing over a DNS name finds replicas added since it
-        # connected. In-flight calls finish on the old connection: no grace limit is set.
-        options.append(("grpc.max_connection_age_ms", round(settings.max_connection_age_s * 1000)))
-    return options
 
 
 async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server, int]:
@@ -237,21 +224,25 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
     settings = service.settings
     if settings.keep_freed_host_memory and not host_malloc.keep_freed_blocks():
         log.info("keep_freed_host_memory: this C library has no glibc mallopt; its allocator is left as it is")
-    server = grpc.aio.server(
-        # Outermost first: credentials are checked before anything else, then undecodable bytes
-        # are refused, then the handler's own errors are mapped to statuses; weight pieces are
-        # read with their bytes as views.
-        interceptors=[
-            AuthInterceptor(service.tokens),
-            MalformedMessageInterceptor(),
-            ExceptionToStatusInterceptor(),
-            TensorPieceViews(),
-        ],
-        options=server_options(settings),
+    # Outermost first: credentials are checked before anything else, then undecodable bytes are
+    # refused, then the handler's own errors are mapped to statuses; weight pieces are read with
+    # their bytes as views. Calls the weight receivers forward go through the same ones.
+    interceptors: list[handlers.ServiceInterceptor] = [
+        AuthInterceptor(service.tokens),
+        MalformedMessageInterceptor(),
+        ExceptionToStatusInterceptor(),
+        TensorPieceViews(),
+    ]
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
+    servicer = LogprobServicer(
+        service.registry,
+        service.scheduler,
+        service.updater,
+        service.state,
+        service.limits,
+        weight_receiver_ports=lambda: service.receivers.ports if service.receivers is not None else [],
     )
-    pb_grpc.add_LogprobServiceServicer_to_server(
-        LogprobServicer(service.registry, service.scheduler, service.updater, service.state, service.limits), server
-    )
+    pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(service.state.health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -267,7 +258,33 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
     await service.state.starting()
     service.scheduler.start()
     await server.start()
+    if settings.weight_receivers:
+        try:
+            service.receivers = await WeightReceivers.start(settings, _update_handler(servicer, interceptors))
+        except BaseException:
+            await server.stop(0)
+            raise
     return server, port
+
+
+def _update_handler(
+    servicer: LogprobServicer, interceptors: list[handlers.ServiceInterceptor]
+) -> Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler]:
+    """The UpdateWeights handler of a call with ``details``, wrapped by ``interceptors`` as the
+    server wraps a call on its own port: for the calls the weight receivers forward."""
+    plain = grpc.stream_unary_rpc_method_handler(
+        servicer.UpdateWeights,
+        request_deserializer=pb.UpdateWeightsRequest.FromString,
+        response_serializer=pb.UpdateWeightsResponse.SerializeToString,
+    )
+
+    def handler_for(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = plain
+        for interceptor in reversed(interceptors):
+            handler = interceptor.wrap(handler, "UpdateWeights", details)
+        return handler
+
+    return handler_for
 
 
 async def serve(settings: Settings) -> None:

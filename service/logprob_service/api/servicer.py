@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from logprob_proto import logprob_pb2 as pb
@@ -48,8 +48,10 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         updater: WeightUpdater,
         state: ServingState,
         limits: RequestLimits,
+        weight_receiver_ports: Callable[[], list[int]] = list,
     ) -> None:
         self._registry = registry
+        self._weight_receiver_ports = weight_receiver_ports
         self._scheduler = scheduler
         self._updater = updater
         self._state = state
@@ -115,7 +117,8 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(
-            models=[wire.model_info_to_proto(served.info, self._limits) for served in self._registry]
+            models=[wire.model_info_to_proto(served.info, self._limits) for served in self._registry],
+            weight_receiver_ports=self._weight_receiver_ports(),
         )
 
     async def UpdateWeights(

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 from logprob_proto import logprob_pb2 as pb
-
-from logprob_service.api import handlers
 
 _TENSOR_TAG = 2 << 3 | 2  # UpdateWeightsRequest.tensor
 _VIEWED = (5, 7)  # TensorChunk.data, TensorChunk.indices
@@ -96,13 +93,3 @@ def _piece_view(raw: bytes) -> PieceView | None:
 def read_update_request(raw: bytes) -> pb.UpdateWeightsRequest | PieceView:
     """The UpdateWeights method's request deserializer."""
     return _piece_view(raw) or pb.UpdateWeightsRequest.FromString(raw)
-
-
-class TensorPieceViews(handlers.ServiceInterceptor):
-    """Reads UpdateWeights requests with ``read_update_request``. It must come after
-    ``MalformedMessageInterceptor`` in the server's list, which then catches its errors."""
-
-    def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        if rpc != "UpdateWeights":
-            return handler
-        return handlers.rebuild(handler, handlers.behaviour_of(handler), read_update_request)

@@ -1,0 +1,216 @@
+"""Weight receivers (the ``weight_receivers`` setting): processes of the server's own that take
+UpdateWeights calls on ports of their own and hand the messages to the serving process through
+shared memory (``api.receiver_process``, ``api.receivers``); through a real server on loopback
+(CPU, float32).
+
+A forwarded call must be answered exactly as the same call on the server's own port (the same
+interceptors and handler run it), its slots must come back whatever becomes of the call (pushes of
+many more messages than a receiver has slots, after failures and broken-off calls), and a
+receiver that dies must leave the server serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from logprob_client import AsyncLogprobClient, LogprobClient
+from logprob_client.weights import update_streams
+from logprob_proto import logprob_pb2 as pb
+from logprob_service.api import receiver_process, receivers
+from logprob_service.config import Settings
+from logprob_service.models.weights import model_fingerprint
+from prometheus_client import REGISTRY
+
+from tests.helpers.models import make_model, random_sequences
+from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
+from tests.helpers.waiting import TIMEOUT_S, eventually
+
+UPDATE_WEIGHTS = "/logprob.v1.LogprobService/UpdateWeights"
+SMALL_PIECES = 4096  # the test model's tensors in many more messages than a receiver has slots
+
+
+@pytest_asyncio.fixture
+async def served(llama_checkpoint):
+    server = await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=2))
+    yield server
+    await stop(server)
+
+
+def receiver_target(served, i: int = 0) -> str:
+    return f"127.0.0.1:{served.service.receivers.ports[i]}"
+
+
+async def answer(target: str, messages) -> pb.UpdateWeightsResponse | grpc.aio.AioRpcError:
+    """One UpdateWeights call of serialized ``messages`` to ``target``: its response or its error."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        update = channel.stream_unary(
+            UPDATE_WEIGHTS, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
+        )
+        try:
+            return await update(iter(messages), timeout=TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            return err
+
+
+def update_requests(served) -> float:
+    labels = {"model": "policy", "rpc": "UpdateWeights", "code": "OK"}
+    return REGISTRY.get_sample_value("logprob_requests_total", labels) or 0.0
+
+
+async def test_a_push_over_the_receivers_goes_live_as_over_the_servers_port(served, rng):
+    ports = served.service.receivers.ports
+    assert len(ports) == 2 and served.port not in ports
+    first, second = (make_model("llama", tied=False, seed=new_seed(rng)) for _ in range(2))
+    sequences = random_sequences(rng, 4)
+    counted = update_requests(served)
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        listed = await client._stub.ListModels(pb.ListModelsRequest())
+        assert list(listed.weight_receiver_ports) == ports
+        result = await client.update_weights("policy", first.state_dict(), streams=4, chunk_bytes=SMALL_PIECES)
+        assert served.service.receivers.forwarded == 4, "each of the 4 calls went through a receiver"
+        assert set(client._push_channels) == {f"127.0.0.1:{port}" for port in ports}
+        assert result.version == 1 and result.fingerprint == model_fingerprint(first)
+        assert (await live(client, "policy")).fingerprint == model_fingerprint(first)
+        assert_scores_match(first, sequences, await client.score(*as_lists(sequences)))
+    assert update_requests(served) == counted + 4, "forwarded calls are accounted for as calls on the port"
+
+    def sync_pushes() -> list:
+        with LogprobClient(served.target, model="policy") as client:
+            return [
+                client.update_weights("policy", weights, streams=3, chunk_bytes=SMALL_PIECES, delta=True)
+                for weights in (first.state_dict(), second.state_dict())
+            ]
+
+    dense, delta = await asyncio.to_thread(sync_pushes)  # the server runs on this loop
+    assert served.service.receivers.forwarded == 10
+    assert dense.fingerprint == model_fingerprint(first) and delta.fingerprint == model_fingerprint(second)
+
+    async with AsyncLogprobClient(served.target, model="policy", weight_receivers=False) as client:
+        result = await client.update_weights("policy", first.state_dict(), streams=2)
+        assert result.fingerprint == model_fingerprint(first)
+    assert served.service.receivers.forwarded == 10, "weight_receivers=False pushes to the server's port"
+
+
+async def test_a_receivers_port_takes_only_update_weights(served):
+    async with grpc.aio.insecure_channel(receiver_target(served)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary(
+                "/logprob.v1.LogprobService/ListModels",
+                request_serializer=pb.ListModelsRequest.SerializeToString,
+                response_deserializer=pb.ListModelsResponse.FromString,
+            )(pb.ListModelsRequest(), timeout=TIMEOUT_S)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def bad_calls(state: dict[str, torch.Tensor]) -> dict[str, list[bytes]]:
+    """Calls the server refuses, each as it is sent."""
+    good = list(update_streams("policy", state, version=0, partial=False, chunk_bytes=SMALL_PIECES, streams=1)[0])
+    renamed = {("model.not_a_weight" if name == "model.norm.weight" else name): t for name, t in state.items()}
+    reshaped = state | {"model.norm.weight": state["model.norm.weight"][:-1]}
+    return {
+        "unknown tensor": list(update_streams("policy", renamed, version=0, partial=False, streams=1)[0]),
+        "malformed message": [good[0], b"\xff\xff\xff", *good[1:]],
+        "no commit": good[:-1],
+        "wrong shape": list(update_streams("policy", reshaped, version=0, partial=False, streams=1)[0]),
+    }
+
+
+async def test_bad_pushes_get_the_same_answers_from_a_receiver_as_from_the_servers_port(served, rng):
+    before = (await asyncio.to_thread(lambda: LogprobClient(served.target).list_models()))[0]
+    new = make_model("llama", tied=False, seed=new_seed(rng))
+    state = new.state_dict()
+    for what, messages in bad_calls(state).items():
+        direct = await answer(served.target, messages)
+        forwarded = await answer(receiver_target(served), messages)
+        assert isinstance(direct, grpc.aio.AioRpcError), (what, direct)
+        assert isinstance(forwarded, grpc.aio.AioRpcError), (what, forwarded)
+        assert (forwarded.code(), forwarded.details()) == (direct.code(), direct.details()), what
+    assert served.service.receivers.forwarded == 4
+    unknown = await answer(receiver_target(served), bad_calls(state)["unknown tensor"])
+    assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT and "model.not_a_weight" in unknown.details()
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        assert (await live(client, "policy")).fingerprint == before.fingerprint, "no refused push changed a weight"
+        # Their slots came back: a push of many more messages than a receiver has slots goes through.
+        result = await client.update_weights("policy", state, streams=2, chunk_bytes=SMALL_PIECES)
+        assert result.fingerprint == model_fingerprint(new)
+
+
+async def test_a_call_broken_off_leaves_the_live_weights_and_the_receiver_serving(served, rng):
+    state = make_model("llama", tied=False, seed=new_seed(rng)).state_dict()
+    (messages,) = update_streams("policy", state, version=0, partial=False, chunk_bytes=SMALL_PIECES, streams=1)
+    messages = list(messages)
+    sent = asyncio.Event()
+
+    async def half_then_wait():
+        for message in messages[: len(messages) // 2]:
+            yield message
+        sent.set()
+        await asyncio.Event().wait()  # never sends the rest
+
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        before = await live(client, "policy")
+        async with grpc.aio.insecure_channel(receiver_target(served)) as channel:
+            call = channel.stream_unary(UPDATE_WEIGHTS, request_serializer=None)(half_then_wait(), timeout=TIMEOUT_S)
+            await sent.wait()
+            await eventually(lambda: served.service.updater.updating("policy"), "the update to start")
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+        await eventually(lambda: not served.service.updater.updating("policy"), "the broken-off update to end")
+        assert (await live(client, "policy")).fingerprint == before.fingerprint
+        result = await client.update_weights("policy", state, streams=2, chunk_bytes=SMALL_PIECES)
+        assert result.version == before.version + 1
+
+
+async def test_messages_larger_than_a_slot_go_over_the_pipe(llama_checkpoint, rng, monkeypatch):
+    monkeypatch.setattr(receivers, "SLOT_BYTES", 8192)
+    server = await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=1))
+    try:
+        new = make_model("llama", tied=False, seed=new_seed(rng))
+        async with AsyncLogprobClient(server.target, model="policy") as client:
+            # Pieces of 20,000 bytes: larger than a slot; the smaller tensors still fit one.
+            result = await client.update_weights("policy", new.state_dict(), streams=2, chunk_bytes=20_000)
+        assert server.service.receivers.forwarded == 2
+        assert result.fingerprint == model_fingerprint(new)
+    finally:
+        await stop(server)
+
+
+async def test_a_receiver_that_dies_is_no_longer_announced_and_pushes_go_on(served, rng):
+    gone = served.service.receivers._receivers[0]
+    gone.process.kill()
+    await eventually(
+        lambda: served.service.receivers.ports == [served.service.receivers._receivers[1].port], "the loss"
+    )
+    new = make_model("llama", tied=False, seed=new_seed(rng))
+    async with AsyncLogprobClient(served.target, model="policy") as client:
+        listed = await client._stub.ListModels(pb.ListModelsRequest())
+        assert list(listed.weight_receiver_ports) == served.service.receivers.ports
+        result = await client.update_weights("policy", new.state_dict(), streams=3)
+        assert result.fingerprint == model_fingerprint(new)
+        sequences = random_sequences(rng, 2)
+        assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
+
+
+def test_a_receiver_imports_no_torch():
+    """A receiver is a small process: nothing of torch (also an import contract, for the layers)."""
+    code = "import sys, logprob_service.api.receiver_process; print('torch' in sys.modules)"
+    env_path = receiver_process.__file__.rsplit("/logprob_service/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": env_path})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_receiver_ports_must_not_take_the_servers_ports():
+    with pytest.raises(ValueError, match="metrics_port"):
+        Settings(device="cpu", weight_receivers=2, weight_receiver_port=9480, metrics_port=9481)
+    with pytest.raises(ValueError, match="passes port 65535"):
+        Settings(device="cpu", weight_receivers=3, weight_receiver_port=65534)
+    assert Settings(device="cpu", weight_receivers=2, weight_receiver_port=50052).weight_receivers == 2
