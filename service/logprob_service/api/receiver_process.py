@@ -40,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from logprob_service import host_malloc
 from logprob_service.api.security import tls
 from logprob_service.api.server_options import server_options
 from logprob_service.config import Settings
@@ -169,6 +170,8 @@ def main(conn_fd: int, memory_fd: int) -> None:
     conn = Connection(conn_fd)
     settings, port, slots, slot_bytes = conn.recv()
     configure_logging(settings.log_level, settings.log_format)
+    if settings.keep_freed_host_memory:  # gRPC's copies of each message land in warm pages, as in the server
+        host_malloc.keep_freed_blocks()
     try:
         asyncio.run(_serve(conn, SharedMemory(slots, slot_bytes, memory_fd), settings, port))
     except Exception as err:  # e.g. the port is taken: the serving process reports it
