@@ -28,7 +28,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from .channel import Connection, channel_target
-from .errors import LogprobError, error_from_rpc
+from .errors import LogprobError, PermissionDenied, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
 from .ipc import ipc_request
@@ -116,7 +116,8 @@ class _Client:
     requests instead (every sequence whole, repeated fields), for servers older than these fields
     (2026-11-23). ``weight_receivers``: a push's streams go to the server's weight receivers
     when it announces some (ListModels; the server's ``weight_receivers`` setting) and the target
-    is one "host:port": the same host, their ports (False: always the target). ``connection``:
+    is one "host:port": the same host, their ports (False, or a token without the score scope,
+    which ListModels needs: always the target). ``connection``:
     the fields of ``channel.Connection`` (``max_attempts``: UNAVAILABLE and RESOURCE_EXHAUSTED are
     retried with exponential backoff up to that many tries, within the deadline; other failures
     raise at once; ``options``; TLS: ``tls``, ``tls_ca_file``, ``tls_cert_file``,
@@ -380,10 +381,14 @@ class LogprobClient(_Client):
                     raise
 
     def _receiver_ports(self, timeout: float) -> Sequence[int]:
-        """The ports of the server's weight receivers (ListModels), where a push can use them."""
+        """The ports of the server's weight receivers (ListModels), where a push can use them; none
+        when this client's token may not list models (the score scope): it pushes to the target."""
         if self._receivers_host is None:
             return ()
-        return self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout).weight_receiver_ports
+        try:
+            return self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout).weight_receiver_ports
+        except PermissionDenied:
+            return ()
 
     def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
         """The UpdateWeights calls of one push, made together (each stream is read on a thread of
@@ -510,7 +515,10 @@ class AsyncLogprobClient(_Client):
         """See ``LogprobClient._receiver_ports``."""
         if self._receivers_host is None:
             return ()
-        return (await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)).weight_receiver_ports
+        try:
+            return (await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)).weight_receiver_ports
+        except PermissionDenied:
+            return ()
 
     async def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
         """See ``LogprobClient._push`` (here each stream is read on the event loop)."""

@@ -100,13 +100,10 @@ class _BearerToken(
         return continuation(self._details(details), requests)
 
 
-class _AioBearerToken(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the token to every call of an asyncio channel."""
+class _AioBearerToken:
+    """Adds the token to every call of its kind on an asyncio channel. grpc.aio files an
+    interceptor under the first of the four kinds it is an instance of (``aio/_channel.py``), so
+    one class of all four would add it to unary calls only: one subclass per kind."""
 
     def __init__(self, token: str) -> None:
         self._header = ("authorization", f"Bearer {token}")
@@ -115,21 +112,32 @@ class _AioBearerToken(
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
         return details._replace(metadata=metadata)
 
+
+class _AioUnaryUnaryToken(_AioBearerToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStreamToken(_AioBearerToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnaryToken(_AioBearerToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self, continuation: Any, details: grpc.aio.ClientCallDetails, requests: Any
     ) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _AioStreamStreamToken(_AioBearerToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self, continuation: Any, details: grpc.aio.ClientCallDetails, requests: Any
     ) -> Any:
         return await continuation(self._details(details), requests)
+
+
+_AIO_TOKENS = (_AioUnaryUnaryToken, _AioUnaryStreamToken, _AioStreamUnaryToken, _AioStreamStreamToken)
 
 
 def make_channel(
@@ -142,7 +150,7 @@ def make_channel(
 ) -> grpc.Channel | grpc.aio.Channel:
     """A plaintext or TLS channel that sends ``token`` (when given) on every call."""
     if aio:
-        interceptors = [_AioBearerToken(token)] if token is not None else None
+        interceptors = [kind(token) for kind in _AIO_TOKENS] if token is not None else None
         if credentials is None:
             return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
         return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)

@@ -178,8 +178,49 @@ async def test_score_token_scores_but_cannot_update_weights(authed, tokens, rng)
         assert_matches_reference(running, "default", prompts, completions, streamed)
     async with AsyncLogprobClient(running.target, token=values["trainer"]) as client:
         await score_and_check(running, client, rng)
+        # A stream carries the token too (grpc.aio files an interceptor under one kind of call only).
+        (streamed,) = await client.score_many([ScoreInput(prompts, completions)])
+        assert_matches_reference(running, "default", prompts, completions, streamed)
     for code in await admin_calls(running.target, values["trainer"]):
         assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_weight_receivers_take_the_servers_tls_and_tokens(gemma_checkpoint, pki, tokens, rng):
+    """A push through a weight receiver (its own port, TLS from the same files) is authenticated and
+    authorized as on the server's port: the same tokens, the same scopes."""
+    values = tokens[1]
+    running = await start(
+        test_settings(
+            gemma_checkpoint,
+            tls_cert_file=pki.server.cert,
+            tls_key_file=pki.server.key,
+            auth_tokens_file=tokens[0],
+            weight_receivers=1,
+        )
+    )
+    try:
+        weights = {k: v + 0.01 for k, v in running.scorer("default").model.state_dict().items()}
+        (port,) = running.service.receivers.ports
+        credentials = grpc.ssl_channel_credentials(pki.ca.read_bytes())
+        header = pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(model="default", partial=True))
+        async with grpc.aio.secure_channel(f"localhost:{port}", credentials) as channel:
+            update = pb_grpc.LogprobServiceStub(channel).UpdateWeights
+            for token, code in ((values["trainer"], grpc.StatusCode.PERMISSION_DENIED), (None, DENIED)):
+                metadata = (("authorization", f"Bearer {token}"),) if token else ()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await update(iter([header]), metadata=metadata, timeout=30)
+                assert info.value.code() in (code if isinstance(code, set) else {code}), info.value.details()
+        assert running.service.receivers.forwarded == 2
+        target = f"localhost:{running.port}"  # the name the server's certificate carries
+        async with AsyncLogprobClient(target, tls_ca_file=pki.ca, token=values["both"]) as client:
+            assert (await client.update_weights("default", weights, streams=2)).version == 1
+        assert running.service.receivers.forwarded == 4, "both calls of the push came through the receiver"
+        # A token without the score scope cannot list the receivers: its push goes to the port.
+        async with AsyncLogprobClient(target, tls_ca_file=pki.ca, token=values["ops"]) as client:
+            assert (await client.update_weights("default", weights, streams=2)).version == 2
+        assert running.service.receivers.forwarded == 4
+    finally:
+        await stop(running)
 
 
 async def admin_calls(target: str, token: str) -> list[grpc.StatusCode]:

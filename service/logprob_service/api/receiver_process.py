@@ -84,6 +84,10 @@ class _Receiver:
         self.calls = itertools.count()
         self.orphaned = asyncio.Event()  # the serving process is gone
 
+    def send(self, message: tuple[Any, ...]) -> None:
+        with contextlib.suppress(OSError):  # the serving process is gone: on_readable stops the server
+            self.conn.send(message)
+
     def on_readable(self) -> None:
         try:
             while self.conn.poll():
@@ -100,7 +104,7 @@ class _Receiver:
         call = next(self.calls)
         answer = self.answers[call] = asyncio.get_running_loop().create_future()
         metadata = tuple((key, value) for key, value in context.invocation_metadata() or ())  # plain, to pickle
-        self.conn.send(("open", call, metadata, context.peer(), context.time_remaining()))
+        self.send(("open", call, metadata, context.peer(), context.time_remaining()))
         forward = asyncio.create_task(self._forward(call, requests, answer))
         try:
             response, code, details, trailing, aborted = await answer
@@ -110,7 +114,7 @@ class _Receiver:
             await forward
         except asyncio.CancelledError:  # the client cancelled, or its connection broke
             forward.cancel()
-            self.conn.send(("broken", call))
+            self.send(("broken", call))
             raise
         finally:
             del self.answers[call]
@@ -133,18 +137,18 @@ class _Receiver:
                 if answer.done():
                     continue
                 if len(raw) > memory.slot_bytes:
-                    self.conn.send(("inline", call, raw))
+                    self.send(("inline", call, raw))
                     continue
                 slot = await self.free.get()
                 start = slot * memory.slot_bytes
                 memory.buffer[start : start + len(raw)] = raw
-                self.conn.send(("message", call, slot, len(raw)))
+                self.send(("message", call, slot, len(raw)))
         except Exception:  # the client's stream broke off
             if not answer.done():
-                self.conn.send(("broken", call))
+                self.send(("broken", call))
             return
         if not answer.done():
-            self.conn.send(("end", call))
+            self.send(("end", call))
 
 
 async def _serve(conn: Connection, memory: SharedMemory, settings: Settings, port: int) -> None:
