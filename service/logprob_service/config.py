@@ -278,8 +278,8 @@ class Settings(BaseSettings):
             "(ListModels announces them; logprob_client spreads a push's streams over them). Each copies "
             "what gRPC receives in its own interpreter and hands the messages over through shared memory "
             "(12 slots of 4 MiB each); the serving process checks and stages them as it would from its own "
-            "port. With 2, a dense push is no longer bound by one process's receiving (see "
-            "benchmarks/RESULTS.md). 0: pushes come to the serving port only."
+            "port. All of a push's streams must reach this process: use them when trainers reach one server "
+            "by its own address. 0: pushes come to the serving port only."
         ),
     )
     weight_receiver_port: int = Field(
