@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 
@@ -202,8 +203,11 @@ async def test_a_receiver_that_dies_is_no_longer_announced_and_pushes_go_on(serv
 def test_a_receiver_imports_no_torch():
     """A receiver is a small process: nothing of torch (also an import contract, for the layers)."""
     code = "import sys, logprob_service.api.receiver_process; print('torch' in sys.modules)"
-    env_path = receiver_process.__file__.rsplit("/logprob_service/", 1)[0]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": env_path})
+    package_root = receiver_process.__file__.rsplit("/logprob_service/", 1)[0]
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | {"PYTHONPATH": path}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
