@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 
@@ -198,6 +199,15 @@ async def test_a_receiver_that_dies_is_no_longer_announced_and_pushes_go_on(serv
         assert result.fingerprint == model_fingerprint(new)
         sequences = random_sequences(rng, 2)
         assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
+
+
+async def test_a_receiver_that_cannot_start_stops_the_server_from_starting(llama_checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"weight receiver 0 \\(port {port}\\) did not start"):
+            await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=1, weight_receiver_port=port))
 
 
 def test_a_receiver_imports_no_torch():

@@ -146,7 +146,10 @@ class WeightReceivers:
         receiver = _Receiver(index, process, Connection(ours.detach()), memory)
         receiver.conn.send((settings, port, memory.slots, memory.slot_bytes))
         ready = await self._loop.run_in_executor(None, receiver.conn.poll, START_TIMEOUT_S)
-        kind, detail = receiver.conn.recv() if ready else ("failed", f"not ready in {START_TIMEOUT_S:.0f} s")
+        try:
+            kind, detail = receiver.conn.recv() if ready else ("failed", f"not ready in {START_TIMEOUT_S:.0f} s")
+        except EOFError:
+            kind, detail = "failed", f"exited with code {process.wait()}"
         if kind != "ready":
             receiver.alive = False
             self._stop(receiver)

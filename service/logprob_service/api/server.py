@@ -263,6 +263,7 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
             service.receivers = await WeightReceivers.start(settings, _update_handler(servicer, interceptors))
         except BaseException:
             await server.stop(0)
+            await service.close()
             raise
     return server, port
 
