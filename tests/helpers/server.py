@@ -25,6 +25,8 @@ def test_settings(gemma_checkpoint: Path, **overrides) -> Settings:
         max_tokens_per_request=4000,
         max_batch_tokens=512,
         grace_period_s=5.0,
+        # Many servers start in one test process: what one froze would outlive it (gc_freeze's own test).
+        gc_freeze=False,
     )
     values.update(overrides)
     return Settings(**values)
@@ -67,7 +69,14 @@ def new_seed(rng: np.random.Generator) -> int:
 
 def settings(models: dict[str, str], **overrides) -> Settings:
     values = dict(
-        host="127.0.0.1", port=0, metrics_port=0, models=models, device="cpu", max_batch_tokens=256, grace_period_s=5
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        models=models,
+        device="cpu",
+        max_batch_tokens=256,
+        grace_period_s=5,
+        gc_freeze=False,
     )
     return Settings(**(values | overrides))
 

@@ -5,6 +5,7 @@ reference of the very model the server holds."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import numpy as np
@@ -165,3 +166,17 @@ async def test_response_metadata_accounts_for_time_and_tokens(running):
     m = response.metadata
     assert m.tokens == 5 and m.compute_ns > 0 and m.queue_ns >= 0
     assert m.total_ns >= m.queue_ns + m.compute_ns
+
+
+async def test_what_is_alive_after_start_up_is_frozen_out_of_the_collectors_reach(gemma_checkpoint):
+    """``gc_freeze`` (on by default; off in the other tests, which start many servers in one
+    process): once warm, the server collects and freezes the heap, so a full collection walks only
+    what came after (the service itself among what it skips)."""
+    gc.unfreeze()
+    running = await start(test_settings(gemma_checkpoint, gc_freeze=True))
+    try:
+        assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()  # torch, transformers, the models
+        assert not any(obj is running.service for obj in gc.get_objects()), "the service is still walked"
+    finally:
+        gc.unfreeze()
+        await stop(running)
