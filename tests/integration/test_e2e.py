@@ -178,5 +178,5 @@ async def test_what_is_alive_after_start_up_is_frozen_out_of_the_collectors_reac
         assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()  # torch, transformers, the models
         assert not any(obj is running.service for obj in gc.get_objects()), "the service is still walked"
     finally:
-        gc.unfreeze()
         await stop(running)
+    assert gc.get_freeze_count() == 0, "closing the service gives the heap back to the collector"

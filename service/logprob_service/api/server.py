@@ -208,6 +208,10 @@ class Service:
         await self.close()
 
     async def close(self) -> None:
+        if self.settings.gc_freeze:
+            # What warm-up froze goes back to the collector, so the interpreter's last collection
+            # frees it (nanobind, under triton, reports objects left at exit as leaks).
+            gc.unfreeze()
         if self.receivers is not None:
             await self.receivers.close()
         await self.scheduler.close()
