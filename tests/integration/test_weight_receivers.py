@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,15 +23,17 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-from logprob_client import AsyncLogprobClient, LogprobClient
+from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
 from logprob_client.weights import update_streams
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.api import receiver_process, receivers
 from logprob_service.config import Settings
+from logprob_service.models.builtin import build_builtin
 from logprob_service.models.weights import model_fingerprint
 from prometheus_client import REGISTRY
 
 from tests.helpers.models import make_model, random_sequences
+from tests.helpers.processes import free_port, launch, wait_serving
 from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
 from tests.helpers.waiting import TIMEOUT_S, eventually
 
@@ -208,6 +211,61 @@ async def test_a_receiver_that_cannot_start_stops_the_server_from_starting(llama
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"weight receiver 0 \\(port {port}\\) did not start"):
             await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=1, weight_receiver_port=port))
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def two_consecutive_free_ports() -> int:
+    """P such that P and P + 1 are free (as ``free_port``'s are: until someone takes them)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            first = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", first + 1))
+            except (OSError, OverflowError):  # taken, or past 65535
+                continue
+            return first
+    raise RuntimeError("no two consecutive free ports in 100 tries")
+
+
+def test_the_cli_serves_receivers_on_its_ports_and_stops_them_on_sigterm(tmp_path, rng):
+    """``serve --weight-receivers 2 --weight-receiver-port P``: receivers on P and P + 1, a push
+    through them, and on SIGTERM the server drains and exits 0 with its receivers gone."""
+    first = two_consecutive_free_ports()
+    port = free_port()
+    proc = launch(
+        "--model", "default=builtin:tiny-llama", "--device", "cpu", "--metrics-port", "0",
+        "--weight-receivers", "2", "--weight-receiver-port", str(first), "--grace-period-s", "5",
+        env={"LOGPROB_PORT": str(port)},
+        stdout=(tmp_path / "server.log").open("w"),
+    )  # fmt: skip
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc)
+        receivers = children_of(proc.pid)
+        assert len(receivers) == 2, receivers
+        with LogprobClient(f"127.0.0.1:{port}") as client:
+            listed = client._stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT_S)
+            assert list(listed.weight_receiver_ports) == [first, first + 1]
+            weights = {k: v + 0.01 for k, v in build_builtin("tiny-llama").state_dict().items()}
+            assert client.update_weights("default", weights, streams=2).version == 1
+            with pytest.raises(InvalidRequest, match="does not match the model's"):
+                client.update_weights("default", make_model("llama", tied=False, seed=new_seed(rng)).state_dict())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "server.log").read_text()[-3000:]
+        for pid in receivers:
+            assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], pid
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_a_receiver_imports_no_torch():
