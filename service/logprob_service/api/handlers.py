@@ -8,8 +8,9 @@ them with ``context.write``, which ``run`` does for an async-generator behaviour
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -99,3 +100,16 @@ async def reject(context: grpc.aio.ServicerContext, rpc: str, error: LogprobErro
     the caller then returns without running the handler."""
     accounting.record(rpc, None, status_of(error), elapsed_ns=0, error=error)
     await fail(context, error)
+
+
+async def read_to_end(requests: AsyncIterator[object]) -> None:
+    """Read (and drop) what a client stream still sends, before the call is answered with an error.
+
+    A grpc.aio client (grpcio 1.84 and older) whose write fails because the server already ended
+    the call reports INTERNAL "Internal error from Core" instead of the server's status
+    (grpc/grpc#36066); a client that has finished sending gets the status as sent. So a refused
+    weight update is answered once the client's stream has ended (or broken off): it costs
+    receiving the rest of the upload, only on the error path."""
+    with contextlib.suppress(Exception):  # a broken stream has nothing more to read
+        async for _ in requests:
+            pass

@@ -112,7 +112,7 @@ class _Receiver:
             # with the reading task cancelled mid-stream, a client still sending got INTERNAL
             # ("Internal error from Core") instead of the status in about one run of six of
             # tests/integration/test_weight_receivers.py (cf. grpc/grpc#36066, and
-            # servicer._read_to_end on the server's port).
+            # handlers.read_to_end on the server's port).
             await forward
         except asyncio.CancelledError:  # the client cancelled, or its connection broke
             forward.cancel()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -11,7 +10,7 @@ import grpc
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from logprob_service.api import accounting, wire
+from logprob_service.api import accounting, handlers, wire
 from logprob_service.api.health import ServingState
 from logprob_service.api.security.caller import current_client
 from logprob_service.api.status import status_of
@@ -20,19 +19,6 @@ from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import RequestLimits, validate_job
 from logprob_service.engine.weight_updates import WeightUpdater
 from logprob_service.errors import LogprobError
-
-
-async def _read_to_end(requests: AsyncIterator[object]) -> None:
-    """Read (and drop) what a client stream still sends, before the call is answered with an error.
-
-    A grpc.aio client (grpcio 1.84 and older) whose write fails because the server already ended
-    the call reports INTERNAL "Internal error from Core" instead of the server's status
-    (grpc/grpc#36066); a client that has finished sending gets the status as sent. So a refused
-    weight update is answered once the client's stream has ended (or broken off): it costs
-    receiving the rest of the upload, only on the error path."""
-    with contextlib.suppress(Exception):  # a broken stream has nothing more to read
-        async for _ in requests:
-            pass
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -128,7 +114,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
             self._state.check_accepting()
             return wire.update_response(await self._updater.update(wire.update_messages(request_iterator)))
         except LogprobError:
-            await _read_to_end(request_iterator)
+            await handlers.read_to_end(request_iterator)
             raise
 
     async def LoadWeights(
