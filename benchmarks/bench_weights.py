@@ -23,7 +23,10 @@ Measured, in one run:
   4. with ``--weight-receivers N`` (default 2): a further server over the same model with N weight
      receivers, pushed to on their ports: dense pushes from host memory and from the GPU, GPU-held
      deltas, and scoring latency while its pushes run (``--quick`` leaves out the MALLOC_* pusher,
-     host staging and the full-speed phase).
+     host staging and the full-speed phase);
+  5. with ``--push-processes N`` (default 2): dense pushes from a client with that many push
+     processes (``LogprobClient(push_processes=N)``), to the receivers (from host memory and from
+     the GPU, and scoring latency meanwhile) and to the first server's port.
 
 Run: PYTHONPATH=service:client python3 benchmarks/bench_weights.py   (--tiny for a CPU smoke run)
 """
@@ -60,21 +63,31 @@ DELTA_FRACTION = 0.02  # of each tensor's elements changed between two delta pus
 
 
 def pusher(
-    target: str, spec: list[tuple[str, tuple[int, ...], torch.dtype]], chunk_bytes: int, on_gpu: bool, jobs, results
+    target: str,
+    spec: list[tuple[str, tuple[int, ...], torch.dtype]],
+    chunk_bytes: int,
+    on_gpu: bool,
+    push_processes: int,
+    jobs,
+    results,
 ) -> None:
     """The trainer's side: new weights in host memory (or on the GPU, its copies for deltas held
     there too: ``WeightDeltas(on_device=True)``), pushed once per job received, a (kind, streams)
     pair: "push" dense; "delta" a sparse delta, after an untimed delta push that makes the server
     hold what the client does, of ``DELTA_FRACTION`` of every tensor's elements changed (an RL
-    step's small update)."""
+    step's small update). ``push_processes``: the client's option of that name."""
     from logprob_client import LogprobClient
     from logprob_client.weights import WeightDeltas
 
     torch.manual_seed(1)
     device = "cuda" if on_gpu else "cpu"
     weights = {name: (torch.randn(shape, device=device) * 0.02).to(dtype) for name, shape, dtype in spec}
-    with LogprobClient(target, timeout=600) as client:
+    with LogprobClient(target, timeout=600, push_processes=push_processes) as client:
         client.deltas[MODEL] = WeightDeltas(on_device=on_gpu)
+        if push_processes:  # a first push starts them: timed pushes are a trainer's steady state
+            start = time.perf_counter()
+            client.update_weights(MODEL, weights, chunk_bytes=chunk_bytes)
+            print(f"first push, starting {push_processes} push processes: {time.perf_counter() - start:.2f} s")
         results.put("ready")
         while (job := jobs.get()) is not None:
             kind, streams = job
@@ -167,8 +180,8 @@ CLIENT_MALLOC_ENV = {
 
 class Pusher:
     """A pusher process for the server at ``target``: ``with Pusher(...) as updates``. ``on_gpu``:
-    its weights on the GPU; ``malloc_env``: started with ``CLIENT_MALLOC_ENV``; ``to``: what the
-    server takes pushes on, for the tables."""
+    its weights on the GPU; ``malloc_env``: started with ``CLIENT_MALLOC_ENV``; ``push_processes``:
+    its client's option; ``to``: what the server takes pushes on, for the tables."""
 
     def __init__(
         self,
@@ -178,12 +191,19 @@ class Pusher:
         chunk_bytes: int,
         on_gpu: bool = False,
         malloc_env: bool = False,
+        push_processes: int = 0,
         to: str = "server port",
     ):
         self.jobs, self.results = ctx.Queue(), ctx.Queue()
         self.malloc_env, self.to = malloc_env, to
-        self.label = ("GPU" if on_gpu else "host") + (", MALLOC_* set" if malloc_env else "")
-        self.process = ctx.Process(target=pusher, args=(target, spec, chunk_bytes, on_gpu, self.jobs, self.results))
+        self.label = (
+            ("GPU" if on_gpu else "host")
+            + (", MALLOC_* set" if malloc_env else "")
+            + (f", {push_processes} push processes" if push_processes else "")
+        )
+        self.process = ctx.Process(
+            target=pusher, args=(target, spec, chunk_bytes, on_gpu, push_processes, self.jobs, self.results)
+        )
 
     def __enter__(self) -> Pusher:
         saved = dict(os.environ)
@@ -248,6 +268,12 @@ def main() -> None:
         "--weight-receivers", type=int, default=2, help="weight receivers of a further server pushed to (0: none)"
     )
     parser.add_argument(
+        "--push-processes",
+        type=int,
+        default=2,
+        help="also push from a client with this many push processes, to the port and the receivers (0: not)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="leave out the MALLOC_* pusher, host staging and the full-speed phase"
     )
     args = parser.parse_args()
@@ -307,6 +333,20 @@ def main() -> None:
                     with Pusher(ctx, r_target, spec, chunk_bytes, on_gpu=True, to=to) as rg:
                         updates_done += [push_once(rg, device, str(device), args.streams) for _ in repeats]
                         deltas += [(push_once(rg, device, str(device), args.streams, "delta"), "GPU") for _ in repeats]
+                if args.push_processes:
+                    # From a client whose calls are made by its push processes.
+                    n = args.push_processes
+                    with Pusher(ctx, r_target, spec, chunk_bytes, push_processes=n, to=to) as rp:
+                        updates_done += [push_once(rp, device, str(device), args.streams) for _ in repeats]
+                        phases[f"updates over {to} from {n} push processes, yielding to launches"] = load_phase(
+                            ctx, r_target, shape, args, rp
+                        )
+                    if device.type == "cuda":
+                        with Pusher(ctx, r_target, spec, chunk_bytes, on_gpu=True, push_processes=n, to=to) as rgp:
+                            updates_done += [push_once(rgp, device, str(device), args.streams) for _ in repeats]
+        if args.push_processes:
+            with Pusher(ctx, target, spec, chunk_bytes, push_processes=args.push_processes) as p:
+                updates_done += [push_once(p, device, str(device), args.streams) for _ in repeats]
         final_version = registry.get(MODEL).info.version
 
     lines = [

@@ -32,13 +32,23 @@ from .errors import LogprobError, PermissionDenied, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
 from .ipc import ipc_request
+from .push_processes import FRAMING_BYTES, PushProcesses
 from .resume import StreamResume
 from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
-from .weights import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS, UpdateResult, WeightDeltas, named_tensors, update_streams
+from .weights import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_STREAMS,
+    Message,
+    UpdateResult,
+    WeightDeltas,
+    join,
+    named_tensors,
+    update_streams,
+)
 from .wire import ModelInfo, Options, ScoreInput, collect, model_info, repeats_prompt, result, score_request
 
 DEFAULT_TIMEOUT_S = 120.0
-# UpdateWeights, called with messages serialized by ``weights`` (pieces framed around tensor bytes).
+# UpdateWeights, called with messages framed by ``weights`` (pieces framed around tensor bytes).
 _UPDATE_WEIGHTS = f"/{pb.DESCRIPTOR.services_by_name['LogprobService'].full_name}/UpdateWeights"
 
 
@@ -139,6 +149,7 @@ class _Client:
         share_prompts: bool = True,
         legacy_wire: bool = False,
         weight_receivers: bool = True,
+        push_processes: int = 0,
         channel: Any = None,
         **connection: Any,
     ) -> None:
@@ -155,6 +166,14 @@ class _Client:
                 f"{', '.join(self.connection.security())} cannot apply to a given channel: "
                 "pass them to open_channel(...) instead"
             )
+        if push_processes < 0 or (push_processes and channel is not None):
+            raise ValueError(
+                f"push_processes must be >= 0, got {push_processes}"
+                if push_processes < 0
+                else "push_processes needs a target, not a given channel (its processes open channels of their own)"
+            )
+        self.push_processes = push_processes
+        self._processes: PushProcesses | None = None  # started at the first push that uses them
         self._target = None if channel is not None else target
         self._channel = channel if channel is not None else self.connection.open(target, aio=self._aio)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
@@ -173,18 +192,22 @@ class _Client:
         host, _, port = target.rpartition(":")
         return host if host and port.isdigit() and (":" not in host or host.startswith("[")) else None
 
-    def _pushers(self, streams: int, receiver_ports: Sequence[int]) -> list[Any]:
-        """The UpdateWeights callables of a push over ``streams`` calls, taking serialized messages:
-        spread over the server's weight receivers when it announces some, else to the target."""
+    def _push_targets(self, streams: int, receiver_ports: Sequence[int]) -> list[str] | None:
+        """Where each of a push's ``streams`` calls goes: spread over the server's weight receivers
+        when it announces some, else to the target; None with a given channel (all go there)."""
         if self._target is None:
+            return None
+        host = self._receivers_host
+        if host is not None and receiver_ports:
+            return [f"{host}:{receiver_ports[i % len(receiver_ports)]}" for i in range(streams)]
+        return [channel_target(self._target)] * streams
+
+    def _pushers(self, streams: int, targets: list[str] | None) -> list[Any]:
+        """The UpdateWeights callables of a push over ``streams`` calls (to ``targets``, each on a
+        connection of its own; None: the given channel), taking messages (``weights.Message``)."""
+        if targets is None:
             channels = [self._channel] * streams
         else:
-            host = self._receivers_host
-            targets = (
-                [f"{host}:{receiver_ports[i % len(receiver_ports)]}" for i in range(streams)]
-                if host is not None and receiver_ports
-                else [channel_target(self._target)] * streams
-            )
             channels, taken = [], dict.fromkeys(targets, 0)
             for target in targets:
                 opened = self._push_channels.setdefault(target, [])
@@ -194,10 +217,25 @@ class _Client:
                 taken[target] += 1
         return [
             channel.stream_unary(
-                _UPDATE_WEIGHTS, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
+                _UPDATE_WEIGHTS, request_serializer=join, response_deserializer=pb.UpdateWeightsResponse.FromString
             )
             for channel in channels
         ]
+
+    def _push_processes_for(self, chunk_bytes: int) -> PushProcesses:
+        """The client's push processes, with slots for ``chunk_bytes`` pieces (started again with
+        larger slots for a push with larger pieces than any before)."""
+        slot_bytes = max(chunk_bytes, DEFAULT_CHUNK_BYTES) + FRAMING_BYTES
+        if self._processes is None or self._processes.slot_bytes < slot_bytes:
+            if self._processes is not None:
+                self._processes.close()
+            self._processes = PushProcesses(self.connection, self.push_processes, slot_bytes)
+        return self._processes
+
+    def _close_push_processes(self) -> None:
+        if self._processes is not None:
+            self._processes.close()
+            self._processes = None
 
     def _all_channels(self) -> list[Any]:
         return [self._channel, *(channel for opened in self._push_channels.values() for channel in opened)]
@@ -260,7 +298,7 @@ class _Client:
         streams: int | None = None,
         timeout: float | None = None,
         delta: bool = False,
-    ) -> tuple[list[Iterator[bytes]], float]:
+    ) -> tuple[list[Iterator[Message]], float]:
         """The UpdateWeights calls of a push (each read lazily, a tensor at a time), and their timeout."""
         if streams is None:
             streams = 1 if self.legacy_wire else DEFAULT_STREAMS  # servers before 2026-11-24 take one
@@ -374,8 +412,9 @@ class LogprobClient(_Client):
             weights = list(named_tensors(weights))  # read again if the server left the base
         while True:
             streams, timeout = self.update(model, weights, **keywords)
+            chunk_bytes = keywords.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
             try:
-                return self._pushed(model, keywords, self._push(streams, timeout))
+                return self._pushed(model, keywords, self._push(streams, timeout, chunk_bytes))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
@@ -390,10 +429,15 @@ class LogprobClient(_Client):
         except PermissionDenied:
             return ()
 
-    def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
+    def _push(self, streams: list[Iterator[Message]], timeout: float, chunk_bytes: int) -> pb.UpdateWeightsResponse:
         """The UpdateWeights calls of one push, made together (each stream is read on a thread of
-        gRPC's); all answer alike, so the first is returned, or the first error raised."""
-        pushers = self._pushers(len(streams), self._receiver_ports(timeout))
+        gRPC's, or with ``push_processes``, of this client's); all answer alike, so the first is
+        returned, or the first error raised."""
+        targets = self._push_targets(len(streams), self._receiver_ports(timeout))
+        if targets is not None and self.push_processes:
+            push = self._push_processes_for(chunk_bytes).start(targets, streams, timeout)
+            return pb.UpdateWeightsResponse.FromString(push.wait())
+        pushers = self._pushers(len(streams), targets)
         calls = [push.future(stream, timeout=timeout) for push, stream in zip(pushers, streams)]
         try:
             responses = [call.result() for call in calls]  # every call, not just the first
@@ -432,6 +476,7 @@ class LogprobClient(_Client):
         return UpdateResult.from_proto(self._call(self._stub.LoadWeights, request, timeout))
 
     def close(self) -> None:
+        self._close_push_processes()
         for channel in self._all_channels():
             channel.close()
 
@@ -505,8 +550,9 @@ class AsyncLogprobClient(_Client):
             weights = list(named_tensors(weights))
         while True:
             streams, timeout = self.update(model, weights, **keywords)
+            chunk_bytes = keywords.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
             try:
-                return self._pushed(model, keywords, await self._push(streams, timeout))
+                return self._pushed(model, keywords, await self._push(streams, timeout, chunk_bytes))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
@@ -520,9 +566,21 @@ class AsyncLogprobClient(_Client):
         except PermissionDenied:
             return ()
 
-    async def _push(self, streams: list[Iterator[bytes]], timeout: float) -> pb.UpdateWeightsResponse:
-        """See ``LogprobClient._push`` (here each stream is read on the event loop)."""
-        pushers = self._pushers(len(streams), await self._receiver_ports(timeout))
+    async def _push(
+        self, streams: list[Iterator[Message]], timeout: float, chunk_bytes: int
+    ) -> pb.UpdateWeightsResponse:
+        """See ``LogprobClient._push`` (here each stream is read on the event loop, or with
+        ``push_processes``, on threads of this client's)."""
+        targets = self._push_targets(len(streams), await self._receiver_ports(timeout))
+        if targets is not None and self.push_processes:
+            # Off the event loop: the first push starts the processes (about half a second).
+            push = await asyncio.to_thread(self._push_processes_for(chunk_bytes).start, targets, streams, timeout)
+            try:
+                return pb.UpdateWeightsResponse.FromString(await asyncio.to_thread(push.wait))
+            except asyncio.CancelledError:
+                push.cancel()
+                raise
+        pushers = self._pushers(len(streams), targets)
         calls = [push(stream, timeout=timeout) for push, stream in zip(pushers, streams)]
         try:
             return (await asyncio.gather(*calls))[0]
@@ -554,6 +612,7 @@ class AsyncLogprobClient(_Client):
         return UpdateResult.from_proto(await self._call(self._stub.LoadWeights, request, timeout))
 
     async def close(self) -> None:
+        await asyncio.to_thread(self._close_push_processes)
         for channel in self._all_channels():
             await channel.close()
 

@@ -6,11 +6,14 @@ tensor plus one message per stream, however large the model. A delta push (``Wei
 holds the bytes last pushed, and compares up to ``LOOKAHEAD`` tensors ahead of the one it sends.
 torch is imported only when tensors are given.
 
-Messages are handed to gRPC already serialized: a dense piece is framed here around the tensor's
-bytes (``dense_piece``), one copy of them into the message, where protobuf would make two (into
-the message object, then out of it). One gRPC stream carries one message at a time, so a push is
-spread over ``streams`` calls at once (``UpdateWeightsHeader.streams``), each with its share of
-the tensors (``split``), to keep more bytes in flight.
+Messages are serialized here, in parts (``Message``): a dense piece is the framing protobuf would
+write around a view of the tensor's bytes (``dense_parts``). Joined (gRPC's request serializer
+on this process's own calls), that is one copy of the bytes into the message, where protobuf would
+make two (into the message object, then out of it); the push processes (``senders``) copy the
+parts into shared memory instead, and join them in another process. One gRPC stream carries one
+message at a time, so a push is spread over ``streams`` calls at once
+(``UpdateWeightsHeader.streams``), each with its share of the tensors (``split``), to keep more
+bytes in flight.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ DEFAULT_CHUNK_BYTES = 4 * 1024**2
 DEFAULT_STREAMS = 4
 T = TypeVar("T")
 R = TypeVar("R")
+# One UpdateWeightsRequest, serialized, in parts: joined, they are the bytes protobuf writes for it.
+Message = tuple[bytes | memoryview, ...]
+
+
+def join(message: Message) -> bytes:
+    """A message's bytes (``Message``): its parts copied into one ``bytes``."""
+    return b"".join(message)
 
 
 @dataclass(frozen=True)
@@ -98,25 +108,30 @@ _CHANGED_TAG = b"\x30"  # TensorChunk.changed: field 6, varint
 _INDICES_TAG = b"\x3a"  # TensorChunk.indices: field 7, length-delimited
 
 
-def dense_piece(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: memoryview) -> bytes:
-    """A dense piece's UpdateWeightsRequest, serialized: the bytes protobuf writes for it (fields in
-    number order, ``data`` last, and left out when empty), made with one copy of ``data``."""
+def dense_parts(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: memoryview) -> Message:
+    """A dense piece's UpdateWeightsRequest as protobuf writes it (fields in number order, ``data``
+    last, and left out when empty), in parts: ``data`` is one of them, not copied."""
     fields = pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset).SerializeToString()
     data_head = _DATA_TAG + _varint(len(data)) if len(data) else b""
-    return b"".join((_TENSOR_TAG, _varint(len(fields) + len(data_head) + len(data)), fields, data_head, data))
+    return _TENSOR_TAG, _varint(len(fields) + len(data_head) + len(data)), fields, data_head, data
+
+
+def dense_piece(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: memoryview) -> bytes:
+    """``dense_parts`` joined: the piece's bytes, made with one copy of ``data``."""
+    return join(dense_parts(name, dtype, shape, offset, data))
 
 
 def _dense_pieces(name: str, dtype: str, shape: tuple[int, ...], data: memoryview, chunk_bytes: int):
     for offset in range(0, max(len(data), 1), chunk_bytes):  # an empty tensor still sends one piece
-        yield dense_piece(name, dtype, shape, offset, data[offset : offset + chunk_bytes])
+        yield dense_parts(name, dtype, shape, offset, data[offset : offset + chunk_bytes])
 
 
-def sparse_piece(
+def sparse_parts(
     name: str, dtype: str, shape: tuple[int, ...], offset: int, changed: int, indices: memoryview, values: memoryview
-) -> bytes:
-    """A sparse piece's UpdateWeightsRequest, serialized as protobuf writes it (fields in number
-    order: ``data``, the values, before ``changed`` and ``indices``), with one copy of ``indices``
-    (little-endian uint32s) and ``values`` (their raw bytes)."""
+) -> Message:
+    """A sparse piece's UpdateWeightsRequest as protobuf writes it (fields in number order:
+    ``data``, the values, before ``changed`` and ``indices``), in parts: ``indices`` (little-endian
+    uint32s) and ``values`` (their raw bytes) are two of them, not copied."""
     fields = pb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset).SerializeToString()
     parts = [
         fields,
@@ -124,7 +139,14 @@ def sparse_piece(
         *((_CHANGED_TAG, _varint(changed)) if changed else ()),
         *((_INDICES_TAG, _varint(len(indices)), indices) if len(indices) else ()),
     ]
-    return b"".join((_TENSOR_TAG, _varint(sum(len(p) for p in parts)), *parts))
+    return _TENSOR_TAG, _varint(sum(len(p) for p in parts)), *parts
+
+
+def sparse_piece(
+    name: str, dtype: str, shape: tuple[int, ...], offset: int, changed: int, indices: memoryview, values: memoryview
+) -> bytes:
+    """``sparse_parts`` joined: the piece's bytes, made with one copy of ``indices`` and ``values``."""
+    return join(sparse_parts(name, dtype, shape, offset, changed, indices, values))
 
 
 def _sparse_pieces(
@@ -137,7 +159,7 @@ def _sparse_pieces(
     value_bytes = memoryview(values)
     for start in range(0, count, per_piece):
         end = min(start + per_piece, count)
-        yield sparse_piece(
+        yield sparse_parts(
             name,
             dtype,
             shape,
@@ -148,14 +170,14 @@ def _sparse_pieces(
         )
 
 
-def _stream(header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[bytes]]) -> Iterator[bytes]:
-    """One UpdateWeights call's serialized messages: the header, each tensor's pieces, the commit."""
-    yield pb.UpdateWeightsRequest(header=header).SerializeToString()
+def _stream(header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[Message]]) -> Iterator[Message]:
+    """One UpdateWeights call's messages: the header, each tensor's pieces, the commit."""
+    yield (pb.UpdateWeightsRequest(header=header).SerializeToString(),)
     count = 0
     for pieces in tensors:
         yield from pieces
         count += 1
-    yield pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count)).SerializeToString()
+    yield (pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count)).SerializeToString(),)
 
 
 def _check(version: int, chunk_bytes: int, streams: int = 1) -> None:
@@ -208,10 +230,10 @@ def update_streams(
     partial: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     streams: int = 1,
-) -> list[Iterator[bytes]]:
-    """The UpdateWeights calls of one dense push, each a stream of serialized messages (header, its
-    tensors in ``chunk_bytes`` pieces, commit), read lazily: a tensor is read when its turn comes
-    (over one stream, ``weights`` itself is read so too)."""
+) -> list[Iterator[Message]]:
+    """The UpdateWeights calls of one dense push, each a stream of messages (header, its tensors in
+    ``chunk_bytes`` pieces, commit; ``Message``: ``join`` makes one's bytes), read lazily: a tensor
+    is read when its turn comes (over one stream, ``weights`` itself is read so too)."""
     _check(version, chunk_bytes, streams)
     groups, header = _calls(weights, streams, pb.UpdateWeightsHeader(model=model, version=version, partial=partial))
     return [_stream(header, (_dense_pieces(n, *raw_bytes(t), chunk_bytes) for n, t in group)) for group in groups]
@@ -225,9 +247,9 @@ def update_requests(
     partial: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Iterator[bytes]:
-    """The serialized messages of a push over one call: ``update_streams`` with one stream."""
+    """The serialized messages of a push over one call: ``update_streams`` with one stream, joined."""
     (stream,) = update_streams(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
-    return stream
+    return map(join, stream)
 
 
 # Sparse pieces name elements with uint32 indices.
@@ -357,7 +379,7 @@ class WeightDeltas:
         partial: bool,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         streams: int = 1,
-    ) -> list[Iterator[bytes]]:
+    ) -> list[Iterator[Message]]:
         """The calls of the next push, as ``update_streams`` makes them (each read lazily, its
         tensors compared up to ``LOOKAHEAD`` ahead of the one it sends)."""
         _check(version, chunk_bytes, streams)
@@ -414,7 +436,7 @@ class WeightDeltas:
     def _dense_pays(self, changed: int, itemsize: int, nbytes: int) -> bool:
         return (4 + itemsize) * changed > self.sparse_below * nbytes  # uint32 indices and the values
 
-    def _pieces(self, c: _Compared, chunk_bytes: int) -> Iterator[bytes] | None:
+    def _pieces(self, c: _Compared, chunk_bytes: int) -> Iterator[Message] | None:
         """The pieces a tensor goes in: sparse, dense, or None when the server holds it already."""
         if c.changed is not None and not c.changed.size:
             self._count("unchanged")

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import grpc
 import numpy as np
 import pytest
+from logprob_client.weights import Message, join, update_streams
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
@@ -32,9 +33,15 @@ def request(*seqs, groups=(), model="", temperature=0.0, request_id="") -> pb.Sc
     )
 
 
-def parsed(messages: Iterable[bytes]) -> list[pb.UpdateWeightsRequest]:
-    """An UpdateWeights stream as ``logprob_client.weights`` serializes it, read back as messages."""
-    return [pb.UpdateWeightsRequest.FromString(m) for m in messages]
+def update_calls(*args, **keywords) -> list[list[bytes]]:
+    """``logprob_client.weights.update_streams(*args, **keywords)``: each call's messages serialized."""
+    return [list(map(join, call)) for call in update_streams(*args, **keywords)]
+
+
+def parsed(messages: Iterable[bytes | Message]) -> list[pb.UpdateWeightsRequest]:
+    """An UpdateWeights stream as ``logprob_client.weights`` makes it (messages serialized, or in
+    parts), read back as messages."""
+    return [pb.UpdateWeightsRequest.FromString(m if isinstance(m, bytes) else join(m)) for m in messages]
 
 
 async def call(target: str, req: pb.ScoreRequest, timeout: float = 30.0):

@@ -219,6 +219,14 @@ async def test_weight_receivers_take_the_servers_tls_and_tokens(gemma_checkpoint
         async with AsyncLogprobClient(target, tls_ca_file=pki.ca, token=values["ops"]) as client:
             assert (await client.update_weights("default", weights, streams=2)).version == 2
         assert running.service.receivers.forwarded == 4
+        # From push processes (``push_processes``): the client's TLS and token go with them.
+        with LogprobClient(target, tls_ca_file=pki.ca, token=values["both"], push_processes=2) as client:
+            assert (await asyncio.to_thread(client.update_weights, "default", weights, streams=2)).version == 3
+            assert running.service.receivers.forwarded == 6
+        with LogprobClient(target, tls_ca_file=pki.ca, token=values["trainer"], push_processes=1) as client:
+            with pytest.raises(PermissionDenied):  # a score-only token, through the receiver
+                await asyncio.to_thread(client.update_weights, "default", weights, streams=2)
+        assert running.service.receivers.forwarded == 8
     finally:
         await stop(running)
 

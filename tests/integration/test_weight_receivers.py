@@ -24,7 +24,6 @@ import pytest
 import pytest_asyncio
 import torch
 from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
-from logprob_client.weights import update_streams
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.api import receiver_process, receivers
 from logprob_service.config import Settings
@@ -32,6 +31,7 @@ from logprob_service.models.builtin import build_builtin
 from logprob_service.models.weights import model_fingerprint
 from prometheus_client import REGISTRY
 
+from tests.helpers.calls import update_calls
 from tests.helpers.models import make_model, random_sequences
 from tests.helpers.processes import free_port, launch, wait_serving
 from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
@@ -116,14 +116,14 @@ async def test_a_receivers_port_takes_only_update_weights(served):
 
 def bad_calls(state: dict[str, torch.Tensor]) -> dict[str, list[bytes]]:
     """Calls the server refuses, each as it is sent."""
-    good = list(update_streams("policy", state, version=0, partial=False, chunk_bytes=SMALL_PIECES, streams=1)[0])
+    good = update_calls("policy", state, version=0, partial=False, chunk_bytes=SMALL_PIECES, streams=1)[0]
     renamed = {("model.not_a_weight" if name == "model.norm.weight" else name): t for name, t in state.items()}
     reshaped = state | {"model.norm.weight": state["model.norm.weight"][:-1]}
     return {
-        "unknown tensor": list(update_streams("policy", renamed, version=0, partial=False, streams=1)[0]),
+        "unknown tensor": update_calls("policy", renamed, version=0, partial=False, streams=1)[0],
         "malformed message": [good[0], b"\xff\xff\xff", *good[1:]],
         "no commit": good[:-1],
-        "wrong shape": list(update_streams("policy", reshaped, version=0, partial=False, streams=1)[0]),
+        "wrong shape": update_calls("policy", reshaped, version=0, partial=False, streams=1)[0],
     }
 
 
@@ -149,8 +149,7 @@ async def test_bad_pushes_get_the_same_answers_from_a_receiver_as_from_the_serve
 
 async def test_a_call_broken_off_leaves_the_live_weights_and_the_receiver_serving(served, rng):
     state = make_model("llama", tied=False, seed=new_seed(rng)).state_dict()
-    (messages,) = update_streams("policy", state, version=0, partial=False, chunk_bytes=SMALL_PIECES, streams=1)
-    messages = list(messages)
+    (messages,) = update_calls("policy", state, version=0, partial=False, chunk_bytes=SMALL_PIECES, streams=1)
     sent = asyncio.Event()
 
     async def half_then_wait():

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient, LogprobClient
-from logprob_client.weights import dense_piece, update_streams
+from logprob_client.weights import dense_piece
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.engine import weight_updates
 from logprob_service.models.weights import UpdatableWeights, model_fingerprint
 
-from tests.helpers.calls import parsed
+from tests.helpers.calls import parsed, update_calls
 from tests.helpers.models import make_model, random_sequences
 from tests.helpers.server import as_lists, assert_scores_match, live, new_seed
 from tests.helpers.waiting import TIMEOUT_S, eventually
@@ -98,7 +98,7 @@ async def test_a_push_over_three_streams_goes_live_once(served, rng, chunk_bytes
     new = make_model("llama", tied=False, seed=new_seed(rng))
     state = new.state_dict()
     sequences = random_sequences(rng, 4)
-    calls = update_streams("policy", state, version=0, partial=False, chunk_bytes=chunk_bytes, streams=3)
+    calls = update_calls("policy", state, version=0, partial=False, chunk_bytes=chunk_bytes, streams=3)
     assert len(calls) == 3
     async with (
         grpc.aio.insecure_channel(served.target) as channel,
@@ -157,7 +157,7 @@ async def test_the_clients_push_over_several_streams(served, rng):
 async def test_a_bad_tensor_in_one_stream_fails_every_call_and_changes_nothing(served):
     good = noisy(served.scorer("policy").model)
     bad = good | {NORM: torch.randn(7)}  # the model's is [64]
-    calls = [list(call) for call in update_streams("policy", bad, version=0, partial=False, streams=3)]
+    calls = update_calls("policy", bad, version=0, partial=False, streams=3)
     carrier = next(c for c, call in enumerate(calls) if any(m.tensor.name == NORM for m in parsed(call)))
     go = asyncio.Event()
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
@@ -179,7 +179,7 @@ async def test_a_bad_tensor_in_one_stream_fails_every_call_and_changes_nothing(s
 async def test_a_missing_stream_aborts_the_update_after_the_join_time(served, monkeypatch):
     monkeypatch.setattr(weight_updates, "STREAMS_JOIN_S", 0.5)
     good = noisy(served.scorer("policy").model)
-    calls = update_streams("policy", good, version=0, partial=False, streams=2)
+    calls = update_calls("policy", good, version=0, partial=False, streams=2)
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         before = await live(client, "policy")
         (result,) = await answers(channel, calls[:1])  # the other call is never made
@@ -205,7 +205,7 @@ def with_header(call: Iterable[bytes], **changes) -> list[bytes]:
 )
 async def test_streams_whose_headers_differ_fail_the_update(served, changes):
     good = noisy(served.scorer("policy").model)
-    first, second = update_streams("policy", good, version=0, partial=False, streams=2)
+    first, second = update_calls("policy", good, version=0, partial=False, streams=2)
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         before = await live(client, "policy")
         results = await answers(channel, [list(first), with_header(second, **changes)])
@@ -251,7 +251,7 @@ async def test_a_tensor_sent_on_two_streams_of_one_update_is_refused(served, rng
 
 async def test_a_stream_too_many_is_refused_alone(served):
     good = noisy(served.scorer("policy").model)
-    calls = [list(call) for call in update_streams("policy", good, version=0, partial=False, streams=2)]
+    calls = update_calls("policy", good, version=0, partial=False, streams=2)
     extra = [calls[0][0], pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit()).SerializeToString()]
     go = asyncio.Event()
     async with grpc.aio.insecure_channel(served.target) as channel:
@@ -274,7 +274,7 @@ async def test_a_stream_that_comes_after_its_update_failed_gets_the_updates_fail
     monkeypatch.setattr(weight_updates, "STREAMS_JOIN_S", 2.0)
     good = noisy(served.scorer("policy").model)
     bad = good | {NORM: torch.randn(7)}
-    calls = [list(call) for call in update_streams("policy", bad, version=0, partial=False, streams=2)]
+    calls = update_calls("policy", bad, version=0, partial=False, streams=2)
     carrier = next(c for c, call in enumerate(calls) if any(m.tensor.name == NORM for m in parsed(call)))
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         before = await live(client, "policy")
@@ -302,7 +302,7 @@ async def test_a_stream_cancelled_once_the_swap_has_begun_leaves_the_others_a_tr
 
     monkeypatch.setattr(UpdatableWeights, "apply", held_apply)
     good = noisy(served.scorer("policy").model)
-    first, last = ([*call] for call in update_streams("policy", good, version=0, partial=False, streams=2))
+    first, last = update_calls("policy", good, version=0, partial=False, streams=2)
     committed = asyncio.Event()
 
     async def commits_after_the_first(messages):
