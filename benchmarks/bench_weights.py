@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from common import LoopbackServer, ModelShape, build_model
 from harness import peak_allocated, publish, reset_peak, run_environment
+from logprob_client.client import STREAMS_PER_RECEIVER
 from logprob_client.weights import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS
 from logprob_service import host_malloc
 from logprob_service.config import Settings
@@ -227,9 +228,12 @@ def load_lengths(shape: ModelShape) -> tuple[int, int]:
     return min(256, shape.max_positions // 4), min(512, shape.max_positions // 2)
 
 
-def load_phase(ctx, target: str, shape: ModelShape, args, updates: Pusher | None = None) -> tuple[list[float], int]:
-    """Latencies of the scoring load over one phase, with ``updates`` (a pusher) pushing
-    back to back meanwhile (None: no updates); and how many pushes went live during it."""
+def load_phase(
+    ctx, target: str, shape: ModelShape, args, updates: Pusher | None = None, streams: int | None = None
+) -> tuple[list[float], int]:
+    """Latencies of the scoring load over one phase, with ``updates`` (a pusher) pushing over
+    ``streams`` calls (``--streams``) back to back meanwhile (None: no updates); and how many
+    pushes went live during it."""
     load_results = ctx.Queue()
     proc = ctx.Process(
         target=load, args=(target, shape.vocab, load_lengths(shape), args.load_threads, args.load_seconds, load_results)
@@ -239,7 +243,7 @@ def load_phase(ctx, target: str, shape: ModelShape, args, updates: Pusher | None
     if updates is not None:
         end = time.perf_counter() + 1.0 + args.load_seconds
         while time.perf_counter() < end:
-            updates.jobs.put(("push", args.streams))
+            updates.jobs.put(("push", streams or args.streams))
             updates.results.get(timeout=900)
             pushed += 1
     latencies = load_results.get(timeout=900)
@@ -292,18 +296,19 @@ def main() -> None:
     chunk_bytes = int(args.chunk_mib * 2**20)
     repeats = range(args.repeats)
     phases = {}
+    rs = max(DEFAULT_STREAMS, STREAMS_PER_RECEIVER * args.weight_receivers)  # calls of a push to the receivers
     with LoopbackServer(settings, registry) as target, Pusher(ctx, target, spec, chunk_bytes) as updates:
         updates_done = [
             push_once(updates, device, str(device), streams) for streams in sorted({1, args.streams}) for _ in repeats
         ]
-        deltas = [(push_once(updates, device, str(device), args.streams, "delta"), "host") for _ in repeats]
+        deltas = [push_once(updates, device, str(device), args.streams, "delta") for _ in repeats]
         if not args.quick:
             with Pusher(ctx, target, spec, chunk_bytes, malloc_env=True) as tuned:
                 updates_done += [push_once(tuned, device, str(device), args.streams) for _ in repeats]
         if device.type == "cuda":
             with Pusher(ctx, target, spec, chunk_bytes, on_gpu=True) as on_gpu:
                 updates_done += [push_once(on_gpu, device, str(device), args.streams) for _ in repeats]
-                deltas += [(push_once(on_gpu, device, str(device), args.streams, "delta"), "GPU") for _ in repeats]
+                deltas += [push_once(on_gpu, device, str(device), args.streams, "delta") for _ in repeats]
         if device.type == "cuda" and not args.quick:
             # A second server on the same model, whose reserve forces host staging.
             host_settings = settings.model_copy(update={"update_staging_reserve_bytes": 10**15})
@@ -322,28 +327,30 @@ def main() -> None:
             with LoopbackServer(full_speed, registry) as free_target, Pusher(ctx, free_target, spec, chunk_bytes) as q:
                 phases["updates running, read at full speed"] = load_phase(ctx, free_target, shape, args, q)
         if args.weight_receivers:
-            # A server on the same model with weight receivers: pushes go to their ports.
+            # A server on the same model with weight receivers: pushes go to their ports, over the
+            # client's default number of calls for them.
             to = f"{args.weight_receivers} receivers"
             with_receivers = settings.model_copy(update={"weight_receivers": args.weight_receivers})
             with LoopbackServer(with_receivers, registry) as r_target:
                 with Pusher(ctx, r_target, spec, chunk_bytes, to=to) as r:
-                    updates_done += [push_once(r, device, str(device), args.streams) for _ in repeats]
-                    phases[f"updates over {to}, yielding to launches"] = load_phase(ctx, r_target, shape, args, r)
+                    updates_done += [push_once(r, device, str(device), rs) for _ in repeats]
+                    phases[f"updates over {to}, yielding to launches"] = load_phase(ctx, r_target, shape, args, r, rs)
                 if device.type == "cuda":
                     with Pusher(ctx, r_target, spec, chunk_bytes, on_gpu=True, to=to) as rg:
-                        updates_done += [push_once(rg, device, str(device), args.streams) for _ in repeats]
-                        deltas += [(push_once(rg, device, str(device), args.streams, "delta"), "GPU") for _ in repeats]
+                        updates_done += [push_once(rg, device, str(device), rs) for _ in repeats]
+                        deltas += [push_once(rg, device, str(device), rs, "delta") for _ in repeats]
                 if args.push_processes:
                     # From a client whose calls are made by its push processes.
                     n = args.push_processes
                     with Pusher(ctx, r_target, spec, chunk_bytes, push_processes=n, to=to) as rp:
-                        updates_done += [push_once(rp, device, str(device), args.streams) for _ in repeats]
+                        updates_done += [push_once(rp, device, str(device), rs) for _ in repeats]
                         phases[f"updates over {to} from {n} push processes, yielding to launches"] = load_phase(
-                            ctx, r_target, shape, args, rp
+                            ctx, r_target, shape, args, rp, rs
                         )
                     if device.type == "cuda":
                         with Pusher(ctx, r_target, spec, chunk_bytes, on_gpu=True, push_processes=n, to=to) as rgp:
-                            updates_done += [push_once(rgp, device, str(device), args.streams) for _ in repeats]
+                            updates_done += [push_once(rgp, device, str(device), rs) for _ in repeats]
+                            deltas += [push_once(rgp, device, str(device), rs, "delta") for _ in repeats]
         if args.push_processes:
             with Pusher(ctx, target, spec, chunk_bytes, push_processes=args.push_processes) as p:
                 updates_done += [push_once(p, device, str(device), args.streams) for _ in repeats]
@@ -368,22 +375,22 @@ def main() -> None:
     def dense(delta: Update) -> float:
         """The median dense push from the same tensors to the same port(s), over as many streams,
         staged on ``device``."""
-        same = (delta.client, delta.to, str(device), args.streams)
+        same = (delta.client, delta.to, str(device), delta.streams)
         return statistics.median(u.seconds for u in updates_done if (u.client, u.to, u.staged, u.streams) == same)
 
     lines += [
         "",
         f"Sparse deltas: {DELTA_FRACTION:.0%} of every tensor's elements changed since the version the server "
-        f"holds, pushed over {args.streams} streams; against the median dense push from the same tensors over as "
-        f"many streams, staged on {device}, above",
+        f"holds, pushed over {args.streams} streams ({rs} to the receivers); against the median dense push from "
+        f"the same tensors over as many streams, staged on {device}, above",
         "",
         "| client's tensors and held copies | pushed to | client time (s) | bytes sent (GB) | of the dense bytes "
         "| dense push (s) | x faster than dense | server total (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for u, held in deltas:
+    for u in deltas:
         lines.append(
-            f"| {held} | {u.to} | {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / weights_gb / 1e9:.1%} | "
+            f"| {u.client} | {u.to} | {u.seconds:.2f} | {u.gbytes:.3f} | {u.gbytes * 1e9 / weights_gb / 1e9:.1%} | "
             f"{dense(u):.2f} | {dense(u) / u.seconds:.2f}x | {u.server_total_s:.2f} |"
         )
     lengths = load_lengths(shape)

@@ -48,6 +48,10 @@ from .weights import (
 from .wire import ModelInfo, Options, ScoreInput, collect, model_info, repeats_prompt, result, score_request
 
 DEFAULT_TIMEOUT_S = 120.0
+# A push's calls by default: 2 per weight receiver the server announces, at least DEFAULT_STREAMS
+# (H100 hosts, 1.5B shape, 4 receivers and 4 push processes: 2.4 GB/s over 8 calls against 1.7-1.9
+# over 4 on one host; on another, 2 receivers over 4 calls ran as fast as 4 over 8; RESULTS.md).
+STREAMS_PER_RECEIVER = 2
 # UpdateWeights, called with messages framed by ``weights`` (pieces framed around tensor bytes).
 _UPDATE_WEIGHTS = f"/{pb.DESCRIPTOR.services_by_name['LogprobService'].full_name}/UpdateWeights"
 
@@ -78,7 +82,8 @@ class UpdateKeywords(TypedDict, total=False):
     """The keywords of ``update_weights``: ``version`` (0: the live one + 1), ``partial`` (False: every
     weight must come; True: only those given are replaced), ``chunk_bytes`` (the size of the pieces
     tensors are streamed in), ``streams`` (how many UpdateWeights calls carry the push at once, each
-    with its share of the tensors: 4, or 1 with ``legacy_wire``), ``timeout`` (seconds), ``delta``
+    with its share of the tensors: 4, or 2 per weight receiver the server announces if that is more;
+    1 with ``legacy_wire``), ``timeout`` (seconds), ``delta``
     (send only what changed since this client's last delta push of the model:
     ``weights.WeightDeltas``)."""
 
@@ -88,6 +93,17 @@ class UpdateKeywords(TypedDict, total=False):
     streams: int
     timeout: float | None
     delta: bool
+
+
+@dataclass(frozen=True)
+class _Update:
+    """A push, prepared: its calls' messages, where each call goes (None: the given channel), the
+    calls' timeout, and the size of their pieces."""
+
+    calls: list[Iterator[Message]]
+    targets: list[str] | None
+    timeout: float
+    chunk_bytes: int
 
 
 @dataclass(frozen=True)
@@ -291,6 +307,7 @@ class _Client:
         self,
         model: str,
         weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        receiver_ports: Sequence[int],
         *,
         version: int = 0,
         partial: bool = False,
@@ -298,13 +315,14 @@ class _Client:
         streams: int | None = None,
         timeout: float | None = None,
         delta: bool = False,
-    ) -> tuple[list[Iterator[Message]], float]:
-        """The UpdateWeights calls of a push (each read lazily, a tensor at a time), and their timeout."""
-        if streams is None:
-            streams = 1 if self.legacy_wire else DEFAULT_STREAMS  # servers before 2026-11-24 take one
+    ) -> _Update:
+        """A push's UpdateWeights calls (each read lazily, a tensor at a time) and where each goes:
+        spread over the server's weight receivers (``receiver_ports``) where it has some."""
+        if streams is None:  # servers before 2026-11-24 take one
+            streams = 1 if self.legacy_wire else max(DEFAULT_STREAMS, STREAMS_PER_RECEIVER * len(receiver_ports))
         make = self.deltas.setdefault(model, WeightDeltas()).update_streams if delta else update_streams
         calls = make(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes, streams=streams)
-        return calls, timeout or self.timeout
+        return _Update(calls, self._push_targets(len(calls), receiver_ports), timeout or self.timeout, chunk_bytes)
 
     def _pushed(self, model: str, keywords: UpdateKeywords, response: pb.UpdateWeightsResponse) -> UpdateResult:
         """A push's result; a delta push's also becomes what the server holds."""
@@ -411,10 +429,9 @@ class LogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))  # read again if the server left the base
         while True:
-            streams, timeout = self.update(model, weights, **keywords)
-            chunk_bytes = keywords.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+            ports = self._receiver_ports(keywords.get("timeout") or self.timeout)
             try:
-                return self._pushed(model, keywords, self._push(streams, timeout, chunk_bytes))
+                return self._pushed(model, keywords, self._push(self.update(model, weights, ports, **keywords)))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
@@ -429,16 +446,15 @@ class LogprobClient(_Client):
         except PermissionDenied:
             return ()
 
-    def _push(self, streams: list[Iterator[Message]], timeout: float, chunk_bytes: int) -> pb.UpdateWeightsResponse:
+    def _push(self, update: _Update) -> pb.UpdateWeightsResponse:
         """The UpdateWeights calls of one push, made together (each stream is read on a thread of
         gRPC's, or with ``push_processes``, of this client's); all answer alike, so the first is
         returned, or the first error raised."""
-        targets = self._push_targets(len(streams), self._receiver_ports(timeout))
-        if targets is not None and self.push_processes:
-            push = self._push_processes_for(chunk_bytes).start(targets, streams, timeout)
+        if update.targets is not None and self.push_processes:
+            push = self._push_processes_for(update.chunk_bytes).start(update.targets, update.calls, update.timeout)
             return pb.UpdateWeightsResponse.FromString(push.wait())
-        pushers = self._pushers(len(streams), targets)
-        calls = [push.future(stream, timeout=timeout) for push, stream in zip(pushers, streams)]
+        pushers = self._pushers(len(update.calls), update.targets)
+        calls = [push.future(stream, timeout=update.timeout) for push, stream in zip(pushers, update.calls)]
         try:
             responses = [call.result() for call in calls]  # every call, not just the first
             return responses[0]
@@ -549,10 +565,10 @@ class AsyncLogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))
         while True:
-            streams, timeout = self.update(model, weights, **keywords)
-            chunk_bytes = keywords.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+            ports = await self._receiver_ports(keywords.get("timeout") or self.timeout)
             try:
-                return self._pushed(model, keywords, await self._push(streams, timeout, chunk_bytes))
+                update = self.update(model, weights, ports, **keywords)
+                return self._pushed(model, keywords, await self._push(update))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
@@ -566,22 +582,20 @@ class AsyncLogprobClient(_Client):
         except PermissionDenied:
             return ()
 
-    async def _push(
-        self, streams: list[Iterator[Message]], timeout: float, chunk_bytes: int
-    ) -> pb.UpdateWeightsResponse:
+    async def _push(self, update: _Update) -> pb.UpdateWeightsResponse:
         """See ``LogprobClient._push`` (here each stream is read on the event loop, or with
         ``push_processes``, on threads of this client's)."""
-        targets = self._push_targets(len(streams), await self._receiver_ports(timeout))
-        if targets is not None and self.push_processes:
-            # Off the event loop: the first push starts the processes (about half a second).
-            push = await asyncio.to_thread(self._push_processes_for(chunk_bytes).start, targets, streams, timeout)
+        if update.targets is not None and self.push_processes:
+            # Off the event loop: the first push starts the processes (about 2 s on an H100 host).
+            processes = self._push_processes_for(update.chunk_bytes)
+            push = await asyncio.to_thread(processes.start, update.targets, update.calls, update.timeout)
             try:
                 return pb.UpdateWeightsResponse.FromString(await asyncio.to_thread(push.wait))
             except asyncio.CancelledError:
                 push.cancel()
                 raise
-        pushers = self._pushers(len(streams), targets)
-        calls = [push(stream, timeout=timeout) for push, stream in zip(pushers, streams)]
+        pushers = self._pushers(len(update.calls), update.targets)
+        calls = [push(stream, timeout=update.timeout) for push, stream in zip(pushers, update.calls)]
         try:
             return (await asyncio.gather(*calls))[0]
         except grpc.RpcError as err:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from logprob_client import LogprobClient
 from logprob_client.weights import WeightDeltas, dense_piece, sparse_piece, split, update_streams
 from logprob_proto import logprob_pb2 as pb
 
@@ -311,3 +312,28 @@ def test_weight_deltas_over_two_streams(rng, on_device):
     deltas.pushed(6)
     assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
     assert isinstance(deltas.held["small"], torch.Tensor) == on_device
+
+
+@pytest.mark.parametrize(
+    ("target", "ports", "streams", "expected"),
+    [
+        ("localhost:7000", [], None, ["localhost:7000"] * 4),  # no receivers: 4 calls to the target
+        ("localhost:7000", [7001, 7002], None, ["localhost:7001", "localhost:7002"] * 2),
+        # 2 calls per receiver when that is more than 4
+        ("localhost:7000", [7001, 7002, 7003, 7004], None, [f"localhost:{p}" for p in range(7001, 7005)] * 2),
+        ("localhost:7000", [7001, 7002, 7003], 2, ["localhost:7001", "localhost:7002"]),  # as asked
+        ("dns:///service:7000", [7001], None, ["dns:///service:7000"] * 4),  # a name of replicas: the target
+    ],
+)
+def test_a_pushs_calls_spread_over_the_receivers_the_server_announces(rng, target, ports, streams, expected):
+    weights = {f"w{i}": torch.from_numpy(rng.standard_normal(64).astype(np.float32)) for i in range(12)}
+    with LogprobClient(target) as client:
+        update = client.update("m", weights, ports, streams=streams)
+    assert update.targets == expected
+    assert len(update.calls) == len(expected)
+
+
+def test_a_legacy_wire_push_goes_over_one_call(rng):
+    with LogprobClient("localhost:7000", legacy_wire=True) as client:
+        update = client.update("m", {"w": torch.ones(4)}, [7001, 7002])
+    assert update.targets == ["localhost:7000"] and len(update.calls) == 1
