@@ -146,6 +146,14 @@ async def policy_server(llama_checkpoint: Path):
     await stop(server)
 
 
+@pytest_asyncio.fixture
+async def receivers_server(llama_checkpoint: Path):
+    """A server of ``llama_checkpoint`` as model "policy" with 2 weight receivers (CPU, float32)."""
+    server = await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=2))
+    yield server
+    await stop(server)
+
+
 @pytest.fixture(scope="session")
 def metrics_url():
     """/metrics of this process (the series are process-wide), on a free port, as a server serves it."""

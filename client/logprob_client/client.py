@@ -143,7 +143,9 @@ class _Client:
     (2026-11-23). ``weight_receivers``: a push's streams go to the server's weight receivers
     when it announces some (ListModels; the server's ``weight_receivers`` setting) and the target
     is one "host:port": the same host, their ports (False, or a token without the score scope,
-    which ListModels needs: always the target). ``connection``:
+    which ListModels needs: always the target). ``push_processes``: that many processes of the
+    client's own make a push's calls, its messages handed over through shared memory
+    (``push_processes.py``; 0: this process makes them). ``connection``:
     the fields of ``channel.Connection`` (``max_attempts``: UNAVAILABLE and RESOURCE_EXHAUSTED are
     retried with exponential backoff up to that many tries, within the deadline; other failures
     raise at once; ``options``; TLS: ``tls``, ``tls_ca_file``, ``tls_cert_file``,

@@ -14,7 +14,6 @@ import asyncio
 import threading
 
 import pytest
-import pytest_asyncio
 from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient, Unavailable
 from logprob_client.channel import Connection
 from logprob_client.push_processes import PushProcesses
@@ -23,18 +22,10 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.models.weights import model_fingerprint
 
 from tests.helpers.models import make_model, random_sequences
-from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
+from tests.helpers.server import as_lists, assert_scores_match, live, new_seed
 from tests.helpers.waiting import TIMEOUT_S
 
 SMALL_PIECES = 4096  # the test model's tensors in many more messages than a process has slots
-
-
-@pytest_asyncio.fixture
-async def receiving(llama_checkpoint):
-    """A server of the llama checkpoint as "policy", with 2 weight receivers."""
-    server = await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=2))
-    yield server
-    await stop(server)
 
 
 def processes_of(client) -> list:
@@ -69,13 +60,13 @@ async def test_a_push_from_push_processes_goes_live_as_one_from_the_client(polic
         assert (await live(client, "policy")).fingerprint == model_fingerprint(second)
 
 
-async def test_push_processes_spread_a_push_over_the_weight_receivers(receiving, rng):
+async def test_push_processes_spread_a_push_over_the_weight_receivers(receivers_server, rng):
     new = make_model("llama", tied=False, seed=new_seed(rng))
-    async with AsyncLogprobClient(receiving.target, model="policy", push_processes=2) as client:
+    async with AsyncLogprobClient(receivers_server.target, model="policy", push_processes=2) as client:
         result = await client.update_weights("policy", new.state_dict(), streams=4, chunk_bytes=SMALL_PIECES)
         assert len(processes_of(client)) == 2
     assert result.fingerprint == model_fingerprint(new)
-    assert receiving.service.receivers.forwarded == 4, "each call went to a receiver's port"
+    assert receivers_server.service.receivers.forwarded == 4, "each call went to a receiver's port"
 
 
 async def test_a_refused_push_from_push_processes_names_the_tensor_and_frees_every_slot(policy_server, rng):

@@ -21,7 +21,6 @@ import sys
 
 import grpc
 import pytest
-import pytest_asyncio
 import torch
 from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
 from logprob_proto import logprob_pb2 as pb
@@ -41,11 +40,9 @@ UPDATE_WEIGHTS = "/logprob.v1.LogprobService/UpdateWeights"
 SMALL_PIECES = 4096  # the test model's tensors in many more messages than a receiver has slots
 
 
-@pytest_asyncio.fixture
-async def served(llama_checkpoint):
-    server = await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=2))
-    yield server
-    await stop(server)
+@pytest.fixture
+def served(receivers_server):
+    return receivers_server
 
 
 def receiver_target(served, i: int = 0) -> str:
