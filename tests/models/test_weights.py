@@ -82,8 +82,8 @@ def test_update_stream_carries_every_byte_in_order_in_small_pieces(rng):
     assert got["empty"] == ("float32", (0, 4), b"")
 
 
-def test_update_stream_reads_one_tensor_at_a_time():
-    """The generator is lazy: a tensor is read only when its turn comes."""
+def test_update_stream_reads_one_tensor_ahead():
+    """The generator is lazy: a tensor is read while the one before it is sent, no sooner."""
     read = []
 
     def weights():
@@ -93,4 +93,4 @@ def test_update_stream_reads_one_tensor_at_a_time():
 
     stream = update_requests("m", weights(), version=0, partial=True)
     next(stream), next(stream)  # header, first piece of t0
-    assert read == [0]
+    assert read == [0, 1]
