@@ -138,6 +138,9 @@ def main(pipe_fd: int, memory_fd: int) -> None:
     process = _PushProcess(pipe, mmap.mmap(memory_fd, size), slot_bytes, connection)
     pipe.send(("ready",))
     process.run()
+    for call in list(process.calls.values()):  # the client is gone: so are its calls
+        call.messages.put(_END)
+        call.future.cancel()
     for channels in process.idle.values():
         for channel in channels:
             channel.close()

@@ -62,6 +62,22 @@ class _Process:
     answers: dict[int, concurrent.futures.Future[tuple[Any, str, str]]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the pipe, from the calls' threads
     alive: bool = True
+    ended: str = ""  # how it ended, once it has
+
+    def expect(self, call: int) -> concurrent.futures.Future[tuple[Any, str, str]]:
+        """The future answer of a call about to be opened (failed at once if the process is gone)."""
+        answer: concurrent.futures.Future[tuple[Any, str, str]] = concurrent.futures.Future()
+        self.answers[call] = answer
+        if not self.alive:  # its reader may have failed the calls it knew of before this one came
+            self.fail_calls()
+        return answer
+
+    def fail_calls(self) -> None:
+        """Every call it had not answered fails as UNAVAILABLE (once it has died)."""
+        for call in list(self.answers):
+            answer = self.answers.pop(call, None)  # one thread gets each
+            if answer is not None:
+                answer.set_result((None, grpc.StatusCode.UNAVAILABLE.name, self.ended))
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.lock, contextlib.suppress(OSError):  # it died: its reader fails its calls
@@ -151,9 +167,8 @@ class PushProcesses:
         try:
             for i, (target, stream) in enumerate(zip(targets, streams, strict=True)):
                 process = self._process(i % self.count)
-                call, answer = next(self._calls), concurrent.futures.Future()
-                process.answers[call] = answer
-                push.calls.append((process, call, answer))
+                call = next(self._calls)
+                push.calls.append((process, call, process.expect(call)))
                 process.send(("open", call, target, timeout))
                 threading.Thread(target=push.feed, args=(process, call, stream), daemon=True).start()
         except BaseException:
@@ -216,13 +231,11 @@ class PushProcesses:
                     answer.set_result(tuple(rest[1:]))
         except (EOFError, OSError):
             pass
-        process.alive = False
-        process.free.put(None)
         code = process.process.wait()
-        details = f"push process {process.index} (pid {process.process.pid}) exited with code {code}"
-        for answer in list(process.answers.values()):
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                answer.set_result((None, grpc.StatusCode.UNAVAILABLE.name, details))
+        process.ended = f"push process {process.index} (pid {process.process.pid}) exited with code {code}"
+        process.alive = False  # after ``ended``, before the calls fail: see ``expect``
+        process.free.put(None)
+        process.fail_calls()
 
     @staticmethod
     def _stop(process: _Process) -> None:
