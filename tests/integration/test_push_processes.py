@@ -163,3 +163,28 @@ def test_push_processes_refuse_bad_settings():
         LogprobClient("localhost:1", push_processes=2, channel=object())
     with pytest.raises(ValueError, match="push_processes must be >= 1"):
         PushProcesses(Connection(), 0, slot_bytes=1024)
+
+
+async def test_an_async_push_cancelled_mid_way_changes_nothing(policy_server, rng):
+    new = make_model("llama", tied=False, seed=new_seed(rng))
+    state = new.state_dict()
+    read, go = threading.Event(), threading.Event()
+
+    def gated():
+        for i, (name, tensor) in enumerate(state.items()):
+            if i == 2:
+                read.set()
+                go.wait(TIMEOUT_S)
+            yield name, tensor
+
+    async with AsyncLogprobClient(policy_server.target, model="policy", push_processes=1) as client:
+        before = (await live(client, "policy")).version
+        push = asyncio.ensure_future(client.update_weights("policy", gated(), streams=1, chunk_bytes=SMALL_PIECES))
+        assert await asyncio.to_thread(read.wait, TIMEOUT_S)
+        push.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await push
+        go.set()
+        assert (await live(client, "policy")).version == before, "the cancelled push changed nothing"
+        again = await client.update_weights("policy", state, streams=2)
+        assert again.version == before + 1 and again.fingerprint == model_fingerprint(new)
