@@ -44,8 +44,9 @@ FRAMING_BYTES = 64 << 10
 # two per call it carries keep the copying in this process ahead of gRPC's sending there.
 SLOTS = 8
 START_TIMEOUT_S = 60.0
-# glibc's thresholds for the processes' 4 MiB copies (warm pages, not a fresh mmap each: see
-# "Page faults" in benchmarks/RESULTS.md), unless the trainer's environment sets its own.
+# glibc's thresholds for the processes' 4 MiB copies (warm pages, not a fresh mmap each), as the
+# server and its receivers set them for theirs ("Page faults" in benchmarks/RESULTS.md), unless
+# the trainer's environment sets its own. Their effect here was not measured on its own.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
