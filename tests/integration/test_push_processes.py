@@ -32,6 +32,15 @@ def processes_of(client) -> list:
     return [p for p in client._processes._processes if p is not None]
 
 
+def gated(state: dict, read: threading.Event, go: threading.Event):
+    """``state``'s tensors, as a trainer's iterator: ``read`` set before the third, which waits for ``go``."""
+    for i, (name, tensor) in enumerate(state.items()):
+        if i == 2:
+            read.set()
+            go.wait(TIMEOUT_S)
+        yield name, tensor
+
+
 async def test_a_push_from_push_processes_goes_live_as_one_from_the_client(policy_server, rng):
     first, second = (make_model("llama", tied=False, seed=new_seed(rng)) for _ in range(2))
     sequences = random_sequences(rng, 4)
@@ -111,13 +120,6 @@ async def test_a_push_process_that_dies_fails_its_push_and_is_started_again(poli
     state = make_model("llama", tied=False, seed=new_seed(rng)).state_dict()
     read, go = threading.Event(), threading.Event()
 
-    def gated():
-        for i, (name, tensor) in enumerate(state.items()):
-            if i == 2:
-                read.set()
-                go.wait(TIMEOUT_S)
-            yield name, tensor
-
     def push():
         with LogprobClient(policy_server.target, model="policy", push_processes=1) as client:
             before = client.list_models()[0].version
@@ -133,7 +135,7 @@ async def test_a_push_process_that_dies_fails_its_push_and_is_started_again(poli
             killer = threading.Thread(target=kill)
             killer.start()
             with pytest.raises(Unavailable, match=f"push process 0 \\(pid {process.process.pid}\\) exited"):
-                client.update_weights("policy", gated(), streams=1, chunk_bytes=SMALL_PIECES)
+                client.update_weights("policy", gated(state, read, go), streams=1, chunk_bytes=SMALL_PIECES)
             killer.join()
             assert client.list_models()[0].version == before + 1, "the broken push changed nothing"
             again = client.update_weights("policy", state, streams=2)
@@ -170,16 +172,10 @@ async def test_an_async_push_cancelled_mid_way_changes_nothing(policy_server, rn
     state = new.state_dict()
     read, go = threading.Event(), threading.Event()
 
-    def gated():
-        for i, (name, tensor) in enumerate(state.items()):
-            if i == 2:
-                read.set()
-                go.wait(TIMEOUT_S)
-            yield name, tensor
-
     async with AsyncLogprobClient(policy_server.target, model="policy", push_processes=1) as client:
         before = (await live(client, "policy")).version
-        push = asyncio.ensure_future(client.update_weights("policy", gated(), streams=1, chunk_bytes=SMALL_PIECES))
+        weights = gated(state, read, go)
+        push = asyncio.ensure_future(client.update_weights("policy", weights, streams=1, chunk_bytes=SMALL_PIECES))
         assert await asyncio.to_thread(read.wait, TIMEOUT_S)
         push.cancel()
         with pytest.raises(asyncio.CancelledError):
