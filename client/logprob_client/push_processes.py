@@ -56,8 +56,7 @@ class _Process:
     process: subprocess.Popen[bytes]
     socket: socket.socket  # the pipe's socket: shut down to wake its reader and end the process
     pipe: Pipe
-    memory: mmap.mmap
-    slots: np.ndarray  # the shared memory, as bytes
+    slots: np.ndarray  # the shared memory, as bytes (a view of its mapping, which it keeps open)
     slot_bytes: int
     free: queue.SimpleQueue[int | None] = field(default_factory=queue.SimpleQueue)  # None: it died
     answers: dict[int, concurrent.futures.Future[tuple[Any, str, str]]] = field(default_factory=dict)
@@ -202,10 +201,10 @@ class PushProcesses:
             )
         finally:
             theirs.close()
-        memory = mmap.mmap(memory_fd, size)
+        slots = np.frombuffer(mmap.mmap(memory_fd, size), np.uint8)
         os.close(memory_fd)
         pipe = Pipe(os.dup(ours.fileno()))
-        process = _Process(index, popen, ours, pipe, memory, np.frombuffer(memory, np.uint8), self.slot_bytes)
+        process = _Process(index, popen, ours, pipe, slots, self.slot_bytes)
         try:
             pipe.send((self.connection, self.slot_bytes, size))
             if not pipe.poll(START_TIMEOUT_S):
@@ -252,8 +251,7 @@ class PushProcesses:
         except subprocess.TimeoutExpired:
             process.process.kill()
             process.process.wait()
-        with contextlib.suppress(BufferError):  # a view still refers to it: it goes with the process
-            process.memory.close()
+        # Its shared memory is unmapped with ``slots``, when the _Process is dropped.
 
     def close(self) -> None:
         """Stops the processes (calls in flight fail)."""
