@@ -83,6 +83,11 @@ class _Process:
         with self.lock, contextlib.suppress(OSError):  # it died: its reader fails its calls
             self.pipe.send(message)
 
+    def close_pipe(self) -> None:
+        with self.lock:  # not while a call's thread writes to it (it writes under this lock)
+            self.pipe.close()
+            self.socket.close()
+
     def slot(self) -> int | None:
         """A free slot, waiting for one; None once the process has died."""
         slot = self.free.get()
@@ -212,6 +217,7 @@ class PushProcesses:
             pipe.recv()  # ("ready",)
         except (EOFError, OSError, TimeoutError) as err:
             self._stop(process)
+            process.close_pipe()  # no reader yet
             code = popen.poll()
             raise LogprobError(f"push process {index} failed to start (exit code {code}): {err}") from None
         for slot in range(SLOTS):
@@ -231,6 +237,7 @@ class PushProcesses:
                     answer.set_result(tuple(rest[1:]))
         except (EOFError, OSError):
             pass
+        process.close_pipe()  # here, not in ``_stop``: closed while recv waits on it, it raised TypeError
         code = process.process.wait()
         process.ended = f"push process {process.index} (pid {process.process.pid}) exited with code {code}"
         process.alive = False  # after ``ended``, before the calls fail: see ``expect``
@@ -239,13 +246,11 @@ class PushProcesses:
 
     @staticmethod
     def _stop(process: _Process) -> None:
-        process.alive = False
-        # It exits when its pipe ends. Closing the pipe alone would not end it while this side's
-        # reader waits in recv (the socket stays open until that returns): shut it down first.
+        # It exits when its pipe ends. Closing the pipe would not end it while this side's reader
+        # waits in recv (the socket stays open until that returns): shutting the socket down ends
+        # the pipe and wakes the reader, which closes it.
         with contextlib.suppress(OSError):
             process.socket.shutdown(socket.SHUT_RDWR)
-        process.socket.close()
-        process.pipe.close()
         try:
             process.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
