@@ -334,10 +334,29 @@ class _Compared:
     changed: np.ndarray | None
     values: np.ndarray | None  # their new values
     on_device: tuple[Any, Any] | None = None  # changed and values on the tensor's device (on_device)
+    copied: Any = None  # a CUDA event: changed and values are in host memory once it has passed
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """A held torch tensor's changed elements, counted before its comparison (``_count_changes``)."""
+
+    count: int
+    # Where its changed indices (int32) and values go in host memory, when it goes sparse
+    indices: Any = None
+    values: Any = None
 
 
 # torch's integer dtype of each element size, to compare tensors bit for bit on their device.
 _TORCH_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _device_bits(tensor: Any) -> Any:
+    """A torch tensor's elements as flat integers of their size, where it lies (compared so, bit for bit)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1).contiguous()
+    return flat.view(getattr(torch, _TORCH_BITS[flat.element_size()]))
 
 
 class WeightDeltas:
@@ -366,6 +385,8 @@ class WeightDeltas:
         # (changed indices, their new values), as ``held`` keeps them.
         self._pending: dict[str, Any] = {}
         self.last: dict[str, int] = {}  # of the last push built: tensors sent dense, sparse, unchanged
+        # Of the push being built: held torch tensors compared before its calls start (_compare_held)
+        self._compared: dict[str, _Compared] = {}
         self._applying: concurrent.futures.Future[None] | None = None  # the last push's changes, going in
         self._lock = threading.Lock()  # a push's streams are read on threads of their own
 
@@ -400,14 +421,76 @@ class WeightDeltas:
         if self.version is not None:
             header.partial, header.base_version = True, self.version
         groups, header = _calls(weights, streams, header)
+        self._compared = self._compare_held(groups) if self.on_device else {}
         return [
             _stream(header, filter(None, (self._pieces(c, chunk_bytes) for c in _ahead(group, self._compare))))
             for group in groups
         ]
 
+    def _compare_held(self, groups: list[Iterable[tuple[str, Any]]]) -> dict[str, _Compared]:
+        """The comparisons of the torch tensors the push holds a copy of (when its tensors are
+        listed: over more than one call), queued on their devices at once, on this thread: first
+        the count of each one's changed elements, read with one wait per device, then (at those
+        counts: no wait) the changes themselves, copied into one page-locked host buffer without
+        waiting. The sending waits for each tensor's copy (``_Compared.copied``).
+
+        On an H100, a 1.5B model's 2% delta: ~45 ms here, where comparing a tensor at a time on
+        the worker threads took 0.2-0.3 s (a wait and a host allocation per tensor, and threads
+        taking turns at the interpreter between torch's calls). A lazy single call's tensors are
+        compared as they come, on the worker threads."""
+        counted = self._count_changes(groups)
+        return {
+            name: self._compare_on_device(name, tensor, counted[name])
+            for group in groups
+            for name, tensor in (group if isinstance(group, list) else ())
+            if name in counted
+        }
+
+    def _count_changes(self, groups: list[Iterable[tuple[str, Any]]]) -> dict[str, _Counted]:
+        """``_compare_held``'s counts, and each sparse tensor's places in the page-locked buffer."""
+        import torch
+
+        by_device: dict[Any, tuple[list[tuple[str, Any]], list[Any]]] = {}
+        for group in groups:
+            for name, tensor in group if isinstance(group, list) else ():
+                held = self._held_bits(name, tensor)
+                if held is not None:
+                    old, bits = held
+                    named, counts = by_device.setdefault(bits.device, ([], []))
+                    named.append((name, bits))
+                    counts.append(torch.count_nonzero(old != bits))
+        counted = [
+            (name, bits, count)
+            for named, counts in by_device.values()
+            for (name, bits), count in zip(named, torch.stack(counts).tolist(), strict=True)
+        ]
+        # Each sparse tensor's place in the buffer: its indices (int32), then its values, each at
+        # a multiple of 8 bytes (a view of a dtype starts at a multiple of its size).
+        places, end = {}, 0
+        for name, bits, count in counted:
+            if count and not self._dense_pays(count, bits.element_size(), bits.nbytes):
+                values_at = end + -(-4 * count // 8) * 8
+                places[name] = (end, values_at)
+                end = values_at + -(-count * bits.element_size() // 8) * 8
+        pinned = any(bits.is_cuda for _, bits, _ in counted)
+        buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pinned) if places else None
+        result = {}
+        for name, bits, count in counted:
+            if name not in places:
+                result[name] = _Counted(count)
+                continue
+            indices_at, values_at = places[name]
+            indices = buffer[indices_at : indices_at + 4 * count].view(torch.int32)
+            values = buffer[values_at : values_at + count * bits.element_size()].view(bits.dtype)
+            result[name] = _Counted(count, indices, values)
+        return result
+
     def _compare(self, named: tuple[str, Any]) -> _Compared:
         """A tensor's bytes, and what changed in them since the held copy (on a worker thread)."""
         name, tensor = named
+        compared = self._compared.pop(name, None)
+        if compared is not None:
+            return compared
         if self.on_device and type(tensor).__module__.startswith("torch"):
             return self._compare_on_device(name, tensor)
         dtype, shape, data = raw_bytes(tensor)
@@ -422,23 +505,61 @@ class WeightDeltas:
             return _Compared(name, dtype, shape, new.nbytes, new, None, None)
         return _Compared(name, dtype, shape, new.nbytes, new, indices, values)
 
-    def _compare_on_device(self, name: str, tensor: Any) -> _Compared:
+    def _held_bits(self, name: str, tensor: Any) -> tuple[Any, Any] | None:
+        """A torch tensor's held copy and its bits as they are now (flat integers of its element
+        size), if it has a held copy of its dtype, size and device and sparse may pay; else None."""
         import torch
 
-        flat = tensor.detach().reshape(-1).contiguous()
-        bits = flat.view(getattr(torch, _TORCH_BITS[flat.element_size()]))
-        dtype, shape, nbytes = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), flat.nbytes
         old = self._held.get(name) if self.version is not None else None
-        held = (old.dtype, old.shape, old.device) if isinstance(old, torch.Tensor) else None
-        if held != (bits.dtype, bits.shape, bits.device) or not self._sparse_may_pay(nbytes, shape):
-            return _Compared(name, dtype, shape, nbytes, bits, None, None)
-        changed = torch.nonzero(old != bits).view(-1)
-        if self._dense_pays(changed.numel(), flat.element_size(), nbytes):  # not worth bringing to the host
-            return _Compared(name, dtype, shape, nbytes, bits, None, None)
+        if not isinstance(old, torch.Tensor):
+            return None
+        bits = _device_bits(tensor)
+        if (old.dtype, old.shape, old.device) != (bits.dtype, bits.shape, bits.device):
+            return None
+        return (old, bits) if self._sparse_may_pay(bits.nbytes, tuple(tensor.shape)) else None
+
+    def _compare_on_device(self, name: str, tensor: Any, counted: _Counted | None = None) -> _Compared:
+        """``_compare`` of a torch tensor with a held copy on its device: the changed elements are
+        found there (``nonzero_static`` at the counted size: no wait) and copied to the push's
+        page-locked buffer without waiting either; the sending waits for that copy (``copied``)."""
+        import torch
+
+        dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+        held = self._held_bits(name, tensor)
+        if held is None:
+            bits = _device_bits(tensor)
+            return _Compared(name, dtype, shape, bits.nbytes, bits, None, None)
+        old, bits = held
+        if counted is None:  # not counted with the others: a wait here
+            counted = _Counted(int(torch.count_nonzero(old != bits)))
+        count = counted.count
+        if not count:
+            return _Compared(name, dtype, shape, bits.nbytes, bits, np.empty(0, np.uint32), None)
+        if self._dense_pays(count, bits.element_size(), bits.nbytes):  # not worth bringing to the host
+            return _Compared(name, dtype, shape, bits.nbytes, bits, None, None)
+        changed = torch.nonzero_static(old != bits, size=count).view(-1)
         values = bits[changed]
         # To the host as the uint32s they travel as (int32 wraps to the same bits): half the bytes.
-        indices = changed.to(torch.int32).cpu().numpy().view(np.uint32)
-        return _Compared(name, dtype, shape, nbytes, bits, indices, values.cpu().numpy(), (changed, values))
+        indices, host_values, copied = counted.indices, counted.values, None
+        if indices is None:  # counted alone: copies that wait, to memory of their own
+            indices, host_values = changed.to(torch.int32).cpu(), values.cpu()
+        else:  # to the push's page-locked buffer: copies that do not wait (on a GPU)
+            indices.copy_(changed.to(torch.int32), non_blocking=True)
+            host_values.copy_(values, non_blocking=True)
+            if bits.is_cuda:
+                copied = torch.cuda.Event()
+                copied.record(torch.cuda.current_stream(bits.device))
+        return _Compared(
+            name,
+            dtype,
+            shape,
+            bits.nbytes,
+            bits,
+            indices.numpy().view(np.uint32),
+            host_values.numpy(),
+            (changed, values),
+            copied,
+        )
 
     @staticmethod
     def _sparse_may_pay(nbytes: int, shape: tuple[int, ...]) -> bool:
@@ -459,6 +580,8 @@ class WeightDeltas:
             data = new if isinstance(new, np.ndarray) else raw_bytes(new)[2]  # from the device
             return _dense_pieces(c.name, c.dtype, c.shape, memoryview(data).cast("B"), chunk_bytes)
         self._count("sparse")
+        if c.copied is not None:
+            c.copied.synchronize()
         # What the server will hold there: values are a copy (on the device too).
         self._pending[c.name] = c.on_device or (c.changed, c.values)
         return _sparse_pieces(c.name, c.dtype, c.shape, c.changed, c.values.view(np.uint8), chunk_bytes)

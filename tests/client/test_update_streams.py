@@ -314,6 +314,35 @@ def test_weight_deltas_over_two_streams(rng, on_device):
     assert isinstance(deltas.held["small"], torch.Tensor) == on_device
 
 
+def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(rng):
+    # Over more than one call, the changed elements of every held torch tensor are counted at once
+    # (one wait); over one call from a lazy iterable, tensor by tensor. Both send the same pieces.
+    start = {f"w{i}": torch.from_numpy(rng.standard_normal((48, 16)).astype(np.float32)) for i in range(6)}
+    step = {n: t.clone() for n, t in start.items()}
+    for i, n in enumerate(["w1", "w2", "w3", "w4"]):
+        step[n].view(-1)[torch.from_numpy(rng.choice(step[n].numel(), 3 + i, replace=False))] += 1.0
+    step["w5"] += 1.0  # every element: dense
+
+    def chunks(calls) -> dict[str, list[bytes]]:
+        came: dict[str, list[bytes]] = {}
+        for call in calls:
+            for m in parsed(call)[1:-1]:
+                came.setdefault(m.tensor.name, []).append(m.tensor.SerializeToString())
+        return came
+
+    sent = {}
+    for streams in (1, 3):
+        deltas = WeightDeltas(on_device=True)
+        chunks(deltas.update_streams("m", start, version=0, partial=False, streams=streams))
+        deltas.pushed(1)
+        weights = iter(step.items()) if streams == 1 else step
+        sent[streams] = chunks(deltas.update_streams("m", weights, version=0, partial=False, streams=streams))
+        assert deltas.last == {"dense": 1, "sparse": 4, "unchanged": 1}
+        deltas.pushed(2)
+        assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
+    assert sent[1] == sent[3] and set(sent[1]) == {"w1", "w2", "w3", "w4", "w5"}
+
+
 @pytest.mark.parametrize(
     ("target", "ports", "streams", "expected"),
     [
