@@ -351,6 +351,21 @@ class _Counted:
 _TORCH_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
+# Elements compared at once to count a tensor's changes: count_nonzero sums an int64 of each (8
+# bytes an element), so a 1.5B model's embedding counted whole took 1.74 GiB of the trainer's GPU,
+# which a trainer beside a server may not have free.
+COUNT_ELEMENTS = 1 << 24
+
+
+def _changed_count(old: Any, bits: Any) -> Any:
+    """How many elements of the flat tensors ``old`` and ``bits`` differ: a 0-d tensor where they
+    lie, not read (counted ``COUNT_ELEMENTS`` at a time)."""
+    import torch
+
+    parts = [torch.count_nonzero(o != b) for o, b in zip(old.split(COUNT_ELEMENTS), bits.split(COUNT_ELEMENTS))]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
 def _device_bits(tensor: Any) -> Any:
     """A torch tensor's elements as flat integers of their size, where it lies (compared so, bit for bit)."""
     import torch
@@ -458,7 +473,7 @@ class WeightDeltas:
                     old, bits = held
                     named, counts = by_device.setdefault(bits.device, ([], []))
                     named.append((name, bits))
-                    counts.append(torch.count_nonzero(old != bits))
+                    counts.append(_changed_count(old, bits))
         counted = [
             (name, bits, count)
             for named, counts in by_device.values()
@@ -531,7 +546,7 @@ class WeightDeltas:
             return _Compared(name, dtype, shape, bits.nbytes, bits, None, None)
         old, bits = held
         if counted is None:  # not counted with the others: a wait here
-            counted = _Counted(int(torch.count_nonzero(old != bits)))
+            counted = _Counted(int(_changed_count(old, bits)))
         count = counted.count
         if not count:
             return _Compared(name, dtype, shape, bits.nbytes, bits, np.empty(0, np.uint32), None)

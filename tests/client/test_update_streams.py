@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import LogprobClient
+from logprob_client import weights as client_weights
 from logprob_client.weights import WeightDeltas, dense_piece, sparse_piece, split, update_streams
 from logprob_proto import logprob_pb2 as pb
 
@@ -314,9 +315,12 @@ def test_weight_deltas_over_two_streams(rng, on_device):
     assert isinstance(deltas.held["small"], torch.Tensor) == on_device
 
 
-def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(rng):
+@pytest.mark.parametrize("count_elements", [client_weights.COUNT_ELEMENTS, 100], ids=["whole", "in-parts"])
+def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(rng, count_elements, monkeypatch):
     # Over more than one call, the changed elements of every held torch tensor are counted at once
     # (one wait); over one call from a lazy iterable, tensor by tensor. Both send the same pieces.
+    # Counted whole, or (a smaller COUNT_ELEMENTS) in parts of each tensor.
+    monkeypatch.setattr(client_weights, "COUNT_ELEMENTS", count_elements)
     start = {f"w{i}": torch.from_numpy(rng.standard_normal((48, 16)).astype(np.float32)) for i in range(6)}
     step = {n: t.clone() for n, t in start.items()}
     for i, n in enumerate(["w1", "w2", "w3", "w4"]):
