@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import itertools
 import math
 import os
 import sys
@@ -286,6 +287,12 @@ def _tensors_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(LOOKAHEAD, thread_name_prefix="logprob-delta-tensor")
 
 
+@functools.cache
+def _held_pool() -> concurrent.futures.ThreadPoolExecutor:
+    # One thread: torch's calls on several took turns at the interpreter, slower than one alone.
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logprob-delta-held")
+
+
 def _ahead(items: Iterable[T], work: Callable[[T], R], ahead: int = LOOKAHEAD) -> Iterator[R]:
     """``work`` of each item, in order, done up to ``ahead`` items ahead on worker threads."""
     window: collections.deque[concurrent.futures.Future[R]] = collections.deque()
@@ -400,8 +407,8 @@ class WeightDeltas:
         # (changed indices, their new values), as ``held`` keeps them.
         self._pending: dict[str, Any] = {}
         self.last: dict[str, int] = {}  # of the last push built: tensors sent dense, sparse, unchanged
-        # Of the push being built: held torch tensors compared before its calls start (_compare_held)
-        self._compared: dict[str, _Compared] = {}
+        # Of the push being built: held torch tensors' comparisons, made together (_compare_held)
+        self._compared: dict[str, concurrent.futures.Future[_Compared]] = {}
         self._applying: concurrent.futures.Future[None] | None = None  # the last push's changes, going in
         self._lock = threading.Lock()  # a push's streams are read on threads of their own
 
@@ -442,38 +449,51 @@ class WeightDeltas:
             for group in groups
         ]
 
-    def _compare_held(self, groups: list[Iterable[tuple[str, Any]]]) -> dict[str, _Compared]:
+    def _compare_held(self, groups: list[Iterable[tuple[str, Any]]]) -> dict[str, concurrent.futures.Future[_Compared]]:
         """The comparisons of the torch tensors the push holds a copy of (when its tensors are
-        listed: over more than one call), queued on their devices at once, on this thread: first
-        the count of each one's changed elements, read with one wait per device, then (at those
-        counts: no wait) the changes themselves, copied into one page-locked host buffer without
-        waiting. The sending waits for each tensor's copy (``_Compared.copied``).
+        listed: over more than one call), queued on their devices together, on one thread of
+        their own (``_compare_all``) while the calls start; each call's first tensors first."""
+        listed = [group for group in groups if isinstance(group, list)]
+        held: dict[str, Any] = {}
+        for row in itertools.zip_longest(*listed):
+            for name, tensor in filter(None, row):
+                if name not in held and self._held_bits(name, tensor) is not None:
+                    held[name] = tensor
+        futures: dict[str, concurrent.futures.Future[_Compared]] = {name: concurrent.futures.Future() for name in held}
+        if held:  # its own dict: the calls take theirs out of the one returned
+            _held_pool().submit(self._compare_all, held, dict(futures))
+        return futures
 
-        On an H100, a 1.5B model's 2% delta: ~45 ms here, where comparing a tensor at a time on
-        the worker threads took 0.2-0.3 s (a wait and a host allocation per tensor, and threads
-        taking turns at the interpreter between torch's calls). A lazy single call's tensors are
-        compared as they come, on the worker threads."""
-        counted = self._count_changes(groups)
-        return {
-            name: self._compare_on_device(name, tensor, counted[name])
-            for group in groups
-            for name, tensor in (group if isinstance(group, list) else ())
-            if name in counted
-        }
+    def _compare_all(self, held: dict[str, Any], futures: dict[str, concurrent.futures.Future[_Compared]]) -> None:
+        """``_compare_held``'s work: first the count of each tensor's changed elements, read with
+        one wait per device, then (at those counts: no wait) the changes themselves, copied into
+        one page-locked host buffer without waiting. The sending waits for each tensor's copy
+        (``_Compared.copied``).
 
-    def _count_changes(self, groups: list[Iterable[tuple[str, Any]]]) -> dict[str, _Counted]:
-        """``_compare_held``'s counts, and each sparse tensor's places in the page-locked buffer."""
+        On an H100, a 1.5B model's 2% delta: ~45 ms, where comparing a tensor at a time on the
+        worker threads took 0.2-0.3 s (a wait and a host allocation per tensor, and threads taking
+        turns at the interpreter between torch's calls)."""
+        try:
+            counted = self._count_changes(held)
+            for name, tensor in held.items():
+                futures[name].set_result(self._compare_on_device(name, tensor, counted[name]))
+        except BaseException as error:  # the calls waiting for these raise it
+            for future in futures.values():
+                if not future.done():
+                    future.set_exception(error)
+
+    def _count_changes(self, held: dict[str, Any]) -> dict[str, _Counted]:
+        """``_compare_all``'s counts, and each sparse tensor's places in the page-locked buffer."""
         import torch
 
         by_device: dict[Any, tuple[list[tuple[str, Any]], list[Any]]] = {}
-        for group in groups:
-            for name, tensor in group if isinstance(group, list) else ():
-                held = self._held_bits(name, tensor)
-                if held is not None:
-                    old, bits = held
-                    named, counts = by_device.setdefault(bits.device, ([], []))
-                    named.append((name, bits))
-                    counts.append(_changed_count(old, bits))
+        for name, tensor in held.items():
+            compared = self._held_bits(name, tensor)
+            assert compared is not None  # held: checked by _compare_held, on the caller's thread
+            old, bits = compared
+            named, counts = by_device.setdefault(bits.device, ([], []))
+            named.append((name, bits))
+            counts.append(_changed_count(old, bits))
         counted = [
             (name, bits, count)
             for named, counts in by_device.values()
@@ -505,7 +525,7 @@ class WeightDeltas:
         name, tensor = named
         compared = self._compared.pop(name, None)
         if compared is not None:
-            return compared
+            return compared.result()
         if self.on_device and type(tensor).__module__.startswith("torch"):
             return self._compare_on_device(name, tensor)
         dtype, shape, data = raw_bytes(tensor)

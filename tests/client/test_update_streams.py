@@ -347,6 +347,21 @@ def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(rng, co
     assert sent[1] == sent[3] and set(sent[1]) == {"w1", "w2", "w3", "w4", "w5"}
 
 
+def test_a_failure_comparing_held_tensors_fails_every_call_with_it(rng, monkeypatch):
+    start = {f"w{i}": torch.from_numpy(rng.standard_normal(64).astype(np.float32)) for i in range(6)}
+    deltas = WeightDeltas(on_device=True)
+    [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, streams=3)]
+    deltas.pushed(1)
+
+    def fail(old, bits):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(client_weights, "_changed_count", fail)
+    for call in deltas.update_streams("m", start, version=0, partial=False, streams=3):
+        with pytest.raises(RuntimeError, match="a stand-in"):
+            parsed(call)
+
+
 @pytest.mark.parametrize(
     ("target", "ports", "streams", "expected"),
     [

@@ -1,8 +1,10 @@
 """A sparse tensor's pieces, checked as they come: indices ascend strictly across pieces and stay
-within the tensor; the first bad one is named."""
+within the tensor; the first bad one is named, by the piece's write (its ends are checked on the
+event loop, the rest on a writer thread)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 
 import numpy as np
@@ -25,11 +27,22 @@ def piece(offset: int, indices: list[int], changed: int = 5) -> SparsePiece:
     )
 
 
-def test_pieces_that_ascend_across_their_edge_are_taken_whole():
+@pytest.fixture
+def writers():
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield pool
+
+
+def write(a: _SparseAssembly, p: SparsePiece, writers: concurrent.futures.Executor) -> None:
+    a.write(p, writers).result()
+
+
+def test_pieces_that_ascend_across_their_edge_are_taken_whole(writers):
     a = _SparseAssembly(piece(0, [3, 7]), live=None)
-    a.write(piece(0, [3, 7]))
-    a.write(piece(2, [8, 50, 99]))
+    write(a, piece(0, [3, 7]), writers)
+    write(a, piece(2, [8, 50, 99]), writers)
     assert a.complete and a.indices.tolist() == [3, 7, 8, 50, 99]
+    assert a.finish().indices is a.indices
     assert a.values.view("<f4").tolist() == [0, 1, 0, 1, 2]
 
 
@@ -43,8 +56,17 @@ def test_pieces_that_ascend_across_their_edge_are_taken_whole():
         ([8, 50, 100], "changed element 4 has index 100, out of [0, 100)"),  # past the tensor's end
     ],
 )
-def test_the_first_bad_index_is_named(second, bad):
+def test_the_first_bad_index_is_named(second, bad, writers):
     a = _SparseAssembly(piece(0, [3, 7]), live=None)
-    a.write(piece(0, [3, 7]))
+    write(a, piece(0, [3, 7]), writers)
     with pytest.raises(InvalidArgument, match=re.escape(f"tensor 'w': {bad}")):
-        a.write(piece(2, second))
+        write(a, piece(2, second), writers)
+
+
+def test_the_staging_of_a_tensor_whose_write_failed_raises_that_error(writers):
+    a = _SparseAssembly(piece(0, [3, 7]), live=None)
+    write(a, piece(0, [3, 7]), writers)
+    a.write(piece(2, [8, 60, 40]), writers)  # its ends are fine: the write finds the bad index
+    assert a.complete
+    with pytest.raises(InvalidArgument, match=re.escape("tensor 'w': changed element 4 has index 40")):
+        a.finish()

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,8 @@ class _SparseAssembly:
         self.indices = np.empty(self.changed, dtype=np.uint32)
         self.values = np.empty(self.changed * self.itemsize, dtype=np.uint8)
         self.received = 0
+        self.last = -1  # the last index received
+        self.writes: list[concurrent.futures.Future[None]] = []
 
     @property
     def complete(self) -> bool:
@@ -220,7 +222,10 @@ class _SparseAssembly:
     def progress(self) -> str:
         return f"{self.received} of its {self.changed} changed elements"
 
-    def write(self, piece: SparsePiece) -> None:
+    def write(self, piece: SparsePiece, writers: concurrent.futures.Executor) -> concurrent.futures.Future[None]:
+        """Check ``piece``'s fields and the ends of its indices, and submit the rest: the check
+        that its indices ascend, and their and the values' copy, on a writer thread (on the event
+        loop, a 1.5B model's 2% delta spent ~70 ms so). Returns that write."""
         where = f"tensor {self.name!r}"
         if (piece.dtype, piece.shape, piece.changed) != (self.dtype_name, self.shape, self.changed):
             raise InvalidArgument(
@@ -239,25 +244,45 @@ class _SparseAssembly:
             raise InvalidArgument(
                 f"{where}: {n} indices but {len(piece.values)} bytes of values ({n * self.itemsize} expected)"
             )
-        end = self.received + n
+        start, end, previous = self.received, self.received + n, self.last
         if end > self.changed:
             raise InvalidArgument(f"{where}: piece ends at changed element {end}, past the {self.changed} announced")
-        indices = np.frombuffer(piece.indices, dtype="<u4")
-        previous = int(self.indices[self.received - 1]) if self.received else -1
-        # Strictly ascending from the index before, and the last in range: then all are. One pass
-        # over the indices as they came; only a bad piece is looked at again, for the message.
-        if n and not (
-            int(indices[0]) > previous and int(indices[-1]) < self.numel and (indices[1:] > indices[:-1]).all()
-        ):
-            wide = indices.astype(np.int64)
-            j = int(np.flatnonzero((np.diff(wide, prepend=previous) <= 0) | (wide >= self.numel))[0])
-            raise InvalidArgument(
-                f"{where}: changed element {self.received + j} has index {indices[j]}, out of [0, {self.numel}) or "
-                "not above the index before it (indices ascend strictly across a tensor's pieces)"
-            )
-        self.indices[self.received : end] = indices
-        self.values[self.received * self.itemsize : end * self.itemsize] = np.frombuffer(piece.values, np.uint8)
+        if n:
+            # Above the index before and the last in range: with strictly ascending indices
+            # (checked by the write), then all are.
+            first, last = int.from_bytes(piece.indices[:4], "little"), int.from_bytes(piece.indices[-4:], "little")
+            if not (first > previous and last < self.numel):
+                raise self._out_of_order(np.frombuffer(piece.indices, dtype="<u4"), start, previous)
+            self.last = last
         self.received = end
+        self.writes.append(writers.submit(self._write, piece, start, previous))
+        return self.writes[-1]
+
+    def _write(self, piece: SparsePiece, start: int, previous: int) -> None:
+        indices = np.frombuffer(piece.indices, dtype="<u4")
+        if not (indices[1:] > indices[:-1]).all():
+            raise self._out_of_order(indices, start, previous)
+        self.indices[start : start + indices.size] = indices
+        self.values[start * self.itemsize : (start + indices.size) * self.itemsize] = np.frombuffer(
+            piece.values, np.uint8
+        )
+
+    def _out_of_order(self, indices: np.ndarray, start: int, previous: int) -> InvalidArgument:
+        """The error of a piece whose indices (the first at changed element ``start``, after
+        index ``previous``) do not all ascend strictly within the tensor: found again, for the
+        message."""
+        wide = indices.astype(np.int64)
+        j = int(np.flatnonzero((np.diff(wide, prepend=previous) <= 0) | (wide >= self.numel))[0])
+        return InvalidArgument(
+            f"tensor {self.name!r}: changed element {start + j} has index {indices[j]}, out of [0, {self.numel}) or "
+            "not above the index before it (indices ascend strictly across a tensor's pieces)"
+        )
+
+    def finish(self) -> SparseChanges:
+        """Once its writes are done (raising the first that failed): its changes to ``live``."""
+        for write in self.writes:
+            write.result()
+        return SparseChanges(self.live, self.indices, self.values, self.dtype_name)
 
 
 # Sparse pieces name elements with uint32 indices.
@@ -325,10 +350,7 @@ class _Update:
                 into = self.stagers[0].receive(piece.dtype, piece.shape, self.stagers[1:])
                 a = stream.assembly = _Assembly(piece, into)
             self.staged[a.name] = concurrent.futures.Future()  # named: a second tensor of that name is refused
-        if isinstance(a, _SparseAssembly):
-            a.write(piece)  # type: ignore[arg-type]  # the kinds match: checked above
-        else:
-            self.writes.append(a.write(piece, self.writers))  # type: ignore[arg-type]
+        self.writes.append(a.write(piece, self.writers))  # type: ignore[arg-type]  # the kinds match: checked above
         if a.complete:
             stream.assembly = None
             stream.tensors.append(a.name)
@@ -412,10 +434,12 @@ class _Update:
             job.add_done_callback(functools.partial(_settle_one, self.staged[a.name], i))
 
     def _stage_changes(self, batch: list[_SparseAssembly]) -> list[tuple[list[Any], Any]]:
-        first = self.stagers[0].stage_changes([SparseChanges(a.live, a.indices, a.values, a.dtype_name) for a in batch])
+        changes = [a.finish() for a in batch]
+        first = self.stagers[0].stage_changes(changes)
         others = [
             stager.stage_changes(
-                [SparseChanges(a.replica_lives[k], a.indices, a.values, a.dtype_name) for a in batch], digest=False
+                [replace(c, live=a.replica_lives[k]) for c, a in zip(changes, batch, strict=True)],
+                digest=False,
             )
             for k, stager in enumerate(self.stagers[1:])
         ]
