@@ -75,3 +75,21 @@ def test_on_the_gpu_and_brought_to_it_the_digest_is_the_host_s(rng):
     host = byte_digest(x)
     assert byte_digest(x.cuda()) == host
     assert byte_digest(x, torch.device("cuda")) == host
+
+
+@pytest.mark.parametrize("host_blocks", [digest.HOST_BLOCKS, 3], ids=["one-product", "several-products"])
+def test_tensors_packed_together_have_each_its_own_digest(rng, host_blocks, monkeypatch):
+    # Sizes across block edges, an odd size (padded to whole halves), an empty tensor, a tensor of
+    # several blocks; with a small HOST_BLOCKS, products that end mid-tensor.
+    monkeypatch.setattr(digest, "HOST_BLOCKS", host_blocks)
+    sizes = [7, 2 * T, 0, 2 * T + 3, 5 * T + 1, 64, 2 * T * 3]
+    tensors = [random_bytes(rng, n) for n in sizes]
+    packed = torch.cat([torch.cat([t, torch.zeros(-len(t) % digest.BLOCK_BYTES, dtype=torch.uint8)]) for t in tensors])
+    lanes = digest.packed_lanes(packed, sizes)
+    assert digest.lanes_hex(list(lanes)) == [byte_digest(t) for t in tensors]
+    assert lanes.shape == (len(sizes), LANES)
+
+
+def test_packed_bytes_of_another_length_are_refused():
+    with pytest.raises(ValueError, match="bytes packed"):
+        digest.packed_lanes(torch.zeros(digest.BLOCK_BYTES, dtype=torch.uint8), [digest.BLOCK_BYTES + 1])

@@ -123,6 +123,42 @@ def digest_lanes(tensor: torch.Tensor, device: torch.device | None = None) -> to
     return total % P
 
 
+# Bytes per block: tensors packed for ``packed_lanes`` each start at a multiple of this.
+BLOCK_BYTES = 2 * T
+
+
+def packed_lanes(packed: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
+    """``digest_lanes`` of many tensors at once: [len(nbytes), LANES] int64, not read back.
+    ``packed`` (flat uint8) holds them back to back, each of ``nbytes`` padded with zeros to a
+    multiple of ``BLOCK_BYTES``, so that every block is one tensor's, at its place in that tensor
+    (the zeros are the padding ``digest_lanes`` assumes). A few calls for all of them, on the
+    GPU (the kernel) or the CPU, where ``packed`` lies: one by one, a tensor's digest took ~8
+    calls, ~0.23 ms of torch on a GPU (77 ms for a 1.5B model's 338 tensors, H100)."""
+    counts = [-(-n // BLOCK_BYTES) for n in nbytes]
+    if packed.numel() != sum(counts) * BLOCK_BYTES:
+        raise ValueError(f"{packed.numel()} bytes packed, {sum(counts) * BLOCK_BYTES} expected")
+    device = packed.device
+    halves = packed.view(torch.int16)
+    step = (DEVICE_BLOCKS if device.type == "cuda" else HOST_BLOCKS) * T
+    if device.type == "cuda":
+        from logprob_service.ops.digest_kernel import block_dots  # Triton: GPU servers only
+
+        pieces = [block_dots(halves[start : start + step]) for start in range(0, halves.numel(), step)]
+    else:
+        pieces = [_block_dots_host(halves[start : start + step]) for start in range(0, halves.numel(), step)]
+    lanes = torch.zeros((len(nbytes), LANES), dtype=torch.int64, device=device)
+    if not pieces:
+        return lanes
+    dots = torch.cat(pieces)
+    per_tensor = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    tensor = torch.repeat_interleave(torch.arange(len(counts), device=device), per_tensor, output_size=dots.shape[0])
+    first = torch.cumsum(per_tensor, 0) - per_tensor  # each tensor's first block in ``dots``
+    local = torch.arange(dots.shape[0], device=device) - first[tensor]  # a block's index in its tensor
+    factors = _block_factors(0, max(counts), device)[local]
+    # Each term is below P after its % P; a sum of fewer than 2^32 of them fits int64.
+    return lanes.index_add_(0, tensor, (dots % P) * factors % P) % P
+
+
 def lanes_hex(lanes: Sequence[torch.Tensor]) -> list[str]:
     """The digests (32 hex digits: the four lanes) of ``digest_lanes`` results, read back with one
     copy per device, which waits for the current stream there."""
