@@ -392,7 +392,10 @@ class WeightDeltas:
     Holds the model's size: in host memory, or with ``on_device``, each torch tensor's copy on that
     tensor's own device, where it is compared (a trainer's GPU compares a model in milliseconds and
     copies only the changes to the host; in host memory a push reads the model's size twice). That
-    costs the trainer's GPU the model's size in memory.
+    costs the trainer's GPU the model's size in memory, and the changes of a push are brought to
+    one page-locked host buffer (page-locked once, at the first delta push: 0.2-0.35 s for a 1.5B
+    model's 2% delta on an H100; reused after from torch's host allocator). A push's tensors must
+    not change until it returns: those held on a device are counted, then compared again.
     """
 
     def __init__(self, sparse_below: float = 0.5, *, on_device: bool = False) -> None:
