@@ -4,7 +4,8 @@ Tensors are read one by one (a GPU tensor is copied to host memory alone, on a w
 while the one before it is sent) and cut into ``chunk_bytes`` pieces of their raw bytes, so the
 client never holds more than two tensors plus one message per stream, however large the model.
 A delta push (``WeightDeltas``) also holds the bytes last pushed, and compares up to
-``LOOKAHEAD`` tensors ahead of the one it sends. torch is imported only when tensors are given.
+``LOOKAHEAD`` tensors ahead of the one it sends (copies held on a GPU: all of a push's tensors
+together, while its calls start). torch is imported only when tensors are given.
 
 Messages are serialized here, in parts (``Message``): a dense piece is the framing protobuf would
 write around a view of the tensor's bytes (``dense_parts``). Joined (gRPC's request serializer
@@ -457,17 +458,19 @@ class WeightDeltas:
         listed: over more than one call), queued on their devices together, on one thread of
         their own (``_compare_all``) while the calls start; each call's first tensors first."""
         listed = [group for group in groups if isinstance(group, list)]
-        held: dict[str, Any] = {}
+        held: dict[str, tuple[Any, tuple[Any, Any]]] = {}  # name -> (tensor, (held copy, its bits now))
         for row in itertools.zip_longest(*listed):
             for name, tensor in filter(None, row):
-                if name not in held and self._held_bits(name, tensor) is not None:
-                    held[name] = tensor
+                if name not in held and (pair := self._held_bits(name, tensor)) is not None:
+                    held[name] = tensor, pair
         futures: dict[str, concurrent.futures.Future[_Compared]] = {name: concurrent.futures.Future() for name in held}
         if held:  # its own dict: the calls take theirs out of the one returned
             _held_pool().submit(self._compare_all, held, dict(futures))
         return futures
 
-    def _compare_all(self, held: dict[str, Any], futures: dict[str, concurrent.futures.Future[_Compared]]) -> None:
+    def _compare_all(
+        self, held: dict[str, tuple[Any, tuple[Any, Any]]], futures: dict[str, concurrent.futures.Future[_Compared]]
+    ) -> None:
         """``_compare_held``'s work: first the count of each tensor's changed elements, read with
         one wait per device, then (at those counts: no wait) the changes themselves, copied into
         one page-locked host buffer without waiting. The sending waits for each tensor's copy
@@ -477,23 +480,21 @@ class WeightDeltas:
         worker threads took 0.2-0.3 s (a wait and a host allocation per tensor, and threads taking
         turns at the interpreter between torch's calls)."""
         try:
-            counted = self._count_changes(held)
-            for name, tensor in held.items():
-                futures[name].set_result(self._compare_on_device(name, tensor, counted[name]))
+            counted = self._count_changes({name: pair for name, (_, pair) in held.items()})
+            for name, (tensor, pair) in held.items():
+                futures[name].set_result(self._compare_on_device(name, tensor, pair, counted[name]))
         except BaseException as error:  # the calls waiting for these raise it
             for future in futures.values():
                 if not future.done():
                     future.set_exception(error)
 
-    def _count_changes(self, held: dict[str, Any]) -> dict[str, _Counted]:
-        """``_compare_all``'s counts, and each sparse tensor's places in the page-locked buffer."""
+    def _count_changes(self, held: dict[str, tuple[Any, Any]]) -> dict[str, _Counted]:
+        """``_compare_all``'s counts (of each tensor's held copy and bits, ``_held_bits``), and each
+        sparse tensor's places in the page-locked buffer."""
         import torch
 
         by_device: dict[Any, tuple[list[tuple[str, Any]], list[Any]]] = {}
-        for name, tensor in held.items():
-            compared = self._held_bits(name, tensor)
-            assert compared is not None  # held: checked by _compare_held, on the caller's thread
-            old, bits = compared
+        for name, (old, bits) in held.items():
             named, counts = by_device.setdefault(bits.device, ([], []))
             named.append((name, bits))
             counts.append(_changed_count(old, bits))
@@ -556,14 +557,18 @@ class WeightDeltas:
             return None
         return (old, bits) if self._sparse_may_pay(bits.nbytes, tuple(tensor.shape)) else None
 
-    def _compare_on_device(self, name: str, tensor: Any, counted: _Counted | None = None) -> _Compared:
+    def _compare_on_device(
+        self, name: str, tensor: Any, held: tuple[Any, Any] | None = None, counted: _Counted | None = None
+    ) -> _Compared:
         """``_compare`` of a torch tensor with a held copy on its device: the changed elements are
         found there (``nonzero_static`` at the counted size: no wait) and copied to the push's
-        page-locked buffer without waiting either; the sending waits for that copy (``copied``)."""
+        page-locked buffer without waiting either; the sending waits for that copy (``copied``).
+        ``held`` and ``counted``: its ``_held_bits`` and ``_Counted``, when ``_compare_all`` has them."""
         import torch
 
         dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
-        held = self._held_bits(name, tensor)
+        if held is None:
+            held = self._held_bits(name, tensor)
         if held is None:
             bits = _device_bits(tensor)
             return _Compared(name, dtype, shape, bits.nbytes, bits, None, None)
