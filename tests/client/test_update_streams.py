@@ -5,6 +5,8 @@ exactly once, each call with the update's one header and a commit counting its o
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -245,6 +247,12 @@ def test_update_streams_refuses_bad_arguments(bad):
         update_streams("m", {}, **(dict(version=0, partial=True) | bad))
 
 
+@pytest.mark.parametrize("bad", [dict(sparse_below=1.5), dict(expect_changed=-0.1), dict(expect_changed=2)])
+def test_weight_deltas_refuse_fractions_out_of_range(bad):
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+        WeightDeltas(**bad)
+
+
 def apply_sparse(held: bytes, pieces: list[pb.TensorChunk], itemsize: int) -> bytes:
     out = np.frombuffer(held, dtype=np.uint8).copy()
     for t in pieces:
@@ -345,6 +353,47 @@ def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(rng, co
         deltas.pushed(2)
         assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
     assert sent[1] == sent[3] and set(sent[1]) == {"w1", "w2", "w3", "w4", "w5"}
+
+
+def held_pool_idle() -> None:
+    client_weights._held_pool().submit(lambda: None).result()
+
+
+def test_device_held_changes_land_in_a_buffer_made_ahead(rng):
+    # After a push, the buffer the next push's changes land in is made on the held pool's thread,
+    # for expect_changed of the held elements (uint32 index and value each, 16 bytes of alignment
+    # per tensor); a delta whose changes fit uses it, and the next is made for 1.25x its changes
+    # if that is more.
+    start = {f"w{i}": torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32)) for i in range(4)}
+    start["half"] = torch.from_numpy(rng.standard_normal(1000).astype(np.float32)).to(torch.bfloat16)
+    deltas = WeightDeltas(on_device=True, expect_changed=0.05)
+    [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, streams=2)]
+    deltas.pushed(1)
+    held_pool_idle()
+    expected = 4 * (math.ceil(0.05 * 64 * 32) * 8 + 16) + math.ceil(0.05 * 1000) * 6 + 16
+    made = deltas._landing
+    assert made.numel() == expected and not deltas._landing_pinned
+
+    step = {n: t.clone() for n, t in start.items()}
+    for t in step.values():
+        t.view(-1)[torch.from_numpy(rng.choice(t.numel(), 20, replace=False))] += 1.0
+    sent = [parsed(call) for call in deltas.update_streams("m", step, version=0, partial=False, streams=2)]
+    assert deltas.last == {"dense": 0, "sparse": len(step), "unchanged": 0}
+    assert sum(m.tensor.changed > 0 for call in sent for m in call[1:-1]) == len(step)
+    assert deltas._landing is made and deltas._landed < expected  # no buffer made during the push
+    deltas.pushed(2)
+    assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
+
+    # Changes larger than the buffer: a larger one is made for that push, and 1.25x it after.
+    for t in step.values():
+        t.view(-1)[: t.numel() // 10] += 1.0
+    [parsed(call) for call in deltas.update_streams("m", step, version=0, partial=False, streams=2)]
+    assert deltas.last["sparse"] == len(step) and deltas._landed > expected
+    assert deltas._landing.numel() == deltas._landed
+    deltas.pushed(3)
+    held_pool_idle()
+    assert deltas._landing.numel() == math.ceil(1.25 * deltas._landed)
+    assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
 
 
 def test_a_failure_comparing_held_tensors_fails_every_call_with_it(rng, monkeypatch):
