@@ -14,7 +14,7 @@ import pytest
 import torch
 from logprob_client import AsyncLogprobClient
 from logprob_client.weights import WeightDeltas
-from logprob_service.api import tensor_pieces
+from logprob_service.api import receiver_process, tensor_pieces
 from logprob_service.engine import weight_updates
 from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
@@ -62,9 +62,21 @@ async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path,
     """Pieces read as views of the received messages (no size floor here) and written through
     4 KiB page-locked slots, 10,000-byte pieces over 3 streams: a piece spans several slots and
     slots wrap mid-tensor. The weights that go live are the pushed ones, bit for bit (fingerprint),
-    pushed to the server's port or through weight receivers (read in their shared memory)."""
+    pushed to the server's port or through weight receivers (read in their shared memory, which
+    is page-locked in place: staged on the GPU, every piece goes to it straight from there)."""
     monkeypatch.setattr(tensor_pieces, "MIN_VIEWED_BYTES", 0)
     monkeypatch.setattr(staging, "SLOT_BYTES", 4096)
+    ways = {"through the slots": 0, "in place": 0}
+
+    def counted(way, method):
+        def call(*args, **kwargs):
+            ways[way] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(staging.DeviceStager, "_upload", counted("through the slots", staging.DeviceStager._upload))
+    monkeypatch.setattr(staging.DeviceStager, "_copy_locked", counted("in place", staging.DeviceStager._copy_locked))
     make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
     new = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16)
     cfg = {
@@ -80,8 +92,35 @@ async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path,
         assert result.staged_on == ("cpu" if reserve else "cuda:0")
         assert (running.service.receivers.forwarded if receivers else 0) == (3 if receivers else 0)
         assert result.fingerprint == model_fingerprint(new)
+        if reserve:  # staged on the host: written there, by neither way
+            assert ways == {"through the slots": 0, "in place": 0}
+        elif receivers:
+            assert ways["through the slots"] == 0 and ways["in place"] > 0
+        else:
+            assert ways["through the slots"] > 0 and ways["in place"] == 0
     finally:
         await stop(running)
+
+
+def test_memory_page_locked_in_place_goes_to_the_device_straight_from_there(rng):
+    """``staging.page_lock`` of a receiver's shared memory: pieces lying there are recognised and
+    copied to the device from there, bit for bit; once unlocked, they are not recognised."""
+    size = 1 << 20
+    memory = receiver_process.SharedMemory(2, size)
+    unlock = staging.page_lock(memory.buffer)
+    assert unlock is not None
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    memory.buffer[size:] = data.tobytes()
+    piece = np.frombuffer(memory.buffer, np.uint8, size, size)
+    assert staging._page_locked(piece) and staging._page_locked(piece[5:99])
+    assert not staging._page_locked(data)
+    target = torch.empty(size, dtype=torch.uint8, device="cuda")
+    staging.DeviceStager(torch.device("cuda:0"), 0)._copy_locked(target, piece)
+    assert torch.equal(target.cpu(), torch.from_numpy(data))
+    unlock()
+    assert not staging._page_locked(piece)
+    del piece
+    memory.close()
 
 
 @RECEIVERS

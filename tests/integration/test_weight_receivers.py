@@ -184,6 +184,30 @@ async def test_messages_larger_than_a_slot_go_over_the_pipe(llama_checkpoint, rn
         await stop(server)
 
 
+async def test_receivers_slots_are_page_locked_at_start_and_unlocked_at_close_unless_lent():
+    # With a page_lock (the server's on a GPU: worker.staging.page_lock), each receiver's slots
+    # are locked as it starts, and unlocked as it stops, unless a view of a slot is still alive
+    # (a copy may still read it): then its memory stays, locked.
+    locked: list[int] = []
+    unlocked: list[int] = []
+
+    def page_lock(buffer):
+        locked.append(len(buffer))
+        index = len(locked) - 1
+        return lambda: unlocked.append(index)
+
+    started = await receivers.WeightReceivers.start(
+        settings({"policy": "unused"}, weight_receivers=2), lambda details: None, page_lock
+    )
+    try:
+        assert locked == [receiver_process.SLOTS * receiver_process.SLOT_BYTES] * 2
+        view = started._view(started._receivers[1], 3, 100)
+    finally:
+        await started.close()
+    assert unlocked == [0]
+    del view
+
+
 async def test_a_receiver_that_dies_is_no_longer_announced_and_pushes_go_on(served, rng):
     gone = served.service.receivers._receivers[0]
     gone.process.kill()

@@ -6,7 +6,9 @@ A forwarded call is run as a call on this server's own port would be: the same i
 (credentials from the call's metadata, malformed messages, exceptions to statuses and accounting,
 tensor bytes as views), on a context that records the status they set, which goes back to the
 receiver to answer with. A message in a slot is read in place: the slot is given back once no
-view of it is left (a dense piece's bytes are written to where they are staged first).
+view of it is left (a dense piece's bytes are written to where they are staged first). Serving on
+a GPU, the slots are page-locked in place (``worker.staging.page_lock``), so a dense piece goes
+from its slot to the device with no copy in host memory.
 
 A receiver that dies ends its calls as broken streams (their updates are abandoned; the live
 version keeps serving) and is no longer announced; the server goes on without it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import socket
 import subprocess
@@ -88,6 +91,8 @@ class _Receiver:
     port: int = 0
     alive: bool = True
     calls: dict[int, tuple[asyncio.Queue[Any], asyncio.Task[None]]] = field(default_factory=dict)
+    unlock: Callable[[], None] | None = None  # undoes the page-locking of its slots
+    lent: set[int] = field(default_factory=set)  # slots a view of which is still alive
 
     def send(self, message: tuple[Any, ...]) -> None:
         if self.alive:
@@ -101,12 +106,22 @@ async def _messages(queue: asyncio.Queue[Any], deserialize: Callable[[Any], Any]
         del raw  # a slot's view: not held while the handler waits for the next message
 
 
+# Page-locks a receiver's slots in place for the devices the server stages on; returns what undoes
+# it, or None where they stay as they are (``worker.staging.page_lock``).
+PageLock = Callable[[mmap.mmap], Callable[[], None] | None]
+
+
 class WeightReceivers:
     """Receivers started by ``start``; ``ports`` are those alive; ``forwarded`` counts the calls
     they forwarded."""
 
-    def __init__(self, handler_for: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler]) -> None:
+    def __init__(
+        self,
+        handler_for: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        page_lock: PageLock | None = None,
+    ) -> None:
         self._handler_for = handler_for
+        self._page_lock = page_lock
         self._receivers: list[_Receiver] = []
         self._loop = asyncio.get_running_loop()
         self.forwarded = 0
@@ -117,11 +132,15 @@ class WeightReceivers:
 
     @classmethod
     async def start(
-        cls, settings: Settings, handler_for: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler]
+        cls,
+        settings: Settings,
+        handler_for: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        page_lock: PageLock | None = None,
     ) -> WeightReceivers:
         """Start ``settings.weight_receivers`` receivers, on consecutive ports from
-        ``settings.weight_receiver_port`` (0: free ports); raises OSError if one cannot start."""
-        self = cls(handler_for)
+        ``settings.weight_receiver_port`` (0: free ports), their slots page-locked by ``page_lock``;
+        raises OSError if one cannot start."""
+        self = cls(handler_for, page_lock)
         try:
             for i in range(settings.weight_receivers):
                 port = settings.weight_receiver_port + i if settings.weight_receiver_port else 0
@@ -144,6 +163,8 @@ class WeightReceivers:
         )
         theirs.close()
         receiver = _Receiver(index, process, Connection(ours.detach()), memory)
+        if self._page_lock is not None:
+            receiver.unlock = await self._loop.run_in_executor(None, self._page_lock, memory.buffer)
         receiver.conn.send((settings, port, memory.slots, memory.slot_bytes))
         ready = await self._loop.run_in_executor(None, receiver.conn.poll, START_TIMEOUT_S)
         try:
@@ -188,10 +209,12 @@ class WeightReceivers:
     def _view(self, receiver: _Receiver, slot: int, nbytes: int) -> memoryview:
         """A message in ``slot``: its slot is given back once no view of it is left."""
         array = np.frombuffer(receiver.memory.buffer, np.uint8, nbytes, slot * receiver.memory.slot_bytes)
+        receiver.lent.add(slot)
         weakref.finalize(array, self._give_back, receiver, slot)
         return memoryview(array)
 
     def _give_back(self, receiver: _Receiver, slot: int) -> None:  # on any thread: the last view went there
+        receiver.lent.discard(slot)
         with contextlib.suppress(RuntimeError):  # the loop is closed: the receivers are gone too
             self._loop.call_soon_threadsafe(receiver.send, ("free", slot))
 
@@ -242,6 +265,10 @@ class WeightReceivers:
         except subprocess.TimeoutExpired:
             receiver.process.kill()
             receiver.process.wait()
+        if receiver.unlock is not None and not receiver.lent:
+            # Page-locked memory is unlocked before it goes. A slot still lent may still be read
+            # by a copy: then the memory stays, locked, with this process.
+            receiver.unlock()
         receiver.memory.close()
 
     async def close(self) -> None:

@@ -43,7 +43,7 @@ from logprob_service.observability import metrics
 from logprob_service.ops.dispatch import select_logprob_op
 from logprob_service.worker.collectives import WeightGroup
 from logprob_service.worker.executor import DeviceExecutor
-from logprob_service.worker.staging import Staging
+from logprob_service.worker.staging import Staging, page_lock
 from logprob_service.worker.tensor_parallel import Build, GroupLost, Leader, configured_models
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,11 @@ async def create_server(service: Service, address: str) -> tuple[grpc.aio.Server
     await server.start()
     if settings.weight_receivers:
         try:
-            service.receivers = await WeightReceivers.start(settings, _update_handler(servicer, interceptors))
+            # On a GPU, the slots are page-locked in place: a dense piece goes from its slot to the device.
+            on_gpu = any(device.type == "cuda" for device in service.devices)
+            service.receivers = await WeightReceivers.start(
+                settings, _update_handler(servicer, interceptors), page_lock if on_gpu else None
+            )
         except BaseException:
             await server.stop(0)
             await service.close()

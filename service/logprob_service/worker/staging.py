@@ -6,18 +6,23 @@ calls this through the ``engine.interfaces.Staging`` protocol, so the engine tou
 
 Received bytes go straight to where they are staged: each piece of a tensor is copied (on a
 receiving thread, without the GIL) into a page-locked slot, from which the staging stream copies
-it into the tensor's staged place on the device while the next pieces arrive. No tensor is first
-assembled in host memory; on the host, the staged tensor is the buffer the pieces land in.
+it into the tensor's staged place on the device while the next pieces arrive. A piece that lies
+in host memory page-locked in place (``page_lock``: a weight receiver's shared slots) is copied
+to the device straight from there. No tensor is first assembled in host memory; on the host, the
+staged tensor is the buffer the pieces land in.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
+import logging
 import math
+import mmap
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,8 @@ from logprob_service.models.loading import DTYPES
 from logprob_service.models.weights import PendingDigest, TensorDigest, dtype_name, pending_digest, settle
 from logprob_service.ops.digest import BLOCK_BYTES, packed_lanes
 from logprob_service.worker import ipc
+
+log = logging.getLogger(__name__)
 
 
 class DeviceStager:
@@ -128,6 +135,17 @@ class DeviceStager:
                     offset, slot = offset + filled, None
         if slot is not None:
             self._send(slot, filled, target[offset : offset + filled])
+
+    def _copy_locked(self, target: torch.Tensor, piece: np.ndarray) -> None:
+        """``target`` (on the device) takes the bytes of ``piece``, which lies in page-locked host
+        memory, straight from there; returns once they are read (its memory may be reused then).
+        Blocks without the GIL."""
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            target.copy_(torch.from_numpy(piece), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
 
     def _send(self, slot: _Slot, nbytes: int, target: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
@@ -266,7 +284,9 @@ class Received:
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Bytes ``[offset, offset + len(data))`` of the tensor (checked by the engine to fit)."""
         target, piece = self._target(), np.frombuffer(data, dtype=np.uint8)
-        if target.is_cuda:
+        if target.is_cuda and _page_locked(piece):
+            self.stager._copy_locked(target[offset : offset + piece.size], piece)
+        elif target.is_cuda:
             self.stager._upload(target, offset, piece)
         else:
             np.copyto(target[offset : offset + piece.size].numpy(), piece)
@@ -311,6 +331,57 @@ class _Slots:
 def _slots(device: torch.device) -> _Slots:
     with torch.cuda.device(device):
         return _Slots()
+
+
+# Host memory page-locked in place by ``page_lock``: (first address, end address) of each range;
+# replaced, not changed, so that the receiving threads read it without a lock.
+_LOCKED: frozenset[tuple[int, int]] = frozenset()
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device's context
+
+
+def _page_locked(piece: np.ndarray) -> bool:
+    if not (locked := _LOCKED):
+        return False
+    start = piece.ctypes.data
+    return any(first <= start and start + piece.nbytes <= end for first, end in locked)
+
+
+def _cudart_call(name: str, *args: int) -> None:
+    """CUDA's runtime function ``name`` on a thread of its own, raising RuntimeError if it fails:
+    a failure also leaves CUDA's last error set in the thread that called, where the check after a
+    later kernel launch on that thread would raise it."""
+    cudart = torch.cuda.cudart()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logprob-cudart") as one:
+        error = one.submit(getattr(cudart, name), *args).result()
+    if error != cudart.cudaError.success:
+        raise RuntimeError(f"{name}: {cudart.cudaGetErrorString(error)}")
+
+
+def page_lock(buffer: mmap.mmap) -> Callable[[], None] | None:
+    """Page-locks ``buffer`` (writable host memory that received messages lie in: a weight
+    receiver's shared slots) in place, for every CUDA device, so that pieces lying there are
+    copied to a device straight from it (no copy through the page-locked slots); returns what
+    undoes it, to call before the memory goes. None where there is no CUDA device, or (logged)
+    where CUDA refuses: pieces then go through the slots."""
+    if not torch.cuda.is_available():
+        return None
+    view = np.frombuffer(buffer, dtype=np.uint8)
+    first, end = view.ctypes.data, view.ctypes.data + view.nbytes
+    del view  # not held: the memory's owner closes it
+    try:
+        _cudart_call("cudaHostRegister", first, end - first, _HOST_REGISTER_PORTABLE)
+    except RuntimeError as err:
+        log.warning("%d bytes of received messages' memory not page-locked in place (%s)", end - first, err)
+        return None
+    global _LOCKED
+    _LOCKED = _LOCKED | {(first, end)}
+
+    def unlock() -> None:
+        global _LOCKED
+        _LOCKED = _LOCKED - {(first, end)}
+        _cudart_call("cudaHostUnregister", first)
+
+    return unlock
 
 
 class Staging:
