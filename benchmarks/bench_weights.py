@@ -17,9 +17,9 @@ Measured, in one run:
   2. sparse deltas (``update_weights(..., delta=True)``) of 2% of every tensor's elements: time,
      bytes sent, and both against the dense push from the same tensors: from host memory (copies
      held on the host), and from the GPU (copies held and compared there, ``on_device``);
-  3. scoring latency p50/p99 with no update, then while updates run back to back: with update
-     streams yielding to micro-batch launches (the server's default, ``update_yield_to_launches``),
-     then read at full speed (a second server over the same model);
+  3. scoring latency p50/p99 with no update (after an unrecorded warm-up), then while updates run
+     back to back: with update streams yielding to micro-batch launches (the server's default,
+     ``update_yield_to_launches``), then read at full speed (a second server over the same model);
   4. with ``--weight-receivers N`` (default 2): a further server over the same model with N weight
      receivers, pushed to on their ports: dense pushes from host memory and from the GPU, GPU-held
      deltas, and scoring latency while its pushes run (``--quick`` leaves out the MALLOC_* pusher,
@@ -58,6 +58,11 @@ TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)
 MODEL = "policy"
 GiB = 1024**3
 DELTA_FRACTION = 0.02  # of each tensor's elements changed between two delta pushes
+# Between the untimed delta push and the timed one: a trainer steps between two pushes (seconds in
+# RL), and what a delta push leaves to do after it returns (the held copies taking its changes,
+# the next push's page-locked buffer: WeightDeltas) is done meanwhile, not in the timed push.
+TRAINER_STEP_S = 1.0
+WARM_UP_S = 4.0  # scoring before the first phase, not recorded: the kernels' first launches
 
 
 # ----------------------------------------------------------------------------- other processes
@@ -76,7 +81,8 @@ def pusher(
     there too: ``WeightDeltas(on_device=True)``), pushed once per job received, a (kind, streams)
     pair: "push" dense; "delta" a sparse delta, after an untimed delta push that makes the server
     hold what the client does, of ``DELTA_FRACTION`` of every tensor's elements changed (an RL
-    step's small update). ``push_processes``: the client's option of that name."""
+    step's small update), ``TRAINER_STEP_S`` after it. ``push_processes``: the client's option of
+    that name."""
     from logprob_client import LogprobClient
     from logprob_client.weights import WeightDeltas
 
@@ -100,6 +106,7 @@ def pusher(
                     flat = tensor.view(-1)
                     where = torch.randint(flat.numel(), (max(1, int(DELTA_FRACTION * flat.numel())),), device=device)
                     flat[where] += 0.001
+                time.sleep(TRAINER_STEP_S)  # the trainer's step between two pushes
             start = time.perf_counter()
             result = client.update_weights(MODEL, weights, **options)
             results.put((time.perf_counter() - start, result))
@@ -229,19 +236,26 @@ def load_lengths(shape: ModelShape) -> tuple[int, int]:
 
 
 def load_phase(
-    ctx, target: str, shape: ModelShape, args, updates: Pusher | None = None, streams: int | None = None
+    ctx,
+    target: str,
+    shape: ModelShape,
+    args,
+    updates: Pusher | None = None,
+    streams: int | None = None,
+    seconds: float | None = None,
 ) -> tuple[list[float], int]:
-    """Latencies of the scoring load over one phase, with ``updates`` (a pusher) pushing over
-    ``streams`` calls (``--streams``) back to back meanwhile (None: no updates); and how many
-    pushes went live during it."""
+    """Latencies of the scoring load over one phase of ``seconds`` (default ``--load-seconds``),
+    with ``updates`` (a pusher) pushing over ``streams`` calls (``--streams``) back to back
+    meanwhile (None: no updates); and how many pushes went live during it."""
+    seconds = args.load_seconds if seconds is None else seconds
     load_results = ctx.Queue()
     proc = ctx.Process(
-        target=load, args=(target, shape.vocab, load_lengths(shape), args.load_threads, args.load_seconds, load_results)
+        target=load, args=(target, shape.vocab, load_lengths(shape), args.load_threads, seconds, load_results)
     )
     proc.start()
     pushed = 0
     if updates is not None:
-        end = time.perf_counter() + 1.0 + args.load_seconds
+        end = time.perf_counter() + 1.0 + seconds
         while time.perf_counter() < end:
             updates.jobs.put(("push", streams or args.streams))
             updates.results.get(timeout=900)
@@ -250,6 +264,7 @@ def load_phase(
     if isinstance(latencies, BaseException):
         raise RuntimeError("the scoring load failed") from latencies
     proc.join()
+    print(f"scoring phase: {len(latencies)} requests, {pushed} pushes", flush=True)
     return latencies, pushed
 
 
@@ -319,7 +334,9 @@ def main() -> None:
                 updates_done += [push_once(q, device, "cpu", args.streams) for _ in repeats]
 
         # Scoring latency: a phase without updates, one with updates back to back (yielding to
-        # launches, the default), and one with them read at full speed, through a second server.
+        # launches, the default), and one with them read at full speed, through a second server;
+        # after a warm-up, not recorded (the first launches of the load's shapes).
+        load_phase(ctx, target, shape, args, seconds=WARM_UP_S)
         phases["no update"] = load_phase(ctx, target, shape, args)
         phases["updates running, yielding to launches"] = load_phase(ctx, target, shape, args, updates)
         if not args.quick:
@@ -332,6 +349,7 @@ def main() -> None:
             to = f"{args.weight_receivers} receivers"
             with_receivers = settings.model_copy(update={"weight_receivers": args.weight_receivers})
             with LoopbackServer(with_receivers, registry) as r_target:
+                phases[f"no update, server with {to}"] = load_phase(ctx, r_target, shape, args)
                 with Pusher(ctx, r_target, spec, chunk_bytes, to=to) as r:
                     updates_done += [push_once(r, device, str(device), rs) for _ in repeats]
                     phases[f"updates over {to}, yielding to launches"] = load_phase(ctx, r_target, shape, args, r, rs)
