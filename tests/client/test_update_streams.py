@@ -324,11 +324,17 @@ def test_weight_deltas_over_two_streams(rng, on_device):
 
 
 @pytest.mark.parametrize("count_elements", [client_weights.COUNT_ELEMENTS, 100], ids=["whole", "in-parts"])
-def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(rng, count_elements, monkeypatch):
+@pytest.mark.parametrize("group_elements", [client_weights.GROUP_ELEMENTS, 2000, 1], ids=["one-group", "by-2", "alone"])
+def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(
+    rng, count_elements, group_elements, monkeypatch
+):
     # Over more than one call, the changed elements of every held torch tensor are counted at once
-    # (one wait); over one call from a lazy iterable, tensor by tensor. Both send the same pieces.
-    # Counted whole, or (a smaller COUNT_ELEMENTS) in parts of each tensor.
+    # (one wait), and found in groups of tensors; over one call from a lazy iterable, tensor by
+    # tensor. Both send the same pieces. Counted whole, or (a smaller COUNT_ELEMENTS) in parts of
+    # each tensor; the 4 sparse tensors in one group, in groups of 2 (2000 elements: 2 tensors of
+    # 768), or each alone.
     monkeypatch.setattr(client_weights, "COUNT_ELEMENTS", count_elements)
+    monkeypatch.setattr(client_weights, "GROUP_ELEMENTS", group_elements)
     start = {f"w{i}": torch.from_numpy(rng.standard_normal((48, 16)).astype(np.float32)) for i in range(6)}
     step = {n: t.clone() for n, t in start.items()}
     for i, n in enumerate(["w1", "w2", "w3", "w4"]):
@@ -396,17 +402,21 @@ def test_device_held_changes_land_in_a_buffer_made_ahead(rng):
     assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
 
 
-def test_a_failure_comparing_held_tensors_fails_every_call_with_it(rng, monkeypatch):
+@pytest.mark.parametrize("failing", ["_count_group", "_compare_group"])
+def test_a_failure_comparing_held_tensors_fails_every_call_with_it(rng, failing, monkeypatch):
     start = {f"w{i}": torch.from_numpy(rng.standard_normal(64).astype(np.float32)) for i in range(6)}
     deltas = WeightDeltas(on_device=True)
     [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, streams=3)]
     deltas.pushed(1)
+    step = {n: t.clone() for n, t in start.items()}
+    for t in step.values():
+        t[:3] += 1.0  # sparse: 3 of 64 changed
 
-    def fail(old, bits):
+    def fail(*args):
         raise RuntimeError("CUDA out of memory (a stand-in)")
 
-    monkeypatch.setattr(client_weights, "_changed_count", fail)
-    for call in deltas.update_streams("m", start, version=0, partial=False, streams=3):
+    monkeypatch.setattr(client_weights, failing, fail)
+    for call in deltas.update_streams("m", step, version=0, partial=False, streams=3):
         with pytest.raises(RuntimeError, match="a stand-in"):
             parsed(call)
 
