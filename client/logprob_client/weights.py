@@ -401,6 +401,16 @@ def _groups(items: list[T], bits: Callable[[T], Any]) -> list[list[T]]:
     return groups
 
 
+def _to_device(values: list[int], device: Any) -> Any:
+    """``values`` as an int64 tensor on ``device``, without waiting: from page-locked memory on a
+    GPU (a copy from pageable memory waits for the device's work queued before it)."""
+    import torch
+
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 def _count_group(pairs: list[tuple[Any, Any]]) -> Any:
     """How many elements differ in each (held copy, bits) pair of one device and element size: a
     tensor of the counts where they lie, not read."""
@@ -409,7 +419,7 @@ def _count_group(pairs: list[tuple[Any, Any]]) -> Any:
     if len(pairs) == 1:
         return _changed_count(*pairs[0]).view(1)
     old, new = torch.cat([o for o, _ in pairs]), torch.cat([b for _, b in pairs])
-    ends = torch.tensor(list(itertools.accumulate(b.numel() for _, b in pairs)), device=new.device)
+    ends = _to_device(list(itertools.accumulate(b.numel() for _, b in pairs)), new.device)
     differ = torch.cumsum(old != new, 0, dtype=torch.int32)[ends - 1]  # how many up to each tensor's end
     return torch.diff(differ, prepend=differ.new_zeros(1))
 
@@ -429,9 +439,9 @@ def _compare_group(members: list[_Member], indices: Any, values: Any) -> list[_C
     changed = torch.nonzero_static(old != new, size=total).view(-1)
     changed_values = new[changed]
     if joined:  # each position less its tensor's start in the joined tensor
-        starts = list(itertools.accumulate((m.bits.numel() for m in members[:-1]), initial=0))
-        counts = torch.tensor([m.count for m in members], device=new.device)
-        changed = changed - torch.repeat_interleave(torch.tensor(starts, device=new.device), counts, output_size=total)
+        starts = _to_device(list(itertools.accumulate((m.bits.numel() for m in members[:-1]), initial=0)), new.device)
+        counts = _to_device([m.count for m in members], new.device)
+        changed = changed - torch.repeat_interleave(starts, counts, output_size=total)
     # To the host as the uint32s they travel as (int32 wraps to the same bits): half the bytes.
     indices.copy_(changed.to(torch.int32), non_blocking=True)
     values.copy_(changed_values, non_blocking=True)
