@@ -470,6 +470,26 @@ def _compare_group(members: list[_Member], indices: Any, values: Any) -> list[_C
     return compared
 
 
+def _warm_up(kinds: list[tuple[Any, Any]]) -> None:
+    """Counts and compares tiny tensors of each (device, integer dtype) of ``kinds`` as a push
+    would: CUDA loads a kernel's code at its first launch, and a process's first delta push, whose
+    comparison launches kernels its dense pushes did not, took 0.06-0.26 s longer than the next
+    ones (H100, benchmarks/RESULTS.md)."""
+    import torch
+
+    for device, dtype in kinds:
+        old = torch.zeros(8, dtype=dtype, device=device)
+        bits = old.clone()
+        bits[3] = 1
+        counts = [*_count_group([(old, bits)]).tolist(), *_count_group([(old, bits), (old, bits)]).tolist()]
+        members = [_Member("warm-up", bits, old, bits, count) for count in counts[1:]]
+        pinned = device.type == "cuda"
+        indices = torch.empty(sum(counts[1:]), dtype=torch.int32, pin_memory=pinned)
+        _compare_group(members, indices, torch.empty(sum(counts[1:]), dtype=dtype, pin_memory=pinned))
+        if pinned:
+            torch.cuda.synchronize(device)
+
+
 def _unchanged_or_dense(name: str, tensor: Any, bits: Any, *, unchanged: bool) -> _Compared:
     """The ``_Compared`` of a torch tensor (``bits``: its ``_device_bits``) that does not go sparse."""
     dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
@@ -518,6 +538,7 @@ class WeightDeltas:
         self._landing: Any = None
         self._landing_pinned = False
         self._landed = 0
+        self._warmed: set[tuple[Any, Any]] = set()  # (device, dtype) of held copies, compared once ahead
         self.version: int | None = None  # the version the server made of the last push
         # name -> raw bytes as pushed: host uint8, or (on_device) a torch tensor of integers
         self._held: dict[str, Any] = {}
@@ -657,11 +678,15 @@ class WeightDeltas:
             self._landing_pinned = pinned
 
     def _land_ahead(self) -> None:
-        """After a push: the next push's landing buffer made now, on the held pool's thread (see
-        the class's docstring), if some held copies are torch tensors."""
+        """After a push, if some held copies are torch tensors, on the held pool's thread: the
+        comparison's kernels run once on each device and element size not seen before
+        (``_warm_up``), and the next push's landing buffer made (see the class's docstring)."""
         held = [t for t in self._held.values() if not isinstance(t, np.ndarray)]
         if not held:
             return
+        if kinds := {(t.device, t.dtype) for t in held} - self._warmed:
+            self._warmed |= kinds
+            _held_pool().submit(_warm_up, sorted(kinds, key=str))
         expected = sum(
             math.ceil(self.expect_changed * t.numel()) * (4 + t.element_size()) + 16  # 16: each part's alignment
             for t in held

@@ -365,17 +365,26 @@ def held_pool_idle() -> None:
     client_weights._held_pool().submit(lambda: None).result()
 
 
-def test_device_held_changes_land_in_a_buffer_made_ahead(rng):
+def test_device_held_changes_land_in_a_buffer_made_ahead(rng, monkeypatch):
     # After a push, the buffer the next push's changes land in is made on the held pool's thread,
     # for expect_changed of the held elements (uint32 index and value each, 16 bytes of alignment
     # per tensor); a delta whose changes fit uses it, and the next is made for 1.25x its changes
-    # if that is more.
+    # if that is more. After the first, the comparison's kernels run once per device and element size.
+    warmed, warm_up = [], client_weights._warm_up
+
+    def warming(kinds):
+        warmed.append(kinds)
+        warm_up(kinds)
+
+    monkeypatch.setattr(client_weights, "_warm_up", warming)
     start = {f"w{i}": torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32)) for i in range(4)}
     start["half"] = torch.from_numpy(rng.standard_normal(1000).astype(np.float32)).to(torch.bfloat16)
     deltas = WeightDeltas(on_device=True, expect_changed=0.05)
     [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, streams=2)]
     deltas.pushed(1)
     held_pool_idle()
+    cpu = torch.device("cpu")
+    assert sorted(map(str, warmed[0])) == sorted(map(str, [(cpu, torch.int16), (cpu, torch.int32)]))
     expected = 4 * (math.ceil(0.05 * 64 * 32) * 8 + 16) + math.ceil(0.05 * 1000) * 6 + 16
     made = deltas._landing
     assert made.numel() == expected and not deltas._landing_pinned
@@ -399,6 +408,7 @@ def test_device_held_changes_land_in_a_buffer_made_ahead(rng):
     deltas.pushed(3)
     held_pool_idle()
     assert deltas._landing.numel() == math.ceil(1.25 * deltas._landed)
+    assert len(warmed) == 1, "warmed up once"
     assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
 
 
