@@ -380,7 +380,8 @@ def _changed_count(old: Any, bits: Any) -> Any:
 # held copies and bits are each joined into one tensor (a copy on their device), so that counting,
 # finding, gathering and copying their changes is a few torch calls for them all. Called per tensor,
 # a 1.5B model's 2% delta made ~3,700 calls, which took 0.25-0.35 s of the comparing thread during
-# a push (H100), taking turns at the interpreter with the sending threads. The joined copies, the
+# a push (H100), taking turns at the interpreter with the sending threads. Grouped, 0.027 s alone,
+# and still 0.16-0.22 s during a push, for the same reason (benchmarks/RESULTS.md). The joined copies, the
 # comparison's mask and the count's running sum take ~0.3 GiB of the device at most, in bf16. A
 # tensor larger than this is a group of its own, not copied.
 GROUP_ELEMENTS = 1 << 25
@@ -481,11 +482,12 @@ def _warm_up(kinds: list[tuple[Any, Any]]) -> None:
         old = torch.zeros(8, dtype=dtype, device=device)
         bits = old.clone()
         bits[3] = 1
-        counts = [*_count_group([(old, bits)]).tolist(), *_count_group([(old, bits), (old, bits)]).tolist()]
-        members = [_Member("warm-up", bits, old, bits, count) for count in counts[1:]]
+        _count_group([(old, bits)]).tolist()  # one tensor: counted alone
+        counts = _count_group([(old, bits), (old, bits)]).tolist()  # joined
+        members = [_Member("warm-up", bits, old, bits, count) for count in counts]
         pinned = device.type == "cuda"
-        indices = torch.empty(sum(counts[1:]), dtype=torch.int32, pin_memory=pinned)
-        _compare_group(members, indices, torch.empty(sum(counts[1:]), dtype=dtype, pin_memory=pinned))
+        indices = torch.empty(sum(counts), dtype=torch.int32, pin_memory=pinned)
+        _compare_group(members, indices, torch.empty(sum(counts), dtype=dtype, pin_memory=pinned))
         if pinned:
             torch.cuda.synchronize(device)
 
