@@ -140,13 +140,14 @@ class _Client:
     ``SequenceGroup``, the prompt sent once, and are kept in one RPC (False: every sequence whole).
     Ids go as int32 bytes and scores come back as float32 bytes; ``legacy_wire=True`` sends v1
     requests instead (every sequence whole, repeated fields), for servers older than these fields
-    (2026-11-23). ``weight_receivers``: a push's streams go to the server's weight receivers
-    when it announces some (ListModels; the server's ``weight_receivers`` setting) and the target
-    is one "host:port": the same host, their ports (False, or a token without the score scope,
-    which ListModels needs: always the target). ``push_processes``: that many processes of the
-    client's own make a push's calls, its messages handed over through shared memory
-    (``push_processes.py``; 0: this process makes them). ``connection``:
-    the fields of ``channel.Connection`` (``max_attempts``: UNAVAILABLE and RESOURCE_EXHAUSTED are
+    (2026-11-23); it also pushes weights as those servers take them (over one call, each piece in
+    a message of its own; several pieces to a message came 2026-11-25). ``weight_receivers``: a
+    push's streams go to the server's weight receivers when it announces some (ListModels; the
+    server's ``weight_receivers`` setting) and the target is one "host:port": the same host, their
+    ports (False, or a token without the score scope, which ListModels needs: always the target).
+    ``push_processes``: that many processes of the client's own make a push's calls, its messages
+    handed over through shared memory (``push_processes.py``; 0: this process makes them).
+    ``connection``: the fields of ``channel.Connection`` (``max_attempts``: UNAVAILABLE and RESOURCE_EXHAUSTED are
     retried with exponential backoff up to that many tries, within the deadline; other failures
     raise at once; ``options``; TLS: ``tls``, ``tls_ca_file``, ``tls_cert_file``,
     ``tls_key_file``, ``tls_server_name``; a bearer token: ``token`` or ``token_file``). With
@@ -323,7 +324,15 @@ class _Client:
         if streams is None:  # servers before 2026-11-24 take one
             streams = 1 if self.legacy_wire else max(DEFAULT_STREAMS, STREAMS_PER_RECEIVER * len(receiver_ports))
         make = self.deltas.setdefault(model, WeightDeltas()).update_streams if delta else update_streams
-        calls = make(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes, streams=streams)
+        calls = make(
+            model,
+            weights,
+            version=version,
+            partial=partial,
+            chunk_bytes=chunk_bytes,
+            streams=streams,
+            pack=not self.legacy_wire,
+        )
         return _Update(calls, self._push_targets(len(calls), receiver_ports), timeout or self.timeout, chunk_bytes)
 
     def _pushed(self, model: str, keywords: UpdateKeywords, response: pb.UpdateWeightsResponse) -> UpdateResult:

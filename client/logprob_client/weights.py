@@ -108,6 +108,8 @@ _TENSOR_TAG = b"\x12"  # UpdateWeightsRequest.tensor: field 2, length-delimited
 _DATA_TAG = b"\x2a"  # TensorChunk.data: field 5, length-delimited
 _CHANGED_TAG = b"\x30"  # TensorChunk.changed: field 6, varint
 _INDICES_TAG = b"\x3a"  # TensorChunk.indices: field 7, length-delimited
+_TENSORS_TAG = b"\x22"  # UpdateWeightsRequest.tensors: field 4, length-delimited
+_CHUNK_TAG = b"\x0a"  # TensorChunks.chunks: field 1, length-delimited
 
 
 def dense_parts(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: memoryview) -> Message:
@@ -172,13 +174,50 @@ def _sparse_pieces(
         )
 
 
-def _stream(header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[Message]]) -> Iterator[Message]:
-    """One UpdateWeights call's messages: the header, each tensor's pieces, the commit."""
+def packed(pieces: list[Message]) -> Message:
+    """Pieces' messages as one UpdateWeightsRequest holding them all (``tensors``), in order; one
+    piece's message as it is. A piece's message is its tag, its TensorChunk's length and parts; as
+    an element of TensorChunks.chunks it is the same with the element's tag, so nothing is copied."""
+    if len(pieces) == 1:
+        return pieces[0]
+    parts = [part for piece in pieces for part in (_CHUNK_TAG, *piece[1:])]
+    return _TENSORS_TAG, _varint(sum(len(p) for p in parts)), *parts
+
+
+def _pack(pieces: Iterable[Message], most_bytes: int) -> Iterator[Message]:
+    """``pieces``' messages packed in order into messages of at most ``most_bytes`` each (``packed``):
+    a piece that fills them goes alone, as it came, and at once, not held for the piece after it."""
+    batch: list[Message] = []
+    size = 0
+    for piece in pieces:
+        n = sum(len(p) for p in piece)
+        if batch and size + n > most_bytes:
+            yield packed(batch)
+            batch, size = [], 0
+        batch.append(piece)
+        size += n
+        if size >= most_bytes:
+            yield packed(batch)
+            batch, size = [], 0
+    if batch:
+        yield packed(batch)
+
+
+def _stream(
+    header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[Message]], pack_bytes: int | None
+) -> Iterator[Message]:
+    """One UpdateWeights call's messages: the header, each tensor's pieces (``pack_bytes``: packed
+    into messages of up to that many bytes, ``_pack``), the commit."""
     yield (pb.UpdateWeightsRequest(header=header).SerializeToString(),)
     count = 0
-    for pieces in tensors:
-        yield from pieces
-        count += 1
+
+    def pieces() -> Iterator[Message]:
+        nonlocal count
+        for tensor in tensors:
+            yield from tensor
+            count += 1
+
+    yield from pieces() if pack_bytes is None else _pack(pieces(), pack_bytes)
     yield (pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count)).SerializeToString(),)
 
 
@@ -232,14 +271,18 @@ def update_streams(
     partial: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     streams: int = 1,
+    pack: bool = True,
 ) -> list[Iterator[Message]]:
     """The UpdateWeights calls of one dense push, each a stream of messages (header, its tensors in
     ``chunk_bytes`` pieces, commit; ``Message``: ``join`` makes one's bytes), read lazily: a tensor
-    is read when its turn comes (over one stream, ``weights`` itself is read so too)."""
+    is read when its turn comes (over one stream, ``weights`` itself is read so too). ``pack``:
+    smaller pieces (a tensor's last, small tensors) go several to a message of up to
+    ``chunk_bytes`` (``tensors``; servers since 2026-11-25), else each in its own."""
     _check(version, chunk_bytes, streams)
     groups, header = _calls(weights, streams, pb.UpdateWeightsHeader(model=model, version=version, partial=partial))
+    pack_bytes = chunk_bytes if pack else None
     return [
-        _stream(header, (_dense_pieces(n, *read, chunk_bytes) for n, read in _ahead(group, _read, ahead=1)))
+        _stream(header, (_dense_pieces(n, *read, chunk_bytes) for n, read in _ahead(group, _read, ahead=1)), pack_bytes)
         for group in groups
     ]
 
@@ -259,9 +302,10 @@ def update_requests(
     version: int,
     partial: bool,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    pack: bool = True,
 ) -> Iterator[bytes]:
     """The serialized messages of a push over one call: ``update_streams`` with one stream, joined."""
-    (stream,) = update_streams(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes)
+    (stream,) = update_streams(model, weights, version=version, partial=partial, chunk_bytes=chunk_bytes, pack=pack)
     return map(join, stream)
 
 
@@ -574,6 +618,7 @@ class WeightDeltas:
         partial: bool,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         streams: int = 1,
+        pack: bool = True,
     ) -> list[Iterator[Message]]:
         """The calls of the next push, as ``update_streams`` makes them (each read lazily, its
         tensors compared up to ``LOOKAHEAD`` ahead of the one it sends)."""
@@ -585,8 +630,13 @@ class WeightDeltas:
             header.partial, header.base_version = True, self.version
         groups, header = _calls(weights, streams, header)
         self._compared = self._compare_held(groups) if self.on_device else {}
+        pack_bytes = chunk_bytes if pack else None
         return [
-            _stream(header, filter(None, (self._pieces(c, chunk_bytes) for c in _ahead(group, self._compare))))
+            _stream(
+                header,
+                filter(None, (self._pieces(c, chunk_bytes) for c in _ahead(group, self._compare))),
+                pack_bytes,
+            )
             for group in groups
         ]
 

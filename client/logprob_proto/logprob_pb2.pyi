@@ -196,15 +196,23 @@ class UpdateWeightsCommit(_message.Message):
     tensor_count: int
     def __init__(self, tensor_count: _Optional[int] = ...) -> None: ...
 
+class TensorChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("header", "tensor", "commit")
+    __slots__ = ("header", "tensor", "commit", "tensors")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     header: UpdateWeightsHeader
     tensor: TensorChunk
     commit: UpdateWeightsCommit
-    def __init__(self, header: _Optional[_Union[UpdateWeightsHeader, _Mapping]] = ..., tensor: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ...) -> None: ...
+    tensors: TensorChunks
+    def __init__(self, header: _Optional[_Union[UpdateWeightsHeader, _Mapping]] = ..., tensor: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[UpdateWeightsCommit, _Mapping]] = ..., tensors: _Optional[_Union[TensorChunks, _Mapping]] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("model", "path", "version", "partial")

@@ -1,14 +1,15 @@
-"""UpdateWeights requests read with a dense piece's bytes as a view of the received message
-(``api.tensor_pieces.read_update_request``): the same fields as protobuf's parse, the bytes not
-copied, every other message parsed by protobuf, and malformed bytes refused as protobuf refuses
-them (``DecodeError``, which ``api.malformed`` turns into INVALID_ARGUMENT)."""
+"""UpdateWeights requests read with a piece's bytes as views of the received message, one piece
+or several to a message (``api.tensor_pieces.read_update_request``): the same fields as
+protobuf's parse, the bytes not copied, every other message parsed by protobuf, and malformed
+bytes refused as protobuf refuses them (``DecodeError``, which ``api.malformed`` turns into
+INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
-from logprob_client.weights import dense_piece, sparse_piece
+from logprob_client.weights import dense_parts, dense_piece, join, packed, sparse_parts, sparse_piece
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.api.tensor_pieces import MIN_VIEWED_BYTES, PieceView, read_update_request
 
@@ -28,14 +29,20 @@ def framed(chunk: bytes) -> bytes:
     return b"\x12" + varint(len(chunk)) + chunk
 
 
-def as_request(read: pb.UpdateWeightsRequest | PieceView) -> pb.UpdateWeightsRequest:
+def as_chunk(view: PieceView) -> pb.TensorChunk:
+    chunk = pb.TensorChunk()
+    chunk.CopyFrom(view.chunk)
+    chunk.data, chunk.indices = bytes(view.data), bytes(view.indices)
+    return chunk
+
+
+def as_request(read: pb.UpdateWeightsRequest | PieceView | tuple[PieceView, ...]) -> pb.UpdateWeightsRequest:
     """What ``read_update_request`` returned, as the message protobuf's parse would be."""
     if isinstance(read, pb.UpdateWeightsRequest):
         return read
-    chunk = pb.TensorChunk()
-    chunk.CopyFrom(read.chunk)
-    chunk.data, chunk.indices = bytes(read.data), bytes(read.indices)
-    return pb.UpdateWeightsRequest(tensor=chunk)
+    if isinstance(read, tuple):
+        return pb.UpdateWeightsRequest(tensors=pb.TensorChunks(chunks=[as_chunk(v) for v in read]))
+    return pb.UpdateWeightsRequest(tensor=as_chunk(read))
 
 
 def random_bytes(rng: np.random.Generator, n: int) -> bytes:
@@ -273,3 +280,74 @@ def test_malformed_large_messages_raise_decode_error_as_protobuf_does(kind):
         pb.UpdateWeightsRequest.FromString(raw)
     with pytest.raises(DecodeError):
         read_update_request(raw)
+
+
+def several_pieces(rng: np.random.Generator) -> tuple[list[pb.TensorChunk], bytes]:
+    """Dense and sparse pieces, large and small (an empty one too), and one message holding them
+    all as the client packs them."""
+    big, small = random_bytes(rng, 70_000), random_bytes(rng, 40)
+    indices = np.sort(rng.choice(1 << 20, 5_000, replace=False)).astype("<u4")
+    values = random_bytes(rng, 2 * 5_000)
+    parts = [
+        dense_parts("model.norm.weight", "float32", (10,), 0, memoryview(small)),
+        dense_parts("w", "bfloat16", (1 << 20,), 4096, memoryview(big)),
+        sparse_parts("s", "bfloat16", (1 << 20,), 7, 5_007, memoryview(indices).cast("B"), memoryview(values)),
+        dense_parts("empty", "float32", (0, 4), 0, memoryview(b"")),
+        sparse_parts("t", "float16", (64,), 0, 1, memoryview(b"\x05\0\0\0"), memoryview(b"ab")),
+    ]
+    chunks = [pb.UpdateWeightsRequest.FromString(join(p)).tensor for p in parts]
+    return chunks, join(packed(parts))
+
+
+def test_a_message_of_several_pieces_is_protobufs_serialization_and_read_with_views(rng):
+    chunks, raw = several_pieces(rng)
+    assert len(raw) >= MIN_VIEWED_BYTES
+    assert raw == pb.UpdateWeightsRequest(tensors=pb.TensorChunks(chunks=chunks)).SerializeToString()
+    read = read_update_request(raw)
+    assert isinstance(read, tuple) and len(read) == len(chunks)
+    assert [as_chunk(view) for view in read] == chunks
+    for view, chunk in zip(read, chunks, strict=True):
+        for got, want in ((view.data, chunk.data), (view.indices, chunk.indices)):
+            assert isinstance(got, memoryview) and got == want
+            assert not got or got.obj is raw, "a view of the received bytes, not a copy"
+        assert not view.chunk.data and not view.chunk.indices
+    assert as_request(read) == pb.UpdateWeightsRequest.FromString(raw)
+
+
+def test_a_small_message_of_several_pieces_is_parsed_by_protobuf(rng):
+    parts = [dense_parts(f"n{i}", "float32", (10,), 0, memoryview(random_bytes(rng, 40))) for i in range(3)]
+    raw = join(packed(parts))
+    read = read_update_request(raw)
+    assert isinstance(read, pb.UpdateWeightsRequest) and read.WhichOneof("kind") == "tensors"
+    assert [c.name for c in read.tensors.chunks] == ["n0", "n1", "n2"]
+
+
+def test_messages_of_several_pieces_written_otherwise_read_as_protobuf_reads_them(rng):
+    chunks, raw = several_pieces(rng)
+    body = pb.TensorChunks(chunks=chunks).SerializeToString()
+    other_field = b"\x12\x03abc"  # TensorChunks field 2, unknown: protobuf skips it
+    written = {
+        "an unknown field between pieces": body[: len(body) // 2] + other_field + body[len(body) // 2 :],
+        "an unknown field after them": body + other_field,
+        "no piece but an unknown field": other_field + bytes(MIN_VIEWED_BYTES),
+    }
+    for what, inner in written.items():
+        message = b"\x22" + varint(len(inner)) + inner
+        want = outcome(pb.UpdateWeightsRequest.FromString, message)
+        assert outcome(read_update_request, message) == want, what
+    two_fields = raw + b"\x22" + varint(len(pb.TensorChunks(chunks=chunks[:1]).SerializeToString()))
+    two_fields += pb.TensorChunks(chunks=chunks[:1]).SerializeToString()  # protobuf merges the two
+    read = read_update_request(two_fields)
+    assert isinstance(read, pb.UpdateWeightsRequest) and len(read.tensors.chunks) == len(chunks) + 1
+
+
+def test_corrupt_messages_of_several_pieces_read_as_protobuf_reads_them(rng):
+    chunks, raw = several_pieces(rng)
+    decode_errors = views = 0
+    # The corrupted bytes: the framing of the first pieces, and where the big piece's data ends.
+    for bad in corruptions(rng, raw, 200, 400):
+        want = outcome(pb.UpdateWeightsRequest.FromString, bad)
+        assert outcome(read_update_request, bad) == want, bad[:200].hex()
+        decode_errors += want is DecodeError
+        views += want is not DecodeError and isinstance(read_update_request(bad), tuple)
+    assert decode_errors > 150 and views > 30, (decode_errors, views)  # both kinds of outcome were tried

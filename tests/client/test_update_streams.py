@@ -12,10 +12,10 @@ import pytest
 import torch
 from logprob_client import LogprobClient
 from logprob_client import weights as client_weights
-from logprob_client.weights import WeightDeltas, dense_piece, sparse_piece, split, update_streams
+from logprob_client.weights import WeightDeltas, dense_piece, join, sparse_piece, split, update_streams
 from logprob_proto import logprob_pb2 as pb
 
-from tests.helpers.calls import parsed
+from tests.helpers.calls import parsed, unpacked
 
 
 def protobuf_piece(name: str, dtype: str, shape: tuple[int, ...], offset: int, data: bytes) -> bytes:
@@ -182,7 +182,7 @@ def test_update_streams_carry_every_tensor_once_with_its_bytes(rng):
     assert not weights["strided"].is_contiguous()
     calls = update_streams("m", weights, version=7, partial=True, chunk_bytes=100, streams=3)
     assert len(calls) == 3
-    messages = [parsed(call) for call in calls]
+    messages = [unpacked(parsed(call)) for call in calls]
 
     headers = [m[0] for m in messages]
     assert all(h.WhichOneof("kind") == "header" for h in headers)
@@ -214,7 +214,7 @@ def test_update_streams_of_two_pushes_have_different_ids(rng):
 
 def test_update_streams_from_pairs_and_fewer_tensors_than_streams(rng):
     pairs = [("a", rng.standard_normal(100).astype(np.float32)), ("b", rng.standard_normal(7).astype(np.float32))]
-    calls = [parsed(call) for call in update_streams("m", iter(pairs), version=0, partial=True, streams=5)]
+    calls = [unpacked(parsed(call)) for call in update_streams("m", iter(pairs), version=0, partial=True, streams=5)]
     assert len(calls) == 2
     assert all(
         call[0].header.streams == 2 and call[0].header.update_id == calls[0][0].header.update_id for call in calls
@@ -227,7 +227,7 @@ def test_update_streams_from_pairs_and_fewer_tensors_than_streams(rng):
 def test_one_stream_sets_no_streams_or_id(rng):
     weights = weights_of_every_kind(rng)
     (call,) = update_streams("m", weights, version=0, partial=False, chunk_bytes=64, streams=1)
-    messages = parsed(call)
+    messages = unpacked(parsed(call))
     assert messages[0].header.streams == 0 and messages[0].header.update_id == ""
     assert (
         messages[0].SerializeToString()
@@ -277,7 +277,7 @@ def test_weight_deltas_over_two_streams(rng, on_device):
     start["small"] = torch.from_numpy(rng.standard_normal((8, 24)).astype(np.float32)).to(torch.bfloat16)
     deltas = WeightDeltas(on_device=on_device)
 
-    first = [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, streams=2)]
+    first = [unpacked(parsed(call)) for call in deltas.update_streams("m", start, version=0, partial=False, streams=2)]
     assert len(first) == 2 and deltas.last == {"dense": len(start), "sparse": 0, "unchanged": 0}
     assert all(call[0] == first[0][0] for call in first) and first[0][0].header.streams == 2
     assert not first[0][0].header.partial and not first[0][0].header.HasField("base_version")
@@ -296,7 +296,7 @@ def test_weight_deltas_over_two_streams(rng, on_device):
     for n in dense:
         step[n] = step[n] + 1 if isinstance(step[n], torch.Tensor) else step[n] + np.float32(1)
 
-    second = [parsed(call) for call in deltas.update_streams("m", step, version=0, partial=False, streams=2)]
+    second = [unpacked(parsed(call)) for call in deltas.update_streams("m", step, version=0, partial=False, streams=2)]
     assert deltas.last == {"dense": len(dense), "sparse": len(sparse), "unchanged": len(unchanged)}
     header = second[0][0].header
     assert all(call[0] == second[0][0] for call in second)
@@ -344,7 +344,7 @@ def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(
     def chunks(calls) -> dict[str, list[bytes]]:
         came: dict[str, list[bytes]] = {}
         for call in calls:
-            for m in parsed(call)[1:-1]:
+            for m in unpacked(parsed(call))[1:-1]:
                 came.setdefault(m.tensor.name, []).append(m.tensor.SerializeToString())
         return came
 
@@ -392,7 +392,7 @@ def test_device_held_changes_land_in_a_buffer_made_ahead(rng, monkeypatch):
     step = {n: t.clone() for n, t in start.items()}
     for t in step.values():
         t.view(-1)[torch.from_numpy(rng.choice(t.numel(), 20, replace=False))] += 1.0
-    sent = [parsed(call) for call in deltas.update_streams("m", step, version=0, partial=False, streams=2)]
+    sent = [unpacked(parsed(call)) for call in deltas.update_streams("m", step, version=0, partial=False, streams=2)]
     assert deltas.last == {"dense": 0, "sparse": len(step), "unchanged": 0}
     assert sum(m.tensor.changed > 0 for call in sent for m in call[1:-1]) == len(step)
     assert deltas._landing is made and deltas._landed < expected  # no buffer made during the push
@@ -454,3 +454,78 @@ def test_a_legacy_wire_push_goes_over_one_call(rng):
     with LogprobClient("localhost:7000", legacy_wire=True) as client:
         update = client.update("m", {"w": torch.ones(4)}, [7001, 7002])
     assert update.targets == ["localhost:7000"] and len(update.calls) == 1
+
+
+def many_small_and_a_few_large(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A model's shape in small: large matrices among many norms and biases."""
+    weights = {}
+    for layer in range(6):
+        weights[f"l{layer}.norm"] = rng.standard_normal(16).astype(np.float32)
+        weights[f"l{layer}.bias"] = rng.standard_normal(int(rng.integers(1, 40))).astype(np.float32)
+        weights[f"l{layer}.proj"] = rng.standard_normal((40, int(rng.integers(20, 60)))).astype(np.float32)
+    return weights
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_small_pieces_go_several_to_a_message_of_at_most_chunk_bytes(rng, streams):
+    weights = many_small_and_a_few_large(rng)
+    chunk_bytes = 2000
+    plain = [
+        parsed(call)
+        for call in update_streams(
+            "m", weights, version=0, partial=False, chunk_bytes=chunk_bytes, streams=streams, pack=False
+        )
+    ]
+    calls = update_streams("m", weights, version=0, partial=False, chunk_bytes=chunk_bytes, streams=streams)
+    packed = [[join(m) for m in call] for call in calls]
+    assert all(m.WhichOneof("kind") != "tensors" for call in plain for m in call)
+    several = []
+    for call, alone in zip(packed, plain, strict=True):
+        messages = parsed(call)
+        # The same pieces in the same order, in as many messages or fewer (the update ids differ).
+        assert [m.tensor for m in unpacked(messages)[1:-1]] == [m.tensor for m in alone[1:-1]]
+        assert messages[-1] == alone[-1] and len(messages) <= len(alone)
+        several += [raw for raw, m in zip(call, messages) if m.WhichOneof("kind") == "tensors"]
+        # A piece that fills a message goes alone, as it was.
+        assert all(m in messages for m in alone[1:-1] if len(m.SerializeToString()) >= chunk_bytes)
+    assert sum(map(len, packed)) < sum(map(len, plain))
+    assert several and all(len(raw) <= chunk_bytes + 6 for raw in several)  # + the message's own tag and length
+    got = reassemble([unpacked(parsed(call)) for call in packed])
+    assert {n: d for n, (_, _, _, d) in got.items()} == {n: a.tobytes() for n, a in weights.items()}
+
+
+def test_packing_sends_a_full_message_without_waiting_for_the_next_piece():
+    pieces_made = []
+
+    def pieces(sizes):
+        for i, n in enumerate(sizes):
+            pieces_made.append(i)
+            yield client_weights.dense_parts(f"t{i}", "float32", (n // 4,), 0, memoryview(bytes(n)))
+
+    packing = client_weights._pack(pieces([40, 40, 5000, 40, 3000, 3000]), most_bytes=4096)
+    first = parsed([next(packing)])[0]
+    assert [c.name for c in first.tensors.chunks] == ["t0", "t1"] and pieces_made == [0, 1, 2]
+    assert parsed([next(packing)])[0].tensor.name == "t2" and pieces_made == [0, 1, 2], "not held for t3"
+    third = parsed([next(packing)])[0]
+    assert [c.name for c in third.tensors.chunks] == ["t3", "t4"] and pieces_made == [0, 1, 2, 3, 4, 5]
+    assert parsed([next(packing)])[0].tensor.name == "t5"
+    assert next(packing, None) is None
+
+
+def test_a_deltas_small_sparse_tensors_go_several_to_a_message(rng):
+    start = many_small_and_a_few_large(rng)
+    deltas = WeightDeltas()
+    [parsed(call) for call in deltas.update_streams("m", start, version=0, partial=False, chunk_bytes=4096)]
+    deltas.pushed(1)
+    step = {n: a.copy() for n, a in start.items()}
+    for a in step.values():
+        a.reshape(-1)[: max(1, a.size // 50)] += np.float32(1)  # 2% changed: every tensor sparse
+    (call,) = deltas.update_streams("m", step, version=0, partial=False, chunk_bytes=4096)
+    messages = parsed(call)
+    assert deltas.last == {"dense": 0, "sparse": len(step), "unchanged": 0}
+    assert len(messages) - 2 < len(step) // 4, "several tensors' changes to a message"
+    came: dict[str, list[pb.TensorChunk]] = {}
+    for m in unpacked(messages)[1:-1]:
+        came.setdefault(m.tensor.name, []).append(m.tensor)
+    for n, a in start.items():
+        assert apply_sparse(a.tobytes(), came[n], 4) == step[n].tobytes()

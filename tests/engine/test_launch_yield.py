@@ -25,7 +25,7 @@ from logprob_service.engine import weight_updates
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 
-from tests.helpers.calls import Gate, parsed
+from tests.helpers.calls import Gate, parsed, unpacked
 from tests.helpers.server import settings, start, stop
 from tests.helpers.waiting import eventually
 
@@ -176,7 +176,7 @@ async def push_while_a_launch_is_held(running, pieces_read: list[str], rng, chec
     (given the push's messages) runs meanwhile, then the launch is let go and the push must land."""
     model = running.scorer("policy").model
     state = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    messages = parsed(update_requests("policy", state, version=0, partial=False, chunk_bytes=32 << 10))
+    messages = unpacked(parsed(update_requests("policy", state, version=0, partial=False, chunk_bytes=32 << 10)))
     gate = Gate(running, "policy")
     async with AsyncLogprobClient(running.target, model="policy") as client:
         try:

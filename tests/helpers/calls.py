@@ -44,6 +44,19 @@ def parsed(messages: Iterable[bytes | Message]) -> list[pb.UpdateWeightsRequest]
     return [pb.UpdateWeightsRequest.FromString(m if isinstance(m, bytes) else join(m)) for m in messages]
 
 
+def unpacked(requests: Iterable[pb.UpdateWeightsRequest]) -> list[pb.UpdateWeightsRequest]:
+    """``requests`` with each that holds several pieces (``tensors``) replaced by one request per
+    piece, in order: the stream as a server takes it."""
+    out = []
+    for r in requests:
+        if r.WhichOneof("kind") == "tensors":
+            assert len(r.tensors.chunks) > 1, "a message holds several pieces, or sends its one as `tensor`"
+            out += [pb.UpdateWeightsRequest(tensor=chunk) for chunk in r.tensors.chunks]
+        else:
+            out.append(r)
+    return out
+
+
 async def call(target: str, req: pb.ScoreRequest, timeout: float = 30.0):
     async with grpc.aio.insecure_channel(target) as channel:
         return await pb_grpc.LogprobServiceStub(channel).ScoreTokens(req, timeout=timeout)

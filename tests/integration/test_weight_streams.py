@@ -27,7 +27,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.engine import weight_updates
 from logprob_service.models.weights import UpdatableWeights, model_fingerprint
 
-from tests.helpers.calls import parsed, update_calls
+from tests.helpers.calls import parsed, unpacked, update_calls
 from tests.helpers.models import make_model, random_sequences
 from tests.helpers.server import as_lists, assert_scores_match, live, new_seed
 from tests.helpers.waiting import TIMEOUT_S, eventually
@@ -158,7 +158,7 @@ async def test_a_bad_tensor_in_one_stream_fails_every_call_and_changes_nothing(s
     good = noisy(served.scorer("policy").model)
     bad = good | {NORM: torch.randn(7)}  # the model's is [64]
     calls = update_calls("policy", bad, version=0, partial=False, streams=3)
-    carrier = next(c for c, call in enumerate(calls) if any(m.tensor.name == NORM for m in parsed(call)))
+    carrier = next(c for c, call in enumerate(calls) if any(m.tensor.name == NORM for m in unpacked(parsed(call))))
     go = asyncio.Event()
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         before = await live(client, "policy")
@@ -275,7 +275,7 @@ async def test_a_stream_that_comes_after_its_update_failed_gets_the_updates_fail
     good = noisy(served.scorer("policy").model)
     bad = good | {NORM: torch.randn(7)}
     calls = update_calls("policy", bad, version=0, partial=False, streams=2)
-    carrier = next(c for c, call in enumerate(calls) if any(m.tensor.name == NORM for m in parsed(call)))
+    carrier = next(c for c, call in enumerate(calls) if any(m.tensor.name == NORM for m in unpacked(parsed(call))))
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         before = await live(client, "policy")
         (failed,) = await answers(channel, [calls[carrier]])  # its partner has not come yet

@@ -208,6 +208,42 @@ async def test_a_stream_cut_midway_or_ended_early_changes_nothing(served):
         assert (await client.update_weights("policy", new)).version == before.version + 1
 
 
+async def test_pieces_in_messages_of_their_own_or_several_to_a_message_land_alike(served):
+    """Older clients send each piece in a message of its own; this one packs small pieces several
+    to a message (``tensors``). Both land the same weights."""
+    new = good_update(served.scorer("policy").model)
+    async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
+        stub = pb_grpc.LogprobServiceStub(channel)
+        before = await live(client, "policy")
+        fingerprints = []
+        for pack in (False, True):
+            messages = parsed(update_requests("policy", new, version=0, partial=False, chunk_bytes=4096, pack=pack))
+            assert any(m.WhichOneof("kind") == "tensors" for m in messages) == pack
+            response = await stub.UpdateWeights(iter(messages))
+            assert response.tensors == len(new) and response.bytes == sum(t.nbytes for t in new.values())
+            fingerprints.append(response.fingerprint)
+        assert fingerprints[0] == fingerprints[1] != before.fingerprint
+        assert (await live(client, "policy")).version == before.version + 2
+
+
+@pytest.mark.parametrize(
+    ("message", "details"),
+    [
+        (pb.UpdateWeightsRequest(), "kind: an UpdateWeightsRequest must set one of header, tensor, tensors, commit"),
+        (pb.UpdateWeightsRequest(tensors=pb.TensorChunks()), "tensors: an UpdateWeightsRequest's tensors must hold"),
+    ],
+    ids=["nothing", "no-piece"],
+)
+async def test_a_message_of_no_kind_or_no_piece_is_refused(served, message, details):
+    header = pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(model="policy"))
+    async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
+        before = await live(client, "policy")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await pb_grpc.LogprobServiceStub(channel).UpdateWeights(iter([header, message]))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and details in caught.value.details()
+        assert await live(client, "policy") == before
+
+
 async def test_versions_only_go_up(served):
     async with AsyncLogprobClient(served.target, model="policy") as client:
         state = served.scorer("policy").model.state_dict()

@@ -11,7 +11,7 @@ from logprob_client.weights import update_requests
 from logprob_service.errors import InvalidArgument
 from logprob_service.models.weights import UpdatableWeights, fingerprint, model_digests, tensor_digests
 
-from tests.helpers.calls import parsed
+from tests.helpers.calls import parsed, unpacked
 from tests.helpers.models import make_model
 
 
@@ -71,7 +71,7 @@ def test_update_stream_carries_every_byte_in_order_in_small_pieces(rng):
         "f16-strided": torch.randn(10, 8, dtype=torch.float16).t(),  # not contiguous: sent in C order
         "empty": torch.empty(0, 4),
     }
-    messages = parsed(update_requests("m", weights.items(), version=3, partial=True, chunk_bytes=100))
+    messages = unpacked(parsed(update_requests("m", weights.items(), version=3, partial=True, chunk_bytes=100)))
     assert messages[0].header.model == "m" and messages[0].header.version == 3 and messages[0].header.partial
     assert messages[-1].commit.tensor_count == 4
     assert max(len(m.tensor.data) for m in messages[1:-1]) == 100
@@ -91,6 +91,7 @@ def test_update_stream_reads_one_tensor_ahead():
             read.append(i)
             yield f"t{i}", torch.randn(4)
 
-    stream = update_requests("m", weights(), version=0, partial=True)
+    # pack=False: each piece is sent alone (packed, small pieces wait for the ones after them).
+    stream = update_requests("m", weights(), version=0, partial=True, pack=False)
     next(stream), next(stream)  # header, first piece of t0
     assert read == [0, 1]

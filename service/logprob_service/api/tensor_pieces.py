@@ -6,13 +6,15 @@ message, into new ``bytes``; here the wire format of such a piece is walked by h
 those two fields stay ``memoryview``s of the message, which the update writes straight to where
 the tensor is staged (or, sparse, assembles). Only the piece's few other fields go through
 protobuf, so the results, and the errors of malformed messages (``api.malformed``), are the same
-either way; any message that is not one tensor piece is parsed by protobuf as before.
+either way; any message that is not one or several tensor pieces is parsed by protobuf as before.
 
 Wire format (protobuf): a message is a sequence of fields, each a varint tag ``number << 3 |
 wire type`` and a value: a varint (type 0), 8 bytes (1), a varint length and that many bytes (2),
 or 4 bytes (5). An UpdateWeightsRequest holding a tensor is the one field 2 (type 2) whose bytes
-are a TensorChunk; its ``data`` is field 5 and its ``indices`` field 7 (both type 2). Where a
-field comes more than once, the last one counts, as protobuf reads it.
+are a TensorChunk; its ``data`` is field 5 and its ``indices`` field 7 (both type 2). One holding
+several pieces is the one field 4 (type 2), a TensorChunks whose fields are all its field 1 (type
+2), each a TensorChunk. Where a field comes more than once, the last one counts, as protobuf reads
+it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from logprob_proto import logprob_pb2 as pb
 
 _TENSOR_TAG = 2 << 3 | 2  # UpdateWeightsRequest.tensor
+_TENSORS_TAG = 4 << 3 | 2  # UpdateWeightsRequest.tensors (TensorChunks)
+_CHUNK_TAG = 1 << 3 | 2  # TensorChunks.chunks
 _VIEWED = (5, 7)  # TensorChunk.data, TensorChunk.indices
 # Smaller messages are parsed by protobuf: a copy of a few KiB costs less than walking the fields.
 MIN_VIEWED_BYTES = 64 << 10
@@ -52,44 +56,70 @@ def _varint(raw: bytes, pos: int) -> tuple[int, int]:
             raise IndexError("varint longer than 10 bytes")
 
 
-def _piece_view(raw: bytes) -> PieceView | None:
-    """``raw`` as a tensor piece with ``data`` or ``indices``, or None for any other message (or
-    one protobuf would refuse: it reads it, and raises)."""
-    if len(raw) < MIN_VIEWED_BYTES or raw[0] != _TENSOR_TAG:
-        return None
-    view = memoryview(raw)
+def _chunk_view(raw: bytes, view: memoryview, pos: int, end: int) -> PieceView | None:
+    """The TensorChunk in ``raw[pos:end]`` with ``data`` and ``indices`` as views, or None where its
+    fields do not end exactly at ``end`` (protobuf then reads the message, and refuses it)."""
     viewed: dict[int, memoryview] = {}  # field number -> its bytes, the last of that number
     others: list[memoryview] = []  # every other field, as written
-    try:
-        length, pos = _varint(raw, 1)
-        if pos + length != len(raw):
-            return None
-        while pos < len(raw):
-            field_start = pos
-            tag, pos = _varint(raw, pos)
-            number, wire_type = tag >> 3, tag & 7
-            if wire_type == 0:
-                _, pos = _varint(raw, pos)
-            elif wire_type == 2:
-                size, pos = _varint(raw, pos)
-                if number in _VIEWED and pos + size <= len(raw):
-                    viewed[number] = view[pos : pos + size]
-                    pos += size
-                    continue
+    while pos < end:
+        field_start = pos
+        tag, pos = _varint(raw, pos)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            _, pos = _varint(raw, pos)
+        elif wire_type == 2:
+            size, pos = _varint(raw, pos)
+            if number in _VIEWED and pos + size <= end:
+                viewed[number] = view[pos : pos + size]
                 pos += size
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-            else:
-                return None
-            others.append(view[field_start:pos])
-    except IndexError:
-        return None
-    if pos != len(raw) or not viewed:  # a field past the end, or nothing to view
+                continue
+            pos += size
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            return None
+        others.append(view[field_start:pos])
+    if pos != end:  # a field past the end
         return None
     chunk = pb.TensorChunk.FromString(b"".join(others))
     return PieceView(chunk, viewed.get(5, _EMPTY), viewed.get(7, _EMPTY))
 
 
-def read_update_request(raw: bytes) -> pb.UpdateWeightsRequest | PieceView:
-    """The UpdateWeights method's request deserializer."""
-    return _piece_view(raw) or pb.UpdateWeightsRequest.FromString(raw)
+def _chunks_view(raw: bytes, view: memoryview, pos: int, end: int) -> tuple[PieceView, ...] | None:
+    """The TensorChunks in ``raw[pos:end]``, each piece as ``_chunk_view`` reads it; None where
+    one is not a piece so read, or another field comes between them."""
+    pieces = []
+    while pos < end:
+        tag, pos = _varint(raw, pos)
+        if tag != _CHUNK_TAG:
+            return None
+        size, pos = _varint(raw, pos)
+        if pos + size > end or (piece := _chunk_view(raw, view, pos, pos + size)) is None:
+            return None
+        pieces.append(piece)
+        pos += size
+    return tuple(pieces) or None
+
+
+def _views(raw: bytes) -> PieceView | tuple[PieceView, ...] | None:
+    """``raw`` as one tensor piece with ``data`` or ``indices``, or as several pieces, or None for
+    any other message (or one protobuf would refuse: it reads it, and raises)."""
+    if len(raw) < MIN_VIEWED_BYTES or raw[0] not in (_TENSOR_TAG, _TENSORS_TAG):
+        return None
+    view = memoryview(raw)
+    try:
+        length, pos = _varint(raw, 1)
+        if pos + length != len(raw):  # not the message's one field
+            return None
+        if raw[0] == _TENSORS_TAG:
+            return _chunks_view(raw, view, pos, len(raw))
+        piece = _chunk_view(raw, view, pos, len(raw))
+    except IndexError:
+        return None
+    return piece if piece is not None and (piece.data or piece.indices) else None
+
+
+def read_update_request(raw: bytes) -> pb.UpdateWeightsRequest | PieceView | tuple[PieceView, ...]:
+    """The UpdateWeights method's request deserializer: a piece, the pieces of a message holding
+    several (``tensors``), or any other message as protobuf parses it."""
+    return _views(raw) or pb.UpdateWeightsRequest.FromString(raw)

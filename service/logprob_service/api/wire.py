@@ -183,22 +183,31 @@ def _piece(t: pb.TensorChunk, data: bytes | memoryview, indices: bytes | memoryv
 
 
 async def update_messages(
-    requests: AsyncIterator[pb.UpdateWeightsRequest | PieceView],
+    requests: AsyncIterator[pb.UpdateWeightsRequest | PieceView | tuple[PieceView, ...]],
 ) -> AsyncIterator[UpdateMessage]:
     """An UpdateWeights stream (read by ``tensor_pieces.read_update_request``) as domain messages."""
     async for request in requests:
         if isinstance(request, PieceView):
             yield _piece(request.chunk, request.data, request.indices)
             continue
+        if isinstance(request, tuple):  # several pieces, read as views
+            for view in request:
+                yield _piece(view.chunk, view.data, view.indices)
+            continue
         kind = request.WhichOneof("kind")
         if kind == "header":
             yield _update_header(request.header)
         elif kind == "tensor":
             yield _piece(request.tensor, request.tensor.data, request.tensor.indices)
+        elif kind == "tensors":
+            if not request.tensors.chunks:
+                raise InvalidArgument("tensors: an UpdateWeightsRequest's tensors must hold at least one piece")
+            for chunk in request.tensors.chunks:
+                yield _piece(chunk, chunk.data, chunk.indices)
         elif kind == "commit":
             yield Commit(tensor_count=request.commit.tensor_count)
         else:
-            raise InvalidArgument("kind: an UpdateWeightsRequest must set one of header, tensor, commit")
+            raise InvalidArgument("kind: an UpdateWeightsRequest must set one of header, tensor, tensors, commit")
 
 
 def load_request(request: pb.LoadWeightsRequest) -> tuple[UpdateHeader, str]:
