@@ -342,9 +342,9 @@ def test_messages_of_several_pieces_written_otherwise_read_as_protobuf_reads_the
 
 
 def test_corrupt_messages_of_several_pieces_read_as_protobuf_reads_them(rng):
-    chunks, raw = several_pieces(rng)
+    _, raw = several_pieces(rng)
     decode_errors = views = 0
-    # The corrupted bytes: the framing of the first pieces, and where the big piece's data ends.
+    # The corrupted bytes: the first 200 (the framing of the first pieces), or the last few.
     for bad in corruptions(rng, raw, 200, 400):
         want = outcome(pb.UpdateWeightsRequest.FromString, bad)
         assert outcome(read_update_request, bad) == want, bad[:200].hex()

@@ -24,7 +24,7 @@ import pytest
 import torch
 from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
 from logprob_proto import logprob_pb2 as pb
-from logprob_service.api import receiver_process, receivers
+from logprob_service.api import receiver_process, receivers, wire
 from logprob_service.config import Settings
 from logprob_service.models.builtin import build_builtin
 from logprob_service.models.weights import model_fingerprint
@@ -306,3 +306,36 @@ def test_receiver_ports_must_not_take_the_servers_ports():
     with pytest.raises(ValueError, match="passes port 65535"):
         Settings(device="cpu", weight_receivers=3, weight_receiver_port=65534)
     assert Settings(device="cpu", weight_receivers=2, weight_receiver_port=50052).weight_receivers == 2
+
+
+async def test_slots_come_back_while_finished_calls_generators_are_kept_alive(served, rng, monkeypatch):
+    """A slot goes back once no view of it is left. A finished call's async generators may outlive
+    the call (held by a profiler or a debugger, or not yet finalized by the loop): they must then
+    hold no view. In a GPU run under yappi they were kept, each held its call's last messages,
+    and after four pushes every slot was held and the next push stalled."""
+    kept = []
+
+    def keeping(original):
+        def make(*args):
+            generator = original(*args)
+            kept.append(generator)
+            return generator
+
+        return make
+
+    monkeypatch.setattr(wire, "update_messages", keeping(wire.update_messages))
+    monkeypatch.setattr(receivers, "_messages", keeping(receivers._messages))
+    first, second = (make_model("llama", tied=False, seed=new_seed(rng)).state_dict() for _ in range(2))
+    broken = second | {"model.layers.1.input_layernorm.weight": torch.randn(3)}  # refused midway
+
+    def pushes() -> None:
+        with LogprobClient(served.target, model="policy") as client:
+            for weights in (first, second, first):
+                client.update_weights("policy", weights, streams=4, chunk_bytes=SMALL_PIECES, delta=True)
+            with pytest.raises(InvalidRequest, match="input_layernorm"):
+                client.update_weights("policy", broken, streams=4, chunk_bytes=SMALL_PIECES)
+
+    await asyncio.to_thread(pushes)
+    assert len(kept) == 2 * 16, "the generators of 16 calls were kept"
+    lent = lambda: [sorted(r.lent) for r in served.service.receivers._receivers]  # noqa: E731
+    await eventually(lambda: not any(lent()), "every slot to come back")

@@ -102,8 +102,12 @@ class _Receiver:
 
 async def _messages(queue: asyncio.Queue[Any], deserialize: Callable[[Any], Any]) -> AsyncIterator[Any]:
     while (raw := await queue.get()) is not _END:
-        yield deserialize(raw)
-        del raw  # a slot's view: not held while the handler waits for the next message
+        message = deserialize(raw)
+        # A slot's view: not held while the handler works on the message or waits for the next,
+        # nor after the call (an update stops reading at its commit; this generator may outlive
+        # the call). What the message keeps of the slot (a piece's views) goes with the message.
+        del raw
+        yield message
 
 
 # Page-locks a receiver's slots in place for the devices the server stages on; returns what undoes
@@ -231,8 +235,8 @@ class WeightReceivers:
         handler = self._handler_for(_CallDetails("/logprob.v1.LogprobService/UpdateWeights", metadata))
         response = None
         try:
-            requests = _messages(queue, handler.request_deserializer)
-            response = await handlers.run(handlers.behaviour_of(handler), requests, context)
+            async with contextlib.aclosing(_messages(queue, handler.request_deserializer)) as requests:
+                response = await handlers.run(handlers.behaviour_of(handler), requests, context)
         except grpc.aio.AbortError:
             pass  # the context holds the status
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -112,7 +113,10 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
     ) -> pb.UpdateWeightsResponse:
         try:
             self._state.check_accepting()
-            return wire.update_response(await self._updater.update(wire.update_messages(request_iterator)))
+            # Closed at once when the update ends, whatever still refers to it: what it holds of
+            # the stream goes then (a weight receiver's slot of shared memory).
+            async with contextlib.aclosing(wire.update_messages(request_iterator)) as messages:
+                return wire.update_response(await self._updater.update(messages))
         except LogprobError:
             await handlers.read_to_end(request_iterator)
             raise

@@ -182,32 +182,37 @@ def _piece(t: pb.TensorChunk, data: bytes | memoryview, indices: bytes | memoryv
     return TensorPiece(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset=t.offset, data=data)
 
 
+def _update_message(request: pb.UpdateWeightsRequest | PieceView | tuple[PieceView, ...]) -> list[UpdateMessage]:
+    """One UpdateWeightsRequest (read by ``tensor_pieces.read_update_request``) as domain messages."""
+    if isinstance(request, PieceView):
+        return [_piece(request.chunk, request.data, request.indices)]
+    if isinstance(request, tuple):  # several pieces, read as views
+        return [_piece(view.chunk, view.data, view.indices) for view in request]
+    kind = request.WhichOneof("kind")
+    if kind == "header":
+        return [_update_header(request.header)]
+    if kind == "tensor":
+        return [_piece(request.tensor, request.tensor.data, request.tensor.indices)]
+    if kind == "tensors":
+        if not request.tensors.chunks:
+            raise InvalidArgument("tensors: an UpdateWeightsRequest's tensors must hold at least one piece")
+        return [_piece(chunk, chunk.data, chunk.indices) for chunk in request.tensors.chunks]
+    if kind == "commit":
+        return [Commit(tensor_count=request.commit.tensor_count)]
+    raise InvalidArgument("kind: an UpdateWeightsRequest must set one of header, tensor, tensors, commit")
+
+
 async def update_messages(
     requests: AsyncIterator[pb.UpdateWeightsRequest | PieceView | tuple[PieceView, ...]],
 ) -> AsyncIterator[UpdateMessage]:
-    """An UpdateWeights stream (read by ``tensor_pieces.read_update_request``) as domain messages."""
+    """An UpdateWeights stream (read by ``tensor_pieces.read_update_request``) as domain messages.
+
+    Suspended after a message, this generator holds only that message: an update stops reading at
+    the commit, and the generator may outlive the call, so it must not hold a piece then (a piece
+    from a weight receiver holds the receiver's slot of shared memory)."""
     async for request in requests:
-        if isinstance(request, PieceView):
-            yield _piece(request.chunk, request.data, request.indices)
-            continue
-        if isinstance(request, tuple):  # several pieces, read as views
-            for view in request:
-                yield _piece(view.chunk, view.data, view.indices)
-            continue
-        kind = request.WhichOneof("kind")
-        if kind == "header":
-            yield _update_header(request.header)
-        elif kind == "tensor":
-            yield _piece(request.tensor, request.tensor.data, request.tensor.indices)
-        elif kind == "tensors":
-            if not request.tensors.chunks:
-                raise InvalidArgument("tensors: an UpdateWeightsRequest's tensors must hold at least one piece")
-            for chunk in request.tensors.chunks:
-                yield _piece(chunk, chunk.data, chunk.indices)
-        elif kind == "commit":
-            yield Commit(tensor_count=request.commit.tensor_count)
-        else:
-            raise InvalidArgument("kind: an UpdateWeightsRequest must set one of header, tensor, tensors, commit")
+        for message in _update_message(request):
+            yield message
 
 
 def load_request(request: pb.LoadWeightsRequest) -> tuple[UpdateHeader, str]:
