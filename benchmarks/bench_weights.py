@@ -264,6 +264,12 @@ def load_phase(
     if isinstance(latencies, BaseException):
         raise RuntimeError("the scoring load failed") from latencies
     proc.join()
+    if torch.cuda.is_available():
+        # The servers run in this process and share the GPU with the trainers the bench starts
+        # after this phase: the scorer's cached blocks go back to the driver, as if the trainer
+        # had a GPU of its own. Left cached, they held 78 GiB once (a run of 2026-11-25), and a
+        # trainer's process starting after the phase failed to allocate its weights.
+        torch.cuda.empty_cache()
     print(f"scoring phase: {len(latencies)} requests, {pushed} pushes", flush=True)
     return latencies, pushed
 
