@@ -207,9 +207,10 @@ async def update_messages(
 ) -> AsyncIterator[UpdateMessage]:
     """An UpdateWeights stream (read by ``tensor_pieces.read_update_request``) as domain messages.
 
-    Suspended after a message, this generator holds only that message: an update stops reading at
-    the commit, and the generator may outlive the call, so it must not hold a piece then (a piece
-    from a weight receiver holds the receiver's slot of shared memory)."""
+    Suspended, this generator holds only the request it is in the middle of, so after the commit
+    only the commit: an update stops reading there, and the generator may outlive the call, so it
+    must not hold a piece then (a piece from a weight receiver holds the receiver's slot of shared
+    memory)."""
     async for request in requests:
         for message in _update_message(request):
             yield message
