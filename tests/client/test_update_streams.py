@@ -461,7 +461,9 @@ def many_small_and_a_few_large(rng: np.random.Generator) -> dict[str, np.ndarray
     weights = {}
     for layer in range(6):
         weights[f"l{layer}.norm"] = rng.standard_normal(16).astype(np.float32)
-        weights[f"l{layer}.bias"] = rng.standard_normal(int(rng.integers(1, 40))).astype(np.float32)
+        # At least 4 elements: one changed element of a float32 tensor goes sparse (8 bytes against
+        # half its 16 or more), as every tensor of the delta test below must.
+        weights[f"l{layer}.bias"] = rng.standard_normal(int(rng.integers(4, 40))).astype(np.float32)
         weights[f"l{layer}.proj"] = rng.standard_normal((40, int(rng.integers(20, 60)))).astype(np.float32)
     return weights
 

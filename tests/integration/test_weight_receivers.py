@@ -336,6 +336,8 @@ async def test_slots_come_back_while_finished_calls_generators_are_kept_alive(se
                 client.update_weights("policy", broken, streams=4, chunk_bytes=SMALL_PIECES)
 
     await asyncio.to_thread(pushes)
-    assert len(kept) == 2 * 16, "the generators of 16 calls were kept"
+    # The 12 calls of the pushes that landed, and those of the refused one that reached the server
+    # before the client cancelled them on its first error.
+    assert 2 * 12 < len(kept) <= 2 * 16, len(kept)
     lent = lambda: [sorted(r.lent) for r in served.service.receivers._receivers]  # noqa: E731
     await eventually(lambda: not any(lent()), "every slot to come back")
