@@ -1,18 +1,19 @@
 # syntax=docker/dockerfile:1
 # logprob-service for a GPU node. Build: `docker build -t logprob-service .`; run: README, "Docker".
 #
-# Two stages on one CUDA runtime base. `build` installs the project into /opt/venv with
-# scripts/install.sh, the script `make install` runs, and so CI: each CI run exercises these install
-# steps. The final image takes that venv only (no source tree, pip cache or build files), runs as a
-# non-root user, and is configured through LOGPROB_* environment variables (or flags after the image
-# name, which `logprob-service serve` receives).
+# One stage on a CUDA runtime base: apt's Python and C compiler (Triton builds its launcher at run
+# time, so the running image needs them too), then the project installed into /opt/venv by
+# scripts/install.sh, the script `make install` runs, and so CI: each CI run exercises these
+# install steps. The install reads the build context through a mount and leaves no source tree, pip
+# cache or build files in the image. It runs as a non-root user and is configured through LOGPROB_*
+# environment variables (or flags after the image name, which `logprob-service serve` receives).
 
 # Fully qualified: podman and buildah resolve a short name (nvidia/cuda) only through the
 # registries.conf of the machine, which may name no registry (Debian's podman: "short-name did not
 # resolve"); docker.io/ is what docker reads the short name as.
 ARG CUDA_IMAGE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
-FROM ${CUDA_IMAGE} AS base
+FROM ${CUDA_IMAGE}
 # An ARG, not an ENV: apt needs it while building, the running image does not.
 ARG DEBIAN_FRONTEND=noninteractive
 # python3-dev and gcc: at the first call of a Triton kernel (the fused log-prob op), Triton builds
@@ -23,7 +24,6 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
-FROM base AS build
 # PyPI's Linux torch wheels are CUDA builds that carry their own CUDA libraries; the node's driver,
 # which the NVIDIA container toolkit mounts, must support their CUDA version.
 ARG TORCH_SPEC=torch==2.13.0
@@ -33,16 +33,18 @@ ARG TORCH_SPEC=torch==2.13.0
 # torch) builds this default as it is: the GPU image's own install step, resolved with every
 # dependency it brings (~0.2 GB of wheels). --build-arg EXTRAS=server leaves them out.
 ARG EXTRAS=server,gpu
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY scripts/install.sh scripts/
-COPY client client
-COPY service service
-RUN PIP_NO_CACHE_DIR=1 VENV=/opt/venv PYTHON=python3 TORCH_SPEC="${TORCH_SPEC}" EXTRAS="${EXTRAS}" EDITABLE=0 \
-    scripts/install.sh
+# The build context (what .dockerignore lets in: pyproject.toml, README.md, scripts/install.sh,
+# client/, service/) is mounted read-only at /mnt for this step alone and copied to /tmp/src, where
+# setuptools writes its build files; the copy goes in the same step, so no layer holds it.
+# One stage, not a build stage whose venv a final stage copies: the venv (1.8 GB with CPU torch) is
+# written and committed once, not twice. Measured with CPU torch and podman on a CI machine: the
+# build's peak disk use fell from 10.3 to 9.3 GB, 2 builds each (most of it committing the layer).
+RUN --mount=type=bind,target=/mnt \
+    cp -r /mnt /tmp/src \
+    && PIP_NO_CACHE_DIR=1 VENV=/opt/venv PYTHON=python3 TORCH_SPEC="${TORCH_SPEC}" EXTRAS="${EXTRAS}" EDITABLE=0 \
+    /tmp/src/scripts/install.sh \
+    && rm -rf /tmp/src
 
-FROM base
-COPY --from=build /opt/venv /opt/venv
 RUN groupadd --gid 10001 logprob \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin logprob \
     && mkdir -p /data/models /data/hf /data/cache \

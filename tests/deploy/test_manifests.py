@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tomllib
 import zipfile
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -58,29 +58,25 @@ def run(*cmd: str) -> str:
 # Dockerfile
 
 
-def dockerfile_stages() -> dict[str, list[Any]]:
-    """The Dockerfile's instructions (Docker's own parser) by stage: its name, or "final"."""
+def dockerfile_instructions() -> list[Any]:
+    """The Dockerfile's instructions (Docker's own parser); it has one stage."""
     dockerfile = pytest.importorskip("dockerfile", reason=DEV_HINT.format("dockerfile"))
-    stages: dict[str, list[Any]] = {}
-    current: list[Any] = []
-    for command in dockerfile.parse_file(str(DOCKERFILE)):
-        if command.cmd == "FROM":
-            current = stages.setdefault(command.value[2] if len(command.value) == 3 else "final", [])
-        current.append(command)
-    return stages
+    commands = list(dockerfile.parse_file(str(DOCKERFILE)))
+    assert [c.cmd for c in commands].count("FROM") == 1, "one stage: the install writes the venv once"
+    return commands
 
 
-def instructions(stage: list[Any], cmd: str) -> list[Any]:
-    return [c for c in stage if c.cmd == cmd]
+def instructions(cmd: str) -> list[Any]:
+    return [c for c in dockerfile_instructions() if c.cmd == cmd]
 
 
 def image_env() -> dict[str, str]:
-    values = [c.value for c in instructions(dockerfile_stages()["final"], "ENV")]
+    values = [c.value for c in instructions("ENV")]
     return {pair[i]: pair[i + 1] for pair in values for i in range(0, len(pair), 2)}
 
 
 def image_uid() -> int:
-    (user,) = instructions(dockerfile_stages()["final"], "USER")
+    (user,) = instructions("USER")
     return int(user.value[0].split(":")[0])
 
 
@@ -108,65 +104,74 @@ def test_hadolint_finds_nothing_in_the_dockerfile():
     run(hadolint, "--no-color", str(DOCKERFILE))  # fails on any finding, "info" included
 
 
+def context_files() -> list[str]:
+    """The checkout's files in the build context, by .dockerignore: its first line, ``*``, leaves
+    everything out, its ``!`` lines take paths back in, and later lines leave some out again."""
+    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    files = []
+    for root in (line[1:].rstrip("/") for line in lines if line.startswith("!")):
+        paths = [ROOT / root] if (ROOT / root).is_file() else sorted((ROOT / root).rglob("*"))
+        files += [rel for p in paths if p.is_file() and not dockerignored(rel := p.relative_to(ROOT).as_posix())]
+    return files
+
+
 def test_the_image_installs_with_the_script_make_install_runs():
-    stages = dockerfile_stages()
-    (install,) = [c.value[0] for c in instructions(stages["build"], "RUN") if "scripts/install.sh" in c.value[0]]
-    assert 'EXTRAS="${EXTRAS}"' in install and "EDITABLE=0" in install and 'TORCH_SPEC="${TORCH_SPEC}"' in install
+    (install,) = [c for c in instructions("RUN") if "scripts/install.sh" in c.value[0]]
+    # The build context, mounted for this step alone and copied where setuptools may write; the
+    # copy removed in the same step. No COPY: no layer holds source files.
+    assert install.flags == ("--mount=type=bind,target=/mnt",) and not instructions("COPY")
+    command = install.value[0]
+    assert command.startswith("cp -r /mnt /tmp/src ") and command.endswith("&& rm -rf /tmp/src")
+    assert "/tmp/src/scripts/install.sh" in command
+    assert 'EXTRAS="${EXTRAS}"' in command and "EDITABLE=0" in command and 'TORCH_SPEC="${TORCH_SPEC}"' in command
+    assert "VENV=/opt/venv" in command and "PIP_NO_CACHE_DIR=1" in command
     # The server, and the gpu extra (cuDNN's ragged attention) unless a build leaves it out.
-    args = dict(c.value[0].split("=", 1) for c in instructions(stages["build"], "ARG") if "=" in c.value[0])
+    args = dict(c.value[0].split("=", 1) for c in instructions("ARG") if "=" in c.value[0])
     extras = args["EXTRAS"].split(",")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert extras == ["server", "gpu"] and set(extras) <= project["optional-dependencies"].keys()
     # make install (which .ci/run's `make test` and `make lint` run first) calls the same script.
     recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.installed:", 1)[1].split("\n\n", 1)[0]
     assert "scripts/install.sh" in recipe and 'TORCH_SPEC="$(TORCH_SPEC)"' in recipe
-    # The final image takes the built environment only.
-    copies = instructions(stages["final"], "COPY")
-    assert [(c.flags, c.value) for c in copies] == [(("--from=build",), ("/opt/venv", "/opt/venv"))]
 
 
-def test_every_file_the_build_copies_is_in_the_build_context():
-    sources = [src for c in instructions(dockerfile_stages()["build"], "COPY") for src in c.value[:-1]]
-    assert "scripts/install.sh" in sources and "service" in sources and "client" in sources
-    for source in sources:
-        assert (ROOT / source).exists(), source
-        assert not dockerignored(source), source
-        for path in (ROOT / source).rglob("*.py"):
-            assert not dockerignored(path.relative_to(ROOT).as_posix()), path
+def test_the_build_context_holds_the_project_and_not_the_rest_of_the_checkout():
+    files = context_files()
+    assert {"pyproject.toml", "README.md", "scripts/install.sh"} <= set(files)
+    for top in ("service", "client"):
+        modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts]
+        assert modules and set(modules) <= set(files), top
     # ...and the rest of the checkout stays out (a local .venv would add gigabytes).
-    assert all(dockerignored(p) for p in (".venv/bin/python", ".git/config", "tests/conftest.py"))
+    assert all(dockerignored(p) for p in (".venv/bin/python", ".git/config", "tests/conftest.py", "Dockerfile"))
     assert dockerignored("service/logprob_service/__pycache__/cli.cpython-311.pyc")
+    assert not any("__pycache__" in f or ".egg-info" in f for f in files)
 
 
 def test_the_image_serves_as_a_non_root_user_configured_by_its_environment():
-    final = dockerfile_stages()["final"]
-    (entrypoint,) = instructions(final, "ENTRYPOINT")
+    (entrypoint,) = instructions("ENTRYPOINT")
     assert entrypoint.json and entrypoint.value == ("logprob-service", "serve")  # exec form: SIGTERM reaches it
-    (healthcheck,) = instructions(final, "HEALTHCHECK")
+    (healthcheck,) = instructions("HEALTHCHECK")
     assert healthcheck.json and healthcheck.value == ("CMD", "logprob-service", "probe")
     assert image_uid() > 0
-    (expose,) = instructions(final, "EXPOSE")
+    (expose,) = instructions("EXPOSE")
     assert {int(p) for p in expose.value} == {GRPC_PORT, METRICS_PORT}
     env = image_env()
     assert {k for k in env if k.startswith("LOGPROB_")} <= SETTINGS_ENV
     # Bound on every interface, on the ports it exposes; the probe reads the same variables.
     assert env["LOGPROB_HOST"] == "0.0.0.0"
     assert int(env["LOGPROB_PORT"]) == GRPC_PORT and int(env["LOGPROB_METRICS_PORT"]) == METRICS_PORT
-    (volume,) = instructions(final, "VOLUME")
+    (volume,) = instructions("VOLUME")
     assert volume.value == ("/data",) and env["HF_HOME"].startswith("/data/")
     assert env["TRITON_CACHE_DIR"].startswith("/data/")
 
 
-def test_the_files_the_build_copies_make_a_wheel_with_every_module(tmp_path):
-    # The image installs the project as a wheel (EDITABLE=0) built from what the build stage
-    # copied, not from a whole checkout: build it the same way here.
+def test_the_build_context_makes_a_wheel_with_every_module(tmp_path):
+    # The image installs the project as a wheel (EDITABLE=0) built from the build context, not
+    # from a whole checkout: build it the same way here.
     src = tmp_path / "src"
-    for copy in instructions(dockerfile_stages()["build"], "COPY"):
-        *sources, dest = copy.value
-        for source in sources:
-            target = src / dest / Path(source).name if dest.endswith("/") else src / dest
-            target.parent.mkdir(parents=True, exist_ok=True)
-            (shutil.copytree if (ROOT / source).is_dir() else shutil.copy)(ROOT / source, target)
+    for file in context_files():
+        (src / file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / file, src / file)
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(src))
     (wheel,) = tmp_path.glob("logprob_service-*.whl")
     with zipfile.ZipFile(wheel) as archive:

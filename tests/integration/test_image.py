@@ -19,10 +19,11 @@ image holds the gpu extra (nvidia-cudnn-frontend), which the server on CPU never
 with a call in flight drains: the call is answered and the process exits 0 within the grace
 period. The image's size and build time are printed in pytest's summary.
 
-Needs root, podman, and mmdebstrap or debootstrap (.ci/run installs them); skipped otherwise,
-saying why. The image and what its build left are removed afterwards, except the Debian base
-(~120 MB), kept for the next run; LOGPROB_KEEP_IMAGE=1 keeps the image too. Not marked
-``numerical``: `make test-sweep` would build the image once per seed.
+Needs root, podman, mmdebstrap or debootstrap (.ci/run installs them), and 12 GB of free disk
+where podman writes (the build's peak use was 9.3 GB); skipped otherwise, saying why. The image
+and what its build left are removed afterwards, except the Debian base (~120 MB), kept for the
+next run; LOGPROB_KEEP_IMAGE=1 keeps the image too. Not marked ``numerical``: `make test-sweep`
+would build the image once per seed.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ IMAGE = f"localhost/logprob-service:image-test-{os.getpid()}"
 CONTAINER = f"logprob-image-test-{os.getpid()}"
 IMAGE_UID = 10001  # the Dockerfile's USER, which deploy/k8s and the README name too
 BUILD_TIMEOUT_S = 600  # measured (2026-11-23, 2 cores): the Debian base 32 s, the build 154-189 s
+# The build's peak disk use, measured (2026-11-25, CPU torch, a 2.4 GB image): 9.3 GB, most of it
+# while podman commits the layer; with a margin for the image to grow.
+BUILD_DISK_BYTES = 12 * 10**9
 START_TIMEOUT_S = 120  # loading and warming up builtin:tiny-llama takes seconds
 GRACE_S = Settings.model_fields["grace_period_s"].default  # the image does not set it
 
@@ -75,9 +79,24 @@ def unavailable() -> str | None:
             return f"no {tool} here: {hint}"
     if shutil.which("mmdebstrap") is None and shutil.which("debootstrap") is None:
         return f"no mmdebstrap or debootstrap here to make the Debian base image: {hint}"
-    info = subprocess.run(["podman", "info"], capture_output=True, text=True, timeout=120)
+    info = subprocess.run(["podman", "info", "--format", "json"], capture_output=True, text=True, timeout=120)
     if info.returncode != 0:
         return f"podman does not work here: {info.stderr.strip()[-500:]}"
+    store = json.loads(info.stdout)["store"]
+    return short_of_disk(store["graphRoot"], store.get("imageCopyTmpDir") or "/var/tmp")
+
+
+def short_of_disk(*paths: str) -> str | None:
+    """Why the build would run out of disk where podman writes (its storage, its blobs' scratch
+    folder), or None: the build's peak use is several times the image (the layer being written,
+    its blob, the committed copy), and a CI machine's free disk varies from run to run."""
+    for path in paths:
+        free = shutil.disk_usage(path).free
+        if free < BUILD_DISK_BYTES:
+            return (
+                f"the build needs {BUILD_DISK_BYTES / 1e9:.0f} GB free where podman writes, "
+                f"and {path} has {free / 1e9:.1f} GB free"
+            )
     return None
 
 
@@ -191,12 +210,12 @@ def image(summary: Summary, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         if os.environ.get("LOGPROB_KEEP_IMAGE") != "1":
             started = time.monotonic()
-            # The image, then the images of its build stages, which the build's log names ("--> ID"
-            # after each commit); the Debian base stays, and nobody else's images are touched.
+            # The image, then any other image its build committed (a stage's), which the build's log
+            # names ("--> ID" after each commit); the Debian base stays, nobody else's images are touched.
             subprocess.run(["podman", "rmi", "--force", IMAGE], capture_output=True, timeout=300)
-            stages = re.findall(r"^--> ([0-9a-f]{11,64})$", log.read_text() if log.exists() else "", re.MULTILINE)
-            for stage in stages:  # one by one: the last is the image, gone already
-                subprocess.run(["podman", "rmi", "--force", stage], capture_output=True, timeout=300)
+            commits = re.findall(r"^--> ([0-9a-f]{11,64})$", log.read_text() if log.exists() else "", re.MULTILINE)
+            for commit in commits:  # one by one: the last is the image, gone already
+                subprocess.run(["podman", "rmi", "--force", commit], capture_output=True, timeout=300)
             summary.lines.append(f"removed the image and its build's layers in {time.monotonic() - started:.0f} s")
 
 
