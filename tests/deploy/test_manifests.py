@@ -17,6 +17,7 @@ No Docker engine or cluster is needed: nothing is built, run or applied here.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import shutil
 import subprocess
@@ -80,15 +81,21 @@ def image_uid() -> int:
     return int(user.value[0].split(":")[0])
 
 
+@functools.cache
+def dockerignore_patterns() -> tuple[str, ...]:
+    """.dockerignore's patterns, in order (read once: every file of the context is checked)."""
+    lines = (line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines())
+    return tuple(line for line in lines if line and not line.startswith("#"))
+
+
 def dockerignored(path: str) -> bool:
     """Whether .dockerignore keeps ``path`` out of the build context, by Docker's rules as far as
     this file's patterns need them: the patterns in order, the last that matches the path or one
     of its parent directories decides, and ``!`` takes a path back in."""
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     parts = PurePosixPath(path).parts
     candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
     ignored = False
-    for pattern in filter(lambda p: p and not p.startswith("#"), patterns):
+    for pattern in dockerignore_patterns():
         negated, pattern = pattern.startswith("!"), pattern.removeprefix("!").rstrip("/")
         if any(
             fnmatch.fnmatchcase(c, pattern) or fnmatch.fnmatchcase(c, pattern.removeprefix("**/")) for c in candidates
@@ -107,9 +114,8 @@ def test_hadolint_finds_nothing_in_the_dockerfile():
 def context_files() -> list[str]:
     """The checkout's files in the build context, by .dockerignore: its first line, ``*``, leaves
     everything out, its ``!`` lines take paths back in, and later lines leave some out again."""
-    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     files = []
-    for root in (line[1:].rstrip("/") for line in lines if line.startswith("!")):
+    for root in (p[1:].rstrip("/") for p in dockerignore_patterns() if p.startswith("!")):
         paths = [ROOT / root] if (ROOT / root).is_file() else sorted((ROOT / root).rglob("*"))
         files += [rel for p in paths if p.is_file() and not dockerignored(rel := p.relative_to(ROOT).as_posix())]
     return files
