@@ -204,10 +204,10 @@ def _pack(pieces: Iterable[Message], most_bytes: int) -> Iterator[Message]:
 
 
 def _stream(
-    header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[Message]], pack_bytes: int | None
+    header: pb.UpdateWeightsHeader, tensors: Iterable[Iterator[Message]], chunk_bytes: int, pack: bool
 ) -> Iterator[Message]:
-    """One UpdateWeights call's messages: the header, each tensor's pieces (``pack_bytes``: packed
-    into messages of up to that many bytes, ``_pack``), the commit."""
+    """One UpdateWeights call's messages: the header, each tensor's pieces (``pack``: packed into
+    messages of up to ``chunk_bytes``, ``_pack``), the commit."""
     yield (pb.UpdateWeightsRequest(header=header).SerializeToString(),)
     count = 0
 
@@ -217,7 +217,7 @@ def _stream(
             yield from tensor
             count += 1
 
-    yield from pieces() if pack_bytes is None else _pack(pieces(), pack_bytes)
+    yield from _pack(pieces(), chunk_bytes) if pack else pieces()
     yield (pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count)).SerializeToString(),)
 
 
@@ -280,9 +280,13 @@ def update_streams(
     ``chunk_bytes`` (``tensors``; servers since 2026-11-25), else each in its own."""
     _check(version, chunk_bytes, streams)
     groups, header = _calls(weights, streams, pb.UpdateWeightsHeader(model=model, version=version, partial=partial))
-    pack_bytes = chunk_bytes if pack else None
     return [
-        _stream(header, (_dense_pieces(n, *read, chunk_bytes) for n, read in _ahead(group, _read, ahead=1)), pack_bytes)
+        _stream(
+            header,
+            (_dense_pieces(n, *read, chunk_bytes) for n, read in _ahead(group, _read, ahead=1)),
+            chunk_bytes,
+            pack,
+        )
         for group in groups
     ]
 
@@ -630,12 +634,12 @@ class WeightDeltas:
             header.partial, header.base_version = True, self.version
         groups, header = _calls(weights, streams, header)
         self._compared = self._compare_held(groups) if self.on_device else {}
-        pack_bytes = chunk_bytes if pack else None
         return [
             _stream(
                 header,
                 filter(None, (self._pieces(c, chunk_bytes) for c in _ahead(group, self._compare))),
-                pack_bytes,
+                chunk_bytes,
+                pack,
             )
             for group in groups
         ]
