@@ -47,7 +47,7 @@ def test_the_host_path_is_the_formula(n, rng):
 def test_the_kernel_gives_the_host_path_s_block_sums(n, rng):
     halves = digest._halves(random_bytes(rng, n))
     want = digest._block_dots_host(halves)
-    got = digest_kernel.block_dots(halves.to(DEVICE)).cpu()
+    got = digest_kernel.block_dots(halves.to(DEVICE), digest.multipliers(torch.device(DEVICE))).cpu()
     assert torch.equal(got, want)
 
 

@@ -116,7 +116,8 @@ def digest_lanes(tensor: torch.Tensor, device: torch.device | None = None) -> to
         else:
             from logprob_service.ops.digest_kernel import block_dots  # Triton: GPU servers only
 
-            dots = block_dots(piece.to(gpu, non_blocking=True))
+            piece = piece.to(gpu, non_blocking=True)
+            dots = block_dots(piece, multipliers(piece.device))
         factors = _block_factors(start // T, dots.shape[0], dots.device)
         # Each term is below P after its % P; a sum of fewer than 2^32 of them fits int64.
         total += ((dots % P) * factors % P).sum(dim=0)
@@ -143,7 +144,8 @@ def packed_lanes(packed: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
     if device.type == "cuda":
         from logprob_service.ops.digest_kernel import block_dots  # Triton: GPU servers only
 
-        pieces = [block_dots(halves[start : start + step]) for start in range(0, halves.numel(), step)]
+        r = multipliers(device)
+        pieces = [block_dots(halves[start : start + step], r) for start in range(0, halves.numel(), step)]
     else:
         pieces = [_block_dots_host(halves[start : start + step]) for start in range(0, halves.numel(), step)]
     lanes = torch.zeros((len(nbytes), LANES), dtype=torch.int64, device=device)

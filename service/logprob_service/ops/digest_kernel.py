@@ -1,7 +1,8 @@
 """The GPU side of ``ops.digest``: a block's inner sums sum_t x_{bT+t} r_l(t) in one Triton pass.
 
 Imported only where a digest runs on a GPU: Triton is a GPU-only dependency, and the server runs
-without it on the CPU.
+without it on the CPU. The digest's parameters (T, the lanes, the multipliers r) live in
+``ops.digest`` alone and arrive here as the multiplier table, so this module imports nothing of it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-
-from logprob_service.ops.digest import LANES, T, multipliers
 
 
 @triton.jit
@@ -35,12 +34,16 @@ def _block_dots_kernel(halves_ptr, n, r_ptr, out_ptr, T: tl.constexpr, TILE: tl.
     tl.store(out_ptr + b * 4 + 3, acc3)
 
 
-def block_dots(halves: torch.Tensor) -> torch.Tensor:
-    """[blocks, LANES] int64 inner sums of ``halves`` (int16, on a GPU, or on the CPU under
-    ``TRITON_INTERPRET=1``), by the kernel."""
-    blocks = triton.cdiv(halves.numel(), T)
-    out = torch.empty((blocks, LANES), dtype=torch.int64, device=halves.device)
+def block_dots(halves: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """[blocks, 4] int64 inner sums of ``halves`` (int16, on a GPU, or on the CPU under
+    ``TRITON_INTERPRET=1``) with ``r`` (int64 [4, T] on the same device: ``digest.multipliers``),
+    blocks of T halves, by the kernel."""
+    lanes, block = r.shape
+    if lanes != 4:
+        raise ValueError(f"the kernel sums 4 lanes, got a multiplier table of {lanes}")
+    blocks = triton.cdiv(halves.numel(), block)
+    out = torch.empty((blocks, lanes), dtype=torch.int64, device=halves.device)
     # Triton launches on the current device: the tensor's, whichever thread calls (one per GPU).
     with torch.cuda.device(halves.device) if halves.is_cuda else contextlib.nullcontext():
-        _block_dots_kernel[(blocks,)](halves, halves.numel(), multipliers(halves.device), out, T=T, TILE=2048)
+        _block_dots_kernel[(blocks,)](halves, halves.numel(), r, out, T=block, TILE=2048)
     return out
