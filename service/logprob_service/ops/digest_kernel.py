@@ -36,14 +36,12 @@ def _block_dots_kernel(halves_ptr, n, r_ptr, out_ptr, T: tl.constexpr, TILE: tl.
 
 def block_dots(halves: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """[blocks, 4] int64 inner sums of ``halves`` (int16, on a GPU, or on the CPU under
-    ``TRITON_INTERPRET=1``) with ``r`` (int64 [4, T] on the same device: ``digest.multipliers``),
-    blocks of T halves, by the kernel."""
-    lanes, block = r.shape
-    if lanes != 4:
-        raise ValueError(f"the kernel sums 4 lanes, got a multiplier table of {lanes}")
-    blocks = triton.cdiv(halves.numel(), block)
-    out = torch.empty((blocks, lanes), dtype=torch.int64, device=halves.device)
+    ``TRITON_INTERPRET=1``), in blocks of T halves, by the kernel. ``r``: the multipliers r_l(t),
+    int64 [4, T] on the same device (``digest.multipliers``; the kernel sums 4 lanes)."""
+    t = r.shape[1]
+    blocks = triton.cdiv(halves.numel(), t)
+    out = torch.empty((blocks, 4), dtype=torch.int64, device=halves.device)
     # Triton launches on the current device: the tensor's, whichever thread calls (one per GPU).
     with torch.cuda.device(halves.device) if halves.is_cuda else contextlib.nullcontext():
-        _block_dots_kernel[(blocks,)](halves, halves.numel(), r, out, T=block, TILE=2048)
+        _block_dots_kernel[(blocks,)](halves, halves.numel(), r, out, T=t, TILE=2048)
     return out
