@@ -28,7 +28,7 @@ RUN apt-get update \
 # which the NVIDIA container toolkit mounts, must support their CUDA version.
 ARG TORCH_SPEC=torch==2.13.0
 # The project's extras: server, and gpu (nvidia-cudnn-frontend, cuDNN's ragged attention for packed
-# rows; ops/cudnn_attention.py). The server starts without gpu's packages and imports them only on
+# rows; ops/attention/cudnn.py). The server starts without gpu's packages and imports them only on
 # a CUDA device, and their wheels install on any Linux x86_64, so CI's image test (BASE=debian, CPU
 # torch) builds this default as it is: the GPU image's own install step, resolved with every
 # dependency it brings (~0.2 GB of wheels). --build-arg EXTRAS=server leaves them out.

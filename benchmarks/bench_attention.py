@@ -3,17 +3,18 @@
 Backends:
 
 * ``FA2 varlen (+repeat)``: ``torch.nn.attention.varlen.varlen_attn`` as the service calls it
-  (``ops.attention.varlen_attention``): K/V repeated to H heads inside the timed call when this
+  (``ops.attention.flash.varlen_attention``): K/V repeated to H heads inside the timed call when this
   torch's varlen_attn has no ``enable_gqa``.
 * ``FA2 varlen (K/V pre-repeated)``: the kernel alone, K/V repeated before timing.
 * ``SDPA cuDNN``: ``F.scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION``, native
   GQA (``enable_gqa``), on a padded [B, H, L, D] copy of the packed rows made before timing.
-* ``cuDNN-FE ragged``: ``ops.cudnn_attention.cudnn_varlen_attention`` (cuDNN frontend graph, THD
+* ``cuDNN-FE ragged``: ``ops.attention.cudnn.cudnn_varlen_attention`` (cuDNN frontend graph, THD
   layout with ragged offsets, native GQA). Its graph is built by a first call outside the timing;
   build times are listed under the table.
 * For the bottom-right chunk (e), also: both cuDNN paths as a full rectangle (the chunk against the
   keys before it) plus a causal square (against its own keys), merged by log-sum-exp
-  (``merge_attention``); torch's through ``aten._scaled_dot_product_cudnn_attention(compute_log_sumexp)``.
+  (``ops.attention.common.merge_attention``); torch's through
+  ``aten._scaled_dot_product_cudnn_attention(compute_log_sumexp)``.
 
 Shapes: (a) 16 x 2048, 14/2 heads, D 64 (Qwen2.5-0.5B); (b) 16 x 2048, 12/2, D 128 (1.5B);
 (c) 64 sequences of seeded uniform lengths 256..4096, at 14/2 D 64 and 28/4 D 128; (d) one sequence
@@ -49,8 +50,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from harness import matmul_tflops, publish, run_environment, time_kernel
-from logprob_service.ops import attention as attn
-from logprob_service.ops import cudnn_attention as cda
+from logprob_service.ops.attention import cudnn as cda
+from logprob_service.ops.attention import flash
+from logprob_service.ops.attention.common import merge_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPE = torch.bfloat16
@@ -169,10 +171,10 @@ def run_case(case: Case, iters: int, seed: int) -> tuple[list[Row], dict[str, fl
     # --- FA2 varlen (bottom-right aligned by construction)
     add(
         "FA2 varlen (+repeat)",
-        lambda: attn.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0)),
+        lambda: flash.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0)),
     )
-    varlen = attn._varlen_attn()
-    if varlen is not None and groups > 1 and not attn._accepts_enable_gqa(varlen):
+    varlen = flash._varlen_attn()
+    if varlen is not None and groups > 1 and not flash._accepts_enable_gqa(varlen):
         k_rep, v_rep = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         add(
             "FA2 varlen (K/V pre-repeated)",
@@ -258,7 +260,7 @@ def add_split_rows(
     def torch_split() -> torch.Tensor:
         out_a, lse_a = cudnn_op(qb, k_rect, v_rect, causal=False)
         out_b, lse_b = cudnn_op(qb, k_sq, v_sq, causal=True)
-        return cda.merge_attention(out_a, lse_a, out_b, lse_b)[0]
+        return merge_attention(out_a, lse_a, out_b, lse_b)[0]
 
     add("SDPA-cuDNN op rect+square, lse merge" + ("" if native else " (K/V repeated)"), torch_split)
     if cda.available():
@@ -271,7 +273,7 @@ def add_split_rows(
                 q, k_before, v_before, cu_q, cu_prefix, lq, prefix, scale=scale, window_size=(-1, -1), return_lse=True
             )
             out_b, lse_b = cda.cudnn_varlen_attention(q, k_own, v_own, cu_q, cu_q, lq, lq, scale=scale, return_lse=True)
-            return cda.merge_attention(out_a, lse_a, out_b, lse_b)[0]
+            return merge_attention(out_a, lse_a, out_b, lse_b)[0]
 
         add("cuDNN-FE rect+square, lse merge", fe_split)
 

@@ -25,14 +25,17 @@ from logprob_service.models.loading import attention_implementation
 from logprob_service.models.scorer import ScoringOptions
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops import attention as attn
-from logprob_service.ops import cudnn_attention
 from logprob_service.ops.attention import (
     PACKED_ATTENTION,
     attention_implementation_name,
+    choice,
+    cudnn,
     exact_packed_attention,
+    flash,
     packed_attention_forward,
     packed_forward_kwargs,
     register_packed_attention,
+    sdpa_cudnn,
 )
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
@@ -97,7 +100,7 @@ def count_varlen_calls(monkeypatch: pytest.MonkeyPatch, *, hide_enable_gqa: bool
     ``hide_enable_gqa``: a wrapper whose signature lacks ``enable_gqa`` (as torch 2.11's
     varlen_attn), which forces the repeat-heads path even on a torch that has native GQA.
     """
-    real = attn._varlen_attn()
+    real = flash._varlen_attn()
     assert real is not None, f"torch {torch.__version__} has no torch.nn.attention.varlen on this GPU image"
     calls: list[int] = []
 
@@ -106,7 +109,7 @@ def count_varlen_calls(monkeypatch: pytest.MonkeyPatch, *, hide_enable_gqa: bool
         return real(q, k, v, *args, **kwargs)
 
     wrapper = counting if hide_enable_gqa else functools.wraps(real)(counting)
-    monkeypatch.setattr(attn, "_varlen_attn", lambda: wrapper)
+    monkeypatch.setattr(flash, "_varlen_attn", lambda: wrapper)
     return calls
 
 
@@ -114,7 +117,7 @@ def count_varlen_calls(monkeypatch: pytest.MonkeyPatch, *, hide_enable_gqa: bool
 def _setup(monkeypatch: pytest.MonkeyPatch) -> None:
     register_packed_attention()
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(attn, "_warned", set())  # each test sees its own slow-path warnings
+    monkeypatch.setattr(choice, "_warned", set())  # each test sees its own slow-path warnings
 
 
 def compare_bf16(
@@ -231,19 +234,19 @@ def test_varlen_op_matches_exact_attention(window, heads, kv_heads, head_dim, hi
 
 # --------------------------------------------------------------------------- the backends auto picks
 
-needs_cudnn = pytest.mark.skipif(not cudnn_attention.available(), reason="nvidia-cudnn-frontend is not installed")
+needs_cudnn = pytest.mark.skipif(not cudnn.available(), reason="nvidia-cudnn-frontend is not installed")
 
 
 @pytest.mark.parametrize("preference", ["auto", pytest.param("cudnn", marks=needs_cudnn)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding"])
 def test_bf16_packed_rows_on_every_backend_match_the_models_own_forward(arch, preference, monkeypatch, seed):
     calls, _ = compare_bf16(arch, seed, monkeypatch, preference=preference)
-    assert calls == [] or not cudnn_attention.available(), "cuDNN's ragged kernel serves packed rows before FA2"
+    assert calls == [] or not cudnn.available(), "cuDNN's ragged kernel serves packed rows before FA2"
 
 
 def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of ``ops.attention``'s reference to a backend function."""
-    owner = cudnn_attention if name == "cudnn_varlen_attention" else attn
+    """Count the calls ``ops.attention.choice`` makes of a backend function."""
+    owner = cudnn if name == "cudnn_varlen_attention" else sdpa_cudnn
     real, calls = getattr(owner, name), []
 
     def counting(q, *args, **kwargs):

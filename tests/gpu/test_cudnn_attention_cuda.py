@@ -1,4 +1,4 @@
-"""cuDNN frontend varlen attention (ops.cudnn_attention) on CUDA, against a float32 reference.
+"""cuDNN frontend varlen attention (ops.attention.cudnn) on CUDA, against a float32 reference.
 
 Reference: each sequence on its own, plain float32 torch (TF32 off), query head h reading key/value
 head h // (H / KV), the mask spelled out from its definition (causal aligned bottom-right, window
@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from logprob_service.ops import cudnn_attention as cda
+from logprob_service.ops.attention import cudnn as cda
+from logprob_service.ops.attention.common import merge_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 pytestmark = [
@@ -282,7 +283,7 @@ def test_merge_prefix_and_chunk(seed: int, rng: np.random.Generator) -> None:
     out_b, lse_b = cda.cudnn_varlen_attention(
         q, k[own_rows], v[own_rows], cu_q, cu_q, max(lq), max(lq), scale=scale, return_lse=True
     )
-    merged, merged_lse = cda.merge_attention(out_a, lse_a, out_b, lse_b)
+    merged, merged_lse = merge_attention(out_a, lse_a, out_b, lse_b)
     ref, ref_lse, lse_tol = reference(q, k, v, cu_q, cu_k, scale=scale)
     base = sdpa_baseline(q, k, v, cu_q, cu_k, scale=scale)
     check_out(merged, ref, base, extra=2.0**-9)

@@ -14,7 +14,9 @@ from logprob_service.ops import attention as attn
 from logprob_service.ops.attention import (
     PACKED_ATTENTION,
     attention_implementation_name,
+    exact,
     exact_packed_attention,
+    flash,
     packed_attention_forward,
     packed_forward_kwargs,
     register_packed_attention,
@@ -230,7 +232,7 @@ def _fake_module(heads: int, kv_heads: int, head_dim: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0), (5, 3.0), (1, None)])
 # one block per sequence / 3-row blocks for the 17-token sequence / one row at a time
-@pytest.mark.parametrize("score_bytes", [attn.FALLBACK_SCORE_BYTES, 4 * 6 * 17 * 3, 1])
+@pytest.mark.parametrize("score_bytes", [exact.FALLBACK_SCORE_BYTES, 4 * 6 * 17 * 3, 1])
 def test_op_matches_transformers_eager_on_a_block_diagonal_mask(window, softcap, score_bytes, monkeypatch, seed):
     """The attention function against transformers' own eager attention (Gemma 2's, which has the
     softcap) run on the whole packed row with an explicit block-diagonal mask: GQA 6 query heads
@@ -254,7 +256,7 @@ def test_op_matches_transformers_eager_on_a_block_diagonal_mask(window, softcap,
     additive = torch.zeros(total, total).masked_fill(~keep, torch.finfo(torch.float32).min)[None, None]
     expected, _ = gemma2_eager_attention(module, q, k, v, additive, scaling=scale, softcap=softcap)
 
-    monkeypatch.setattr(attn, "FALLBACK_SCORE_BYTES", score_bytes)  # the budget the attention function uses
+    monkeypatch.setattr(exact, "FALLBACK_SCORE_BYTES", score_bytes)  # the budget the attention function uses
     got, weights = packed_attention_forward(
         module, q, k, v, None, scaling=scale, dropout=0.0, softcap=softcap, sliding_window=window,
         **packed_forward_kwargs(cu, max(lengths)),
@@ -304,7 +306,7 @@ def test_cpu_never_reaches_the_varlen_kernel(monkeypatch, caplog):
     def boom():
         raise AssertionError("fast path taken on the CPU")
 
-    monkeypatch.setattr(attn, "_varlen_attn", boom)
+    monkeypatch.setattr(flash, "_varlen_attn", boom)
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     with caplog.at_level("WARNING", logger=attn.__name__):
         out, _ = packed_attention_forward(

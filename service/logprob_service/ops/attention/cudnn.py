@@ -1,6 +1,6 @@
 """Causal varlen attention on packed rows through cuDNN's fused flash attention (cuDNN frontend).
 
-The same packed layout as ``ops.attention``: n sequences concatenated along the token axis,
+The packed layout of ``ops.attention``: n sequences concatenated along the token axis,
 delimited by ``cu_seqlens`` (int32 [n+1], 0 = c_0 <= c_1 <= ... <= c_n = T). Queries and keys may
 be delimited differently (``cu_seqlens_q`` vs ``cu_seqlens_k``): sequence s owns query rows
 [cq_s, cq_{s+1}) and key/value rows [ck_s, ck_{s+1}), with Lq_s <= Lk_s.
@@ -16,10 +16,6 @@ What is computed, for query row i (0-based within its sequence) and key row j of
 Bottom-right alignment makes a query chunk of a long sequence (its last Lq queries against the
 layer's full K/V), and completions appended to a shared prompt, see exactly the keys they would
 see in one causal pass. For Lq = Lk it is ordinary causal attention.
-
-Merging by log-sum-exp: for two disjoint key sets A and B of the same query rows,
-``o = (exp(lse_A) o_A + exp(lse_B) o_B) / (exp(lse_A) + exp(lse_B))`` and
-``lse = logaddexp(lse_A, lse_B)`` are exactly attention over A u B: ``merge_attention`` does it.
 
 How it runs: one cuDNN SDPA graph per shape class, in the ragged (THD) layout. Q, K, V and O are
 described to cuDNN as [n, heads, max_len, D] tensors with token-major strides; per-sequence
@@ -55,6 +51,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from logprob_service.ops.attention.common import FLASH_DTYPES
+
 __all__ = [
     "CUDNN_FRONTEND_PACKAGE",
     "available",
@@ -62,7 +60,6 @@ __all__ = [
     "cudnn_blocker",
     "cudnn_varlen_attention",
     "graph_build_seconds",
-    "merge_attention",
 ]
 
 CUDNN_FRONTEND_PACKAGE = "nvidia-cudnn-frontend"
@@ -72,7 +69,6 @@ MIN_BACKEND_VERSION = 90600
 sliding window on sequences whose query and key lengths differ (cudnn-frontend's support surface)."""
 
 MAX_HEAD_DIM = 256
-_DTYPES = (torch.float16, torch.bfloat16)
 
 _MIN_LENGTH_BUCKET = 64  # below this, extra empty thread blocks cost nothing worth another graph
 _MIN_BATCH_BUCKET = 8
@@ -188,7 +184,7 @@ def cudnn_blocker(
     cudnn, reason = _load()
     if cudnn is None:
         return reason
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in FLASH_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (cuDNN flash attention runs float16/bfloat16 only)"
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
@@ -454,24 +450,3 @@ def _execute(cudnn: Any, graph: Any, handle: Any, index: int, pack: dict[int, to
                 graph.execute(pack, workspace, handle=handle)
         else:
             graph.execute(pack, workspace, handle=handle)
-
-
-def merge_attention(
-    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key sets, from each set's (out, lse).
-
-    out1, out2: [T, H, D]; lse1, lse2: [T, H] float32, natural log (``cudnn_varlen_attention``'s
-    convention). With lse = logaddexp(lse1, lse2), the softmax weights of set A are
-    exp(x_j - lse) = exp(x_j - lse1) * exp(lse1 - lse), so o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2,
-    computed in float32 and returned in out1's dtype with lse [T, H] float32. A part whose lse is
-    -inf (no allowed key) contributes nothing, whatever its out holds.
-    """
-    lse = torch.logaddexp(lse1, lse2)  # [T, H]
-    finite = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key anywhere: weights exp(-inf) = 0
-
-    def part(out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:  # [T, H, D] float32
-        weight = torch.exp(part_lse - finite).unsqueeze(-1)
-        return torch.where(weight > 0, weight * out.float(), 0.0)
-
-    return (part(out1, lse1) + part(out2, lse2)).to(out1.dtype), lse
