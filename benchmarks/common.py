@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.startup import Service
 from logprob_service.worker.tensor_parallel import Build
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
@@ -185,7 +185,7 @@ class LoopbackServer:
         self._service = Service.create(self._settings, self._registry, self._build)
         if self._build is not None:
             await self._service.load_models()
-        self._server, port = await create_server(self._service, f"{self._settings.host}:0")
+        self._server, port = await self._service.start_grpc(f"{self._settings.host}:0")
         await self._service.warm_up()  # health SERVING only after a real scoring pass
         return port
 

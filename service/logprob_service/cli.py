@@ -93,8 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if args.command == "probe" else 2  # a health check knows 0 and 1 only
     configure_logging(settings.log_level, settings.log_format)
     from logprob_service.api.security.bearer_tokens import TokenConfigError
-    from logprob_service.api.server import serve
     from logprob_service.models.loading import ModelLoadError
+    from logprob_service.startup import serve
     from logprob_service.worker.tensor_parallel import GroupLost
 
     try:

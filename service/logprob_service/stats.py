@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from logprob_service.domain import Timings
+from logprob_service.domain import ModelInfo, Timings
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,23 @@ class _NoStats:
 
 
 NO_STATS: StatsSink = _NoStats()
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """One device's memory, in bytes."""
+
+    allocated: int  # held by live tensors (torch.cuda.memory_allocated)
+    reserved: int  # held by the caching allocator, allocated or not (torch.cuda.memory_reserved)
+    free: int  # free on the device, for every process (cudaMemGetInfo)
+    total: int  # the device's memory (cudaMemGetInfo)
+    peak_allocated: int  # highest ``allocated`` since start or ``reset_peak``
+
+
+class ServerView(Protocol):
+    """What the metrics read at scrape time: the served models as the engine describes them, and
+    the memory of the GPUs they run on (by device name). The start-up module makes one per server."""
+
+    def models(self) -> list[ModelInfo]: ...
+
+    def device_memory(self) -> dict[str, MemorySnapshot]: ...

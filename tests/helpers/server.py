@@ -1,4 +1,4 @@
-"""A real server in the test's event loop, on loopback (create_server on port 0, CPU, float32),
+"""A real server in the test's event loop, on loopback (Service.start_grpc on port 0, CPU, float32),
 and what tests need to reach it and check its models."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 from logprob_client import AsyncLogprobClient
-from logprob_service.api.server import Service, create_server
 from logprob_service.config import Settings
+from logprob_service.startup import Service
 
 from tests.helpers.models import assert_scores_close
 
@@ -47,7 +47,7 @@ class Running:
 
 async def start(settings: Settings, *, warm: bool = True) -> Running:
     service = Service.create(settings)
-    server, port = await create_server(service, f"{settings.host}:{settings.port}")
+    server, port = await service.start_grpc(f"{settings.host}:{settings.port}")
     await service.load_models()
     if warm:
         await service.warm_up()

@@ -186,7 +186,7 @@ async def test_unavailable_until_warm_and_while_draining(gemma_checkpoint):
         await expect(running.target, request(OK), grpc.StatusCode.UNAVAILABLE, "starting")
         await running.service.warm_up()
         await call(running.target, request(OK))
-        await running.service.state.draining()
+        await running.service.engine.draining()
         await expect(running.target, request(OK), grpc.StatusCode.UNAVAILABLE, "draining")
     finally:
         await stop(running)

@@ -61,7 +61,7 @@ async def check_unharmed(running, rng: np.random.Generator) -> None:
         [],
         {},
     )
-    health = await running.service.state.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+    health = await running.service.edge.health.health.Check(health_pb2.HealthCheckRequest(service=""), None)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     from logprob_client import LogprobClient
 

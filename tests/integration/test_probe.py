@@ -46,7 +46,7 @@ async def test_probe_follows_the_server_from_warm_up_to_drain(gemma_checkpoint):
         gate = Gate(running)
         in_flight = asyncio.create_task(call(running.target, request(OK, request_id="in-flight")))
         await gate.wait_entered()
-        await running.service.state.draining()
+        await running.service.engine.draining()
         assert await probe("--address", running.target) == (1, "NOT_SERVING")
         # ...the next closes the port while the in-flight request finishes: still a failing probe.
         drain = asyncio.create_task(running.server.stop(20))

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from logprob_proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.api.health import Phase
+from logprob_service.engine.engine import Phase
 
 from tests.helpers.calls import OK, Gate, call, request
 from tests.helpers.server import start, test_settings
@@ -21,9 +21,9 @@ async def test_drain_finishes_in_flight_work_and_refuses_new(gemma_checkpoint):
     in_flight = asyncio.create_task(call(running.target, request(OK, request_id="in-flight")))
     await gate.wait_entered()
     drain = asyncio.create_task(running.service.drain(running.server, grace_s=20))
-    await eventually(lambda: running.service.state.phase is Phase.DRAINING, "the drain to begin")
+    await eventually(lambda: running.service.engine.phase is Phase.DRAINING, "the drain to begin")
     # Draining: health says NOT_SERVING and a new call is refused.
-    health = await running.service.state.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+    health = await running.service.edge.health.health.Check(health_pb2.HealthCheckRequest(service=""), None)
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call(running.target, request(OK), timeout=5)
@@ -49,7 +49,7 @@ async def test_drain_refuses_new_calls_at_once_on_a_connection_already_open(gemm
             in_flight = stub.ScoreTokens(request(OK, request_id="in-flight"), timeout=30)
             await gate.wait_entered()
             drain = asyncio.create_task(running.service.drain(running.server, grace_s=20))
-            await eventually(lambda: running.service.state.phase is Phase.DRAINING, "the drain to begin")
+            await eventually(lambda: running.service.engine.phase is Phase.DRAINING, "the drain to begin")
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ScoreTokens(request(OK), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -332,7 +332,7 @@ async def test_a_stream_cancelled_once_the_swap_has_begun_leaves_the_others_a_tr
         with pytest.raises(asyncio.CancelledError):
             await last_call
         answer = await asyncio.gather(first_call, return_exceptions=True)
-        await served.service.executors[0].run(lambda: None)  # the device thread is past the swap
+        await served.service.engine.lanes[0].run(lambda: None)  # the device thread is past the swap
         after = await live(client, "policy")
     assert after.version == before.version + 1 and after.fingerprint == fingerprint_of(good)  # it went live
     assert isinstance(answer[0], pb.UpdateWeightsResponse), (

@@ -72,7 +72,7 @@ def test_groups_split_across_micro_batches_and_alone_score_exactly(share, rng, s
         launch = offline.scorer.launch
         offline.scorer.launch = lambda batch, **kw: launched.append(batch.num_tokens) or launch(batch, **kw)
         out = offline.score(seqs, return_entropy=True)
-        assert offline._scheduler.admission.queued_tokens == 0  # released as admitted, not as run
+        assert offline.engine.scheduler.admission.queued_tokens == 0  # released as admitted, not as run
     assert max(launched) <= 60 or not share  # the budget counts the tokens run
     if share:
         assert sum(launched) < sum(s.num_tokens for s in seqs)

@@ -1,4 +1,4 @@
-"""Thin RPC handlers: protobuf -> domain job -> scheduler -> domain result -> protobuf."""
+"""Thin RPC handlers: protobuf -> domain objects -> the engine facade -> domain results -> protobuf."""
 
 from __future__ import annotations
 
@@ -12,13 +12,9 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from logprob_service.api import accounting, handlers, wire
-from logprob_service.api.health import ServingState
 from logprob_service.api.security.caller import current_client
 from logprob_service.api.status import status_of
-from logprob_service.engine.registry import ModelRegistry
-from logprob_service.engine.scheduler import Scheduler
-from logprob_service.engine.validation import RequestLimits, validate_job
-from logprob_service.engine.weight_updates import WeightUpdater
+from logprob_service.engine.engine import LogprobEngine
 from logprob_service.errors import LogprobError
 
 
@@ -28,27 +24,13 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class LogprobServicer(pb_grpc.LogprobServiceServicer):
-    def __init__(
-        self,
-        registry: ModelRegistry,
-        scheduler: Scheduler,
-        updater: WeightUpdater,
-        state: ServingState,
-        limits: RequestLimits,
-        weight_receiver_ports: Callable[[], list[int]] = list,
-    ) -> None:
-        self._registry = registry
+    def __init__(self, engine: LogprobEngine, weight_receiver_ports: Callable[[], list[int]] = list) -> None:
+        self._engine = engine
         self._weight_receiver_ports = weight_receiver_ports
-        self._scheduler = scheduler
-        self._updater = updater
-        self._state = state
-        self._limits = limits
 
     async def _score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
-        self._state.check_accepting()
         job = wire.job_from_request(request, deadline, current_client())
-        validate_job(job, self._registry.get(job.model).info, self._limits)
-        return wire.response_from_result(await self._scheduler.submit(job), request.scores_f32)
+        return wire.response_from_result(await self._engine.score(job), request.scores_f32)
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         wire.ensure_request_id(request)
@@ -76,7 +58,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
     ) -> AsyncIterator[pb.ScoreResponse]:
         """Each request is scored concurrently and answered as soon as it is done; a failed
         request is answered with ``error`` set and does not end the stream."""
-        self._state.check_accepting()
+        self._engine.check_accepting()
         deadline = _deadline(context)
         responses: asyncio.Queue[pb.ScoreResponse | None] = asyncio.Queue()
 
@@ -104,7 +86,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(
-            models=[wire.model_info_to_proto(served.info, self._limits) for served in self._registry],
+            models=[wire.model_info_to_proto(info, self._engine.limits) for info in self._engine.list_models()],
             weight_receiver_ports=self._weight_receiver_ports(),
         )
 
@@ -112,11 +94,10 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self, request_iterator: AsyncIterator[pb.UpdateWeightsRequest], context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         try:
-            self._state.check_accepting()
             # Closed at once when the update ends, whatever still refers to it: what it holds of
             # the stream goes then (a weight receiver's slot of shared memory).
             async with contextlib.aclosing(wire.update_messages(request_iterator)) as messages:
-                return wire.update_response(await self._updater.update(messages))
+                return wire.update_response(await self._engine.update(messages))
         except LogprobError:
             await handlers.read_to_end(request_iterator)
             raise
@@ -124,30 +105,26 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
     async def LoadWeights(
         self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        self._state.check_accepting()
-        return wire.update_response(await self._updater.load(*wire.load_request(request)))
+        return wire.update_response(await self._engine.load(*wire.load_request(request)))
 
     async def InitWeightsUpdateGroup(
         self, request: pb.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
     ) -> pb.InitWeightsUpdateGroupResponse:
-        self._state.check_accepting()
-        return wire.group_response(await self._updater.join_group(wire.group_spec(request)))
+        return wire.group_response(await self._engine.join_group(wire.group_spec(request)))
 
     async def DestroyWeightsUpdateGroup(
         self, request: pb.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
     ) -> pb.DestroyWeightsUpdateGroupResponse:
-        await self._updater.leave_group(request.group_name)
+        await self._engine.leave_group(request.group_name)
         return pb.DestroyWeightsUpdateGroupResponse()
 
     async def UpdateWeightsFromDistributed(
         self, request: pb.DistributedUpdateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DistributedUpdateResponse]:
-        self._state.check_accepting()
-        async for event in self._updater.update_from_group(*wire.distributed_update(request)):
+        async for event in self._engine.update_from_group(*wire.distributed_update(request)):
             yield wire.distributed_response(event)
 
     async def UpdateWeightsFromIpc(
         self, request: pb.IpcUpdateRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        self._state.check_accepting()
-        return wire.update_response(await self._updater.update_from_ipc(*wire.ipc_update(request)))
+        return wire.update_response(await self._engine.update_from_ipc(*wire.ipc_update(request)))

@@ -21,7 +21,7 @@ from logprob_service.domain import (
     TokenSequence,
 )
 from logprob_service.engine.interfaces import WeightGroup
-from logprob_service.engine.validation import RequestLimits, validate_temperature, validate_version
+from logprob_service.engine.validation import RequestLimits
 from logprob_service.engine.weight_updates import (
     Commit,
     GroupSpec,
@@ -92,10 +92,10 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: s
         request_id=request.request_id,
         model=model_name(request),
         sequences=sequences,
-        temperature=validate_temperature(request.temperature),
+        temperature=request.temperature,  # 0: unset (the engine resolves it)
         return_entropy=request.return_entropy,
         deadline=deadline,
-        min_version=validate_version("min_version", request.min_version),
+        min_version=request.min_version,
         client=client,
         group_sizes=tuple(len(group.completions) for group in request.groups),
     )
@@ -160,13 +160,13 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
 
 def _update_header(header: pb.UpdateWeightsHeader | pb.LoadWeightsRequest) -> UpdateHeader:
     if not isinstance(header, pb.UpdateWeightsHeader):
-        return UpdateHeader(model_name(header), validate_version("version", header.version), header.partial)
+        return UpdateHeader(model_name(header), header.version, header.partial)
     base = header.base_version if header.HasField("base_version") else None
     return UpdateHeader(
         model=model_name(header),
-        version=validate_version("version", header.version),
+        version=header.version,
         partial=header.partial,
-        base_version=None if base is None else validate_version("base_version", base),
+        base_version=base,
         streams=max(1, header.streams),
         update_id=header.update_id,
     )

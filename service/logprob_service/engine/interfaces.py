@@ -69,6 +69,9 @@ class Executor(Protocol):
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the device thread after everything launched before it (a weight swap)."""
 
+    def shutdown(self) -> None:
+        """End the device thread (the engine's ``close``)."""
+
 
 class Received(Protocol):
     """One tensor whose bytes arrive in pieces (``Stager.receive``)."""

@@ -7,6 +7,7 @@ value and the limit as the request named them, e.g. ``sequences[3].completion_id
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -65,7 +66,11 @@ def _check_ids(field: str, ids: np.ndarray, info: ModelInfo) -> None:
         )
 
 
-def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> None:
+def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> ScoreJob:
+    """``job`` checked against its model ``info`` and ``limits``, with its temperature resolved
+    (0: the default 1.0); ``InvalidArgument`` naming the field, index and limit otherwise."""
+    temperature = validate_temperature(job.temperature)
+    validate_version("min_version", job.min_version)
     for g, size in enumerate(job.group_sizes):
         if size == 0:
             raise InvalidArgument(f"groups[{g}].completions: the group has none; at least 1 completion is required")
@@ -90,3 +95,4 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> None:
                 f"{name}: {len(seq.prompt_ids)} prompt + {len(seq.completion_ids)} completion = "
                 f"{seq.num_tokens} tokens exceed the {info.max_positions} positions of model {info.name!r}"
             )
+    return job if temperature == job.temperature else dataclasses.replace(job, temperature=temperature)

@@ -44,6 +44,7 @@ from logprob_service.domain import DTYPE_BYTES, SharedTensor, SparseChanges
 from logprob_service.engine.interfaces import JoinGroup, Received, ServedModel, Staging, UpdatableWeights, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
+from logprob_service.engine.validation import validate_version
 from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument, LogprobError
 from logprob_service.stats import NO_STATS, StatsSink, WeightsUpdated
 
@@ -58,6 +59,11 @@ class UpdateHeader:
     base_version: int | None = None  # the version sparse tensors change (must be the live one)
     streams: int = 1  # the update comes over this many streams together, named by update_id
     update_id: str = ""
+
+    def __post_init__(self) -> None:
+        validate_version("version", self.version)
+        if self.base_version is not None:
+            validate_version("base_version", self.base_version)
 
 
 @dataclass(frozen=True)

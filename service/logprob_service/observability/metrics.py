@@ -10,8 +10,9 @@ Series labelled ``model`` carry only names of served models: a request for an un
 counted with ``model=""``, so callers cannot create series at will.
 
 Fed two ways, so nothing below this layer imports prometheus-client: the engine, the worker and
-the weight updates report ``stats`` records to a ``PrometheusStats``; the served models and the
-devices they use are read from the live registries (``track``) at scrape time, not copied here.
+the weight updates report ``stats`` records to a ``PrometheusStats``; the served models and their
+GPUs' memory are read at scrape time from each server's ``stats.ServerView`` (``track``), which
+the start-up module makes over the engine facade: nothing here reaches into the engine or torch.
 """
 
 from __future__ import annotations
@@ -25,16 +26,22 @@ from importlib.metadata import version as package_version
 from typing import ClassVar
 from wsgiref.simple_server import WSGIServer
 
-import torch
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from logprob_service import __version__
 from logprob_service.domain import ModelInfo
-from logprob_service.engine.registry import ModelRegistry
-from logprob_service.stats import BatchLaunched, BatchMemory, Limits, QueueChanged, RequestScored, Stat, WeightsUpdated
-from logprob_service.worker import gpu_memory
+from logprob_service.stats import (
+    BatchLaunched,
+    BatchMemory,
+    Limits,
+    QueueChanged,
+    RequestScored,
+    ServerView,
+    Stat,
+    WeightsUpdated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +128,7 @@ WEIGHT_SWAP_DURATION = _latency_seconds(
 )
 WEIGHT_UPDATE_BYTES = Counter("logprob_weight_update_bytes", "Bytes of weights replaced by updates.", ["model"])
 
-_registries: weakref.WeakSet[ModelRegistry] = weakref.WeakSet()  # the servers of this process
+_views: weakref.WeakSet[ServerView] = weakref.WeakSet()  # the servers of this process
 
 
 def _library_version(name: str) -> str:
@@ -131,25 +138,29 @@ def _library_version(name: str) -> str:
         return "unknown"
 
 
-BUILD.info(
-    {
-        "version": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
-        "transformers": _library_version("transformers"),
-        "grpcio": _library_version("grpcio"),
-    }
-)
+_BUILD = {
+    "version": __version__,
+    "python": platform.python_version(),
+    "torch": _library_version("torch"),
+    "cuda": "unknown",  # the start-up module tells (``describe_runtime``): it is torch's build, not a package's
+    "transformers": _library_version("transformers"),
+    "grpcio": _library_version("grpcio"),
+}
+BUILD.info(_BUILD)
 
 
-def track(registry: ModelRegistry) -> None:
-    """Export ``registry``'s models (and their devices' memory) while it lives."""
-    _registries.add(registry)
+def describe_runtime(*, cuda: str) -> None:
+    """``logprob_build_info``'s ``cuda``: the CUDA version torch was built with ("none": a CPU build)."""
+    BUILD.info({**_BUILD, "cuda": cuda})
+
+
+def track(view: ServerView) -> None:
+    """Export a server's models and its GPUs' memory, read from ``view``, while ``view`` lives."""
+    _views.add(view)
 
 
 def _served_infos() -> list[ModelInfo]:
-    return [served.info for registry in list(_registries) for served in registry]
+    return [info for view in list(_views) for info in view.models()]
 
 
 class ModelsCollector(Collector):
@@ -180,7 +191,7 @@ class ModelsCollector(Collector):
 
 
 class GpuMemoryCollector(Collector):
-    """Per-device memory of the devices that hold served models, read from torch at scrape time.
+    """Per-device memory of the GPUs that hold served models, read at scrape time.
 
     Off CUDA the families are still declared (with no samples), so dashboards and alert rules
     name series that every server exports.
@@ -202,8 +213,8 @@ class GpuMemoryCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = self._families()
-        for device in sorted({info.device for info in _served_infos() if info.device.startswith("cuda")}):
-            memory = gpu_memory.snapshot(torch.device(device))
+        memories = {device: memory for view in list(_views) for device, memory in view.device_memory().items()}
+        for device, memory in sorted(memories.items()):
             for name, value in (
                 ("logprob_gpu_memory_allocated_bytes", memory.allocated),
                 ("logprob_gpu_memory_reserved_bytes", memory.reserved),
@@ -224,7 +235,7 @@ REGISTRY.register(GpuMemoryCollector())
 
 def model_label(name: str) -> str:
     """``name`` if a server of this process serves a model of that name, else "" (bounded label values)."""
-    return name if any(name in registry for registry in list(_registries)) else ""
+    return name if any(info.name == name for info in _served_infos()) else ""
 
 
 def observe_request(model: str, rpc: str, code: str) -> None:

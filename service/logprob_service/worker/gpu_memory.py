@@ -19,19 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from logprob_service.stats import MemorySnapshot
+
 _lock = threading.Lock()  # the device thread resets while the metrics thread reads
 _folded: dict[int, int] = {}  # device index -> highest allocated bytes before torch's last reset
-
-
-@dataclass(frozen=True)
-class MemorySnapshot:
-    """One device's memory, in bytes."""
-
-    allocated: int  # held by live tensors (torch.cuda.memory_allocated)
-    reserved: int  # held by the caching allocator, allocated or not (torch.cuda.memory_reserved)
-    free: int  # free on the device, for every process (cudaMemGetInfo)
-    total: int  # the device's memory (cudaMemGetInfo)
-    peak_allocated: int  # highest ``allocated`` since start or ``reset_peak``
 
 
 @dataclass

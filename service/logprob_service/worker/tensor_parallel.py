@@ -35,14 +35,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from logprob_service.config import Settings
 from logprob_service.logs import configure_logging
-from logprob_service.models.loading import ModelLoadError, resolve_dtype
-from logprob_service.models.lora import split_lora_source
-from logprob_service.models.scorer import CausalLMScorer, Launched, PackedBatch, scoring_options
-from logprob_service.models.served import ServedModel, load_served_model
+from logprob_service.models.scorer import CausalLMScorer, Launched, PackedBatch
+from logprob_service.models.served import ServedModel
 from logprob_service.models.tensor_parallel import TensorParallel
-from logprob_service.ops.dispatch import select_logprob_op
 
 log = logging.getLogger(__name__)
 
@@ -150,30 +146,6 @@ class Leader:
             if process.is_alive():
                 process.kill()
         dist.destroy_process_group()
-
-
-def configured_models(settings: Settings, tp: TensorParallel, device: torch.device) -> dict[str, ServedModel]:
-    """The ``Build`` of a server: this rank's shards of every model the settings name."""
-    names = set(settings.models)
-    lora = [name for name, source in settings.models.items() if split_lora_source(source, names - {name})]
-    if lora:
-        raise ModelLoadError(f"tensor parallel: LoRA models ({', '.join(lora)}) are not supported")
-    try:
-        op = select_logprob_op(
-            settings.logprob_kernel, device, settings.lm_head_chunk_bytes, invariant=settings.deterministic
-        )
-    except ValueError as err:  # a forced kernel this host cannot run
-        raise ModelLoadError(str(err)) from None
-    load = functools.partial(
-        load_served_model,
-        device=device,
-        dtype=resolve_dtype(settings.dtype, device),
-        logprob_op=op,
-        options=scoring_options(settings),
-        trust_remote_code=settings.trust_remote_code,
-        tensor_parallel=tp,
-    )
-    return {name: load(name, source) for name, source in settings.models.items()}
 
 
 def _follow(rank: int, devices: list[torch.device], port: int, build: Build, log_level: str, log_format: str) -> None:

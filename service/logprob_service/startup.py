@@ -1,0 +1,231 @@
+"""Start-up: the one module that builds the engine and its edges, and runs them until a signal.
+
+``Service`` is a server's whole: its engine (``builder.build_engine``), the models loaded into it
+(one replica per device, or a tensor-parallel group's rank 0), the gRPC edge
+(``api.server.create_server``) and its weight receivers. ``serve`` binds, loads, warms up and
+serves until SIGTERM/SIGINT, then drains within the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from logprob_service.api.receivers import WeightReceivers
+from logprob_service.api.security.bearer_tokens import TokenTable, load_token_table
+from logprob_service.api.server import GrpcEdge, create_server
+from logprob_service.builder import EngineView, build_engine, load_models, server_devices
+from logprob_service.config import Settings
+from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine.registry import ModelRegistry
+from logprob_service.engine.scheduler import Scheduler
+from logprob_service.engine.weight_updates import WeightUpdater
+from logprob_service.models.build import build_rank
+from logprob_service.models.loading import resolve_devices
+from logprob_service.observability import metrics
+from logprob_service.worker.staging import page_lock
+from logprob_service.worker.tensor_parallel import Build, GroupLost, Leader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """Everything a server runs; owned by one event loop."""
+
+    settings: Settings
+    devices: list[torch.device]  # the engine's lanes, one device each
+    engine: LogprobEngine
+    tokens: TokenTable | None  # None: authentication off
+    # With tensor_parallel > 1: rank 0's side of the group (started by load_models), and a future
+    # that gets the reason once the group is lost (a rank gone): the server then exits.
+    leader: Leader | None = None
+    lost: asyncio.Future[str] | None = None
+    build: Build | None = None  # what loads each rank's models (default: those the settings name)
+    view: EngineView | None = None  # what the metrics read (held here: they hold it weakly)
+    edge: GrpcEdge | None = None  # once the gRPC server started
+
+    @classmethod
+    def create(cls, settings: Settings, registry: ModelRegistry | None = None, build: Build | None = None) -> Service:
+        """Raises ``TokenConfigError`` for a bad token document and ``ModelLoadError`` for devices
+        this host lacks, before anything starts. A ``registry`` given already filled holds one
+        replica per device of ``settings.device``. ``build``: with tensor parallel, what
+        ``load_models`` runs on every rank instead of loading the settings' models (benchmarks)."""
+        tokens = load_token_table(settings)
+        stats = metrics.PrometheusStats()
+        devices = server_devices(settings)
+        engine = build_engine(settings, devices, registry=registry, stats=stats)
+        view = EngineView(engine, devices)
+        metrics.track(view)
+        metrics.describe_runtime(cuda=torch.version.cuda or "none")
+        return cls(settings, devices, engine, tokens, view=view, build=build)
+
+    # What tests and benchmarks reach through a running service.
+    @property
+    def registry(self) -> ModelRegistry:
+        return self.engine.registry
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    @property
+    def updater(self) -> WeightUpdater:
+        return self.engine.updater
+
+    @property
+    def receivers(self) -> WeightReceivers | None:
+        return self.edge.receivers if self.edge is not None else None
+
+    async def start_grpc(self, address: str) -> tuple[grpc.aio.Server, int]:
+        """Bind and start the gRPC edge (health NOT_SERVING until ``warm_up``) and its weight
+        receivers; the engine's scheduler starts with it."""
+        on_gpu = any(device.type == "cuda" for device in self.devices)
+        self.engine.start()
+        try:
+            # On a GPU, receivers' slots are page-locked in place: a dense piece goes from its slot to the device.
+            self.edge = await create_server(
+                self.engine, self.settings, address, tokens=self.tokens, page_lock=page_lock if on_gpu else None
+            )
+        except BaseException:
+            await self.engine.close()
+            raise
+        return self.edge.server, self.edge.port
+
+    async def load_models(self) -> None:
+        """Load every configured model in a worker thread (the loop keeps answering health checks),
+        once per device, or over the tensor-parallel group."""
+        if self.settings.tensor_parallel > 1:
+            await self._load_tensor_parallel()
+        else:
+            await load_models(self.registry, self.settings, self.devices)
+
+    async def _load_tensor_parallel(self) -> None:
+        """Start the group's other ranks and load every model's shards on all of them."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        lost = self.lost if self.lost is not None else loop.create_future()
+        self.lost = lost
+
+        def on_lost(reason: str) -> None:  # from any thread; the first reason wins
+            loop.call_soon_threadsafe(lambda: lost.done() or lost.set_result(reason))
+
+        devices = resolve_devices(s.device, s.tensor_parallel)
+        build = self.build or functools.partial(build_rank, s)
+        self.leader = await loop.run_in_executor(
+            None, functools.partial(Leader.start, devices, build, s.log_level, s.log_format)
+        )
+        self.leader.watch(on_lost)
+        served = await loop.run_in_executor(None, build, self.leader.tp, devices[0])
+        for name, model in served.items():
+            self.leader.lead(name, model.scorer, on_lost)
+            self.registry.add(model)
+
+    async def warm_up(self) -> None:
+        """Score a short random sequence with every model through the real path, then SERVE."""
+        await self.engine.warm_up()
+        if self.settings.gc_freeze:
+            _freeze_heap()
+        await self.engine.serving()
+
+    async def drain(self, server: grpc.aio.Server, grace_s: float) -> None:
+        """Health NOT_SERVING and new RPCs UNAVAILABLE at once; in-flight RPCs get ``grace_s`` to finish.
+
+        The server stops taking calls only after the settings' ``drain_notice_s`` (within
+        ``grace_s``): gRPC cancels a call that reached a stopping server before a handler took it
+        (the client sees CANCELLED, which it must not retry: grpc/grpc#41785), so clients are
+        given the notice first. Through it, calls get UNAVAILABLE from the handler, which clients
+        retry elsewhere, and clients watching health stop sending any.
+        """
+        await self.engine.draining()
+        notice_s = min(self.settings.drain_notice_s, grace_s)
+        await asyncio.sleep(notice_s)
+        await server.stop(grace_s - notice_s)
+        await self.close()
+
+    async def close(self) -> None:
+        if self.settings.gc_freeze:
+            # What warm-up froze goes back to the collector, so the interpreter's last collection
+            # frees it (nanobind, under triton, reports objects left at exit as leaks).
+            gc.unfreeze()
+        if self.edge is not None:
+            await self.edge.close()
+        await self.engine.close()
+        if self.leader is not None:
+            self.leader.stop()
+
+
+def _freeze_heap() -> None:
+    """Collect, then move every object alive into the garbage collector's permanent generation:
+    a full collection then walks only what was made since, not the ~400,000 objects of torch,
+    transformers and the models. Unfrozen, one took 0.2-0.4 s on the 2-core CPU machine and came
+    during weight pushes (``benchmarks/bench_gc.py``), holding the interpreter lock meanwhile: the
+    push and every scoring launch waited."""
+    gc.collect()
+    gc.freeze()
+    log.info("%d objects alive after start-up frozen out of the garbage collector's reach", gc.get_freeze_count())
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM/SIGINT: bind, load, warm up, serve; then drain within the grace period."""
+    service = Service.create(settings)
+    metrics_server = (
+        metrics.start_metrics_server(settings.host, settings.metrics_port) if settings.metrics_port else None
+    )
+    try:
+        await _serve(service, settings)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+
+
+async def _serve(service: Service, settings: Settings) -> None:
+    server, port = await service.start_grpc(f"{settings.host}:{settings.port}")
+    log.info(
+        "gRPC listening on %s:%d (%s, %s; health NOT_SERVING until models are warm)",
+        settings.host,
+        port,
+        "plaintext" if settings.tls_cert_file is None else ("mutual TLS" if settings.tls_client_ca_file else "TLS"),
+        f"{len(service.tokens)} tokens" if service.tokens is not None else "no authentication",
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    service.lost = loop.create_future()
+    startup = asyncio.create_task(_start_models(service))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({startup, stopper, service.lost}, return_when=asyncio.FIRST_COMPLETED)
+    if not service.lost.done() and startup.done() and startup.exception() is not None:
+        stopper.cancel()
+        await server.stop(0)
+        await service.close()
+        raise startup.exception()  # type: ignore[misc]
+    await asyncio.wait({stopper, service.lost}, return_when=asyncio.FIRST_COMPLETED)
+    if service.lost.done():
+        # Work may be stuck in a collective with the lost rank: nothing is waited for.
+        reason = service.lost.result()
+        log.error("tensor-parallel group lost: %s; not serving, exiting", reason)
+        await service.engine.draining()
+        await server.stop(0)
+        raise GroupLost(reason)
+    log.info("shutting down: draining for up to %.0f s", settings.grace_period_s)
+    startup.cancel()
+    await service.drain(server, settings.grace_period_s)
+    log.info("stopped")
+
+
+async def _start_models(service: Service) -> None:
+    await service.load_models()
+    await service.warm_up()
+    log.info("SERVING models: %s", ", ".join(served.info.name for served in service.registry))
