@@ -50,7 +50,8 @@ have no flag (a command line shows in `ps` and shell history). `logprob-service 
 prints the same descriptions.
 
 An invalid setting stops the server before it starts, with exit code 2 and a message naming the
-flag; a model that cannot be loaded stops it with exit code 1 and the cause.
+flag; a model that cannot be loaded stops it with exit code 1 and the cause. A key of the file or a
+`LOGPROB_*` variable that names no setting is refused the same way: a typo never passes silently.
 
 """
 

@@ -16,7 +16,8 @@ they run:
 - The wheel: built from the build context, installed into a fresh virtual environment, its
   ``logprob-service`` command run and its client imported.
 
-No Docker engine or cluster is needed: nothing is built, run or applied here.
+No Docker engine or cluster is needed: no image is built or run and nothing is applied here
+(the image test, tests/integration/test_image.py, builds and runs the image).
 """
 
 from __future__ import annotations
