@@ -50,6 +50,10 @@ image-test: install  ## the image test alone (`make test` runs it too): build on
 proto: install  ## regenerate client/logprob_proto from protos/
 	$(BIN)/python scripts/gen_proto.py
 
+.PHONY: docs
+docs: install  ## regenerate docs/configuration.md from the settings model (tests/common/test_docs.py checks it)
+	$(BIN)/python scripts/gen_config_docs.py
+
 lint: install  ## ruff lint + format check, and the layer contracts (import-linter, [tool.importlinter])
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -90,5 +90,5 @@ def test_grafana_provisioning_points_at_the_dashboard_and_a_prometheus_source():
     assert source["apiVersion"] == 1 and source["datasources"][0]["type"] == "prometheus"
     provider = yaml.safe_load((GRAFANA_DIR / "provisioning" / "dashboards" / "logprob-service.yaml").read_text())
     (entry,) = provider["providers"]
-    # The README mounts deploy/grafana/dashboards at this path.
+    # docs/metrics.md and deploy/compose.yaml mount deploy/grafana/dashboards at this path.
     assert entry["type"] == "file" and entry["options"]["path"] == "/var/lib/grafana/dashboards/logprob-service"

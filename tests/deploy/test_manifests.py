@@ -9,22 +9,30 @@ they run:
 - ``deploy/k8s``: built by kustomize (``kubectl kustomize``, where kubectl is installed); the
   core kinds against Kubernetes' JSON schemas in strict mode (kubernetes-validate), the
   ServiceMonitor against models generated from the Prometheus Operator's CRD (cloudcoil); and
-  ports, probes, grace period, labels and selectors against each other and the server.
+  ports, probes, grace period, labels, selectors, the cache volume, the hub token and GPU
+  scheduling against each other, the image and the server.
+- ``deploy/overlays/production``: the example overlay, built by kustomize and checked the same
+  way (GPU nodes, patches merged by name, the gRPC Ingress); its optional LoadBalancer Service too.
+- The wheel: built from the build context, installed into a fresh virtual environment, its
+  ``logprob-service`` command run and its client imported.
 
-No Docker engine or cluster is needed: nothing is built, run or applied here.
+No Docker engine or cluster is needed: no image is built or run and nothing is applied here
+(the image test, tests/integration/test_image.py, builds and runs the image).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
+import venv
 import zipfile
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -45,6 +53,10 @@ from tests.helpers.deploy import (
 
 DEV_HINT = "{} is a [dev] dependency (make install)"
 SETTINGS_ENV = {"LOGPROB_" + name.upper() for name in Settings.model_fields} | {"LOGPROB_CONFIG"}
+# Variables of the server's container besides its settings: the Hugging Face hub's token.
+CONTAINER_ENV = SETTINGS_ENV | {"HF_TOKEN"}
+OVERLAY_DIR = ROOT / "deploy" / "overlays" / "production"
+WORKLOAD = ("StatefulSet", "logprob-service")
 GRPC_PORT = Settings.model_fields["port"].default
 METRICS_PORT = Settings.model_fields["metrics_port"].default
 OLDEST_K8S = "1.27"  # gRPC probes are GA from 1.27
@@ -188,6 +200,61 @@ def test_the_build_context_makes_a_wheel_with_every_module(tmp_path):
         for path in top.rglob("*"):
             if path.is_file() and "__pycache__" not in path.parts and ".egg-info" not in str(path):
                 assert path.relative_to(top).as_posix() in names, path
+    check_the_wheel_installs(wheel, tmp_path / "venv")
+
+
+def check_the_wheel_installs(wheel: Path, env_dir: Path) -> None:
+    """``pip install`` of the wheel, as the README says to install it, into a fresh virtual
+    environment: its ``logprob-service`` command runs and the client imports, from the wheel.
+
+    No network: the wheel goes in ``--no-deps --no-index``, and its dependencies come from this
+    test's environment, whose site-packages the new one reads after its own (a .pth line; that
+    directory's own .pth files, this checkout's editable install among them, are not processed).
+    """
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = run(str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").strip()
+    ours = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    (Path(site) / "test-deps.pth").write_text("\n".join(ours) + "\n")
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-index",
+        str(wheel),
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    done = subprocess.run(
+        [str(env_dir / "bin" / "logprob-service"), "--help"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0 and "serve" in done.stdout, done.stdout + done.stderr
+    done = subprocess.run(
+        [str(env_dir / "bin" / "logprob-service"), "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0 and "--max-batch-tokens" in done.stdout, done.stdout + done.stderr
+    imported = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import logprob_client, logprob_service; print(logprob_client.__file__, logprob_service.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=env_dir,  # not the checkout, whose service/ and client/ are no packages of the wheel
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert all(Path(f).is_relative_to(site) for f in imported.stdout.split()), (site, imported.stdout)
 
 
 # Compose
@@ -203,6 +270,12 @@ def seconds(duration: str) -> float:
     parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
     assert "".join(n + u for n, u in parts) == duration, duration
     return sum(float(n) * units[u] for n, u in parts)
+
+
+def bind_default(mount: str) -> str:
+    """A short-syntax volume with each ``${VAR:-default}`` read as its default (what Compose
+    mounts where VAR is unset)."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", mount)
 
 
 def test_the_compose_file_follows_the_compose_specification():
@@ -222,7 +295,8 @@ def test_compose_runs_the_image_with_prometheus_and_grafana_on_the_observability
     services = compose()["services"]
     server = services["logprob"]
     assert (COMPOSE.parent / server["build"]["context"] / server["build"]["dockerfile"]).resolve() == DOCKERFILE
-    assert set(server["environment"]) <= SETTINGS_ENV
+    assert set(server["environment"]) <= CONTAINER_ENV
+    assert server["environment"]["HF_TOKEN"] is None  # the shell's, where it is set; never a value here
     assert seconds(server["stop_grace_period"]) > float(server["environment"]["LOGPROB_GRACE_PERIOD_S"])
     (gpu,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["capabilities"] == ["gpu"]
@@ -237,12 +311,17 @@ def test_compose_runs_the_image_with_prometheus_and_grafana_on_the_observability
     assert datasources["datasources"][0]["url"] == "http://localhost:9090"
 
     mounts = {
-        name: dict(reversed(m.split(":")[:2]) for m in service["volumes"] if m.startswith("./"))
+        name: dict(reversed(m.split(":")[:2]) for m in map(bind_default, service["volumes"]) if m.startswith("./"))
         for name, service in services.items()
     }
     for name, by_target in mounts.items():
         for source in by_target.values():
             assert (COMPOSE.parent / source).exists(), (name, source)
+    # Caches on a named volume (kept across restarts); local checkpoints from a directory that
+    # exists in a fresh checkout unless LOGPROB_MODELS_DIR names another.
+    assert "logprob-data:/data" in server["volumes"] and "logprob-data" in compose()["volumes"]
+    assert mounts["logprob"] == {"/data/models": "./models"}
+    assert (COMPOSE.parent / "models" / "README.md").is_file()
     # prometheus.yml loads alerts.yml from its own directory.
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
     assert mounts["prometheus"]["/etc/prometheus/prometheus.yml"] == "./prometheus/prometheus.yml"
@@ -265,8 +344,8 @@ def k8s_documents() -> list[dict[str, Any]]:
     return [doc for name in kustomization["resources"] for doc in yaml.safe_load_all((K8S_DIR / name).read_text())]
 
 
-def by_kind(kind: str) -> list[dict[str, Any]]:
-    return [doc for doc in k8s_documents() if doc["kind"] == kind]
+def by_kind(kind: str, documents: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return [doc for doc in (k8s_documents() if documents is None else documents) if doc["kind"] == kind]
 
 
 def key(doc: dict[str, Any]) -> tuple[str, str]:
@@ -277,56 +356,49 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return selector.items() <= labels.items()
 
 
-def test_kustomize_builds_the_base():
+def workload(documents: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    (doc,) = [d for d in (k8s_documents() if documents is None else documents) if key(d) == WORKLOAD]
+    return doc
+
+
+def server_container(doc: dict[str, Any]) -> dict[str, Any]:
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def validate_strictly(documents: list[dict[str, Any]], versions: tuple[str, ...] = ()) -> None:
+    """Every core document against Kubernetes' JSON schemas, strictly (a field the schema does not
+    have, a typo, fails too); the ServiceMonitor is a CRD (its own test)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason=DEV_HINT.format("kubernetes-validate"))
+    for doc in documents:
+        if doc["kind"] == "ServiceMonitor":
+            continue
+        for version in (*versions, kubernetes_validate.latest_version()):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
     kubectl = which("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl here (it carries kustomize); the files are checked as they are")
-    built = list(yaml.safe_load_all(run(kubectl, "kustomize", str(K8S_DIR))))
+    return [doc for doc in yaml.safe_load_all(run(kubectl, "kustomize", str(directory))) if doc]
+
+
+def test_kustomize_builds_the_base():
+    built = kustomize(K8S_DIR)
     assert sorted(built, key=key) == sorted(k8s_documents(), key=key)
 
 
-def readme_overlay() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return re.search(r"```yaml\n# overlays/prod/kustomization.yaml\n(.*?)```", readme, flags=re.S).group(1)
-
-
-def test_the_readme_overlay_builds_and_passes_the_schemas(tmp_path):
-    kubectl = which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl here (it carries kustomize)")
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason=DEV_HINT.format("kubernetes-validate"))
-    shutil.copytree(K8S_DIR, tmp_path / "deploy" / "k8s")  # where the overlay's `../../deploy/k8s` points
-    (tmp_path / "overlays" / "prod").mkdir(parents=True)
-    (tmp_path / "overlays" / "prod" / "kustomization.yaml").write_text(readme_overlay())
-    built = list(yaml.safe_load_all(run(kubectl, "kustomize", str(tmp_path / "overlays" / "prod"))))
-    assert sorted(map(key, built)) == sorted(map(key, k8s_documents()))
-    assert {doc["metadata"]["namespace"] for doc in built} == {"ml"}
-    (deployment,) = [doc for doc in built if doc["kind"] == "Deployment"]
-    assert deployment["spec"]["replicas"] == 4
-    pod = deployment["spec"]["template"]["spec"]
-    assert pod["containers"][0]["env"][0] == {"name": "LOGPROB_MODELS", "value": "ref=/data/models/Qwen2.5-7B-Instruct"}
-    assert {"name": "models", "mountPath": "/data/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
-    for doc in built:
-        if doc["kind"] != "ServiceMonitor":
-            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
-
-
 def test_manifests_pass_the_kubernetes_schemas_strictly():
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason=DEV_HINT.format("kubernetes-validate"))
     documents = k8s_documents()
     assert sorted(key(d) for d in documents) == [
-        ("Deployment", "logprob-service"),
         ("PodDisruptionBudget", "logprob-service"),
         ("Service", "logprob-headless"),
         ("Service", "logprob-service"),
         ("ServiceMonitor", "logprob-service"),
+        WORKLOAD,
     ]
-    for doc in documents:
-        if doc["kind"] == "ServiceMonitor":  # a CRD: the next test
-            continue
-        for version in (OLDEST_K8S, kubernetes_validate.latest_version()):
-            # Strict: a field the schema does not have (a typo) fails too.
-            kubernetes_validate.validate(doc, version, strict=True)
+    validate_strictly(documents, (OLDEST_K8S,))
 
 
 def test_the_service_monitor_passes_the_prometheus_operator_crd():
@@ -339,13 +411,12 @@ def test_the_service_monitor_passes_the_prometheus_operator_crd():
     assert parsed.model_dump(by_alias=True, exclude_unset=True, mode="json") == doc
 
 
-def test_the_deployment_matches_the_server_and_the_image():
-    (deployment,) = by_kind("Deployment")
-    pod = deployment["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+def test_the_workload_matches_the_server_and_the_image():
+    pod = workload()["spec"]["template"]["spec"]
+    container = server_container(workload())
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert set(env) <= SETTINGS_ENV
+    assert {e["name"] for e in container["env"]} <= CONTAINER_ENV
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     resources = container["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
     assert {"cpu", "memory"} <= set(resources["requests"])
@@ -364,17 +435,46 @@ def test_the_deployment_matches_the_server_and_the_image():
 
     security = pod["securityContext"]
     assert security["runAsNonRoot"] and security["runAsUser"] == image_uid()
+    assert security["fsGroup"] == image_uid()  # the cache volume is writable by the image's user
+
+
+def test_the_model_cache_is_a_volume_of_each_replica_that_outlives_the_pod():
+    spec = workload()["spec"]
+    # The image's caches (HF_HOME: hub downloads; Triton's kernels) are under /data ...
+    cache_paths = [PurePosixPath(image_env()[name]) for name in ("HF_HOME", "TRITON_CACHE_DIR")]
+    (mount,) = [m for m in server_container(workload())["volumeMounts"] if m["mountPath"] == "/data"]
+    assert all(path.is_relative_to(mount["mountPath"]) for path in cache_paths)
+    # ... which is a claim of each replica's own (volumeClaimTemplates), not an emptyDir that goes
+    # with the pod: ReadWriteOnce, which every storage class offers.
+    assert mount["name"] not in {v["name"] for v in spec["template"]["spec"].get("volumes", [])}
+    (claim,) = [c for c in spec["volumeClaimTemplates"] if c["metadata"]["name"] == mount["name"]]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+    # Replicas start together (each loads for minutes), and have stable names under the headless Service.
+    assert spec["podManagementPolicy"] == "Parallel"
+    headless = [s for s in by_kind("Service") if s["spec"].get("clusterIP") == "None"]
+    assert [s["metadata"]["name"] for s in headless] == [spec["serviceName"]]
+
+
+def test_the_hub_token_comes_from_an_optional_secret_and_gpu_nodes_are_tolerated():
+    container = server_container(workload())
+    (token,) = [e for e in container["env"] if e["name"] == "HF_TOKEN"]
+    assert set(token) == {"name", "valueFrom"}  # never a value in the manifest
+    ref = token["valueFrom"]["secretKeyRef"]
+    assert ref["optional"] is True and ref["name"] and ref["key"]  # without the Secret, public models still load
+    pod = workload()["spec"]["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    # Pinning to GPU nodes and the runtime class depend on the cluster: the overlay sets them.
+    assert "nodeSelector" not in pod and "runtimeClassName" not in pod
 
 
 def test_services_monitor_and_budget_select_the_pods():
-    (deployment,) = by_kind("Deployment")
-    labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert selects(deployment["spec"]["selector"]["matchLabels"], labels)
+    labels = workload()["spec"]["template"]["metadata"]["labels"]
+    assert selects(workload()["spec"]["selector"]["matchLabels"], labels)
     services = {s["metadata"]["name"]: s for s in by_kind("Service")}
     for service in services.values():
         assert selects(service["spec"]["selector"], labels)
         assert all(p["targetPort"] in {"grpc", "metrics"} for p in service["spec"]["ports"])
-    # The headless Service (clients balance over its DNS records), the README's client target.
+    # The headless Service (clients balance over its DNS records), the client guide's target.
     headless = services["logprob-headless"]
     assert headless["spec"]["clusterIP"] == "None"
     assert [(p["port"], p["targetPort"]) for p in headless["spec"]["ports"]] == [(GRPC_PORT, "grpc")]
@@ -388,3 +488,66 @@ def test_services_monitor_and_budget_select_the_pods():
     assert endpoint["port"] in {p["name"] for p in scraped[0]["spec"]["ports"]}
     (budget,) = by_kind("PodDisruptionBudget")
     assert selects(budget["spec"]["selector"]["matchLabels"], labels)
+
+
+# The example overlay (deploy/overlays/production)
+
+
+def overlay_file(name: str) -> dict[str, Any]:
+    return yaml.safe_load((OVERLAY_DIR / name).read_text())
+
+
+def test_the_overlay_builds_and_passes_the_schemas():
+    built = kustomize(OVERLAY_DIR)
+    validate_strictly(built, (OLDEST_K8S,))
+    assert sorted(map(key, built)) == sorted([*map(key, k8s_documents()), ("Ingress", "logprob-service")])
+    assert {doc["metadata"]["namespace"] for doc in built} == {"ml"}
+    statefulset = workload(built)
+    assert statefulset["spec"]["replicas"] == 4
+    pod = statefulset["spec"]["template"]["spec"]
+    # On GPU nodes, with the NVIDIA runtime; the base's toleration kept.
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and pod["runtimeClassName"] == "nvidia"
+    assert pod["tolerations"] == workload()["spec"]["template"]["spec"]["tolerations"]
+    # The patch found its entries by name: LOGPROB_MODELS replaced, the base's other entries kept
+    # as they were, wherever they stand in the list.
+    container = server_container(statefulset)
+    env = {e["name"]: e for e in container["env"]}
+    base_env = {e["name"]: e for e in server_container(workload())["env"]}
+    assert env["LOGPROB_MODELS"] == {"name": "LOGPROB_MODELS", "value": "ref=Qwen/Qwen2.5-7B-Instruct"}
+    assert {k: v for k, v in env.items() if k != "LOGPROB_MODELS"} == {
+        k: v for k, v in base_env.items() if k != "LOGPROB_MODELS"
+    }
+    assert container["image"] == "registry.example.com/logprob-service:0.1.0"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # The patch is a strategic merge of the workload, by kind and name: no JSON patch by index.
+    kustomization = overlay_file("kustomization.yaml")
+    for patch in kustomization["patches"]:
+        assert set(patch) == {"path"}, patch
+        assert key(overlay_file(patch["path"])) == WORKLOAD
+
+
+def test_the_overlay_ingress_routes_grpc_to_the_service():
+    ingress = overlay_file("ingress.yaml")
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-body-size"] == "0"  # a stream's body is all its messages
+    assert ingress["spec"]["tls"]  # ingress-nginx serves gRPC (HTTP/2) to clients over TLS
+    services = {s["metadata"]["name"]: s for s in by_kind("Service")}
+    ((rule,),) = [r["http"]["paths"] for r in ingress["spec"]["rules"]]
+    backend = rule["backend"]["service"]
+    assert backend["port"] == {"name": "grpc"} and "grpc" in {
+        p["name"] for p in services[backend["name"]]["spec"]["ports"]
+    }
+    validate_strictly([ingress], (OLDEST_K8S,))
+
+
+def test_the_overlay_load_balancer_reaches_the_grpc_port_and_is_not_scraped():
+    service = overlay_file("service-loadbalancer.yaml")
+    validate_strictly([service], (OLDEST_K8S,))
+    assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["loadBalancerSourceRanges"]
+    assert selects(service["spec"]["selector"], workload()["spec"]["template"]["metadata"]["labels"])
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["grpc"]
+    (monitor,) = by_kind("ServiceMonitor")
+    assert not selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    # Listed in the overlay, commented out: an opt-in.
+    assert "# - service-loadbalancer.yaml" in (OVERLAY_DIR / "kustomization.yaml").read_text()
