@@ -64,11 +64,12 @@ def tokens_run(sequences: Sequence[TokenSequence]) -> int:
 # does not run the prompt again, but its C rows still read the prompt's P keys and values (a
 # gathered copy of them each): C x P key reads that no token pays for. So a further completion of a
 # shared prompt costs C + ceil(C x P / KEYS_PER_TOKEN), and never more than it costs run alone
-# (P + C). Measured, in tokens of the same sequence run alone (the sequence's time alone per token):
-# - CPU, builtin tiny-llama, one thread, exact attention: a prompt key read costs 1/2400 of a
-#   token for completions of 32-256 tokens (P 256-1024, G 16-64); one-token completions cost
-#   1/12-1/100 per key, most of it the exact backend's fixed ~0.5 ms per segment (14 tokens'
-#   time), which an ordinary short sequence pays as well.
+# (P + C). Measured: the group's time, in tokens of its sequences run alone (their time alone per
+# token), less the tokens it runs, per key read:
+# - CPU, builtin tiny-llama, one thread, exact attention (two runs; noisy, on 2 shared
+#   cores): completions of 32-256 tokens 1/230 (P 256) and 1/1900-1/2400 (P 1024), too little to
+#   tell from noise at P 2048; one-token completions 1/6-1/500, most of it the exact backend's
+#   fixed cost of a segment (~0.5 ms, 15 tokens' time), which an ordinary short sequence pays too.
 # - NVIDIA H200, Qwen2.5-0.5B shape (benchmarks/RESULTS.md, shared prompts): 1/3600 (P 1024,
 #   R 512, G 16) to 1/30000 (P 16384, R 1024, G 8).
 # One key read in 4096 tokens' worth lies between, near the GPU's: a 4096-token prompt read by

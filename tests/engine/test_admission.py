@@ -139,7 +139,11 @@ def test_a_shared_prompt_group_counts_its_prompt_in_each_micro_batch_and_its_rea
     admission = Admission(max_queued_tokens=10**6, max_queued_tokens_per_client=3100)
     admission.admit(plain, 1024, NOW)
     admission.admit(plain, 1024, NOW)
-    with pytest.raises(Overloaded, match=r"has 2048 tokens queued; this request's 2046 would pass .*_client=3100"):
+    with pytest.raises(
+        Overloaded,
+        match=r"has 2048 tokens queued; this request's 2046 \(as it runs; 1024 tokens with each distinct prompt once\) "
+        r"would pass max_queued_tokens_per_client=3100",
+    ):
         admission.admit(group, costs["group"][1], NOW)
     admission.admit(plain, 1024, NOW)
 

@@ -60,8 +60,9 @@ class Admission:
         self._stats = stats
 
     def admit(self, job: ScoreJob, cost: int, now: float) -> None:
-        """Count ``cost`` (``job``'s token-equivalents as planned) as queued, or raise ``Overloaded``
-        naming the limit it would pass, or the deadline (``time.monotonic``, as ``now``) it would."""
+        """Count ``cost`` (``job``'s token-equivalents as planned) as queued; or raise ``InvalidArgument``
+        if no wait could make room for it, or ``Overloaded`` naming the limit it would pass, or the
+        deadline (``time.monotonic``, as ``now``) it would."""
         cap = min(self.max_queued_tokens, self.max_queued_tokens_per_client)
         if cost > cap:
             field = "groups" if job.group_sizes else "sequences"
@@ -73,14 +74,14 @@ class Admission:
             )
         if self.queued_tokens + cost > self.max_queued_tokens:
             raise Overloaded(
-                f"server queue holds {self.queued_tokens} tokens; this request's {cost} would pass "
+                f"server queue holds {self.queued_tokens} tokens; this request's {_counted(job, cost)} would pass "
                 f"max_queued_tokens={self.max_queued_tokens}",
                 retry_after_s=self.retry_after_s(self.queued_tokens + cost - self.max_queued_tokens),
             )
         held, share = self.client_tokens[job.client], self.max_queued_tokens_per_client
         if held + cost > share:
             raise Overloaded(
-                f"client {job.client!r} has {held} tokens queued; this request's {cost} would pass "
+                f"client {job.client!r} has {held} tokens queued; this request's {_counted(job, cost)} would pass "
                 f"max_queued_tokens_per_client={share}",
                 retry_after_s=self.retry_after_s(held + cost - share),
             )
@@ -98,8 +99,8 @@ class Admission:
             return
         raise Overloaded(
             f"request {job.request_id}: its deadline is {left_s:.2f} s away, but the server queue holds "
-            f"{self.queued_tokens} tokens ahead of its {cost}, which at the measured {throughput:.0f} tokens/s "
-            f"take about {finish_s:.2f} s",
+            f"{self.queued_tokens} tokens ahead of its {_counted(job, cost)}, which at the measured "
+            f"{throughput:.0f} tokens/s take about {finish_s:.2f} s",
             retry_after_s=self.retry_after_s(work - throughput * left_s / DEADLINE_SLACK),
         )
 
@@ -133,3 +134,10 @@ class Admission:
         if throughput is None:
             return DEFAULT_RETRY_S
         return min(MAX_RETRY_S, max(MIN_RETRY_S, excess_tokens / throughput))
+
+
+def _counted(job: ScoreJob, cost: int) -> str:
+    """``cost``, and where it is not the request's tokens, why."""
+    if cost == job.cost:
+        return str(cost)
+    return f"{cost} (as it runs; {job.cost} tokens with each distinct prompt once)"
