@@ -162,8 +162,8 @@ class Settings(BaseSettings):
         DEFAULT_MAX_BATCH_TOKENS,
         ge=1,
         description=(
-            "Real tokens (prompt + completion, no padding) in one packed micro-batch; "
-            "a longer sequence is scored alone."
+            "Real tokens (prompt + completion, no padding; a shared prompt's completions also count their reads "
+            "of it) in one packed micro-batch; a longer sequence is scored alone."
         ),
     )
     max_batch_sequences: int = Field(
@@ -194,8 +194,8 @@ class Settings(BaseSettings):
         4_194_304,
         ge=1,
         description=(
-            "Tokens (counted as for max_tokens_per_request) admitted but not yet scored; beyond it requests get "
-            "RESOURCE_EXHAUSTED."
+            "Tokens admitted but not yet scored, counted as they run (a shared prompt once in each micro-batch, "
+            "its completions' reads of it too); beyond it requests get RESOURCE_EXHAUSTED."
         ),
     )
     max_connection_age_s: float = Field(
@@ -210,7 +210,8 @@ class Settings(BaseSettings):
         2_097_152,
         ge=1,
         description=(
-            "Fair share: tokens one client (its token's name; without authentication, its IP address) may have "
+            "Fair share: tokens (counted as for max_queued_tokens) one client (its token's name; without "
+            "authentication, its IP address) may have "
             "admitted but not yet scored; beyond it that client's requests get RESOURCE_EXHAUSTED while others' "
             "are still admitted."
         ),

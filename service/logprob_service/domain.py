@@ -43,9 +43,7 @@ def prompt_groups(sequences: Sequence[TokenSequence]) -> list[list[int]]:
 
 def prompt_once_costs(sequences: Sequence[TokenSequence]) -> list[int]:
     """Each sequence's share of the tokens ``sequences`` run together with shared prompts
-    (``worker.packing``): its completion, plus its prompt where it is the first with that prompt.
-    They sum to ``tokens_run(sequences)`` however the sequences are later cut into micro-batches,
-    so what is counted in for a request can be counted out sequence by sequence."""
+    (``worker.packing``): its completion, plus its prompt where it is the first with that prompt."""
     seen: set[bytes] = set()
     costs = []
     for seq in sequences:
@@ -57,6 +55,49 @@ def prompt_once_costs(sequences: Sequence[TokenSequence]) -> list[int]:
 def tokens_run(sequences: Sequence[TokenSequence]) -> int:
     """Tokens a micro-batch of ``sequences`` runs, each distinct prompt once (``worker.packing``)."""
     return sum(prompt_once_costs(sequences))
+
+
+# What a completion's reads of a shared prompt cost (the cost model, in token-equivalents).
+#
+# The queue's limits count tokens: an ordinary sequence of P + C tokens costs P + C, its attention
+# included. A completion that shares its prompt with others in a micro-batch (``worker.packing``)
+# does not run the prompt again, but its C rows still read the prompt's P keys and values (a
+# gathered copy of them each): C x P key reads that no token pays for. So a further completion of a
+# shared prompt costs C + ceil(C x P / KEYS_PER_TOKEN), and never more than it costs run alone
+# (P + C). Measured: the group's time, in tokens of its sequences run alone (their time alone per
+# token), less the tokens it runs, per key read:
+# - CPU, builtin tiny-llama, one thread, exact attention (two runs; noisy, on 2 shared
+#   cores): completions of 32-256 tokens 1/230 (P 256) and 1/1900-1/2400 (P 1024), too little to
+#   tell from noise at P 2048; one-token completions 1/6-1/500, most of it the exact backend's
+#   fixed cost of a segment (~0.5 ms, 15 tokens' time), which an ordinary short sequence pays too.
+# - NVIDIA H200, Qwen2.5-0.5B shape (benchmarks/RESULTS.md, shared prompts): 1/3600 (P 1024,
+#   R 512, G 16) to 1/30000 (P 16384, R 1024, G 8).
+# One key read in 4096 tokens' worth lies between, near the GPU's: a 4096-token prompt read by
+# a completion token costs a second token. It must not be heavier: the micro-batch budget counts
+# these costs, and a group cut into more micro-batches runs its prompt again in each (at 1/2048,
+# P 16384, R 1024, G 8 would no longer fit the default 65,536 and run its prompt twice).
+KEYS_PER_TOKEN = 4096
+
+
+def shared_prompt_cost(seq: TokenSequence) -> int:
+    """Token-equivalents of ``seq`` in a micro-batch that already runs its prompt: its completion,
+    plus its reads of the prompt (``KEYS_PER_TOKEN``), never more than ``seq`` alone."""
+    prompt, completion = len(seq.prompt_ids), len(seq.completion_ids)
+    return completion + min(prompt, -(-completion * prompt // KEYS_PER_TOKEN))
+
+
+def run_costs(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> list[int]:
+    """Each sequence's share, in token-equivalents, of what one micro-batch of ``sequences`` costs:
+    with ``share_prompts`` (``worker.packing``), the first with its prompt costs its tokens, each
+    further one ``shared_prompt_cost``; without, every sequence its tokens."""
+    if not share_prompts:
+        return [seq.num_tokens for seq in sequences]
+    seen: set[bytes] = set()
+    costs = []
+    for seq in sequences:
+        costs.append(shared_prompt_cost(seq) if seq.prompt_key in seen else seq.num_tokens)
+        seen.add(seq.prompt_key)
+    return costs
 
 
 @dataclass(frozen=True)
@@ -75,7 +116,7 @@ class ScoreJob:
     return_entropy: bool = False
     deadline: float | None = None  # time.monotonic() after which the work is useless
     min_version: int = 0  # score only with weights of at least this version
-    client: str = ""  # who asked (identity.py): the fair share counts queued tokens per client
+    client: str = ""  # who asked (identity.py): the fair share counts queued token-equivalents per client
     group_sizes: tuple[int, ...] = ()
 
     @property
@@ -83,15 +124,11 @@ class ScoreJob:
         """Prompt + completion tokens of every sequence: the tokens it scores for its caller."""
         return sum(s.num_tokens for s in self.sequences)
 
-    @cached_property
-    def sequence_costs(self) -> list[int]:
-        """What each sequence counts for against the request and queue limits (``prompt_once_costs``)."""
-        return prompt_once_costs(self.sequences)
-
     @property
     def cost(self) -> int:
-        """Tokens the request counts for: each distinct prompt once, plus every completion."""
-        return sum(self.sequence_costs)
+        """Tokens the request counts for against ``max_tokens_per_request``: each distinct prompt
+        once, plus every completion. (The queue counts what it costs as it runs: ``run_costs``.)"""
+        return tokens_run(self.sequences)
 
 
 @dataclass(frozen=True)

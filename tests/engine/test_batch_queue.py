@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from logprob_service.domain import ScoreJob, TokenSequence
+from logprob_service.domain import KEYS_PER_TOKEN, ScoreJob, TokenSequence
 from logprob_service.engine.batch_queue import BatchQueue, Request
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
@@ -69,7 +69,7 @@ def makespan(queue: BatchQueue, devices: int, spread: int) -> int:
     clocks = [0] * devices
     while queue.units:
         free = clocks.index(min(clocks))
-        clocks[free] += sum(u.tokens for u in queue.take(spread=spread))
+        clocks[free] += sum(u.cost for u in queue.take(spread=spread))
     return max(clocks)
 
 
@@ -78,7 +78,7 @@ def test_shared_by_devices_a_bursts_last_micro_batches_get_smaller():
     # devices a whole micro-batch behind; taking at most half of what is left (and no less than
     # 100) ends them closer: 400, 300, 200, 100, 100.
     queue = queue_of(job("a", [100] * 11))
-    assert [sum(u.tokens for u in queue.take(spread=2)) for _ in range(5)] == [400, 300, 200, 100, 100]
+    assert [sum(u.cost for u in queue.take(spread=2)) for _ in range(5)] == [400, 300, 200, 100, 100]
     assert not queue.units
     assert makespan(queue_of(job("a", [100] * 11)), 2, spread=1) == 700
     assert makespan(queue_of(job("a", [100] * 11)), 2, spread=2) == 600  # the ideal: 550
@@ -151,9 +151,18 @@ def shared_queue(max_batch_tokens: int, max_batch_sequences: int = 100) -> Batch
 
 def test_with_shared_prompts_a_group_counts_its_prompt_once(rng):
     group = grouped_job("g", 300, [50] * 8, rng)  # 2,800 tokens as sequences, 700 run
+    # The first completion with the prompt (350), each other its 50 tokens and its reads of the
+    # prompt: 50 x 300 keys, 4 tokens' worth (KEYS_PER_TOKEN, rounded up).
+    cost = 350 + 7 * (50 + 4)
+    queue = shared_queue(cost)
+    request = Outcome().request(group)
+    queue.push(request)
+    assert [(u.indices, u.cost) for u in queue.units] == [(list(range(8)), cost)]
+    assert request.costs == [350] + [54] * 7  # what admission counts in, and out sequence by sequence
+    # The budget counts the reads: at 700 (the tokens it runs) it no longer fits one micro-batch.
     queue = shared_queue(700)
     queue.push(Outcome().request(group))
-    assert [(u.indices, u.tokens) for u in queue.units] == [(list(range(8)), 700)]
+    assert [u.cost for u in queue.units] == [350 + 6 * 54, 350]  # cut greedily, each part with the prompt
     unshared = BatchQueue(max_batch_tokens=700, max_batch_sequences=100)
     unshared.push(Outcome().request(group))
     assert len(unshared.units) == 4  # two sequences of 350 a micro-batch
@@ -166,7 +175,9 @@ def test_with_shared_prompts_a_group_over_the_budget_is_cut_into_parts_that_each
     seqs = group.sequences
     covered = []
     for unit in queue.units:
-        assert unit.tokens == 300 + sum(len(seqs[i].completion_ids) for i in unit.indices) <= 500
+        completions = [len(seqs[i].completion_ids) for i in unit.indices]
+        reads = [-(-c * 300 // KEYS_PER_TOKEN) for c in completions[1:]]  # of the prompt, by the others
+        assert unit.cost == 300 + sum(completions) + sum(reads) <= 500
         assert len(unit.indices) <= 3
         covered += unit.indices
     assert sorted(covered) == list(range(8))
@@ -174,11 +185,11 @@ def test_with_shared_prompts_a_group_over_the_budget_is_cut_into_parts_that_each
 
 def test_with_shared_prompts_the_room_left_is_filled_counting_each_prompt_once(rng):
     queue = shared_queue(1000)
-    first = grouped_job("a", 500, [100, 100], rng)  # 700 run
-    second = grouped_job("b", 200, [40, 40, 40, 40], rng)  # 360 run; 300 left
+    first = grouped_job("a", 500, [100, 100], rng)  # 700 run, and 100 x 500 keys read: 713
+    second = grouped_job("b", 200, [40, 40, 40, 40], rng)  # 360 run, each further one reads 2 tokens' worth
     for j in (first, second):
         queue.push(Outcome().request(j))
     taken = queue.take()
     assert described(taken) == [("a", [0, 1]), ("b", [0, 1])]
-    assert [u.tokens for u in taken] == [700, 280]  # b's prompt once: 200 + 2 x 40 (a third: 320)
-    assert [(u.indices, u.tokens) for u in queue.units] == [([2, 3], 280)]  # the rest runs the prompt again
+    assert [u.cost for u in taken] == [713, 282]  # b's prompt once: 240 + 42 (a third: 324, over 287 left)
+    assert [(u.indices, u.cost) for u in queue.units] == [([2, 3], 282)]  # the rest runs the prompt again

@@ -1,21 +1,24 @@
 """The scheduler over several devices (data parallel), with fake devices: each lane's executor
 records what it ran and finishes a micro-batch when the test says so.
 
-Checked: a micro-batch goes to the lane with the fewest tokens in flight (not round robin); a
+Checked: a micro-batch goes to the lane with the least work in flight (not round robin); a
 lane's two-batch pipeline is respected; a weight swap runs on every lane, with no micro-batch of
 the model launched anywhere until all replicas have swapped, and each response reports the
 version of the replica that scored it; an idle device waits for more work while requests keep
-coming, and not for a lone one.
+coming, and not for a lone one; the throughput is measured from each micro-batch's time on its
+device.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
 from logprob_service.domain import ModelInfo, ScoreJob, SequenceScores, TokenSequence
+from logprob_service.engine import scheduler as scheduler_module
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 
@@ -193,5 +196,41 @@ async def test_an_idle_device_batches_requests_that_keep_coming():
         assert device.launched == [(0, 22)]  # one micro-batch of both
         device.finish_one()
         await asyncio.gather(*tasks)
+    finally:
+        await scheduler.close()
+
+
+class Clock:
+    """The scheduler's clock, ``offset_ns`` ahead of the real one."""
+
+    def __init__(self) -> None:
+        self.offset_ns = 0
+
+    def perf_counter_ns(self) -> int:
+        return time.perf_counter_ns() + self.offset_ns
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset_ns / 1e9
+
+
+async def test_the_throughput_counts_each_micro_batchs_time_on_its_device(monkeypatch):
+    """Two micro-batches are in flight at once: the second holds the device from when the first is
+    done, not from its launch, so a device that does one a second does 100 tokens/s (launch to
+    result would say 50)."""
+    clock = Clock()
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    device = FakeDevice("dev0")
+    registry, _ = registry_of([device])
+    scheduler = scheduler_of(registry, [device])  # one request a micro-batch
+    scheduler.start()
+    try:
+        tasks = [asyncio.create_task(scheduler.submit(job(i, 100))) for i in range(3)]
+        await until(lambda: len(device.launched) == 2)
+        for task in tasks:
+            clock.offset_ns += 1_000_000_000
+            device.finish_one()
+            await until(task.done)
+            await until(lambda: len(device.launched) == 3)
+        assert scheduler.admission.throughput == pytest.approx(100, rel=0.01)
     finally:
         await scheduler.close()

@@ -1,70 +1,143 @@
-"""Admission control: the queue's token budget, each client's fair share, and retry hints.
+"""Admission control: the queue's budget, each client's fair share, deadlines, and retry hints.
 
-Every request's tokens (``ScoreJob.cost``: each distinct prompt once, plus every completion) count
-from admission until they are scored or dropped. The queue holds
-at most ``max_queued_tokens``, and each client identity (``api.security.caller``) at most
-``max_queued_tokens_per_client``, so one trainer cannot fill the queue and starve the others.
-Past either limit a request is refused at once (``Overloaded``, RESOURCE_EXHAUSTED at the edge)
-with a message naming the limit and a retry hint: the excess tokens over the throughput measured
-so far. Synchronous and clock-free: the scheduler calls it.
+Every request counts what it costs as it will run (``BatchQueue.plan``, in token-equivalents:
+``domain.run_costs``; an ordinary sequence its tokens, a shared prompt once in each micro-batch
+that holds some of its completions, plus each further completion's reads of it) from admission
+until it is scored or dropped. The queue holds at most ``max_queued_tokens`` of them, and each
+client identity (``api.security.caller``) at most ``max_queued_tokens_per_client``, so one trainer
+cannot fill the queue and starve the others. Past either limit a request is refused at once
+(``Overloaded``, RESOURCE_EXHAUSTED at the edge) with a message naming the limit and a retry hint:
+the excess over the measured throughput. A request that could never be admitted (costs more than
+either limit, which only a group cut into many micro-batches can) is refused as invalid.
+
+A request with a deadline that the work queued ahead of it (and its own) would pass, at the
+measured throughput, by more than ``DEADLINE_SLACK``, is refused at once the same way, rather than
+admitted to time out in the queue. The throughput counts only micro-batches large enough that
+their fixed cost does not rule their time (not the warm-up's few tokens); until a few such have
+been measured, nothing is refused for its deadline and hints are ``DEFAULT_RETRY_S``.
+Synchronous and clock-free: the scheduler calls it, with the time.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 
 from logprob_service.domain import ScoreJob
-from logprob_service.errors import Overloaded
+from logprob_service.errors import InvalidArgument, Overloaded
 from logprob_service.stats import NO_STATS, QueueChanged, StatsSink
 
 MIN_RETRY_S, MAX_RETRY_S = 0.05, 30.0
+DEFAULT_RETRY_S = 1.0  # the hint while no throughput has been measured
+# A request is refused for its deadline only when the estimated time to finish it passes the time
+# left by a quarter: an estimate that errs (a slow micro-batch measured, work ahead that is
+# dropped) must not refuse work that would have finished.
+DEADLINE_SLACK = 1.25
+# The throughput: the median of the last MEASURED_BATCHES measured micro-batches' rates, once
+# there are MIN_MEASURED_BATCHES (one slow first batch, compiling a kernel, does not set it).
+MEASURED_BATCHES, MIN_MEASURED_BATCHES = 8, 3
 
 
 class Admission:
     def __init__(
-        self, *, max_queued_tokens: int, max_queued_tokens_per_client: int, stats: StatsSink = NO_STATS
+        self,
+        *,
+        max_queued_tokens: int,
+        max_queued_tokens_per_client: int,
+        min_measured_cost: int = 1,
+        devices: int = 1,
+        stats: StatsSink = NO_STATS,
     ) -> None:
+        """``min_measured_cost``: the least a micro-batch must cost for its time to count towards the
+        throughput; ``devices``: how many devices run micro-batches side by side."""
         self.max_queued_tokens = max_queued_tokens
         self.max_queued_tokens_per_client = max_queued_tokens_per_client
-        self.queued_tokens = 0  # admitted, not yet scored or dropped
+        self.min_measured_cost = min_measured_cost
+        self.devices = devices
+        self.queued_tokens = 0  # token-equivalents admitted, not yet scored or dropped
         self.client_tokens: Counter[str] = Counter()  # the same, per client identity (none at 0)
-        self.tokens_per_s = 0.0  # moving average of the measured throughput
+        self._rates: deque[float] = deque(maxlen=MEASURED_BATCHES)  # token-equivalents/s of one device
         self._stats = stats
 
-    def admit(self, job: ScoreJob) -> None:
-        """Count ``job``'s tokens as queued, or raise ``Overloaded`` naming the limit it would pass."""
-        tokens = job.cost
-        if self.queued_tokens + tokens > self.max_queued_tokens:
+    def admit(self, job: ScoreJob, cost: int, now: float) -> None:
+        """Count ``cost`` (``job``'s token-equivalents as planned) as queued; or raise ``InvalidArgument``
+        if no wait could make room for it, or ``Overloaded`` naming the limit it would pass, or the
+        deadline (``time.monotonic``, as ``now``) it would."""
+        cap = min(self.max_queued_tokens, self.max_queued_tokens_per_client)
+        if cost > cap:
+            field = "groups" if job.group_sizes else "sequences"
+            limit = "max_queued_tokens" if cap == self.max_queued_tokens else "max_queued_tokens_per_client"
+            raise InvalidArgument(
+                f"{field}: the request costs {cost} token-equivalents as it runs (a shared prompt again in "
+                f"each micro-batch that holds some of its completions, plus their reads of it), more than "
+                f"{limit}={cap} can ever admit; send fewer completions of a prompt per request"
+            )
+        if self.queued_tokens + cost > self.max_queued_tokens:
             raise Overloaded(
-                f"server queue holds {self.queued_tokens} tokens; this request's {tokens} would pass "
+                f"server queue holds {self.queued_tokens} tokens; this request's {_counted(job, cost)} would pass "
                 f"max_queued_tokens={self.max_queued_tokens}",
-                retry_after_s=self.retry_after_s(self.queued_tokens + tokens - self.max_queued_tokens),
+                retry_after_s=self.retry_after_s(self.queued_tokens + cost - self.max_queued_tokens),
             )
-        held, cap = self.client_tokens[job.client], self.max_queued_tokens_per_client
-        if held + tokens > cap:
+        held, share = self.client_tokens[job.client], self.max_queued_tokens_per_client
+        if held + cost > share:
             raise Overloaded(
-                f"client {job.client!r} has {held} tokens queued; this request's {tokens} would pass "
-                f"max_queued_tokens_per_client={cap}",
-                retry_after_s=self.retry_after_s(held + tokens - cap),
+                f"client {job.client!r} has {held} tokens queued; this request's {_counted(job, cost)} would pass "
+                f"max_queued_tokens_per_client={share}",
+                retry_after_s=self.retry_after_s(held + cost - share),
             )
-        self._count(job, tokens)
+        self._check_deadline(job, cost, now)
+        self._count(job, cost)
 
-    def release(self, job: ScoreJob, tokens: int) -> None:
-        """``tokens`` of ``job`` were scored or dropped."""
-        self._count(job, -tokens)
+    def _check_deadline(self, job: ScoreJob, cost: int, now: float) -> None:
+        throughput = self.throughput
+        if job.deadline is None or throughput is None or job.deadline <= now:
+            return  # (one already past is dropped as expired, DEADLINE_EXCEEDED, before any compute)
+        left_s = job.deadline - now
+        work = self.queued_tokens + cost  # all queued work counts as ahead: it is served in arrival order
+        finish_s = work / throughput
+        if finish_s <= DEADLINE_SLACK * left_s:
+            return
+        raise Overloaded(
+            f"request {job.request_id}: its deadline is {left_s:.2f} s away, but the server queue holds "
+            f"{self.queued_tokens} tokens ahead of its {_counted(job, cost)}, which at the measured "
+            f"{throughput:.0f} tokens/s take about {finish_s:.2f} s",
+            retry_after_s=self.retry_after_s(work - throughput * left_s / DEADLINE_SLACK),
+        )
 
-    def _count(self, job: ScoreJob, tokens: int) -> None:
-        self.queued_tokens += tokens
-        self.client_tokens[job.client] += tokens
+    def release(self, job: ScoreJob, cost: int) -> None:
+        """``cost`` of ``job`` was scored or dropped."""
+        self._count(job, -cost)
+
+    def _count(self, job: ScoreJob, cost: int) -> None:
+        self.queued_tokens += cost
+        self.client_tokens[job.client] += cost
         if not self.client_tokens[job.client]:
             del self.client_tokens[job.client]
-        self._stats.record(QueueChanged(job.model, tokens=tokens))
+        self._stats.record(QueueChanged(job.model, tokens=cost))
 
-    def observe_throughput(self, tokens: int, elapsed_ns: int) -> None:
-        rate = tokens / max(elapsed_ns, 1) * 1e9
-        self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.8 * self.tokens_per_s + 0.2 * rate
+    def observe(self, cost: int, busy_ns: int) -> None:
+        """A micro-batch of ``cost`` token-equivalents held its device for ``busy_ns``. One that
+        costs less than ``min_measured_cost`` is left out: its time is mostly the fixed cost of a
+        micro-batch (the warm-up's 16 tokens measured 1/10 of the CPU's throughput)."""
+        if cost >= self.min_measured_cost and busy_ns > 0:
+            self._rates.append(cost / busy_ns * 1e9)
 
-    def retry_after_s(self, excess_tokens: int) -> float:
-        if self.tokens_per_s <= 0:
-            return 1.0
-        return min(MAX_RETRY_S, max(MIN_RETRY_S, excess_tokens / self.tokens_per_s))
+    @property
+    def throughput(self) -> float | None:
+        """Token-equivalents per second, every device together; None until enough is measured."""
+        if len(self._rates) < MIN_MEASURED_BATCHES:
+            return None
+        return statistics.median(self._rates) * self.devices
+
+    def retry_after_s(self, excess_tokens: float) -> float:
+        throughput = self.throughput
+        if throughput is None:
+            return DEFAULT_RETRY_S
+        return min(MAX_RETRY_S, max(MIN_RETRY_S, excess_tokens / throughput))
+
+
+def _counted(job: ScoreJob, cost: int) -> str:
+    """``cost``, and where it is not the request's tokens, why."""
+    if cost == job.cost:
+        return str(cost)
+    return f"{cost} (as it runs; {job.cost} tokens with each distinct prompt once)"

@@ -4,15 +4,18 @@ Every admitted request is cut into *units* (some of its sequences, always scored
 unit when it fits a micro-batch, else balanced parts (``partition.plan_micro_batches``,
 Karmarkar-Karp). Units wait in arrival order. ``take`` forms the next micro-batch: first fit,
 in arrival order, among units sharing the oldest eligible unit's ``BatchKey``, under
-``max_batch_tokens`` real tokens (no padding: the batch is packed) and ``max_batch_sequences``;
-a unit too big for the room left gives the sequences that fit and keeps its place with the rest,
-so micro-batches fill up to the budget.
+``max_batch_tokens`` and ``max_batch_sequences``; a unit too big for the room left gives the
+sequences that fit and keeps its place with the rest, so micro-batches fill up to the budget.
 
-With ``share_prompts`` (the worker runs each distinct prompt of a micro-batch once), tokens are
-counted as they run: a unit's sequences that share a prompt count it once
-(``domain.tokens_run``), and a request larger than a micro-batch is cut along its prompt groups,
-a group larger than a micro-batch into parts that each carry the prompt. (Two units with the
-same prompt in one micro-batch count it twice: the budget errs on the safe side.)
+Work is counted as it runs, in token-equivalents (``domain.run_costs``): real tokens (no padding:
+the batch is packed) for an ordinary sequence. With ``share_prompts`` (the worker runs each
+distinct prompt of a micro-batch once), a unit's sequences that share a prompt count it once, and
+each further one its reads of the prompt's keys; a request larger than a micro-batch is cut along
+its prompt groups, a group larger than a micro-batch into parts that each carry the prompt. (Two
+units with the same prompt in one micro-batch count it twice: the budget errs on the safe side.)
+What a request costs is planned before it is admitted (``plan``: its units, each part of a group
+carrying the prompt), and each sequence's share of it (``Request.costs``) is what admission
+counts in and out, however ``take`` later cuts the units.
 
 Weight swaps hold a model's work: while a swap of model M waits (M in ``held``), M's units whose
 request has not started are not eligible, while those of a request already partly launched are
@@ -27,7 +30,16 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, TokenSequence, prompt_groups, tokens_run
+from logprob_service.domain import (
+    ScoreJob,
+    ScoreResult,
+    SequenceScores,
+    TokenSequence,
+    prompt_groups,
+    run_costs,
+    shared_prompt_cost,
+    tokens_run,
+)
 from logprob_service.engine.partition import plan_micro_batches
 from logprob_service.errors import DeadlineExceeded
 
@@ -56,6 +68,7 @@ class Request:
     first_launch_ns: int | None = None
     compute_ns: int = 0
     model_version: int = 0
+    costs: list[int] = field(default_factory=list)  # each sequence's share of the planned cost (BatchQueue.plan)
     scores: list[SequenceScores | None] = field(init=False)
     remaining: int = field(init=False)
 
@@ -71,6 +84,11 @@ class Request:
     def started(self) -> bool:
         return self.first_launch_ns is not None
 
+    @property
+    def cost(self) -> int:
+        """Token-equivalents admission counts for it: what it costs as planned (``BatchQueue.plan``)."""
+        return sum(self.costs)
+
 
 @dataclass(eq=False)
 class Unit:
@@ -78,12 +96,12 @@ class Unit:
 
     request: Request
     indices: list[int]
-    tokens: int  # run: with share_prompts, a prompt its sequences share once
+    cost: int  # token-equivalents as it runs (domain.run_costs): with share_prompts, a prompt its sequences share once
 
     @property
-    def admitted_tokens(self) -> int:
-        """Its sequences' share of what admission counted for the request (``ScoreJob.sequence_costs``)."""
-        costs = self.request.job.sequence_costs
+    def admitted(self) -> int:
+        """Its sequences' share of what admission counted for the request (``Request.costs``)."""
+        costs = self.request.costs
         return sum(costs[i] for i in self.indices)
 
 
@@ -100,25 +118,48 @@ class BatchQueue:
         self.units: list[Unit] = []  # waiting, in arrival order
 
     def tokens(self, sequences: list[TokenSequence]) -> int:
-        """Tokens a micro-batch of ``sequences`` runs."""
+        """Real tokens a micro-batch of ``sequences`` runs (what the metrics count)."""
         return tokens_run(sequences) if self.share_prompts else sum(s.num_tokens for s in sequences)
 
-    def push(self, request: Request) -> None:
-        """Queue ``request``'s sequences as units (one, or balanced parts if it is larger than a micro-batch)."""
+    def costs(self, sequences: list[TokenSequence]) -> list[int]:
+        """Each sequence's share of what a micro-batch of ``sequences`` costs (``domain.run_costs``)."""
+        return run_costs(sequences, share_prompts=self.share_prompts)
+
+    def cost(self, sequences: list[TokenSequence]) -> int:
+        """Token-equivalents a micro-batch of ``sequences`` costs."""
+        return sum(self.costs(sequences))
+
+    def plan(self, request: Request) -> list[Unit]:
+        """``request``'s units (one, or balanced parts if it is larger than a micro-batch), not queued
+        yet, and each sequence's share of their cost in ``request.costs``."""
         seqs = request.job.sequences
-        if self.tokens(seqs) <= self.max_batch_tokens and len(seqs) <= self.max_batch_sequences:
+        if self.cost(seqs) <= self.max_batch_tokens and len(seqs) <= self.max_batch_sequences:
             parts = [list(range(len(seqs)))]
         else:
             items = self._items(seqs)
             planned = plan_micro_batches(
-                [self.tokens([seqs[i] for i in item]) for item in items],
+                [self.cost([seqs[i] for i in item]) for item in items],
                 max_tokens=self.max_batch_tokens,
                 max_sequences=self.max_batch_sequences,
                 sizes=[len(item) for item in items],
             )
             parts = [sorted(i for j in part for i in items[j]) for part in planned]
+        request.costs = [0] * len(seqs)
+        units = []
         for indices in parts:
-            self.units.append(Unit(request, indices, self.tokens([seqs[i] for i in indices])))
+            costs = self.costs([seqs[i] for i in indices])
+            for i, cost in zip(indices, costs):
+                request.costs[i] = cost
+            units.append(Unit(request, indices, sum(costs)))
+        return units
+
+    def push(self, request: Request) -> None:
+        """Queue ``request``'s units (``plan``)."""
+        self.add(self.plan(request))
+
+    def add(self, units: list[Unit]) -> None:
+        """Queue units made by ``plan`` (once their request is admitted)."""
+        self.units += units
 
     def _items(self, seqs: list[TokenSequence]) -> list[list[int]]:
         """What a large request is cut along: its sequences one by one, or with ``share_prompts`` its
@@ -127,16 +168,15 @@ class BatchQueue:
             return [[i] for i in range(len(seqs))]
         items = []
         for group in prompt_groups(seqs):
-            prompt = len(seqs[group[0]].prompt_ids)
             item: list[int] = []
-            tokens = prompt
+            cost = 0
             for i in group:
-                completion = len(seqs[i].completion_ids)
-                if item and (tokens + completion > self.max_batch_tokens or len(item) == self.max_batch_sequences):
+                more = shared_prompt_cost(seqs[i]) if item else seqs[i].num_tokens
+                if item and (cost + more > self.max_batch_tokens or len(item) == self.max_batch_sequences):
                     items.append(item)
-                    item, tokens = [], prompt
+                    item, cost, more = [], 0, seqs[i].num_tokens
                 item.append(i)
-                tokens += completion
+                cost += more
             items.append(item)
         return items
 
@@ -170,14 +210,14 @@ class BatchQueue:
         """Whether ``model`` has queued units that may still run although it is held: a swap of it must wait."""
         return any(unit.request.job.model == model and self.eligible(unit, held) for unit in self.units)
 
-    def _key_tokens(self, first: Unit, held: Collection[str]) -> int:
-        """Tokens of the eligible work that may share a micro-batch with ``first`` (its key)."""
+    def _key_cost(self, first: Unit, held: Collection[str]) -> int:
+        """Token-equivalents of the eligible work that may share a micro-batch with ``first`` (its key)."""
         key = first.request.key
-        return sum(u.tokens for u in self.units if u.request.key == key and self.eligible(u, held))
+        return sum(u.cost for u in self.units if u.request.key == key and self.eligible(u, held))
 
     def fills_a_batch(self, first: Unit, held: Collection[str] = ()) -> bool:
-        """Whether the eligible work sharing ``first``'s key fills a micro-batch's token budget."""
-        return self._key_tokens(first, held) >= self.max_batch_tokens
+        """Whether the eligible work sharing ``first``'s key fills a micro-batch's budget."""
+        return self._key_cost(first, held) >= self.max_batch_tokens
 
     def take(self, held: Collection[str] = (), spread: int = 1) -> list[Unit]:
         """The next micro-batch (removed from the queue); needs an eligible unit. A unit larger than
@@ -191,23 +231,23 @@ class BatchQueue:
         micro-batches runs as 6 on one and 5 on the other, 1.83x one GPU at best."""
         first = self.first_eligible(held)
         assert first is not None, "take needs an eligible unit"
-        if first.tokens > self.max_batch_tokens:
+        if first.cost > self.max_batch_tokens:
             self.units.remove(first)
             return [first]
         budget = self.max_batch_tokens
         if spread > 1:
-            share = -(-self._key_tokens(first, held) // spread)
+            share = -(-self._key_cost(first, held) // spread)
             budget = min(budget, max(share, self.max_batch_tokens // TAIL_FRACTION))
         chosen: list[Unit] = []
         rest: list[Unit] = []
-        tokens = sequences = 0
+        cost = sequences = 0
         for unit in self.units:
             left: Unit | None = unit
             if unit.request.key == first.request.key and self.eligible(unit, held):
-                taken, left = self._fit(unit, budget - tokens, self.max_batch_sequences - sequences)
+                taken, left = self._fit(unit, budget - cost, self.max_batch_sequences - sequences)
                 if taken is not None:
                     chosen.append(taken)
-                    tokens += taken.tokens
+                    cost += taken.cost
                     sequences += len(taken.indices)
             if left is not None:
                 rest.append(left)
@@ -216,9 +256,9 @@ class BatchQueue:
             return self.take(held)
         return chosen
 
-    def _fit(self, unit: Unit, room_tokens: int, room_sequences: int) -> tuple[Unit | None, Unit | None]:
+    def _fit(self, unit: Unit, room: int, room_sequences: int) -> tuple[Unit | None, Unit | None]:
         """Split ``unit`` into the sequences that fit the room (in order) and the rest."""
-        if unit.tokens <= room_tokens and len(unit.indices) <= room_sequences:
+        if unit.cost <= room and len(unit.indices) <= room_sequences:
             return unit, None
         sequences = unit.request.job.sequences
         taken: list[int] = []
@@ -227,8 +267,8 @@ class BatchQueue:
         for i in unit.indices:
             seq = sequences[i]
             shared = self.share_prompts and seq.prompt_key in prompts
-            cost = len(seq.completion_ids) if shared else seq.num_tokens
-            if len(taken) == room_sequences or used + cost > room_tokens:
+            cost = shared_prompt_cost(seq) if shared else seq.num_tokens
+            if len(taken) == room_sequences or used + cost > room:
                 break
             taken.append(i)
             used += cost
@@ -236,7 +276,7 @@ class BatchQueue:
         if not taken:
             return None, unit
         left = unit.indices[len(taken) :]
-        return Unit(unit.request, taken, used), Unit(unit.request, left, self.tokens([sequences[j] for j in left]))
+        return Unit(unit.request, taken, used), Unit(unit.request, left, self.cost([sequences[j] for j in left]))
 
 
 def owners_of(units: list[Unit]) -> list[tuple[Request, int]]:

@@ -1,11 +1,12 @@
 """The scheduler loop: admitted work to micro-batches on the devices, results back to each request.
 
-``submit`` waits for the request's ``min_version`` if it has one, admits it (``Admission``:
-token budget and fair share), queues it (``BatchQueue``) and waits for its result. The loop
+``submit`` waits for the request's ``min_version`` if it has one, plans its micro-batches
+(``BatchQueue.plan``: what it costs as it runs), admits it (``Admission``: budget, fair share and
+deadline), queues it and waits for its result. The loop
 takes micro-batches from the one queue and hands each to a device's worker (``Executor``): a
 *lane* per device, each holding a replica of every model (data parallel). A micro-batch goes to
-the lane with the fewest tokens in flight among those with room, so a device that computes
-faster (or got shorter batches) takes more. When a device is idle the loop waits up to
+the lane with the least work (token-equivalents) in flight among those with room, so a device
+that computes faster (or got shorter batches) takes more. When a device is idle the loop waits up to
 ``max_wait_ms`` after the oldest unit's arrival for more work to fill a batch, but no longer than
 ``max_wait_quiet_ms`` after the last request arrived: requests sent together (a trainer's step,
 a call split into RPCs) arrive in a burst and are batched, and a lone request is not held for
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 from logprob_service.domain import ScoreJob, ScoreResult, Timings
 from logprob_service.engine.admission import Admission
-from logprob_service.engine.batch_queue import BatchQueue, Request, Unit, owners_of, requests_of
+from logprob_service.engine.batch_queue import TAIL_FRACTION, BatchQueue, Request, Unit, owners_of, requests_of
 from logprob_service.engine.interfaces import Executor, Launch
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.errors import FailedPrecondition, Unavailable
@@ -56,23 +57,32 @@ class _Swap:
 
 @dataclass(eq=False)
 class _Lane:
-    """One device: its worker, and the micro-batches in flight on it with their tokens."""
+    """One device: its worker, and the micro-batches in flight on it with their cost."""
 
     index: int
     executor: Executor
     in_flight: dict[asyncio.Task[None], int] = field(default_factory=dict)
+    last_finish_ns: int = 0  # when its last micro-batch's results were back
 
     @property
-    def tokens(self) -> int:
+    def cost(self) -> int:
         return sum(self.in_flight.values())
 
     @property
     def has_room(self) -> bool:
         return len(self.in_flight) < PIPELINE_DEPTH
 
-    def add(self, task: asyncio.Task[None], tokens: int) -> None:
-        self.in_flight[task] = tokens
+    def add(self, task: asyncio.Task[None], cost: int) -> None:
+        self.in_flight[task] = cost
         task.add_done_callback(lambda t: self.in_flight.pop(t, None))
+
+    def finished(self, start_ns: int) -> int:
+        """A micro-batch launched at ``start_ns`` is done: how long it held the device (since its
+        launch, or since the one before it on this device was done, whichever is later)."""
+        now = time.perf_counter_ns()
+        busy_ns = now - max(start_ns, self.last_finish_ns)
+        self.last_finish_ns = now
+        return busy_ns
 
 
 @dataclass(eq=False)
@@ -81,6 +91,7 @@ class _Launched:
 
     units: list[Unit]
     tokens: int = 0  # run on the device (a prompt shared by several sequences once)
+    cost: int = 0  # token-equivalents (domain.run_costs)
     start_ns: int = field(default_factory=time.perf_counter_ns)
     model_version: int = 0
     parts: list[Launch] = field(default_factory=list)
@@ -125,7 +136,13 @@ class Scheduler:
         self._lanes = [_Lane(i, executor) for i, executor in enumerate(executors)]
         self._stats = stats
         self.admission = Admission(
-            max_queued_tokens=max_queued_tokens, max_queued_tokens_per_client=max_queued_tokens_per_client, stats=stats
+            max_queued_tokens=max_queued_tokens,
+            max_queued_tokens_per_client=max_queued_tokens_per_client,
+            # Smaller micro-batches (the warm-up's, a lone small request's) are mostly fixed cost:
+            # their time says little about how fast queued work goes.
+            min_measured_cost=max_batch_tokens // TAIL_FRACTION,
+            devices=len(executors),
+            stats=stats,
         )
         self.queue = BatchQueue(
             max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences, share_prompts=share_prompts
@@ -212,10 +229,11 @@ class Scheduler:
     async def submit(self, job: ScoreJob) -> ScoreResult:
         """Queue ``job`` and wait for its result. Cancelling the caller drops its queued work."""
         await self._wait_for_version(job)
-        self.admission.admit(job)
         future: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
         request = _request(job, future)
-        self.queue.push(request)
+        units = self.queue.plan(request)
+        self.admission.admit(job, request.cost, time.monotonic())
+        self.queue.add(units)
         self._last_arrival_ns = request.arrived_ns
         self._stats.record(QueueChanged(job.model, requests=1))
         self._wake.set()
@@ -240,12 +258,12 @@ class Scheduler:
             lane = self._freest_lane()  # lanes only free up while the batch formed: there is one
             assert lane is not None
             batch = await self._launch(units, lane)
-            lane.add(asyncio.create_task(self._finish(batch, lane)), batch.tokens)
+            lane.add(asyncio.create_task(self._finish(batch, lane)), batch.cost)
 
     def _freest_lane(self) -> _Lane | None:
-        """The lane with room and the fewest tokens in flight (the first such), or None."""
+        """The lane with room and the least work in flight (the first such), or None."""
         free = [lane for lane in self._lanes if lane.has_room]
-        return min(free, key=lambda lane: (lane.tokens, lane.index), default=None)
+        return min(free, key=lambda lane: (lane.cost, lane.index), default=None)
 
     def _in_flight(self) -> list[asyncio.Task[None]]:
         return [task for lane in self._lanes for task in lane.in_flight]
@@ -277,7 +295,7 @@ class Scheduler:
 
     def _drop_dead(self) -> None:
         for unit in self.queue.drop_dead(time.monotonic()):
-            self.admission.release(unit.request.job, unit.admitted_tokens)
+            self.admission.release(unit.request.job, unit.admitted)
 
     async def _run_due_swaps(self) -> None:
         """Swap the weights of every model with a pending swap and no started request queued."""
@@ -301,7 +319,9 @@ class Scheduler:
         batch = _Launched(units)
         key = units[0].request.key
         sequences = [request.job.sequences[i] for request, i in batch.owners]
-        batch.tokens = self.queue.tokens(sequences)  # the whole micro-batch: prompts shared across units count once
+        # The whole micro-batch: prompts shared across units count once.
+        batch.cost = self.queue.cost(sequences)
+        batch.tokens = self.queue.tokens(sequences)
         shared = sum(s.num_tokens for s in sequences) - batch.tokens
         for request in batch.requests:
             request.first_launch_ns = request.first_launch_ns or batch.start_ns
@@ -325,6 +345,7 @@ class Scheduler:
 
     async def _finish(self, batch: _Launched, lane: _Lane) -> None:
         """Wait for a launched micro-batch's results and scatter them back to their requests."""
+        whole = False  # every part of it computed: its time measures the throughput
         try:
             if batch.error is not None:
                 raise batch.error
@@ -337,15 +358,18 @@ class Scheduler:
                     request, i = batch.owners[position]
                     request.scores[i] = scores
                     request.remaining -= 1
+            whole = all(part.error is None for part in batch.parts)
         except Exception as err:  # a bug or a device fault: this batch's requests fail, the loop goes on
             log.exception("micro-batch of %d sequences failed", len(batch.owners), exc_info=err)
             for request in batch.requests:
                 request.fail(err)
         finally:
             elapsed_ns = time.perf_counter_ns() - batch.start_ns
+            busy_ns = lane.finished(batch.start_ns)
             for unit in batch.units:
-                self.admission.release(unit.request.job, unit.admitted_tokens)
-            self.admission.observe_throughput(sum(unit.admitted_tokens for unit in batch.units), elapsed_ns)
+                self.admission.release(unit.request.job, unit.admitted)
+            if whole:
+                self.admission.observe(sum(unit.admitted for unit in batch.units), busy_ns)
             for request in batch.requests:
                 request.compute_ns += elapsed_ns
                 request.model_version = batch.model_version

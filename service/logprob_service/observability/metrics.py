@@ -102,7 +102,10 @@ BATCH_SEQUENCES = Histogram(
 )
 QUEUE_REQUESTS = Gauge("logprob_queue_requests", "Requests admitted and not yet answered.", ["model"])
 QUEUE_TOKENS = Gauge(
-    "logprob_queue_tokens", "Tokens admitted and not yet scored (waiting or on the device).", ["model"]
+    "logprob_queue_tokens",
+    "Tokens admitted and not yet scored (waiting or on the device), as the queue counts them: a shared prompt once "
+    "in each micro-batch, and its completions' reads of it.",
+    ["model"],
 )
 BATCH_TOKENS_LIMIT = Gauge("logprob_batch_tokens_limit", "The max_batch_tokens setting.")
 BATCH_SEQUENCES_LIMIT = Gauge("logprob_batch_sequences_limit", "The max_batch_sequences setting.")
