@@ -314,7 +314,9 @@ class _Watch:
         if _reached(error):
             return None
         assert error is not None
-        return error.details() or error.code().name if error.code() is grpc.StatusCode.UNAVAILABLE or not last else last
+        if error.code() is grpc.StatusCode.UNAVAILABLE:
+            return error.details() or "UNAVAILABLE"
+        return last or "still connecting, no answer yet"
 
     def _unreachable(self, limit: float, last: str) -> Unavailable:
         bound = "connect_timeout_s" if limit == self.connect_timeout_s else "the call's timeout"
@@ -335,7 +337,7 @@ class ConnectionWatch(_Watch):
     ``REACHED_FRESH_S`` after a probe or a call got an answer from it (``answered``): a client
     scoring steadily probes nothing."""
 
-    def __init__(self, channel: grpc.Channel, target: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(self, channel: grpc.Channel, target: str, connect_timeout_s: float) -> None:
         super().__init__(channel, target, connect_timeout_s)
         self._reached_at = -math.inf
 
@@ -393,9 +395,6 @@ class ConnectionWatch(_Watch):
 
 class AioConnectionWatch(_Watch):
     """``ConnectionWatch`` for an asyncio channel (whose state is read with ``get_state``)."""
-
-    def __init__(self, channel: grpc.aio.Channel, target: str, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        super().__init__(channel, target, connect_timeout_s)
 
     async def wait(self, timeout: float) -> None:
         state = self._channel.get_state(try_to_connect=True)

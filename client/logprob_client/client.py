@@ -76,7 +76,8 @@ class ScoreKeywords(TypedDict, total=False):
     ``model``: the model to score with (default: the client's); ``temperature``: the sampling
     temperature the log-probs are taken at (1.0); ``return_entropy``: also return each token's
     entropy, as a second value (False); ``min_version``: score only with weights of at least this
-    version, waiting for it within the deadline (0: any); ``timeout``: this call's deadline in
+    version, waiting for it within the deadline (0: any; ``FailedPrecondition`` when it does not
+    come, naming it and the live version); ``timeout``: this call's deadline in
     seconds (the client's). ``score`` and ``score_async`` also take ``prompt_mask`` and
     ``completion_mask`` (dense inputs, ``logprob_client.inputs``); ``score_many`` takes
     ``return_exceptions`` (a failed batch's error takes its place instead of being raised).
