@@ -2,12 +2,14 @@
 
 A short run of TRL's GRPOTrainer on ``builtin:tiny-llama`` on the CPU with a toy reward. The
 reference log-probs of the KL term (``beta > 0``) come from a logprob-service: a local one this
-script starts as a subprocess, or the one at ``--target``. Prints the KL and the loss at every
-step. Needs the server and TRL extras (``make install`` has both).
+script starts as a subprocess, or the one at ``--target`` (``make serve`` serves the reference it
+expects: ``builtin:tiny-llama`` as ``default``). Prints the KL and the loss at every step, and the
+reward at every step that generated (with ``--num-iterations`` N, TRL generates every N steps).
+Needs the server and TRL extras (``make install`` has both).
 
     python examples/grpo_remote_reference.py                 # starts a local service, 5 steps
-    python examples/grpo_remote_reference.py --steps 20
-    python examples/grpo_remote_reference.py --target localhost:50051 --reference default
+    python examples/grpo_remote_reference.py --steps 20 --num-iterations 2
+    python examples/grpo_remote_reference.py --target localhost:50051   # against `make serve`
 """
 
 from __future__ import annotations
@@ -46,10 +48,15 @@ def low_half_reward(completion_ids: list[list[int]], **_) -> list[float]:
 
 
 class PrintKLAndLoss(TrainerCallback):
+    """One line per step from TRL's logs: ``kl`` and ``loss`` come every step, ``reward`` only from
+    a step that generated (with ``num_iterations`` > 1, the steps that reuse a batch log none)."""
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "kl" in logs:
-            kl, loss, reward = logs["kl"], logs["loss"], logs["reward"]
-            print(f"step {state.global_step:3d}  kl {kl:.6f}  loss {loss:+.6f}  reward {reward:.3f}", flush=True)
+            line = f"step {state.global_step:3d}  kl {logs['kl']:.6f}  loss {logs['loss']:+.6f}"
+            if logs.get("reward") is not None:
+                line += f"  reward {logs['reward']:.3f}"
+            print(line, flush=True)
 
 
 @contextlib.contextmanager
@@ -83,7 +90,7 @@ def local_service(model_name: str, timeout_s: float = 300.0) -> Iterator[str]:
         server.wait(timeout=60)
 
 
-def train(target: str, reference: str, steps: int, beta: float, output_dir: str) -> None:
+def train(target: str, reference: str, steps: int, beta: float, num_iterations: int, output_dir: str) -> None:
     policy = build_builtin("tiny-llama")  # the same seeded weights the service serves as the reference
     args = GRPOConfig(
         output_dir=output_dir,
@@ -92,6 +99,7 @@ def train(target: str, reference: str, steps: int, beta: float, output_dir: str)
         per_device_train_batch_size=8,
         max_completion_length=16,
         max_steps=steps,
+        num_iterations=num_iterations,
         learning_rate=3e-3,
         logging_steps=1,
         bf16=False,
@@ -114,19 +122,27 @@ def train(target: str, reference: str, steps: int, beta: float, output_dir: str)
         trainer.train()
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="a running logprob-service (default: start a local one)")
-    parser.add_argument("--reference", default="ref", help="the served model's name (default: ref)")
+    parser.add_argument(
+        "--reference", default="default", help="the served model's name (default: default, as `make serve` serves it)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--beta", type=float, default=0.1, help="KL coefficient (> 0: the reference is used)")
-    args = parser.parse_args()
+    parser.add_argument("--num-iterations", type=int, default=1, help="optimizer steps per generated batch (TRL's)")
+    return parser
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
+    options = (args.reference, args.steps, args.beta, args.num_iterations)
     with tempfile.TemporaryDirectory(prefix="grpo-remote-reference-") as output_dir:
         if args.target:
-            train(args.target, args.reference, args.steps, args.beta, output_dir)
+            train(args.target, *options, output_dir)
             return
         with local_service(args.reference) as target:
-            train(target, args.reference, args.steps, args.beta, output_dir)
+            train(target, *options, output_dir)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,14 @@ with LogprobClient("localhost:50051") as client:
     pending = client.score_async([[1, 2, 3]], [[4, 5]])  # returns at once; RPCs in flight
     logprobs = pending.result()
 
-Every scoring call is cut into parts within ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``
-(``split.py``), sent as that many ScoreTokens RPCs at once, and reassembled in order. Consecutive
-sequences with one prompt travel as one ``SequenceGroup``, the prompt sent once, and ids and scores
-as little-endian bytes (``wire.py``).
+A scoring call first waits for a connection to the server, at most ``connect_timeout_s`` (else
+``Unavailable``, naming the target and the connection error), then for a SERVING replica within
+its deadline (``channel.py``). Every scoring call is cut into parts within
+``max_sequences_per_rpc`` / ``max_tokens_per_rpc`` (``split.py``), sent as that many ScoreTokens
+RPCs at once, and reassembled in order. Consecutive sequences with one prompt travel as one
+``SequenceGroup``, the prompt sent once, and ids and scores as little-endian bytes (``wire.py``).
+An error the server answers about one of the caller's sequences names it as the caller did
+(``completion_ids[3][1]``, ``wire.caller_error``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from .channel import Connection, channel_target
+from .channel import CONNECT_TIMEOUT_S, AioConnectionWatch, Connection, ConnectionWatch, channel_target
 from .errors import LogprobError, PermissionDenied, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
@@ -45,7 +49,17 @@ from .weights import (
     named_tensors,
     update_streams,
 )
-from .wire import ModelInfo, Options, ScoreInput, collect, model_info, repeats_prompt, result, score_request
+from .wire import (
+    ModelInfo,
+    Options,
+    ScoreInput,
+    caller_error,
+    collect,
+    model_info,
+    repeats_prompt,
+    result,
+    score_request,
+)
 
 DEFAULT_TIMEOUT_S = 120.0
 # A push's calls by default: 2 per weight receiver the server announces, at least DEFAULT_STREAMS
@@ -62,7 +76,8 @@ class ScoreKeywords(TypedDict, total=False):
     ``model``: the model to score with (default: the client's); ``temperature``: the sampling
     temperature the log-probs are taken at (1.0); ``return_entropy``: also return each token's
     entropy, as a second value (False); ``min_version``: score only with weights of at least this
-    version, waiting for it within the deadline (0: any); ``timeout``: this call's deadline in
+    version, waiting for it within the deadline (0: any; ``FailedPrecondition`` when it does not
+    come, naming it and the live version); ``timeout``: this call's deadline in
     seconds (the client's). ``score`` and ``score_async`` also take ``prompt_mask`` and
     ``completion_mask`` (dense inputs, ``logprob_client.inputs``); ``score_many`` takes
     ``return_exceptions`` (a failed batch's error takes its place instead of being raised).
@@ -124,6 +139,12 @@ class _Scoring:
         ((prepared, _),) = self.calls
         return result(prepared, responses, self.return_entropy)
 
+    def error(self, part: int, code: grpc.StatusCode, message: str) -> LogprobError:
+        """The one batch's error for the failure of its RPC ``part``, in the caller's terms
+        (``wire.caller_error``)."""
+        ((prepared, requests),) = self.calls
+        return caller_error(prepared, requests, part, code, message)
+
     def collected(self, responses: dict[str, pb.ScoreResponse]) -> list[Any]:
         return collect(self.calls, responses, self.return_entropy, self.return_exceptions)
 
@@ -133,7 +154,11 @@ class _Client:
 
     ``target``: a gRPC target ("host:port", "dns:///host:port") or a list of "host:port"
     replicas; calls are spread round-robin over every address it resolves to (``channel.py``).
-    ``timeout``: deadline of every call, seconds (overridable per call). ``model``: the model of
+    ``timeout``: deadline of every call, seconds (overridable per call). ``connect_timeout_s``: how
+    long a scoring call waits for a connection to the server before it raises ``Unavailable``
+    naming the target and the connection error (a server that was reached, even one still
+    loading, keeps the call's whole deadline; ``channel.ConnectionWatch``). A target gRPC cannot
+    parse is a ``ValueError`` here. ``model``: the model of
     calls that name none. ``max_sequences_per_rpc`` / ``max_tokens_per_rpc``: a scoring call larger
     than either is split into several RPCs in flight together (keep them within the server's
     per-request limits). ``share_prompts``: consecutive sequences with one prompt go as one
@@ -162,6 +187,7 @@ class _Client:
         target: str | Sequence[str],
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         model: str = "default",
         max_sequences_per_rpc: int = DEFAULT_MAX_SEQUENCES_PER_RPC,
         max_tokens_per_rpc: int = DEFAULT_MAX_TOKENS_PER_RPC,
@@ -196,6 +222,10 @@ class _Client:
         self._target = None if channel is not None else target
         self._channel = channel if channel is not None else self.connection.open(target, aio=self._aio)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
+        described = "the given channel" if channel is not None else _described(target)
+        self._connected = (AioConnectionWatch if self._aio else ConnectionWatch)(
+            self._channel, described, connect_timeout_s
+        )
         # A push's streams, each on a connection of its own (``channel.py``), by target: opened at
         # the first push that needs them and kept; with a given channel, they share it.
         self._push_channels: dict[str, list[Any]] = {}
@@ -265,7 +295,7 @@ class _Client:
 
     def prepare(
         self,
-        inputs: Iterable[ScoreInput],
+        inputs: Iterable[ScoreInput | Prepared],
         *,
         model: str | None = None,
         temperature: float = 1.0,
@@ -276,7 +306,7 @@ class _Client:
     ) -> _Scoring:
         """Check the options and build every batch's requests, one per part (none when every
         completion is masked out: that answer is all zeros, made locally, as the server would
-        refuse an empty request)."""
+        refuse an empty request). A batch is a ``ScoreInput``, or one ``inputs.prepare`` made."""
         if not (temperature > 0 and np.isfinite(temperature)):
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         if min_version < 0:
@@ -284,7 +314,11 @@ class _Client:
         options = Options(model or self.model, temperature, return_entropy, min_version)
         calls = []
         for inp in inputs:
-            prepared = prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
+            prepared = (
+                inp
+                if isinstance(inp, Prepared)
+                else prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
+            )
             if not prepared.sequences and prepared.dense_shape is not None:
                 calls.append((prepared, []))
                 continue
@@ -301,10 +335,20 @@ class _Client:
             calls.append((prepared, requests))
         return _Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions)
 
-    def prepare_one(self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords) -> _Scoring:
-        """``prepare`` of one batch given as ``score`` takes it."""
+    def prepare_one(
+        self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords, group_sizes: Sequence[int] | None = None
+    ) -> _Scoring:
+        """``prepare`` of one batch given as ``score`` takes it (``group_sizes``: the lists are
+        ``flatten_groups``' of ``score_groups``' groups, which errors then name)."""
         masks = {name: keywords.pop(name, None) for name in ("prompt_mask", "completion_mask")}  # type: ignore[misc]
-        return self.prepare([ScoreInput(prompt_ids, completion_ids, **masks)], **keywords)
+        return self.prepare([prepare(prompt_ids, completion_ids, **masks, group_sizes=group_sizes)], **keywords)
+
+    def prepare_groups(
+        self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords
+    ) -> tuple[_Scoring, list[int]]:
+        """``prepare`` of ``score_groups``' groups, and their sizes."""
+        prompts, completions, sizes = flatten_groups(prompt_ids, completion_ids)
+        return self.prepare_one(prompts, completions, keywords, group_sizes=sizes), sizes
 
     def update(
         self,
@@ -381,20 +425,24 @@ class LogprobClient(_Client):
         """Log-probs of GRPO groups: ``completion_ids[g]`` holds the completions of ``prompt_ids[g]``;
         the answer is one list of float32 arrays per group (with ``return_entropy``, a pair of such).
         Each prompt is sent, and run, once for its whole group. Keywords: ``ScoreKeywords``."""
-        prompts, completions, sizes = flatten_groups(prompt_ids, completion_ids)
-        return regroup(self.score(prompts, completions, **keywords), sizes)
+        scoring, sizes = self.prepare_groups(prompt_ids, completion_ids, keywords)
+        return regroup(self._send(scoring).result(), sizes)
 
     def score_async(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> ScoreFuture:
         """``score`` without waiting: the RPCs are sent before this returns, and ``.result()``
         gives what ``score`` would have returned. The inputs are read before it returns, so the
         caller may reuse their buffers at once.
         """
-        scoring = self.prepare_one(prompt_ids, completion_ids, keywords)
+        return self._send(self.prepare_one(prompt_ids, completion_ids, keywords))
+
+    def _send(self, scoring: _Scoring) -> ScoreFuture:
+        """A prepared scoring call's RPCs, sent; they fail as ``Unavailable`` when no connection
+        comes within ``connect_timeout_s`` (``channel.ConnectionWatch``)."""
         calls = [
             self._stub.ScoreTokens.future(request, timeout=scoring.timeout, wait_for_ready=True)
             for request in scoring.requests
         ]
-        return ScoreFuture(calls, scoring.result)
+        return ScoreFuture(calls, scoring.result, scoring.error, self._connected.watch(scoring.timeout, calls))
 
     def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
         """Score several batches pipelined over one stream; results in input order.
@@ -411,9 +459,13 @@ class LogprobClient(_Client):
         return scoring.collected(resume.responses)
 
     def _stream_once(self, resume: StreamResume) -> grpc.RpcError | None:
-        """Send the unanswered requests on one stream and take its answers; how it broke, if it did."""
+        """Send the unanswered requests on one stream, once connected, and take its answers; how
+        it broke, if it did."""
+        self._connected.wait(resume.remaining_s())
+        stream = self._stub.ScoreTokensStream(**resume.next_stream())
+        stream.add_done_callback(self._connected.answered)
         try:
-            for response in self._stub.ScoreTokensStream(**resume.next_stream()):
+            for response in stream:
                 resume.take(response)
         except grpc.RpcError as err:
             return err
@@ -528,7 +580,11 @@ class AsyncLogprobClient(_Client):
 
     async def score(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> Any:
         """See ``LogprobClient.score``; for overlap, ``asyncio.create_task(client.score(...))``."""
-        scoring = self.prepare_one(prompt_ids, completion_ids, keywords)
+        return await self._score(self.prepare_one(prompt_ids, completion_ids, keywords))
+
+    async def _score(self, scoring: _Scoring) -> Any:
+        """A prepared scoring call's RPCs, sent once connected, and its answer."""
+        await self._connected.wait(scoring.timeout)
         calls = [
             self._stub.ScoreTokens(request, timeout=scoring.timeout, wait_for_ready=True)
             for request in scoring.requests
@@ -536,17 +592,18 @@ class AsyncLogprobClient(_Client):
         try:
             responses = await asyncio.gather(*calls)
         except grpc.RpcError as err:
+            error = scoring.error(*await _failure(calls, err))
             for call in calls:
                 call.cancel()
-            raise error_from_rpc(err) from None
+            raise error from None
         return scoring.result(responses)
 
     async def score_groups(
         self, prompt_ids: Sequence[Any], completion_ids: Sequence[Sequence[Any]], **keywords: Unpack[ScoreKeywords]
     ) -> Any:
         """See ``LogprobClient.score_groups``."""
-        prompts, completions, sizes = flatten_groups(prompt_ids, completion_ids)
-        return regroup(await self.score(prompts, completions, **keywords), sizes)
+        scoring, sizes = self.prepare_groups(prompt_ids, completion_ids, keywords)
+        return regroup(await self._score(scoring), sizes)
 
     async def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
         """See ``LogprobClient.score_many``."""
@@ -558,6 +615,7 @@ class AsyncLogprobClient(_Client):
 
     async def _stream_once(self, resume: StreamResume) -> grpc.RpcError | None:
         """See ``LogprobClient._stream_once``."""
+        await self._connected.wait(resume.remaining_s())
         try:
             async for response in self._stub.ScoreTokensStream(**resume.next_stream()):
                 resume.take(response)
@@ -646,3 +704,17 @@ class AsyncLogprobClient(_Client):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _failure(calls: Sequence[Any], err: grpc.RpcError) -> tuple[int, grpc.StatusCode, str]:
+    """Which of a call's asyncio RPCs failed (the first in part order of those that have, when
+    several have), its status and message; ``gather`` raised ``err``, one of theirs."""
+    for part, call in enumerate(calls):
+        if call.done() and (code := await call.code()) != grpc.StatusCode.OK:
+            return part, code, await call.details() or ""
+    return len(calls), err.code(), err.details() or ""  # (no part: the error keeps the server's words)
+
+
+def _described(target: str | Sequence[str]) -> str:
+    """A target as errors name it: as given."""
+    return repr(target) if isinstance(target, str) else repr(list(target))

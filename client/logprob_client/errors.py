@@ -1,7 +1,9 @@
 """Typed client exceptions, one per gRPC status the service answers with.
 
 Each carries the server's message (which names the field, index and limit at fault) and the
-status code.
+status code. An ``InvalidRequest`` about one of the caller's sequences names it as the caller
+did (``completion_ids[3][1]``), not as the request the client built named it
+(``groups[2].completions[0].completion_ids[1]``); ``server_message`` keeps the server's words.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import grpc
 class LogprobError(Exception):
     """Base of every error this client raises for a failed call."""
 
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN) -> None:
+    def __init__(
+        self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN, *, server_message: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.server_message = message if server_message is None else server_message
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -34,9 +39,10 @@ class Overloaded(LogprobError):
 
 
 class Unavailable(LogprobError):
-    """UNAVAILABLE: server unreachable, or starting or draining (this client's calls wait for a
-    SERVING replica instead, within their deadline, as it watches health); retried automatically,
-    then raised."""
+    """UNAVAILABLE: server unreachable (a scoring call gets no connection within the client's
+    ``connect_timeout_s``: the message names the target and gRPC's last connection error), or
+    starting or draining (this client's calls wait for a SERVING replica instead, within their
+    deadline, as it watches health); retried automatically, then raised."""
 
 
 class DeadlineExceeded(LogprobError):
@@ -45,7 +51,8 @@ class DeadlineExceeded(LogprobError):
 
 class FailedPrecondition(LogprobError):
     """FAILED_PRECONDITION: the server's state does not allow the call (e.g. ``min_version`` did not
-    go live in time, or an update's version is not above the live one)."""
+    go live in time, within the call's deadline too: the message names the awaited and the live
+    version; or an update's version is not above the live one)."""
 
 
 class UpdateAborted(LogprobError):

@@ -10,10 +10,17 @@ Two layouts (and groups, ``flatten_groups``):
   ``(B, C)`` float32 array (or tensor, on ``completion_ids``' device) aligned with
   ``completion_ids``, 0 where ``completion_mask`` is 0. Rows with no completion token are not
   sent. torch is imported only when tensors are passed.
+
+Either way the ids are 2-D (a flat list is one sequence's ids, not a batch: ``ValueError``) and
+integers (floats, bools and anything else: ``TypeError``), each error naming the argument and
+the index at fault. ``Prepared.name`` says how the caller named each id sent, so that an error the
+server answers about its request (``groups[2].completions[0].completion_ids[1]``) is reported in
+the caller's terms (``completion_ids[3][1]``; ``wire.caller_error``).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +29,7 @@ from typing import Any
 import numpy as np
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FIELDS = ("prompt_ids", "completion_ids")
 
 
 def _is_torch(x: Any) -> bool:
@@ -34,42 +42,125 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or _is_torch(x)
+
+
 def _is_dense(x: Any) -> bool:
-    return (isinstance(x, np.ndarray) or _is_torch(x)) and x.ndim == 2
+    return _is_array(x) and x.ndim == 2
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """Sequences to send, and how to lay their scores out again."""
+    """Sequences to send, how to lay their scores out again, and how the caller named them."""
 
     sequences: list[tuple[np.ndarray, np.ndarray]]  # (prompt_ids, completion_ids), int64
     dense_shape: tuple[int, int] | None = None  # (B, C) for the dense layout
     rows: list[int] | None = None  # dense: the row of each sent sequence
     columns: list[np.ndarray] | None = None  # dense: the completion columns of each sent sequence
     like: Any = None  # the torch tensor whose device the dense result goes to, if any
+    prompt_mask: np.ndarray | None = None  # dense: which prompt columns were sent, per row
+    group_sizes: Sequence[int] | None = None  # groups (``flatten_groups``): completions per prompt
+
+    def name(self, index: int, field: str | None = None, position: int | None = None) -> str:
+        """How the caller named sequence ``index``'s ``field`` (``FIELDS``; None: the whole
+        sequence), or the id at ``position`` of the ids sent for it: ``completion_ids[3][1]``
+        (lists; dense: its row and column), ``completion_ids[g][c][1]`` (groups)."""
+        if field is None:
+            return " + ".join(self.name(index, f) for f in FIELDS)
+        row = index if self.rows is None else self.rows[index]
+        if self.group_sizes is None:
+            where = f"[{row}]"
+        else:  # the flat row's group, and its place there
+            starts = list(itertools.accumulate(self.group_sizes, initial=0))
+            group = bisect.bisect_right(starts, row) - 1  # (the last of equal starts: empty groups have no rows)
+            where = f"[{group}]" if field == "prompt_ids" else f"[{group}][{row - starts[group]}]"
+        if position is not None and self.rows is not None:  # dense: the column of the id sent
+            assert self.columns is not None and self.prompt_mask is not None
+            sent = self.columns[index] if field == "completion_ids" else np.flatnonzero(self.prompt_mask[row])
+            position = int(sent[position])
+        return f"{field}{where}" + ("" if position is None else f"[{position}]")
 
 
-def prepare(prompt_ids: Any, completion_ids: Any, prompt_mask: Any = None, completion_mask: Any = None) -> Prepared:
-    prepared = _prepare(prompt_ids, completion_ids, prompt_mask, completion_mask)
-    for i, (prompt, completion) in enumerate(prepared.sequences):
-        for name, ids in (("prompt", prompt), ("completion", completion)):
+def prepare(
+    prompt_ids: Any,
+    completion_ids: Any,
+    prompt_mask: Any = None,
+    completion_mask: Any = None,
+    *,
+    group_sizes: Sequence[int] | None = None,
+) -> Prepared:
+    """The sequences of one call in either layout, checked: 2-D, integer ids within int32 (the
+    wire's type). ``group_sizes``: the lists are ``flatten_groups``' of the caller's groups (errors
+    then name the groups)."""
+    if _is_dense(prompt_ids) or _is_dense(completion_ids):
+        prepared = _prepare_dense(prompt_ids, completion_ids, prompt_mask, completion_mask)
+    else:
+        prepared = _prepare_lists(prompt_ids, completion_ids, prompt_mask, completion_mask, group_sizes)
+    for i, pair in enumerate(prepared.sequences):
+        for field, ids in zip(FIELDS, pair, strict=True):
             if ids.size and not (INT32_MIN <= ids.min() and ids.max() <= INT32_MAX):
-                raise ValueError(f"sequence {i}'s {name} holds ids outside int32, which the wire carries")
+                j = int(np.flatnonzero((ids < INT32_MIN) | (ids > INT32_MAX))[0])
+                raise ValueError(f"{prepared.name(i, field, j)}: {ids[j]} is outside int32, which the wire carries")
+        prepared.sequences[i] = (pair[0].astype(np.int64, copy=False), pair[1].astype(np.int64, copy=False))
     return prepared
 
 
-def _prepare(prompt_ids: Any, completion_ids: Any, prompt_mask: Any, completion_mask: Any) -> Prepared:
-    if _is_dense(prompt_ids) or _is_dense(completion_ids):
-        return _prepare_dense(prompt_ids, completion_ids, prompt_mask, completion_mask)
+def _rows(ids: Any, name: str) -> Sequence[Any]:
+    """A lists-layout argument's rows: a list or tuple of sequences."""
+    if _is_array(ids):  # a 2-D one is the dense layout
+        raise ValueError(
+            f"{name} has shape {tuple(ids.shape)}: pass a 2-D (B, L) array/tensor or a list of token-id sequences"
+        )
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise TypeError(f"{name} is a {type(ids).__name__}: pass a list of token-id sequences or a (B, L) array/tensor")
+    return ids
+
+
+def _sequence_ids(values: Any, prepared: Prepared, index: int, field: str) -> np.ndarray:
+    """One sequence's ids (a list, tuple or 1-D array/tensor of integers), as given; errors name
+    them as the caller did (``Prepared.name``)."""
+    name = prepared.name(index, field)
+    if isinstance(values, int | float | np.number):
+        argument = name.partition("[")[0]
+        raise ValueError(
+            f"{argument} must be 2-D, a list of token-id sequences (or a (B, L) array/tensor): {name} is "
+            f"{values!r}, not a sequence; one sequence goes as [[id, id, ...]]"
+        )
+    if isinstance(values, str | bytes) or not (_is_array(values) or isinstance(values, Sequence)):
+        raise TypeError(f"{name} is a {type(values).__name__}, not a sequence of token ids")
+    try:
+        ids = _to_numpy(values)
+    except ValueError:  # numpy: a ragged nested list
+        raise ValueError(f"{name} is not a flat sequence of token ids") from None
+    if ids.ndim != 1:
+        raise ValueError(f"{name} has shape {ids.shape}: each sequence is a flat (1-D) list of token ids")
+    if ids.dtype.kind in "iu" or ids.size == 0:  # (an empty list is float64 to numpy)
+        return ids if ids.size else np.zeros(0, np.int64)
+    if _is_array(values):
+        raise TypeError(f"{name} has dtype {values.dtype}: token ids are integers")
+    integer = (not isinstance(x, bool | np.bool_) and isinstance(x, int | np.integer) for x in values)
+    j = next((j for j, ok in enumerate(integer) if not ok), None)
+    if j is None:  # integers too large for any numpy integer type
+        j = next(j for j, x in enumerate(values) if not INT32_MIN <= x <= INT32_MAX)
+        raise ValueError(f"{prepared.name(index, field, j)}: {values[j]} is outside int32, which the wire carries")
+    value = values[j]
+    raise TypeError(f"{prepared.name(index, field, j)} is {value!r} ({type(value).__name__}), not an integer token id")
+
+
+def _prepare_lists(
+    prompt_ids: Any, completion_ids: Any, prompt_mask: Any, completion_mask: Any, group_sizes: Sequence[int] | None
+) -> Prepared:
     if prompt_mask is not None or completion_mask is not None:
         raise ValueError("prompt_mask/completion_mask go with 2-D (B, P)/(B, C) inputs, not lists")
-    if len(prompt_ids) != len(completion_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
-    sequences = [
-        (np.asarray(p, dtype=np.int64).reshape(-1), np.asarray(c, dtype=np.int64).reshape(-1))
-        for p, c in zip(prompt_ids, completion_ids)
-    ]
-    return Prepared(sequences=sequences)
+    prompts, completions = _rows(prompt_ids, "prompt_ids"), _rows(completion_ids, "completion_ids")
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    prepared = Prepared(sequences=[], group_sizes=group_sizes)
+    for i, pair in enumerate(zip(prompts, completions)):
+        ids = [_sequence_ids(values, prepared, i, field) for values, field in zip(pair, FIELDS, strict=True)]
+        prepared.sequences.append((ids[0], ids[1]))
+    return prepared
 
 
 def _mask(mask: Any, ids: np.ndarray, name: str) -> np.ndarray:
@@ -87,6 +178,9 @@ def _prepare_dense(prompt_ids: Any, completion_ids: Any, prompt_mask: Any, compl
         raise ValueError(
             f"dense inputs must be (B, P) and (B, C) with the same B; got {prompts.shape} and {completions.shape}"
         )
+    for name, given, ids in (("prompt_ids", prompt_ids, prompts), ("completion_ids", completion_ids, completions)):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} has dtype {getattr(given, 'dtype', ids.dtype)}: token ids are integers")
     pmask = _mask(prompt_mask, prompts, "prompt_mask")
     cmask = _mask(completion_mask, completions, "completion_mask")
     sequences, rows, columns = [], [], []
@@ -94,7 +188,7 @@ def _prepare_dense(prompt_ids: Any, completion_ids: Any, prompt_mask: Any, compl
         cols = np.flatnonzero(cmask[b])
         if cols.size == 0:
             continue  # nothing to score in this row: its output stays 0
-        sequences.append((prompts[b][pmask[b]].astype(np.int64), completions[b, cols].astype(np.int64)))
+        sequences.append((prompts[b][pmask[b]], completions[b, cols]))
         rows.append(b)
         columns.append(cols)
     return Prepared(
@@ -103,6 +197,7 @@ def _prepare_dense(prompt_ids: Any, completion_ids: Any, prompt_mask: Any, compl
         rows=rows,
         columns=columns,
         like=completion_ids if _is_torch(completion_ids) else None,
+        prompt_mask=pmask,
     )
 
 

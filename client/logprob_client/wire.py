@@ -3,6 +3,7 @@ layout from the responses, and the server's model descriptions."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import grpc
 import numpy as np
 from logprob_proto import logprob_pb2 as pb
 
-from .errors import LogprobError, MixedVersionsError, error_for_status
+from .errors import InvalidRequest, LogprobError, MixedVersionsError, error_for_status
 from .inputs import Prepared, assemble
 
 
@@ -145,6 +146,49 @@ def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_ent
     return logprobs, assemble(prepared, [_values(s, "entropies") for s in scores])
 
 
+# How the server names a sequence of a request, at the start of its message ("...: token id 5000
+# is outside [0, 4096)"): api/wire.py and engine/validation.py.
+_WIRE_NAME = re.compile(
+    r"(?:sequences\[(?P<sequence>\d+)\]|groups\[(?P<group>\d+)\](?:\.completions\[(?P<completion>\d+)\])?)"
+    r"(?:\.(?P<field>prompt_ids|completion_ids)(?:\[(?P<position>\d+)\])?)?(?=:)"
+)
+
+
+def _sequences(request: pb.ScoreRequest) -> int:
+    return len(request.sequences) + sum(len(group.completions) for group in request.groups)
+
+
+def caller_error(
+    prepared: Prepared, requests: Sequence[pb.ScoreRequest], part: int, code: grpc.StatusCode | int, message: str
+) -> LogprobError:
+    """The typed error of the server's answer to ``requests[part]`` (the RPCs of one call, built
+    from ``prepared``). An INVALID_ARGUMENT naming a sequence of that request
+    (``groups[2].completions[0].completion_ids[1]: ...``) names it as the caller did instead
+    (``completion_ids[3][1]: ...``): prompts shared in groups, the call cut into several RPCs and
+    dense rows left out (nothing to score) number the request's sequences otherwise. The
+    server's message stays in ``server_message``."""
+    error = error_for_status(code, message)
+    match = _WIRE_NAME.match(message)
+    if not isinstance(error, InvalidRequest) or match is None or part >= len(requests):
+        return error
+    request = requests[part]
+    if match["sequence"] is not None:
+        index = int(match["sequence"])
+    else:
+        group = int(match["group"])
+        if group >= len(request.groups):
+            return error
+        earlier = sum(len(g.completions) for g in request.groups[:group])
+        index = len(request.sequences) + earlier + int(match["completion"] or 0)  # a group's prompt: its first
+    index += sum(_sequences(r) for r in requests[:part])
+    if index >= len(prepared.sequences):
+        return error
+    position = None if match["position"] is None else int(match["position"])
+    name = prepared.name(index, match["field"], position)
+    rpc = f" of RPC {part + 1} of {len(requests)}" if len(requests) > 1 else ""
+    return type(error)(f"{name}{message[match.end() :]} (sent as {match[0]}{rpc})", error.code, server_message=message)
+
+
 def collect(
     calls: list[tuple[Prepared, list[pb.ScoreRequest]]],
     responses: dict[str, pb.ScoreResponse],
@@ -153,7 +197,8 @@ def collect(
 ) -> list[Any]:
     results: list[Any] = []
     for prepared, requests in calls:
-        error = next(filter(None, (_stream_error(request, responses) for request in requests)), None)
+        errors = (_stream_error(prepared, requests, part, responses) for part in range(len(requests)))
+        error = next(filter(None, errors), None)
         if error is None:
             results.append(result(prepared, [responses[r.request_id] for r in requests], return_entropy))
         elif return_exceptions:
@@ -163,11 +208,13 @@ def collect(
     return results
 
 
-def _stream_error(request: pb.ScoreRequest, responses: dict[str, pb.ScoreResponse]) -> LogprobError | None:
-    """The error the stream answered for one request, if any."""
-    response = responses.get(request.request_id)
+def _stream_error(
+    prepared: Prepared, requests: Sequence[pb.ScoreRequest], part: int, responses: dict[str, pb.ScoreResponse]
+) -> LogprobError | None:
+    """The error the stream answered for ``requests[part]``, if any."""
+    response = responses.get(requests[part].request_id)
     if response is None:
-        return error_for_status(grpc.StatusCode.UNKNOWN, f"no response for {request.request_id}")
+        return error_for_status(grpc.StatusCode.UNKNOWN, f"no response for {requests[part].request_id}")
     if response.HasField("error"):
-        return error_for_status(response.error.code, response.error.message)
+        return caller_error(prepared, requests, part, response.error.code, response.error.message)
     return None

@@ -26,15 +26,18 @@ def sequences_of(request: pb.ScoreRequest) -> list[pb.Sequence]:
 
 @contextlib.asynccontextmanager
 async def serving(
-    servicer: pb_grpc.LogprobServiceServicer, options: list | None = None, health: HealthServicer | None = None
+    servicer: pb_grpc.LogprobServiceServicer,
+    options: list | None = None,
+    health: HealthServicer | None = None,
+    port: int = 0,
 ) -> AsyncIterator[str]:
     """A server for ``servicer`` on loopback (with gRPC server ``options``, and the ``health``
-    service when given); yields its target."""
+    service when given; on ``port``, or a free one); yields its target."""
     server = grpc.aio.server(options=options)
     pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
     if health is not None:
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     try:
         yield f"127.0.0.1:{port}"

@@ -7,11 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 
 import grpc
 import numpy as np
 import pytest
-from logprob_client import DeadlineExceeded, InvalidRequest, LogprobClient, ModelNotFound, Overloaded
+import torch
+from logprob_client import (
+    AsyncLogprobClient,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidRequest,
+    LogprobClient,
+    ModelNotFound,
+    Overloaded,
+    ScoreInput,
+)
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
@@ -116,7 +128,71 @@ async def test_client_raises_typed_invalid_request_with_server_message(running):
     with LogprobClient(running.target) as client, pytest.raises(InvalidRequest) as info:
         await asyncio.to_thread(client.score, [[1, 2]], [[5000]])
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "groups[0].completions[0].completion_ids[0]: token id 5000" in info.value.message
+    assert info.value.message.startswith("completion_ids[0][0]: token id 5000 is outside [0, 4096)")
+    assert info.value.server_message.startswith("groups[0].completions[0].completion_ids[0]: token id 5000")
+
+
+# Rows 0-1 and 2-4 share prompts (GRPO groups, as TRL lays them out): the client sends each run
+# as one group, so the server's names of row 3 are groups[1].completions[1]...
+P, Q = [1, 2, 3], [4, 5]
+PROMPTS, COMPLETIONS = [P, P, Q, Q, Q], [[6], [7], [8], [9, 5000], [10]]
+BAD_ID = "completion_ids[3][1]: token id 5000 is outside [0, 4096) of model 'default'"
+
+
+@pytest.mark.parametrize("how", ["score", "score_many", "async score", "async score_many", "split"])
+async def test_a_bad_id_is_named_in_the_callers_rows(running, how):
+    """The client regroups rows that share a prompt, and cuts a call into RPCs: the server's
+    ``groups[1].completions[1].completion_ids[1]`` is the caller's ``completion_ids[3][1]``."""
+    options = {"max_sequences_per_rpc": 2} if how == "split" else {}
+    if how.startswith("async"):
+        async with AsyncLogprobClient(running.target) as aio:
+            call = aio.score_many if how.endswith("score_many") else aio.score
+            with pytest.raises(InvalidRequest) as info:
+                if how.endswith("score_many"):
+                    await call([ScoreInput(PROMPTS, COMPLETIONS)])
+                else:
+                    await call(PROMPTS, COMPLETIONS)
+    else:
+
+        def sync() -> None:
+            with LogprobClient(running.target, **options) as client:
+                if how == "score_many":
+                    client.score_many([ScoreInput(PROMPTS, COMPLETIONS)])
+                else:
+                    client.score(PROMPTS, COMPLETIONS)
+
+        with pytest.raises(InvalidRequest) as info:
+            await asyncio.to_thread(sync)
+    assert info.value.message.startswith(BAD_ID), info.value.message
+    assert info.value.server_message.endswith("token id 5000 is outside [0, 4096) of model 'default'")
+
+
+async def test_bad_ids_in_tensors_and_groups_are_named_as_the_caller_gave_them(running):
+    # Dense, as TRL holds a batch: row 1 has nothing to score (not sent), prompts are left-padded.
+    prompt_ids = torch.tensor([[0, 1, 2], [0, 1, 2], [7, 4, 5], [0, 4, 5]])
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]])
+    completion_ids = torch.tensor([[6, 0], [7, 0], [8, 0], [9, 5000]])
+    completion_mask = torch.tensor([[1, 0], [0, 0], [1, 0], [1, 1]])
+    async with AsyncLogprobClient(running.target) as client:
+        with pytest.raises(InvalidRequest, match=re.escape(BAD_ID)):
+            await client.score(prompt_ids, completion_ids, prompt_mask=prompt_mask, completion_mask=completion_mask)
+        bad_prompt = prompt_ids.clone()
+        bad_prompt[3, 2] = 4096
+        with pytest.raises(InvalidRequest, match=re.escape("prompt_ids[3][2]: token id 4096 is outside")):
+            await client.score(bad_prompt, completion_ids, prompt_mask=prompt_mask, completion_mask=completion_mask)
+        with pytest.raises(InvalidRequest, match=re.escape("completion_ids[1][1][1]: token id 5000 is outside")):
+            await client.score_groups([P, Q], [COMPLETIONS[:2], COMPLETIONS[2:]])
+
+
+async def test_a_min_version_that_does_not_come_within_the_deadline_is_failed_precondition(running):
+    """With the call's deadline sooner than the server's --max-version-wait-s, the caller got a
+    bare DEADLINE_EXCEEDED; the server now gives up in time to say why."""
+    async with AsyncLogprobClient(running.target) as client:
+        start = time.monotonic()
+        with pytest.raises(FailedPrecondition) as info:
+            await client.score([[1, 2]], [[3]], min_version=5, timeout=5)
+    assert "min_version: model 'default' is at version 0; version 5 did not go live" in info.value.message
+    assert time.monotonic() - start < 5
 
 
 async def test_queue_full_is_resource_exhausted_with_retry_hint(gemma_checkpoint):

@@ -59,7 +59,9 @@ def test_server_killed_and_restarted_mid_stream(rng):
     results: dict[str, list] = {"singles": []}
     try:
         first.wait_serving()
-        with LogprobClient(first.target, options=FAST_RECONNECT, timeout=180) as client:
+        # Calls made while the server is down wait for it to come back (a restart of some
+        # seconds, not the connect timeout's default 5).
+        with LogprobClient(first.target, options=FAST_RECONNECT, timeout=180, connect_timeout_s=150) as client:
 
             def stream() -> None:
                 results["stream"] = client.score_many(

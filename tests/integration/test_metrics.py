@@ -187,3 +187,21 @@ async def test_gpu_series_are_declared_without_samples_on_a_cpu_server(running, 
     assert "# TYPE logprob_gpu_memory_batch_peak_bytes histogram" in scraped
     assert "logprob_gpu_memory_batch_peak_bytes_count" not in scraped  # no micro-batch ran on a GPU
     assert "\nprocess_resident_memory_bytes " in scraped  # host memory: prometheus-client's process collector
+
+
+async def test_a_push_over_several_calls_counts_as_one_request(policy_server):
+    """A push's calls (UpdateWeightsHeader.streams, one update_id) were each counted: 24
+    "requests" for 6 pushes over 4 calls. A push counts once, as it went live or failed."""
+    from logprob_client import AsyncLogprobClient, FailedPrecondition
+
+    state = policy_server.scorer("policy").model.state_dict()
+    ok = {"model": "policy", "rpc": "UpdateWeights", "code": "OK"}
+    refused = {**ok, "code": "FAILED_PRECONDITION"}
+    before = snapshot("logprob_requests_total", **ok), snapshot("logprob_requests_total", **refused)
+    async with AsyncLogprobClient(policy_server.target, model="policy") as client:
+        for streams in (4, 3, 1):
+            await client.update_weights("policy", state, streams=streams)
+        with pytest.raises(FailedPrecondition):  # version 1 is not above the live 3: every call refused
+            await client.update_weights("policy", state, streams=4, version=1)
+    assert moved(before[0], **ok) == {"logprob_requests_total": 3}
+    assert moved(before[1], **refused) == {"logprob_requests_total": 1}

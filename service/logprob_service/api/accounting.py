@@ -7,11 +7,19 @@ succeeded, WARNING when it failed, ERROR with the traceback when the failure is 
 (INTERNAL). Each line carries the RPC, the client (``identity.py``: token name or peer address),
 request id, model, sequences, tokens, timings (the response's metadata when scored, else the
 time the handler took) and status as structured fields (see ``logs``).
+
+A weight push over several UpdateWeights calls (``UpdateWeightsHeader.streams``, one
+``update_id``) is one request: each call is logged, but the push is counted once, by the first of
+its calls to end (all end alike: the update's response, or its failure). ``UpdateStream`` reads
+the ``update_id`` from a call's header as the handler reads it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -23,6 +31,45 @@ from logprob_service.errors import LogprobError
 from logprob_service.observability import metrics
 
 log = logging.getLogger("logprob_service.requests")
+
+# The pushes counted lately, by update_id: the calls of one push end within moments of each other
+# (or within the 30 s in which all must arrive), so a few thousand ids remembered is plenty.
+_COUNTED_UPDATES: collections.OrderedDict[str, None] = collections.OrderedDict()
+COUNTED_UPDATES_KEPT = 4096
+
+
+class UpdateStream:
+    """An UpdateWeights call's messages, passed on as the handler reads them; ``model`` and
+    ``update_id``: those its header (the first message) names, if any. Holds no message between
+    reads (a message from a weight receiver holds the receiver's shared memory)."""
+
+    def __init__(self, requests: AsyncIterator[Any]) -> None:
+        self._requests = requests
+        self._first = True
+        self.model = self.update_id = ""
+
+    def __aiter__(self) -> UpdateStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        request = await anext(self._requests)
+        if self._first:
+            self._first = False
+            if isinstance(request, pb.UpdateWeightsRequest) and request.HasField("header"):
+                self.model, self.update_id = wire.model_name(request.header), request.header.update_id
+        return request
+
+
+def _counts(update_id: str) -> bool:
+    """Whether an answer counts as a request: one per push, whatever the calls it came over."""
+    if not update_id:
+        return True
+    if update_id in _COUNTED_UPDATES:
+        return False
+    _COUNTED_UPDATES[update_id] = None
+    while len(_COUNTED_UPDATES) > COUNTED_UPDATES_KEPT:
+        _COUNTED_UPDATES.popitem(last=False)
+    return True
 
 
 def _level(code: grpc.StatusCode) -> int:
@@ -43,8 +90,10 @@ def record(
     elapsed_ns: int,
     response: Message | None = None,
     error: BaseException | None = None,
+    update: UpdateStream | None = None,
 ) -> None:
-    """Account for one answer: ``request`` is None for a stream's own final status."""
+    """Account for one answer: ``request`` is None for a stream's own final status; ``update``: an
+    UpdateWeights call's messages, which name its model and the push it is one of (counted once)."""
     scoring = request if isinstance(request, pb.ScoreRequest) else None
     if isinstance(request, pb.ScoreRequest | pb.LoadWeightsRequest):
         model = wire.model_name(request)
@@ -52,9 +101,13 @@ def record(
         model = wire.model_name(request.header)
     elif isinstance(response, pb.UpdateWeightsResponse):
         model = response.model  # a client stream: the model is known from its answer
+    elif update is not None:
+        model = update.model  # or from its header, if one came
     else:
         model = ""
-    metrics.observe_request(model, rpc, code.name)
+    update_id = update.update_id if update is not None else ""
+    if _counts(update_id):
+        metrics.observe_request(model, rpc, code.name)
     level = _level(code)
     if not log.isEnabledFor(level):
         return
@@ -64,6 +117,8 @@ def record(
     if scoring is not None:
         sequences, tokens = wire.request_size(scoring)
         fields |= {"request_id": scoring.request_id, "model": model, "sequences": sequences, "tokens": tokens}
+    if update_id:
+        fields["update_id"] = update_id
     if isinstance(response, pb.UpdateWeightsResponse):
         fields |= {"model": model, "version": response.version, "tensors": response.tensors, "bytes": response.bytes}
     if isinstance(response, pb.ScoreResponse) and response.HasField("metadata"):

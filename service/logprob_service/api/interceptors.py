@@ -4,7 +4,8 @@ and one that reads UpdateWeights pieces with their bytes as views (``tensor_piec
 Domain errors (``errors.LogprobError``) carry their status and a message for the caller.
 Anything else is a bug: answered INTERNAL (``accounting`` logs it with the request id and the
 traceback), and the server keeps serving the other requests. Each unary RPC's outcome goes to
-``accounting`` once, and so does a client-streaming RPC (UpdateWeights) as a whole; a scoring
+``accounting`` once, and so does a client-streaming RPC (UpdateWeights) as a whole, with the push
+it is one of (``accounting.UpdateStream``: a push over several calls counts once); a scoring
 stream's requests are accounted for one by one by the stream handler, so here such a stream
 counts only when it fails as a whole.
 
@@ -40,10 +41,16 @@ async def _fail(context: grpc.aio.ServicerContext, request_id: str, err: Excepti
 
 @contextlib.asynccontextmanager
 async def _guarded(
-    context: grpc.aio.ServicerContext, rpc: str, request: Any, *, answers_per_request: bool = False
+    context: grpc.aio.ServicerContext,
+    rpc: str,
+    request: Any,
+    *,
+    answers_per_request: bool = False,
+    update: accounting.UpdateStream | None = None,
 ) -> AsyncIterator[_Answer]:
     """Map what the handler raises to a status, and account for the RPC (``request``: None for a
-    client stream; ``answers_per_request``: a scoring stream, whose requests are accounted for apart).
+    client stream; ``answers_per_request``: a scoring stream, whose requests are accounted for apart;
+    ``update``: an UpdateWeights call's messages, which name the push it is one of).
 
     The outcome is accounted for before the answer leaves, so a caller that has its answer
     finds it counted."""
@@ -51,7 +58,9 @@ async def _guarded(
 
     def account(code: grpc.StatusCode, error: BaseException | None = None) -> None:
         elapsed_ns = time.perf_counter_ns() - start
-        accounting.record(rpc, request, code, elapsed_ns=elapsed_ns, response=answer.response, error=error)
+        accounting.record(
+            rpc, request, code, elapsed_ns=elapsed_ns, response=answer.response, error=error, update=update
+        )
 
     try:
         yield answer
@@ -76,7 +85,10 @@ class ExceptionToStatusInterceptor(handlers.ServiceInterceptor):
 
         async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
             logged = None if client_streaming else request
-            async with _guarded(context, rpc, logged, answers_per_request=per_request) as answer:
+            update = None
+            if rpc == "UpdateWeights":
+                request = update = accounting.UpdateStream(request)
+            async with _guarded(context, rpc, logged, answers_per_request=per_request, update=update) as answer:
                 answer.response = await handlers.run(inner, request, context)
                 return answer.response
 

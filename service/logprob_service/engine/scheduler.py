@@ -44,6 +44,8 @@ from logprob_service.stats import NO_STATS, BatchLaunched, Limits, QueueChanged,
 
 log = logging.getLogger(__name__)
 
+# A min_version wait ends this long before the request's deadline (at most; a share of a short one).
+VERSION_WAIT_MARGIN_S, VERSION_WAIT_MARGIN_SHARE = 1.0, 0.2
 PIPELINE_DEPTH = 2  # micro-batches in flight: one computing, one being packed and enqueued
 
 
@@ -214,7 +216,10 @@ class Scheduler:
             return
         timeout = self._max_version_wait_s
         if job.deadline is not None:
-            timeout = min(timeout, job.deadline - time.monotonic())
+            # Give up before the deadline, by a share of it, so that the caller gets this
+            # FAILED_PRECONDITION (naming both versions) rather than its own DEADLINE_EXCEEDED.
+            remaining = job.deadline - time.monotonic()
+            timeout = min(timeout, remaining - min(VERSION_WAIT_MARGIN_S, VERSION_WAIT_MARGIN_SHARE * remaining))
         try:
             async with self._version_changed:
                 await asyncio.wait_for(
