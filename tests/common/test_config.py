@@ -3,10 +3,17 @@ errors for settings that cannot be used: one line each, naming the flag, variabl
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import pickle
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
-from logprob_service.cli import build_parser, main, settings_from_args
+from logprob_service.cli import SERVER_MODULES, build_parser, main, settings_from_args
 from logprob_service.config import ENV_ONLY_SETTINGS, Settings, StartupError, load_settings, parse_model_specs
 
 
@@ -278,3 +285,38 @@ def test_cli_usage_errors_are_the_error_and_a_one_line_hint(argv, error, capsys)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith(f"logprob-service serve: error: {error}") and "SECRET" not in lines[0], lines
     assert lines[1:] == ["usage: logprob-service serve [flags]; logprob-service serve --help lists them"]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_without_the_server_extra_the_command_says_what_to_install():
+    """The base (client-only) install has the command too: it crashed with ``ModuleNotFoundError:
+    No module named 'pydantic'``. A missing module is simulated: ``None`` in sys.modules."""
+    code = (
+        "import sys; sys.modules['pydantic'] = sys.modules['torch'] = None; "
+        "sys.argv = ['logprob-service', 'serve', '--help']; "
+        "from logprob_service.cli import main; sys.exit(main())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "client")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "logprob-service serve needs the server extra: pip install 'logprob-service[server]' "
+        "(not installed: torch, pydantic)\n"
+    )
+
+
+def test_the_server_modules_checked_are_those_of_the_server_extra():
+    """SERVER_MODULES lists the extra's packages by module name: every package of the extra is
+    one of them (a package added to the extra and not here would go unchecked)."""
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["server"]
+
+    def normal(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    required = {normal(re.match(r"[A-Za-z0-9._-]+", requirement)[0]) for requirement in extra}
+    installed = importlib.metadata.packages_distributions()
+    checked = {normal(dist) for module in SERVER_MODULES for dist in installed.get(module, [])}
+    assert required <= checked, required - checked
