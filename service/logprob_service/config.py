@@ -148,7 +148,7 @@ class Settings(BaseSettings):
             "Models to serve as NAME=SOURCE (repeatable flag --model; env: comma-separated or JSON). "
             "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, a hub id, or BASE+ADAPTER_DIR: "
             "a LoRA model sharing the weights of the served model BASE, with a PEFT adapter directory. "
-            "A bare SOURCE is named 'default'."
+            "A path that does not exist stops the start."
         ),
     )
     device: str = Field(
