@@ -563,7 +563,7 @@ def _read_config_file(
     named_by = "--config" if config_file is not None else environ[CONFIG_ENV][0]
     path = Path(config_file if config_file is not None else environ[CONFIG_ENV][1])
     try:
-        values = yaml.safe_load(path.read_text())
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise StartupError(f"config file {path} ({named_by}): {err.strerror}") from None
     except yaml.YAMLError as err:
