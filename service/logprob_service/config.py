@@ -566,6 +566,8 @@ def _read_config_file(
         values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise StartupError(f"config file {path} ({named_by}): {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise StartupError(f"config file {path} ({named_by}): not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -149,6 +149,9 @@ def test_malformed_config_file_names_the_file_line_and_column(tmp_path):
     config.write_text("port: 6000\nhost: [\n")
     with pytest.raises(StartupError, match=rf"config file {config}, line 3, column 1 \(--config\): not valid YAML"):
         load_settings(config)
+    config.write_bytes(b"host: \xff\n")
+    with pytest.raises(StartupError, match=r"c\.yaml \(--config\): not UTF-8 text \(byte 6\)"):
+        load_settings(config)
     config.write_text("- port\n")
     with pytest.raises(
         StartupError, match=r"c\.yaml \(--config\): expected settings \(name: value\), found \['port'\]"
