@@ -504,7 +504,7 @@ class _Origins:
         self.flags = flags
         self.environ = {k.upper(): (k, v) for k, v in os.environ.items() if k.upper().startswith(ENV_PREFIX)}
         self.file, self.file_values = None, {}
-        if config_file is not None or CONFIG_ENV in self.environ:
+        if config_file or self.environ.get(CONFIG_ENV, ("", ""))[1]:  # an empty LOGPROB_CONFIG names none
             self.file, self.file_values = _read_config_file(config_file, self.environ)
 
     def where(self, name: str, *, with_value: bool = True, with_flag: bool = True) -> str:
@@ -560,8 +560,8 @@ def _read_config_file(
 ) -> tuple[Path, dict[str, Any]]:
     """The config file's path and settings; StartupError naming the file (and the line and column
     of a YAML syntax error)."""
-    named_by = "--config" if config_file is not None else environ[CONFIG_ENV][0]
-    path = Path(config_file if config_file is not None else environ[CONFIG_ENV][1])
+    named_by = "--config" if config_file else environ[CONFIG_ENV][0]
+    path = Path(config_file or environ[CONFIG_ENV][1])
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:

@@ -163,6 +163,8 @@ def test_config_file_named_by_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("LOGPROB_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(StartupError, match=r"missing\.yaml \(LOGPROB_CONFIG\): No such file"):
         load_settings()
+    monkeypatch.setenv("LOGPROB_CONFIG", "")  # names no file
+    assert load_settings().port == 50051
 
 
 def test_a_typo_in_the_environment_is_refused_as_in_the_file(tmp_path, monkeypatch):
