@@ -12,9 +12,16 @@ PYTEST_ARGS ?=
 .PHONY: install serve test test-sweep test-stress test-gpu image image-test proto lint format bench example clean
 
 # scripts/install.sh is also the Dockerfile's install step: CI runs the image's install this way.
+# The stamp holds the TORCH_SPEC installed: another one (`make serve TORCH_SPEC=torch` after an
+# install of the CPU build) installs again, where the stamp's date alone kept the CPU build.
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	VENV="$(VENV)" PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EXTRAS=dev EDITABLE=1 scripts/install.sh
-	touch $@
+	echo '$(TORCH_SPEC)' > $@
+
+ifneq "$(strip $(shell cat $(VENV)/.installed 2>/dev/null))" "$(strip $(TORCH_SPEC))"
+$(VENV)/.installed: FORCE
+endif
+FORCE:
 
 install: $(VENV)/.installed  ## create .venv and install the server, client and dev tools
 

@@ -1,30 +1,91 @@
-"""``logprob-service serve`` (every setting is a flag, derived from config.Settings) and ``logprob-service probe``."""
+"""``logprob-service serve`` (every setting is a flag, derived from config.Settings) and ``logprob-service probe``.
+
+Nothing of the server's dependencies is imported before ``main`` has checked they are installed:
+the client-only install has this command too, and says what to install instead of a traceback.
+Errors a user can fix (a flag, a setting, a port in use, a model path) are one line each on
+stderr, exit code 2, no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
+import importlib.util
 import logging
 import os
 import sys
 import typing
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-
 from logprob_service import __version__
-from logprob_service.config import ENV_ONLY_SETTINGS, Settings, load_settings
-from logprob_service.logs import configure_logging
+
+if typing.TYPE_CHECKING:
+    from logprob_service.config import Settings
 
 _MODEL_FLAG_HELP = (
-    "NAME=SOURCE of a model to serve; repeat for several. A bare SOURCE is named 'default'. "
+    "NAME=SOURCE of a model to serve; repeat for several. "
     "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, or a hub id. "
     "[env LOGPROB_MODELS; default: default=builtin:tiny-llama]"
 )
-
-
+# The server extra's packages (pyproject.toml), as the modules they are imported as.
+SERVER_MODULES = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "grpc_health",
+    "grpc_reflection",
+    "prometheus_client",
+    "pydantic",
+    "pydantic_settings",
+    "yaml",
+    "peft",
+)
 # The exit code of a server whose tensor-parallel group lost a rank (a restart serves again).
 EXIT_GROUP_LOST = 3
+# argparse's exit code for a bad command line; invalid settings and start-up errors exit with it too.
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse printed its whole usage before an error: 40 lines for ``serve``, the error last.
+    Here: the error, a ``did you mean`` for a mistyped flag, and a one-line usage hint."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands = {}
+
+    def error(self, message: str) -> typing.NoReturn:
+        commands = f" {{{','.join(self.commands)}}}" if self.commands else ""
+        self.exit(
+            EXIT_USAGE,
+            f"{self.prog}: error: {message}\nusage: {self.prog}{commands} [flags]; {self.prog} --help lists them\n",
+        )
+
+    def unrecognized(self, extra: list[str]) -> typing.NoReturn:
+        """Refuse flags this parser does not know, showing the flags only (a value may be a
+        secret: ``--auth-tokens TOKEN``) and the known flag each was most likely meant to be."""
+        flags = [arg.partition("=")[0] for arg in extra if arg.startswith("-")]
+        if not flags:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        from logprob_service.config import ENV_ONLY_SETTINGS, env_variable
+
+        known = [option for action in self._actions for option in action.option_strings]
+        hints = []
+        for option in flags:
+            name = option.lstrip("-").replace("-", "_")
+            if name in ENV_ONLY_SETTINGS:
+                hints.append(f"{option} is environment only: set {env_variable(name)}")
+            elif guess := difflib.get_close_matches(option, known, n=1):
+                hints.append(f"did you mean {guess[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(flags)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def missing_server_modules() -> list[str]:
+    """The modules of the server extra that are not installed."""
+    return [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
 
 
 def _flag_type(annotation: object) -> tuple[type, list[str] | None]:
@@ -34,8 +95,10 @@ def _flag_type(annotation: object) -> tuple[type, list[str] | None]:
     return (annotation if annotation in (int, float, str) else str), None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="logprob-service", description="Token log-prob scoring service.")
+def build_parser() -> _Parser:
+    from logprob_service.config import ENV_ONLY_SETTINGS, Settings, env_variable, flag
+
+    parser = _Parser(prog="logprob-service", description="Token log-prob scoring service.")
     parser.add_argument("--version", action="version", version=f"logprob-service {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -51,15 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         if name == "models" or name in ENV_ONLY_SETTINGS:
             continue
-        flag = "--" + name.replace("_", "-")
         help_text = (
-            f"{field.description} [env LOGPROB_{name.upper()}; default: {field.get_default(call_default_factory=True)}]"
+            f"{field.description} [env {env_variable(name)}; default: {field.get_default(call_default_factory=True)}]"
         ).replace("%", "%%")  # argparse formats help with %: a literal "0.3%" broke --help
         if field.annotation is bool:
-            serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            serve.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             kind, choices = _flag_type(field.annotation)
-            serve.add_argument(flag, dest=name, type=kind, choices=choices, help=help_text)
+            serve.add_argument(flag(name), dest=name, type=kind, choices=choices, help=help_text)
     probe = commands.add_parser(
         "probe",
         help="exit 0 if a server is SERVING (gRPC health check), else 1",
@@ -72,25 +134,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument("--service", default="", help="service name to ask about [default: '', the whole server]")
     probe.add_argument("--timeout-s", type=float, default=5.0, help="seconds to wait for the answer [default: 5]")
+    parser.commands = {"serve": serve, "probe": probe}
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings of ``serve``'s flags, environment and config file (config.load_settings)."""
+    from logprob_service.config import Settings, load_settings
+
     overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return load_settings(getattr(args, "config", None) or os.environ.get("LOGPROB_CONFIG"), **overrides)
+    return load_settings(getattr(args, "config", None), **overrides)
+
+
+def _print_error(err: BaseException) -> None:
+    for line in str(err).splitlines():
+        print(f"logprob-service: {line}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if missing := missing_server_modules():
+        command = "probe" if "probe" in argv else "serve"
+        print(
+            f"logprob-service {command} needs the server extra: pip install 'logprob-service[server]' "
+            f"(not installed: {', '.join(missing)})",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[args.command].unrecognized(extra)
+    from logprob_service.config import StartupError
+
     try:
         if args.command == "probe":
             from logprob_service.api.probe import main as probe
 
             return probe(args.address, args.service, args.timeout_s)
         settings = settings_from_args(args)
-    except (ValidationError, FileNotFoundError, ValueError) as err:
-        print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
-        return 1 if args.command == "probe" else 2  # a health check knows 0 and 1 only
+    except StartupError as err:
+        _print_error(err)
+        return 1 if args.command == "probe" else EXIT_USAGE  # a health check knows 0 and 1 only
+    from logprob_service.logs import configure_logging
+
     configure_logging(settings.log_level, settings.log_format)
     from logprob_service.api.security.bearer_tokens import TokenConfigError
     from logprob_service.models.loading import ModelLoadError
@@ -103,9 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Logged; threads may wait forever in a collective with the lost rank, so none is joined.
         logging.shutdown()
         os._exit(EXIT_GROUP_LOST)
-    except TokenConfigError as err:  # found before anything starts, like any other invalid setting
-        print(f"logprob-service: invalid settings:\n{err}", file=sys.stderr)
-        return 2
+    except (StartupError, TokenConfigError) as err:  # a port in use, a bad token document: found before serving
+        _print_error(err)
+        return EXIT_USAGE
     except ModelLoadError as err:
         logging.getLogger("logprob_service").error("%s", err)
         return 1

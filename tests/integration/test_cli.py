@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
+import socket
 import threading
 import urllib.request
 
 import numpy as np
 import pytest
 import torch
-from logprob_client import InvalidRequest, LogprobClient
+from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.processes import free_port, launch, wait_serving
@@ -115,16 +117,16 @@ def test_cli_rejects_bad_settings_with_a_clear_message():
     proc = launch("--max-batch-tokens", "0", "--metrics-port", "0")
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
-    assert "max_batch_tokens" in output and "greater than or equal to 1" in output
+    assert output == "logprob-service: --max-batch-tokens 0: Input should be greater than or equal to 1\n"
 
 
 def test_cli_exits_nonzero_when_a_model_cannot_load(tmp_path):
-    proc = launch(
-        "--model", f"bad={tmp_path / 'missing-checkpoint'}", "--port", str(free_port()), "--metrics-port", "0"
-    )
+    checkpoint = tmp_path / "not-a-checkpoint"
+    checkpoint.mkdir()
+    proc = launch("--model", f"bad={checkpoint}", "--port", str(free_port()), "--metrics-port", "0")
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    assert "missing-checkpoint" in output
+    assert "not-a-checkpoint" in output
 
 
 def test_cli_refuses_a_forced_kernel_this_host_cannot_run():
@@ -137,3 +139,43 @@ def test_cli_refuses_a_forced_kernel_this_host_cannot_run():
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "logprob_kernel: 'triton' needs a CUDA device" in output
+
+
+def startup_errors(output: str) -> list[str]:
+    """The CLI's own lines of ``output`` (the server's log lines aside); asserts there is no traceback."""
+    assert "Traceback" not in output, output
+    return [line for line in output.splitlines() if line.startswith("logprob-service: ")]
+
+
+async def test_a_second_server_on_the_port_exits_2_and_the_first_keeps_serving(running):
+    """gRPC's SO_REUSEPORT let a second server start on the port and serve: new connections went
+    to either, each with its own models."""
+    proc = launch("--port", str(running.port), "--metrics-port", "0", "--device", "cpu")
+    try:
+        output, _ = await asyncio.to_thread(proc.communicate, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 2
+    assert startup_errors(output) == [
+        f"logprob-service: cannot listen on 127.0.0.1:{running.port} (--port): Address already in use "
+        "(another server on this port?)"
+    ]
+    async with AsyncLogprobClient(running.target) as client:
+        assert [m.name for m in await client.list_models()] == ["default", "gemma"]
+
+
+def test_a_metrics_port_in_use_exits_2_naming_the_flag():
+    """It was a traceback ending in ``OSError: [Errno 98] Address already in use``, exit code 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = launch("--port", str(free_port()), "--metrics-port", str(port), "--device", "cpu")
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert startup_errors(output) == [
+        f"logprob-service: cannot serve metrics on 127.0.0.1:{port} (--metrics-port; 0 turns metrics off): "
+        "Address already in use"
+    ]

@@ -25,7 +25,7 @@ import torch
 from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.api import receiver_process, receivers, wire
-from logprob_service.config import Settings
+from logprob_service.config import Settings, StartupError
 from logprob_service.models.builtin import build_builtin
 from logprob_service.models.weights import model_fingerprint
 from prometheus_client import REGISTRY
@@ -230,8 +230,12 @@ async def test_a_receiver_that_cannot_start_stops_the_server_from_starting(llama
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(OSError, match=f"weight receiver 0 \\(port {port}\\) did not start"):
+        with pytest.raises(StartupError) as info:
             await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=1, weight_receiver_port=port))
+        assert str(info.value) == (
+            f"cannot listen on 127.0.0.1:{port} (--weight-receiver-port): Address already in use "
+            "(another server on this port?)"
+        )
 
 
 def children_of(pid: int) -> list[int]:

@@ -17,7 +17,8 @@ a second and holds little memory.
 
 The pipe carries pickled tuples:
 
-- receiver to server: ``("ready", port)``; per call ``("open", call, metadata, peer, seconds_left)``,
+- receiver to server: ``("ready", port)``, or ``("refused", message)`` when it cannot listen on
+  its port; per call ``("open", call, metadata, peer, seconds_left)``,
   then ``("message", call, slot, nbytes)`` for each message that fits a slot, ``("inline", call,
   raw)`` for one that does not, and ``("end", call)`` or ``("broken", call)`` (the client's stream
   broke off, or the client cancelled);
@@ -42,8 +43,8 @@ import grpc
 
 from logprob_service import host_malloc
 from logprob_service.api.security import tls
-from logprob_service.api.server_options import server_options
-from logprob_service.config import Settings
+from logprob_service.api.server_options import listen, server_options
+from logprob_service.config import Settings, StartupError
 from logprob_service.logs import configure_logging
 
 SERVICE = "logprob.v1.LogprobService"
@@ -160,9 +161,7 @@ async def _serve(conn: Connection, memory: SharedMemory, settings: Settings, por
     server = grpc.aio.server(options=server_options(settings))
     method = grpc.stream_unary_rpc_method_handler(receiver.update_weights)  # raw bytes both ways
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"UpdateWeights": method}),))
-    credentials = tls.server_credentials(settings)
-    address = f"{settings.host}:{port}"
-    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    bound = listen(server, settings.host, port, tls.server_credentials(settings), "--weight-receiver-port")
     await server.start()
     conn.send(("ready", bound))
     await receiver.orphaned.wait()
@@ -180,7 +179,11 @@ def main(conn_fd: int, memory_fd: int) -> None:
         host_malloc.keep_freed_blocks()
     try:
         asyncio.run(_serve(conn, SharedMemory(slots, slot_bytes, memory_fd), settings, port))
-    except Exception as err:  # e.g. the port is taken: the serving process reports it
+    except StartupError as err:  # its port is taken: the serving process says so, naming the flag
+        with contextlib.suppress(OSError):
+            conn.send(("refused", str(err)))
+        sys.exit(2)
+    except Exception as err:
         with contextlib.suppress(OSError):
             conn.send(("failed", f"{type(err).__name__}: {err}"))
         raise

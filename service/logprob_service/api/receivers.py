@@ -37,7 +37,7 @@ import numpy as np
 
 from logprob_service.api import handlers
 from logprob_service.api.receiver_process import SLOT_BYTES, SLOTS, SharedMemory
-from logprob_service.config import Settings
+from logprob_service.config import Settings, StartupError
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class WeightReceivers:
     ) -> WeightReceivers:
         """Start ``settings.weight_receivers`` receivers, on consecutive ports from
         ``settings.weight_receiver_port`` (0: free ports), their slots page-locked by ``page_lock``;
-        raises OSError if one cannot start."""
+        raises StartupError if one cannot listen on its port, OSError if one cannot start otherwise."""
         self = cls(handler_for, page_lock)
         try:
             for i in range(settings.weight_receivers):
@@ -178,6 +178,8 @@ class WeightReceivers:
         if kind != "ready":
             receiver.alive = False
             self._stop(receiver)
+            if kind == "refused":  # its port cannot be listened on: the message names the address and flag
+                raise StartupError(detail)
             raise OSError(f"weight receiver {index} (port {port or 'any'}) did not start: {detail}")
         receiver.port = detail
         self._loop.add_reader(receiver.conn.fileno(), self._on_readable, receiver)

@@ -21,7 +21,7 @@ from logprob_service.api.receivers import PageLock, WeightReceivers
 from logprob_service.api.security import tls
 from logprob_service.api.security.auth import AuthInterceptor
 from logprob_service.api.security.bearer_tokens import TokenTable
-from logprob_service.api.server_options import server_options
+from logprob_service.api.server_options import listen, server_options
 from logprob_service.api.servicer import LogprobServicer
 from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
@@ -80,10 +80,8 @@ async def create_server(
         server,
     )
     credentials = tls.server_credentials(settings)
-    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
-    if port == 0:
-        raise OSError(f"could not bind the gRPC server to {address}")
-    host = address.rpartition(":")[0]
+    host, _, port_text = address.rpartition(":")
+    port = listen(server, host, int(port_text), credentials, "--port")
     for warning in tls.exposure_warnings(host, tls=credentials is not None, auth=tokens is not None):
         log.warning("%s", warning)
     await health.show(engine.phase)

@@ -6,15 +6,25 @@ directory, or a hub id (downloaded by transformers; needs network or a warm HF c
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
+import huggingface_hub
 import torch
+from huggingface_hub import constants as hub_constants
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from logprob_service.domain import DTYPE_BYTES
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
+# How long the hub may take to answer before a hub id is looked up in the local cache alone.
+HUB_ANSWER_TIMEOUT_S = 10.0
+
+# huggingface_hub gives its logger a stderr handler of its own and lets records propagate as well:
+# with the server's handler, each of its warnings was printed twice. The server's prints them once.
+logging.getLogger("huggingface_hub").handlers.clear()
 
 
 class ModelLoadError(RuntimeError):
@@ -95,16 +105,44 @@ def load_causal_lm(
             local = Path(source).expanduser()
             if local.exists() and not local.is_dir():
                 raise ModelLoadError(f"{source!r} is a file; a checkpoint directory is expected")
-            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+            hub = {} if local.is_dir() else _hub_access(source)
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **hub)
             model = AutoModelForCausalLM.from_pretrained(
                 source,
                 config=config,
                 dtype=dtype,
                 attn_implementation=attention_implementation(config),
                 trust_remote_code=trust_remote_code,
+                # Its look for a PEFT adapter in the repository takes only these (transformers 5).
+                adapter_kwargs=dict(hub),
+                **hub,
             )
     except ModelLoadError:
         raise
     except Exception as err:  # transformers raises OSError/ValueError/... with useful text
         raise ModelLoadError(f"could not load model from {source!r}: {err}") from err
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _hub_access(source: str) -> dict[str, Any]:
+    """How transformers may fetch hub id ``source``: from the hub as usual when it answers, else
+    from the local cache alone (``local_files_only``), and ModelLoadError at once when the cache
+    lacks it. Offline, transformers retried each file for about 30 s before looking there."""
+    if huggingface_hub.is_offline_mode():
+        unreachable = "HF_HUB_OFFLINE is set"
+    else:
+        try:
+            huggingface_hub.get_session().head(hub_constants.ENDPOINT, timeout=HUB_ANSWER_TIMEOUT_S)
+            return {}
+        except Exception as err:  # no answer at all: DNS, refused, timed out, a proxy's error
+            unreachable = f"no answer from {hub_constants.ENDPOINT}: {type(err).__name__}: {err}"
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(source, "config.json")
+    except ValueError as err:  # HFValidationError: not a name the hub could have
+        raise ModelLoadError(f"{source!r} is neither a local directory nor a hub id: {err}") from None
+    if not isinstance(cached, str):
+        raise ModelLoadError(
+            f"{source!r} is not a local directory, and as a hub id it is neither in the local cache "
+            f"({hub_constants.HF_HUB_CACHE}) nor can it be downloaded ({unreachable})"
+        )
+    return {"local_files_only": True}

@@ -14,17 +14,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+# Defined in config, which checks that adapter directories exist before anything loads.
+from logprob_service.config import split_lora_source as split_lora_source
 from logprob_service.models.loading import ModelLoadError
-
-SEPARATOR = "+"
-
-
-def split_lora_source(source: str, served: set[str]) -> tuple[str, str] | None:
-    """``(base, adapter_dir)`` when ``source`` is ``BASE+ADAPTER_DIR`` with BASE one of ``served``."""
-    base, sep, adapter = source.partition(SEPARATOR)
-    if sep and base in served and adapter:
-        return base, adapter
-    return None
 
 
 class AdapterHost:

@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from logprob_service import __version__
+from logprob_service.config import StartupError
 from logprob_service.domain import ModelInfo
 from logprob_service.stats import (
     BatchLaunched,
@@ -279,7 +280,13 @@ class PrometheusStats:
 
 
 def start_metrics_server(host: str, port: int) -> WSGIServer:
-    """Serve /metrics on its own port (0 picks a free one: see the returned server's ``server_port``)."""
-    server, _ = start_http_server(port, addr=host)
+    """Serve /metrics on its own port (0 picks a free one: see the returned server's ``server_port``);
+    StartupError naming the address and the flag if it cannot."""
+    try:
+        server, _ = start_http_server(port, addr=host)
+    except OSError as err:  # was a traceback ending in "[Errno 98] Address already in use"
+        raise StartupError(
+            f"cannot serve metrics on {host}:{port} (--metrics-port; 0 turns metrics off): {err.strerror}"
+        ) from None
     log.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_port)
     return server
