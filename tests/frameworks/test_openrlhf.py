@@ -83,6 +83,8 @@ with stand_ins_for_missing_packages():
     from openrlhf.models.utils import log_probs_from_logits
     from openrlhf.utils.utils import zero_pad_sequences
 
+pytestmark = pytest.mark.frameworks
+
 TEMPERATURE = 0.8
 
 

@@ -50,6 +50,8 @@ from tests.frameworks.conftest import VOCAB, use_cpu_platform
 from tests.helpers import tolerances
 from tests.helpers.processes import free_port
 
+pytestmark = pytest.mark.frameworks
+
 TEMPERATURE = 0.7
 
 
