@@ -2,4 +2,8 @@
 
 ``logprob_client.integrations.trl``: TRL's GRPOTrainer with the reference served remotely
 (``pip install "logprob-service[trl]"``).
+``logprob_client.integrations.verl``: verl's reference worker scoring with the service (an
+engine in verl's EngineRegistry; ``pip install "logprob-service[verl]"``, docs/verl.md).
+``logprob_client.integrations.openrlhf``: a drop-in for OpenRLHF's ReferenceModelActor and a
+launcher that uses it (``pip install "logprob-service[openrlhf]"``, docs/openrlhf.md).
 """

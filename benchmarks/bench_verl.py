@@ -1,0 +1,308 @@
+"""verl's reference step on a GRPO-like batch: verl's own ref worker on GPU 0 against the
+``logprob_service`` engine with the service on GPU 1.
+
+Both runs go through verl 0.9.1's own code, in this process (no Ray workers): its
+``ActorRolloutRefWorker`` (role "ref") built from its hydra config, and the ref step of its
+trainer, ``RayPPOTrainer._compute_ref_log_prob`` (``left_right_2_no_padding``, the worker,
+``no_padding_2_padding``), on the same ``DataProto`` batches.
+
+  1. verl: the stock ref (``FSDPActorConfig``, verl's FSDP engine, bf16, remove-padding on with
+     flash-attn; without flash-attn installed, remove-padding off and SDPA, said in the table);
+  2. service: the three override lines of docs/verl.md; ``logprob-service serve`` on GPU 1 in bf16.
+
+Workload: ``--prompts`` prompts x ``--n`` responses (GRPO groups), prompt lengths uniform in
+[prompt_len / 2, prompt_len], response lengths in [response_len / 8, response_len], rows shuffled
+(verl's length balancing). Model: Qwen2.5-1.5B and 7B shapes, random weights (speed and memory
+depend on shapes only), saved once as an HF checkpoint that both load.
+
+Reported per shape and run: the time the trainer waits for the ref log-probs (median over
+``--steps`` after ``--warmup``, device synchronized), tokens/s per GPU used (prompt + response
+tokens of the batch; verl uses GPU 0, the service GPU 1 and nothing of GPU 0), the trainer GPU's
+peak allocated memory during the step, and the largest difference between the two runs' ref
+log-probs (both bf16).
+
+Ray and datasets (and pyarrow under it) are imported by verl's modules but unused on this path, and their
+wheels (79 and 55 MiB) cannot travel to the GPU machine: where they are missing, empty
+stand-ins are registered for them (``stand_in``). Wheels the GPU machine needs besides the project's:
+verl-0.9.1, tensordict-0.10.0, omegaconf, hydra-core, antlr4-python3-runtime==4.9.3, codetiming
+(about 3 MiB in all; docs/verl.md has the commands).
+
+Run (2 GPUs): PYTHONPATH=service:client python benchmarks/bench_verl.py [--shapes 1.5b 7b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import SHAPES, build_model
+from harness import publish, run_environment
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Anything:
+    """Whatever a stood-in module is asked for: callable (a decorator returns what it decorates),
+    subscriptable, a base class, false."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]
+        return _Anything(self._name + "()")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _Anything(f"{self._name}.{name}")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+    def __getitem__(self, key):
+        return self
+
+    def __or__(self, other):
+        return self
+
+    __ror__ = __or__
+
+    def __iter__(self):
+        return iter(())
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, tops: set[str]) -> None:
+        self.tops = tops
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] in self.tops:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = lambda name: _Anything(f"{spec.name}.{name}")  # PEP 562
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def stand_in(*packages: str) -> list[str]:
+    """Empty stand-ins for those of ``packages`` that are not installed; the ones stood in."""
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        sys.meta_path.insert(0, _StandIns(set(missing)))
+    return missing
+
+
+def rollout(rng: np.random.Generator, prompts: int, n: int, prompt_len: int, response_len: int, vocab: int):
+    rows = []
+    for _ in range(prompts):
+        prompt = rng.integers(100, vocab, int(rng.integers(prompt_len // 2, prompt_len + 1)))
+        rows += [
+            (prompt, rng.integers(100, vocab, int(rng.integers(response_len // 8, response_len + 1)))) for _ in range(n)
+        ]
+    return [rows[i] for i in rng.permutation(len(rows))]
+
+
+def padded(rows, temperature: float):
+    from verl import DataProto
+    from verl.utils.model import compute_position_id_with_mask
+
+    p, r = max(len(a) for a, _ in rows), max(len(b) for _, b in rows)
+    prompts, responses = torch.zeros(len(rows), p, dtype=torch.long), torch.zeros(len(rows), r, dtype=torch.long)
+    pmask, rmask = torch.zeros_like(prompts), torch.zeros_like(responses)
+    for i, (a, b) in enumerate(rows):
+        prompts[i, p - len(a) :], pmask[i, p - len(a) :] = torch.from_numpy(a), 1
+        responses[i, : len(b)], rmask[i, : len(b)] = torch.from_numpy(b), 1
+    attention_mask = torch.cat([pmask, rmask], dim=1)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": compute_position_id_with_mask(attention_mask),
+        "response_mask": rmask,
+    }
+    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": temperature})
+
+
+def compose_config(model_dir: Path, extra: list[str]):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    overrides = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "+actor_rollout_ref.model.load_tokenizer=False",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.ref.fsdp_config.dtype=bfloat16",
+        *extra,
+    ]
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        return compose("ppo_trainer", overrides=overrides)
+
+
+class _Trainer:
+    def __init__(self, worker) -> None:
+        self.ref_in_actor, self.ref_policy_wg = False, worker
+
+
+def time_ref_steps(worker, batches, device: torch.device, warmup: int):
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    times, outputs = [], []
+    for i, batch in enumerate(batches):
+        torch.cuda.synchronize(device)
+        if i == warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        out = RayPPOTrainer._compute_ref_log_prob(_Trainer(worker), batch)
+        torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            outputs.append(out.batch["ref_log_prob"])
+    return times, outputs, torch.cuda.max_memory_allocated(device)
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
+    from logprob_service.api.probe import check
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the service exited with {proc.returncode}")
+        if check(target, timeout_s=1)[0]:
+            return
+        time.sleep(1)
+    raise TimeoutError(target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["1.5b", "7b"], choices=sorted(SHAPES))
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--response-len", type=int, default=1536)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-token-len", type=int, default=16384, help="verl's log_prob_max_token_len_per_gpu")
+    parser.add_argument("--trainer-gpu", type=int, default=0)
+    parser.add_argument("--service-gpu", type=int, default=1)
+    parser.add_argument("--port", type=int, default=50571)
+    args = parser.parse_args()
+
+    stood_in = stand_in("ray", "datasets", "uvicorn", "fastapi", "torchdata", "cachetools", "pylatexenc")
+    device = torch.device("cuda", args.trainer_gpu)
+    torch.cuda.set_device(device)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577")
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=device)
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    flash = importlib.util.find_spec("flash_attn") is not None
+    verl_attention = (
+        ["+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"]
+        if flash
+        else [
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "actor_rollout_ref.model.use_remove_padding=False",
+        ]
+    )
+    batching = [
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={args.max_token_len}",
+    ]
+    lines = [
+        "| shape | run | ref wait (s, median) | tokens/s/GPU | trainer GPU peak (GiB) | max abs diff vs verl |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in args.shapes:
+        shape = SHAPES[key]
+        rng = np.random.default_rng(1234)
+        batches_rows = [
+            rollout(rng, args.prompts, args.n, args.prompt_len, args.response_len, shape.vocab)
+            for _ in range(args.warmup + args.steps)
+        ]
+        tokens = statistics.mean(sum(len(a) + len(b) for a, b in rows) for rows in batches_rows[args.warmup :])
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = Path(tmp) / key
+            build_model(shape, device, torch.bfloat16, seed=1234).save_pretrained(model_dir)
+            torch.cuda.empty_cache()
+
+            config = compose_config(model_dir, [*verl_attention, *batching])
+            worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="ref")
+            worker.init_model()
+            times, verl_out, peak = time_ref_steps(
+                worker, [padded(r, args.temperature) for r in batches_rows], device, args.warmup
+            )
+            label = "verl (FSDP, remove-padding, flash-attn)" if flash else "verl (FSDP, padded, SDPA: no flash-attn)"
+            median = statistics.median(times)
+            lines.append(f"| {shape.name} | {label} | {median:.3f} | {tokens / median:,.0f} | {peak / 2**30:.2f} | 0 |")
+            del worker
+            torch.cuda.empty_cache()
+
+            target = f"127.0.0.1:{args.port}"
+            env = {**os.environ, "PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'client'}"}
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "logprob_service.cli", "serve", "--host", "127.0.0.1", "--port", str(args.port),
+                 "--metrics-port", str(args.port + 1), "--device", f"cuda:{args.service_gpu}", "--dtype", "bfloat16",
+                 "--model", f"ref={model_dir}"],
+                env=env,
+            )  # fmt: skip
+            try:
+                wait_serving(target, proc)
+                config = compose_config(
+                    model_dir,
+                    [
+                        "actor_rollout_ref.ref._target_=logprob_client.integrations.verl.ServiceRefConfig",
+                        f"+actor_rollout_ref.ref.service.address={target}",
+                        "+actor_rollout_ref.ref.service.model=ref",
+                        *batching,
+                    ],
+                )
+                worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="ref")
+                worker.init_model()
+                times, served_out, peak = time_ref_steps(
+                    worker, [padded(r, args.temperature) for r in batches_rows], device, args.warmup
+                )
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(verl_out, served_out))
+            median = statistics.median(times)
+            lines.append(
+                f"| {shape.name} | service (GPU {args.service_gpu}) | {median:.3f} | {tokens / median:,.0f} | "
+                f"{peak / 2**30:.2f} | {diff:.3g} |"
+            )
+    workload = (
+        f"{args.prompts} prompts x {args.n} responses, prompts <= {args.prompt_len}, responses <= {args.response_len} "
+        f"tokens ({tokens:,.0f} tokens a batch), temperature {args.temperature}"
+    )
+    notes = [f"stood in for (not installed, unused here): {', '.join(stood_in)}"] if stood_in else []
+    publish("\n".join([*run_environment(device), workload, *notes, "", *lines]), "bench_verl.md")
+
+
+if __name__ == "__main__":
+    main()
