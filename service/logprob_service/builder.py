@@ -3,7 +3,8 @@
 ``engine_on`` is the one place a ``LogprobEngine`` is made from served models (the server, data
 parallel over several devices, tensor parallel's rank 0, ``OfflineScorer``, tests and
 benchmarks); ``build_engine`` makes a server's from its settings, with its models still to load
-(``load_models``: ``models.build`` once per device).
+(``load_models``: ``models.build`` once per device). The engine reports its GPUs' memory to the
+metrics through ``gpu_memory_of``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from logprob_service.config import Settings
-from logprob_service.domain import ModelInfo
 from logprob_service.engine.engine import EngineConfig, LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.build import build_models, logprob_op
@@ -46,7 +45,13 @@ def engine_on(
         staging=Staging(staging_reserve_bytes),
         join_group=WeightGroup if join_groups else None,
         stats=stats,
+        device_memory=functools.partial(gpu_memory_of, list(devices)),
     )
+
+
+def gpu_memory_of(devices: list[torch.device]) -> dict[str, MemorySnapshot]:
+    """The memory of the GPUs among ``devices``, by device name."""
+    return {str(device): gpu_memory.snapshot(device) for device in devices if device.type == "cuda"}
 
 
 def server_devices(settings: Settings) -> list[torch.device]:
@@ -86,18 +91,3 @@ async def load_models(registry: ModelRegistry, settings: Settings, devices: Sequ
     ]
     for name, served in per_device[0].items():
         registry.add(served, [models[name] for models in per_device[1:]])
-
-
-@dataclass(eq=False)
-class EngineView:
-    """A server's ``stats.ServerView`` for the metrics: its engine's models, and the memory of its
-    lanes' GPUs (read at scrape time; nothing is copied)."""
-
-    engine: LogprobEngine
-    devices: Sequence[torch.device]
-
-    def models(self) -> list[ModelInfo]:
-        return self.engine.list_models()
-
-    def device_memory(self) -> dict[str, MemorySnapshot]:
-        return {str(device): gpu_memory.snapshot(device) for device in self.devices if device.type == "cuda"}

@@ -21,7 +21,7 @@ import torch
 from logprob_service.api.receivers import WeightReceivers
 from logprob_service.api.security.bearer_tokens import TokenTable, load_token_table
 from logprob_service.api.server import GrpcEdge, create_server
-from logprob_service.builder import EngineView, build_engine, load_models, server_devices
+from logprob_service.builder import build_engine, load_models, server_devices
 from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
@@ -49,7 +49,6 @@ class Service:
     leader: Leader | None = None
     lost: asyncio.Future[str] | None = None
     build: Build | None = None  # what loads each rank's models (default: those the settings name)
-    view: EngineView | None = None  # what the metrics read (held here: they hold it weakly)
     edge: GrpcEdge | None = None  # once the gRPC server started
 
     @classmethod
@@ -62,10 +61,9 @@ class Service:
         stats = metrics.PrometheusStats()
         devices = server_devices(settings)
         engine = build_engine(settings, devices, registry=registry, stats=stats)
-        view = EngineView(engine, devices)
-        metrics.track(view)
+        metrics.track(engine)  # for as long as the engine lives
         metrics.describe_runtime(cuda=torch.version.cuda or "none")
-        return cls(settings, devices, engine, tokens, view=view, build=build)
+        return cls(settings, devices, engine, tokens, build=build)
 
     # What tests and benchmarks reach through a running service.
     @property

@@ -96,7 +96,7 @@ class MemorySnapshot:
 
 class ServerView(Protocol):
     """What the metrics read at scrape time: the served models as the engine describes them, and
-    the memory of the GPUs they run on (by device name). The start-up module makes one per server."""
+    the memory of the GPUs they run on (by device name): a server's engine (``LogprobEngine``)."""
 
     def models(self) -> list[ModelInfo]: ...
 

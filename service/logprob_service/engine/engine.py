@@ -39,7 +39,7 @@ from logprob_service.engine.weight_updates import (
     WeightUpdater,
 )
 from logprob_service.errors import Unavailable
-from logprob_service.stats import NO_STATS, StatsSink
+from logprob_service.stats import NO_STATS, MemorySnapshot, StatsSink
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,12 @@ class LogprobEngine:
         staging: Staging,
         join_group: JoinGroup | None = None,
         stats: StatsSink = NO_STATS,
+        device_memory: Callable[[], dict[str, MemorySnapshot]] = dict,
     ) -> None:
+        """``device_memory``: the memory of the lanes' GPUs by device name, read when asked (the
+        metrics' scrape: the engine is the ``stats.ServerView`` they track)."""
         self.registry = registry
+        self._device_memory = device_memory
         self.config = config
         self.limits = config.limits
         self.lanes = list(lanes)  # one device worker each
@@ -189,6 +193,13 @@ class LogprobEngine:
 
     def list_models(self) -> list[ModelInfo]:
         return [served.info for served in self.registry]
+
+    # What the metrics read at scrape time (``stats.ServerView``).
+    def models(self) -> list[ModelInfo]:
+        return self.list_models()
+
+    def device_memory(self) -> dict[str, MemorySnapshot]:
+        return self._device_memory()
 
     # -- weight updates ------------------------------------------------------------------------
 

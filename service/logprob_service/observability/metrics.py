@@ -11,8 +11,8 @@ counted with ``model=""``, so callers cannot create series at will.
 
 Fed two ways, so nothing below this layer imports prometheus-client: the engine, the worker and
 the weight updates report ``stats`` records to a ``PrometheusStats``; the served models and their
-GPUs' memory are read at scrape time from each server's ``stats.ServerView`` (``track``), which
-the start-up module makes over the engine facade: nothing here reaches into the engine or torch.
+GPUs' memory are read at scrape time from each server's ``stats.ServerView`` (``track``: its
+engine facade, which answers in domain objects): nothing here reaches into the engine or torch.
 """
 
 from __future__ import annotations
@@ -237,9 +237,16 @@ REGISTRY.register(GpuMemoryCollector())
 # ----------------------------------------------------------------------------- observations
 
 
+_labelled: set[str] = set()  # names of models served by this process's servers, now or before
+
+
 def model_label(name: str) -> str:
-    """``name`` if a server of this process serves a model of that name, else "" (bounded label values)."""
-    return name if any(info.name == name for info in _served_infos()) else ""
+    """``name`` if a server of this process serves or served a model of that name, else "" (bounded
+    label values: operators name models, callers cannot). A name once served stays a label, so a
+    record that comes after its server is gone (a cancelled request's release) moves its series."""
+    if name not in _labelled and any(info.name == name for info in _served_infos()):
+        _labelled.add(name)
+    return name if name in _labelled else ""
 
 
 def observe_request(model: str, rpc: str, code: str) -> None:
