@@ -95,13 +95,14 @@ class Service:
             share_prompts=settings.share_prompts,
             stats=stats,
         )
-        staging = Staging(settings.update_staging_reserve_bytes)
+        staging = Staging(settings.update_staging_reserve_bytes, settings.check_finite_weights)
         updater = WeightUpdater(
             registry,
             scheduler,
             staging,
             join_group=WeightGroup,
             yield_to_launches=settings.update_yield_to_launches,
+            load_roots=settings.load_weights_roots,
             stats=stats,
         )
         return cls(settings, devices, registry, executors, scheduler, updater, ServingState(), tokens, build=build)
