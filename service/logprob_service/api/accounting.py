@@ -43,8 +43,10 @@ def record(
     elapsed_ns: int,
     response: Message | None = None,
     error: BaseException | None = None,
+    request_id: str = "",
 ) -> None:
-    """Account for one answer: ``request`` is None for a stream's own final status."""
+    """Account for one answer: ``request`` is None for a stream's own final status. ``request_id``:
+    the id an INTERNAL answer names, where the request carries none of its own."""
     scoring = request if isinstance(request, pb.ScoreRequest) else None
     if isinstance(request, pb.ScoreRequest | pb.LoadWeightsRequest):
         model = wire.model_name(request)
@@ -64,6 +66,8 @@ def record(
     if scoring is not None:
         sequences, tokens = wire.request_size(scoring)
         fields |= {"request_id": scoring.request_id, "model": model, "sequences": sequences, "tokens": tokens}
+    elif request_id:
+        fields["request_id"] = request_id
     if isinstance(response, pb.UpdateWeightsResponse):
         fields |= {"model": model, "version": response.version, "tensors": response.tensors, "bytes": response.bytes}
     if isinstance(response, pb.ScoreResponse) and response.HasField("metadata"):
