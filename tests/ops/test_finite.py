@@ -38,5 +38,12 @@ def test_segment_probes_flag_the_segments_that_hold_a_nonfinite_value(rng):
     values[3 + 2] = math.nan  # segment 2
     values[3 + 5 + 1 + 3] = -math.inf  # segment 4
     probes = segment_probes(values, torch.tensor(counts))
-    assert nonfinite(list(probes.unsqueeze(1))) == [2, 4]
-    assert nonfinite(list(segment_probes(values[:0], torch.zeros(2, dtype=torch.int64)).unsqueeze(1))) == []
+    assert nonfinite(list(probes)) == [2, 4]
+    assert nonfinite(list(segment_probes(values[:0], torch.zeros(2, dtype=torch.int64)))) == []
+
+
+def test_probes_of_several_dtypes_and_kinds_together(rng):
+    tensors = [torch.ones(4, dtype=dtype) for dtype in FLOATS]
+    tensors[2][1] = math.inf
+    segments = segment_probes(torch.tensor([1.0, math.nan, 2.0]), torch.tensor([1, 2]))
+    assert nonfinite([*map(probe, tensors), *segments, None]) == [2, 5]

@@ -7,10 +7,9 @@ digests, so it adds no wait: per tensor one reduction over its elements (``probe
 tensor lies, and for a sparse update's tensors one pass over their changed values alone
 (``segment_probes``). ``nonfinite`` reads every probe back with one copy per device.
 
-A probe is a small float64 tensor whose values are all finite exactly when the tensor's are:
-the smallest and largest element (``torch.aminmax`` propagates NaN; an infinity is one of the
-two), or for changed values 0 or NaN per tensor. float64 holds every float dtype's values
-exactly, so a probe never overflows into a false alarm.
+A probe is a small tensor whose values are all finite exactly when the tensor's are: its
+smallest and largest element, in its own dtype (``torch.aminmax`` propagates NaN; an infinity is
+one of the two), or for changed values 0 or NaN per tensor.
 """
 
 from __future__ import annotations
@@ -21,17 +20,17 @@ import torch
 
 
 def probe(tensor: torch.Tensor) -> torch.Tensor | None:
-    """[2] float64 on ``tensor``'s device, all finite iff ``tensor`` is, queued on the current
-    stream; None where no element can be non-finite (integer or bool dtypes, no elements)."""
+    """[2] of ``tensor``'s dtype on its device, both finite iff all of ``tensor`` is, queued on
+    the current stream; None where no element can be non-finite (integer or bool dtypes, no
+    elements)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return None
-    low, high = torch.aminmax(tensor.detach().reshape(-1))
-    return torch.stack((low, high)).to(torch.float64)
+    return torch.stack(torch.aminmax(tensor.detach().reshape(-1)))
 
 
 def segment_probes(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """One probe per segment of ``values`` (flat, one float dtype), the segments of ``counts``
-    (int64, on ``values``' device) elements back to back: [len(counts)] float64, NaN where the
+    (int64, on ``values``' device) elements back to back: [len(counts), 1] float64, NaN where the
     segment holds a non-finite value, else 0."""
     bad = torch.zeros(counts.numel(), dtype=torch.float64, device=values.device)
     if values.numel():
@@ -39,23 +38,18 @@ def segment_probes(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
             torch.arange(counts.numel(), device=values.device), counts, output_size=values.numel()
         )
         bad.index_add_(0, segment, (~torch.isfinite(values)).to(torch.float64))
-    return torch.where(bad > 0, torch.nan, 0.0)
+    return torch.where(bad > 0, torch.nan, 0.0).unsqueeze(1)
 
 
 def nonfinite(probes: Sequence[torch.Tensor | None]) -> list[int]:
-    """The indices of ``probes`` that hold a non-finite value, read back with one copy per
-    device (which waits for the current stream there)."""
-    by_device: dict[torch.device, list[int]] = {}
+    """The indices of ``probes`` that hold a non-finite value, read back with one copy per device
+    and dtype (which waits for the current stream there)."""
+    groups: dict[tuple[torch.device, torch.dtype, int], list[tuple[int, torch.Tensor]]] = {}
     for i, one in enumerate(probes):
         if one is not None:
-            by_device.setdefault(one.device, []).append(i)
+            groups.setdefault((one.device, one.dtype, one.numel()), []).append((i, one))
     bad: list[int] = []
-    for indices in by_device.values():
-        parts = [probes[i].reshape(-1) for i in indices]  # type: ignore[union-attr]  # not None: grouped above
-        finite = torch.isfinite(torch.cat(parts)).tolist()
-        start = 0
-        for i, part in zip(indices, parts, strict=True):
-            if not all(finite[start : start + part.numel()]):
-                bad.append(i)
-            start += part.numel()
+    for group in groups.values():
+        finite = torch.isfinite(torch.stack([one for _, one in group])).all(dim=1).tolist()
+        bad += [i for (i, _), ok in zip(group, finite, strict=True) if not ok]
     return sorted(bad)
