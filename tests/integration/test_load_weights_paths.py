@@ -25,6 +25,7 @@ from logprob_client import AsyncLogprobClient, InvalidRequest
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.probe import check as health_check
+from logprob_service.cli import build_parser, settings_from_args
 from logprob_service.config import Settings
 from logprob_service.errors import InvalidArgument
 from logprob_service.worker.staging import Staging
@@ -168,13 +169,16 @@ async def test_load_weights_roots_confine_the_files_read_with_the_served_checkpo
         await stop(running)
 
 
-def test_load_weights_roots_are_existing_directories_from_a_list_or_the_environment(tmp_path, monkeypatch):
+def test_load_weights_roots_are_existing_directories_from_a_list_the_environment_or_a_flag(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.setenv("LOGPROB_LOAD_WEIGHTS_ROOTS", f"{tmp_path / 'a'}, {tmp_path / 'b'}")
     assert Settings().load_weights_roots == (tmp_path / "a", tmp_path / "b")
     assert Settings(load_weights_roots=str(tmp_path / "a")).load_weights_roots == (tmp_path / "a",)
     assert Settings(load_weights_roots=[]).load_weights_roots == ()
+    flags = ["serve", "--load-weights-roots", f"{tmp_path / 'b'},{tmp_path / 'a'}", "--no-check-finite-weights"]
+    from_flags = settings_from_args(build_parser().parse_args(flags))
+    assert from_flags.load_weights_roots == (tmp_path / "b", tmp_path / "a") and not from_flags.check_finite_weights
     with pytest.raises(ValueError, match="is not a directory"):
         Settings(load_weights_roots=[tmp_path / "missing"])
 
