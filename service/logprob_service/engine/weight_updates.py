@@ -7,12 +7,16 @@ One update of one model:
            piece (INVALID_ARGUMENT naming it); each piece, checked to come in order and fit, is
            written on a receiving thread straight to where the tensor is staged (on the device
            while ``staging_reserve_bytes`` stay free there, else in host memory), overlapping the
-           reception of the next pieces; once complete the tensor is digested (queued)
-  commit   the tensor count is checked, and for a full update that every weight came; then the
-           scheduler swaps the staged tensors in between two micro-batches, and the version and
-           fingerprint go live with them
+           reception of the next pieces; once complete the tensor is digested (queued), and
+           probed for NaN and infinities (``check_finite_weights``)
+  commit   the tensor count is checked, and for a full update that every weight came; the
+           digests are read back (a tensor holding a NaN or an infinity is INVALID_ARGUMENT);
+           then the scheduler swaps the staged tensors in between two micro-batches, and the
+           version and fingerprint go live with them
 Anything that fails before the swap (a bad tensor, a stream that ends or breaks before its
 commit, a cancelled call) drops the staged tensors: the live weights and version are untouched.
+LoadWeights reads only regular files, each checked after its symlinks are followed
+(``safetensors_files``).
 
 An update may come over several streams at once (``UpdateHeader.streams``): they join one
 ``_Session`` by its ``update_id``, each carries its own tensors and commit, and the update goes
@@ -759,7 +763,7 @@ class WeightUpdater:
     def _checkpoint_files(self, path: str) -> list[Path]:
         roots = self._load_roots
         if roots:  # confined: the served checkpoints may always be read again
-            roots = (*roots, *served_checkpoint_dirs(served.info.source for served in self._registry))
+            roots = (*roots, *_served_checkpoint_dirs(served.info.source for served in self._registry))
         return safetensors_files(path, roots)
 
     async def join_group(self, spec: GroupSpec) -> WeightGroup:
@@ -935,7 +939,7 @@ FORBIDDEN_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
 SHOWN_PATH_CHARS = 200
 
 
-def shown_path(path: str | Path) -> str:
+def _shown_path(path: str | Path) -> str:
     """``path`` quoted for a message, its middle cut when it is long."""
     text = str(path)
     if len(text) > SHOWN_PATH_CHARS:
@@ -983,7 +987,7 @@ def safetensors_files(path: str, roots: Sequence[Path] = ()) -> list[Path]:
     a regular file outside /proc, /sys and /dev, and under one of ``roots`` (resolved) when any
     are given; else INVALID_ARGUMENT naming ``path`` and the file. Nothing is opened here:
     ``Staging.read_file`` opens each without blocking and checks that it opened that file."""
-    where = shown_path(path)
+    where = _shown_path(path)
     top, info = _resolve(Path(path), where, roots)
     if stat.S_ISDIR(info.st_mode):
         try:
@@ -1011,10 +1015,10 @@ def _regular(name: Path, resolved: Path, info: os.stat_result, where: str) -> Pa
 
 
 def _leads_to(name: Path, resolved: Path) -> str:
-    return "" if resolved == name else f" (it leads to {shown_path(resolved)})"
+    return "" if resolved == name else f" (it leads to {_shown_path(resolved)})"
 
 
-def served_checkpoint_dirs(sources: Iterable[str]) -> list[Path]:
+def _served_checkpoint_dirs(sources: Iterable[str]) -> list[Path]:
     """The local directories among the served models' ``sources`` (a checkpoint directory, or a
     LoRA model's ``BASE+ADAPTER_DIR``), resolved: LoadWeights may always read them again."""
     dirs = []
