@@ -9,9 +9,9 @@ receiver to answer with. The receiver reads the call's stream only once the hand
 first message, so a call refused from its metadata costs the receipt of none of its messages.
 
 A message in a slot is read in place: the slot is given back once no view of it is left (a dense
-piece's bytes are written to where they are staged first). Serving on
-a GPU, the slots are page-locked in place (``worker.staging.page_lock``), so a dense piece goes
-from its slot to the device with no copy in host memory.
+piece's bytes are written to where they are staged first). Serving on a GPU, the slots are
+page-locked in place (``worker.staging.page_lock``), so a dense piece goes from its slot to the
+device with no copy in host memory.
 
 A receiver that dies ends its calls as broken streams (their updates are abandoned; the live
 version keeps serving) and is no longer announced; the server goes on without it.
