@@ -90,7 +90,8 @@ async def test_a_fifo_is_refused_at_once_and_the_server_still_answers_and_stops(
             assert took < PROMPT_S, (what, took)
             assert health_check(target, timeout_s=5)[0], f"health after {what}"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(GRACE_S + 30) == 0, log.read_text()[-3000:]
+        # Within the drain time, and a margin for tearing down on a loaded machine.
+        assert proc.wait(GRACE_S + 15) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
