@@ -33,16 +33,18 @@ def engine_on(
     config: EngineConfig,
     *,
     staging_reserve_bytes: int = 0,
+    check_finite_weights: bool = True,
     join_groups: bool = False,
     stats: StatsSink = NO_STATS,
 ) -> LogprobEngine:
     """An engine over ``registry`` (its models' replicas on ``devices``, in that order) with one
-    device worker per device. ``join_groups``: it may join trainers' NCCL/gloo weight groups."""
+    device worker per device. ``check_finite_weights``: updates with a non-finite value are refused.
+    ``join_groups``: it may join trainers' NCCL/gloo weight groups."""
     return LogprobEngine(
         registry,
         [DeviceExecutor(stats, device) for device in devices],
         config,
-        staging=Staging(staging_reserve_bytes),
+        staging=Staging(staging_reserve_bytes, check_finite_weights),
         join_group=WeightGroup if join_groups else None,
         stats=stats,
         device_memory=functools.partial(gpu_memory_of, list(devices)),
@@ -75,6 +77,7 @@ def build_engine(
         devices,
         EngineConfig.from_settings(settings),
         staging_reserve_bytes=settings.update_staging_reserve_bytes,
+        check_finite_weights=settings.check_finite_weights,
         join_groups=True,
         stats=stats,
     )

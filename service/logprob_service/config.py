@@ -330,6 +330,23 @@ class Settings(BaseSettings):
             "memory stays free, else in host memory."
         ),
     )
+    check_finite_weights: bool = Field(
+        True,
+        description=(
+            "Refuse a weight update (UpdateWeights, LoadWeights, from a group or by IPC) any of whose tensors "
+            "holds a NaN or an infinity, with INVALID_ARGUMENT naming the tensor (nothing applied): one such "
+            "value turns the model's every score into NaN. Checked where each tensor is staged, beside its "
+            "digest (benchmarks/bench_finite_check.py measures the cost)."
+        ),
+    )
+    load_weights_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
+        (),
+        description=(
+            "Directories LoadWeights may read files under (comma-separated), with the served checkpoints' own "
+            "directories; every file is checked after its symlinks are followed. Empty: any regular file the "
+            "server's user may read. Never /proc, /sys or /dev, nor FIFOs, devices or sockets."
+        ),
+    )
     keep_freed_host_memory: bool = Field(
         True,
         description=(
@@ -434,6 +451,25 @@ class Settings(BaseSettings):
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         return self
+
+    @field_validator("load_weights_roots", mode="before")
+    @classmethod
+    def _parse_roots(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("load_weights_roots")
+    @classmethod
+    def _roots_are_directories(cls, roots: tuple[Path, ...]) -> tuple[Path, ...]:
+        for root in roots:
+            if not root.expanduser().is_dir():
+                raise ValueError(f"load_weights_roots: {str(root)!r} is not a directory")
+        # Resolved once: LoadWeights compares them with files' paths, their symlinks followed.
+        return tuple(root.expanduser().resolve() for root in roots)
 
     @field_validator("models", mode="before")
     @classmethod

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import socket
 import struct
 import uuid
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -22,6 +25,7 @@ from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.engine.validation import MIN_TEMPERATURE
 
 from tests.helpers.calls import assert_matches_reference, random_batch
@@ -366,3 +370,84 @@ async def test_huge_and_empty_messages_and_no_leak(fuzzed, rng):
 
     warm, end = await asyncio.to_thread(run)
     assert end - warm < 40 * 1024**2, f"resident memory grew {(end - warm) / 1024**2:.0f} MiB over 40 large requests"
+
+
+# ----------------------------------------------------------------------------- LoadWeights paths
+
+# What LoadWeights may answer a path with: never INTERNAL, and never a wait.
+LOAD_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def path_zoo(root: Path, checkpoint: Path, rng: np.random.Generator) -> list[str]:
+    """Paths under ``root`` to what LoadWeights must refuse at once or read: FIFOs, a socket,
+    symlinks to kernel files and devices, loops, dangling links, a directory named like a weights
+    file, unreadable and corrupt weights files, and the served checkpoint."""
+    os.mkfifo(root / "fifo.safetensors")
+    (root / "fifo-dir").mkdir()
+    os.mkfifo(root / "fifo-dir" / "model.safetensors")
+    (root / "to-fifo.safetensors").symlink_to(root / "fifo.safetensors")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(root / "sock.safetensors"))
+    for name, target in (("environ", "/proc/self/environ"), ("mem", "/proc/self/mem"), ("zero", "/dev/zero")):
+        (root / f"{name}.safetensors").symlink_to(target)
+    (root / "loop.safetensors").symlink_to(root / "loop.safetensors")
+    (root / "dangling.safetensors").symlink_to(root / "nowhere")
+    (root / "dir.safetensors").mkdir()
+    (root / "holder" / "x.safetensors").mkdir(parents=True)
+    (root / "empty.safetensors").write_bytes(b"")
+    (root / "noise.safetensors").write_bytes(rng.bytes(4096))
+    (root / "huge-header.safetensors").write_bytes((2**62).to_bytes(8, "little") + b"{}")
+    weights = next(checkpoint.glob("*.safetensors")).read_bytes()
+    (root / "truncated.safetensors").write_bytes(weights[: len(weights) // 2])
+    (root / "private.safetensors").write_bytes(weights)
+    (root / "private.safetensors").chmod(0)
+    return [str(p) for p in sorted(root.iterdir())] + [str(checkpoint), str(root / "holder")]
+
+
+async def test_load_weights_paths_never_get_internal(fuzzed, gemma_checkpoint, tmp_path, rng):
+    zoo = path_zoo(tmp_path, gemma_checkpoint, rng)
+    parts = st.one_of(
+        st.sampled_from(
+            ["", ".", "..", "~", "~root", "~no-such-user", "proc", "self", "fd", "0", "dev", "sys", "x.safetensors"]
+        ),
+        st.text(max_size=12),
+    )
+    paths = st.one_of(
+        st.sampled_from(zoo),
+        st.builds(lambda p, q: f"{p}/{q}", st.sampled_from(zoo), parts),  # under a file, a FIFO, a link
+        st.lists(parts, max_size=6).map("/".join),
+        st.lists(parts, max_size=6).map(lambda ps: "/" + "/".join(ps)),
+        st.text(max_size=64),
+        st.integers(250, 6000).map(lambda n: "/" + "a" * n),
+        st.integers(1, 3000).map(lambda n: "/".join(["x"] * n)),
+    )
+
+    @FUZZ
+    @given(
+        path=paths,
+        model=st.sampled_from(["", "default", "gemma", "nope"]),
+        version=st.one_of(st.integers(-3, 3), st.integers(-(2**63), 2**63 - 1)),
+        partial=st.booleans(),
+    )
+    def check(channel: grpc.Channel, path: str, model: str, version: int, partial: bool) -> None:
+        request = pb.LoadWeightsRequest(model=model, path=path, version=version, partial=partial)
+        try:
+            pb_grpc.LogprobServiceStub(channel).LoadWeights(request, timeout=60)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as err:
+            code, details = err.code(), err.details()
+        assert code in LOAD_CODES, (path[:300], model, version, code, details)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            assert details.split(":")[0] in {"path", "version", "tensor", "header"}, details
+            assert len(details) < 2000, "a long path is cut where it is shown"
+
+    def run() -> None:
+        with grpc.insecure_channel(fuzzed.target) as channel:
+            check(channel)
+
+    await asyncio.to_thread(run)

@@ -91,9 +91,11 @@ def record(
     response: Message | None = None,
     error: BaseException | None = None,
     update: UpdateStream | None = None,
+    request_id: str = "",
 ) -> None:
     """Account for one answer: ``request`` is None for a stream's own final status; ``update``: an
-    UpdateWeights call's messages, which name its model and the push it is one of (counted once)."""
+    UpdateWeights call's messages, which name its model and the push it is one of (counted once).
+    ``request_id``: the id an INTERNAL answer names, where the request carries none of its own."""
     scoring = request if isinstance(request, pb.ScoreRequest) else None
     if isinstance(request, pb.ScoreRequest | pb.LoadWeightsRequest):
         model = wire.model_name(request)
@@ -117,6 +119,8 @@ def record(
     if scoring is not None:
         sequences, tokens = wire.request_size(scoring)
         fields |= {"request_id": scoring.request_id, "model": model, "sequences": sequences, "tokens": tokens}
+    elif request_id:
+        fields["request_id"] = request_id
     if update_id:
         fields["update_id"] = update_id
     if isinstance(response, pb.UpdateWeightsResponse):

@@ -2,10 +2,12 @@
 and one that reads UpdateWeights pieces with their bytes as views (``tensor_pieces``).
 
 Domain errors (``errors.LogprobError``) carry their status and a message for the caller.
-Anything else is a bug: answered INTERNAL (``accounting`` logs it with the request id and the
-traceback), and the server keeps serving the other requests. Each unary RPC's outcome goes to
-``accounting`` once, and so does a client-streaming RPC (UpdateWeights) as a whole, with the push
-it is one of (``accounting.UpdateStream``: a push over several calls counts once); a scoring
+Anything else is a bug: answered INTERNAL (``accounting`` logs it once, with the traceback), and
+the server keeps serving the other requests. An INTERNAL answer names its log line's request id:
+the request's own, or one made for it (a request without an id field, a client stream). Each
+unary RPC's outcome goes to ``accounting`` once, and so does a client-streaming RPC
+(UpdateWeights) as a whole, with the push it is one of (``accounting.UpdateStream``: a push over
+several calls counts once); a scoring
 stream's requests are accounted for one by one by the stream handler, so here such a stream
 counts only when it fails as a whole.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +36,11 @@ class _Answer:
     response: Any = None
 
 
-async def _fail(context: grpc.aio.ServicerContext, request_id: str, err: Exception) -> None:
-    if not isinstance(err, LogprobError):
-        err = LogprobError(f"internal error ({type(err).__name__}); request_id={request_id} is in the server log")
-    await handlers.fail(context, err)
+def _internal(err: Exception, request_id: str) -> LogprobError:
+    """What the caller is told of an INTERNAL failure: never the bug's own words (they may hold
+    paths or values), and the request id its log line carries."""
+    what = err.message if isinstance(err, LogprobError) else f"internal error ({type(err).__name__})"
+    return LogprobError(f"{what}; request_id={request_id} is in the server log")
 
 
 @contextlib.asynccontextmanager
@@ -56,10 +60,17 @@ async def _guarded(
     finds it counted."""
     start, answer = time.perf_counter_ns(), _Answer()
 
-    def account(code: grpc.StatusCode, error: BaseException | None = None) -> None:
+    def account(code: grpc.StatusCode, error: BaseException | None = None, request_id: str = "") -> None:
         elapsed_ns = time.perf_counter_ns() - start
         accounting.record(
-            rpc, request, code, elapsed_ns=elapsed_ns, response=answer.response, error=error, update=update
+            rpc,
+            request,
+            code,
+            elapsed_ns=elapsed_ns,
+            response=answer.response,
+            error=error,
+            update=update,
+            request_id=request_id,
         )
 
     try:
@@ -67,10 +78,21 @@ async def _guarded(
     except grpc.aio.AbortError:
         raise
     except BaseException as err:
-        account(status_of(err), err)
+        code = status_of(err)
+        # An INTERNAL answer names the log line that holds the traceback: by the request's own id,
+        # or (a request without one: a weight update, LoadWeights) one made for it here.
+        request_id = ""
+        if code is grpc.StatusCode.INTERNAL:
+            request_id = getattr(request, "request_id", "") or uuid.uuid4().hex
+        account(code, err, request_id)
         if not isinstance(err, Exception):  # cancellation and exits pass through untouched
             raise
-        await _fail(context, getattr(request, "request_id", ""), err)  # the status says it all
+        # Not kept in a local of this frame, which the exception's traceback holds: that cycle kept
+        # every refused request in memory until the garbage collector ran (test_fuzz's no_leak).
+        await handlers.fail(
+            context,
+            _internal(err, request_id) if code is grpc.StatusCode.INTERNAL else err,  # type: ignore[arg-type]
+        )
     else:
         if not answers_per_request:
             account(grpc.StatusCode.OK)

@@ -22,9 +22,14 @@ The pipe carries pickled tuples:
   then ``("message", call, slot, nbytes)`` for each message that fits a slot, ``("inline", call,
   raw)`` for one that does not, and ``("end", call)`` or ``("broken", call)`` (the client's stream
   broke off, or the client cancelled);
-- server to receiver: ``("free", slot)``; ``("answer", call, response, code, details, trailing,
-  aborted)``: the call's status as the handler left it (``aborted``: ended by ``context.abort``,
-  the trailers-only answer that clients may retry).
+- server to receiver: ``("read", call)``: the call's handler asks for its first message;
+  ``("free", slot)``; ``("answer", call, response, code, details, trailing, aborted)``: the call's
+  status as the handler left it (``aborted``: ended by ``context.abort``, the trailers-only
+  answer that clients may retry).
+
+A receiver reads nothing of a call's stream before the serving process asks for it (``read``):
+a call refused from its metadata alone (no credentials, or the wrong ones) is answered before
+any of its messages is received, as on the server's own port, however much its client sends.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class _Receiver:
         for slot in range(memory.slots):
             self.free.put_nowait(slot)
         self.answers: dict[int, asyncio.Future[tuple[Any, ...]]] = {}
+        self.reading: dict[int, asyncio.Event] = {}  # set once the serving process asks for a call's messages
         self.calls = itertools.count()
         self.orphaned = asyncio.Event()  # the serving process is gone
 
@@ -95,6 +101,9 @@ class _Receiver:
                 kind, *rest = self.conn.recv()
                 if kind == "free":
                     self.free.put_nowait(rest[0])
+                elif kind == "read":
+                    if (reading := self.reading.get(rest[0])) is not None:
+                        reading.set()
                 elif (answer := self.answers.get(rest[0])) is not None and not answer.done():
                     answer.set_result(tuple(rest[1:]))
         except (EOFError, OSError):
@@ -104,23 +113,29 @@ class _Receiver:
     async def update_weights(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         call = next(self.calls)
         answer = self.answers[call] = asyncio.get_running_loop().create_future()
+        reading = self.reading[call] = asyncio.Event()
         metadata = tuple((key, value) for key, value in context.invocation_metadata() or ())  # plain, to pickle
         self.send(("open", call, metadata, context.peer(), context.time_remaining()))
-        forward = asyncio.create_task(self._forward(call, requests, answer))
+        forward = asyncio.create_task(self._forward(call, requests, answer, reading))
         try:
             response, code, details, trailing, aborted = await answer
-            # What the client still sends is read and dropped before the status goes. Answered
-            # with the reading task cancelled mid-stream, a client still sending got INTERNAL
-            # ("Internal error from Core") instead of the status in about one run of six of
-            # tests/integration/test_weight_receivers.py (cf. grpc/grpc#36066, and
-            # handlers.read_to_end on the server's port).
-            await forward
+            if reading.is_set():
+                # What the client still sends is read and dropped before the status goes. Answered
+                # with the reading task cancelled mid-stream, a client still sending got INTERNAL
+                # ("Internal error from Core") instead of the status in about one run of six of
+                # tests/integration/test_weight_receivers.py (cf. grpc/grpc#36066, and
+                # handlers.read_to_end on the server's port).
+                await forward
+            else:
+                # Answered without a message asked for (refused from its metadata): nothing of the
+                # stream is read, as on the server's own port.
+                forward.cancel()
         except asyncio.CancelledError:  # the client cancelled, or its connection broke
             forward.cancel()
             self.send(("broken", call))
             raise
         finally:
-            del self.answers[call]
+            del self.answers[call], self.reading[call]
         if code == grpc.StatusCode.OK:
             return response
         if aborted:
@@ -131,10 +146,13 @@ class _Receiver:
             context.set_trailing_metadata(trailing)
         return b""
 
-    async def _forward(self, call: int, requests: AsyncIterator[bytes], answer: asyncio.Future[Any]) -> None:
-        """Hand each message of the call to the serving process until it has answered, then drop
-        the rest."""
+    async def _forward(
+        self, call: int, requests: AsyncIterator[bytes], answer: asyncio.Future[Any], reading: asyncio.Event
+    ) -> None:
+        """Once the serving process asks for the call's messages (``reading``), hand each to it
+        until it has answered, then drop the rest."""
         memory = self.memory
+        await reading.wait()
         try:
             async for raw in requests:
                 if answer.done():

@@ -5,10 +5,13 @@ server's own interceptors and handler, and gives their shared-memory slots back.
 A forwarded call is run as a call on this server's own port would be: the same interceptors
 (credentials from the call's metadata, malformed messages, exceptions to statuses and accounting,
 tensor bytes as views), on a context that records the status they set, which goes back to the
-receiver to answer with. A message in a slot is read in place: the slot is given back once no
-view of it is left (a dense piece's bytes are written to where they are staged first). Serving on
-a GPU, the slots are page-locked in place (``worker.staging.page_lock``), so a dense piece goes
-from its slot to the device with no copy in host memory.
+receiver to answer with. The receiver reads the call's stream only once the handler asks for its
+first message, so a call refused from its metadata costs the receipt of none of its messages.
+
+A message in a slot is read in place: the slot is given back once no view of it is left (a dense
+piece's bytes are written to where they are staged first). Serving on a GPU, the slots are
+page-locked in place (``worker.staging.page_lock``), so a dense piece goes from its slot to the
+device with no copy in host memory.
 
 A receiver that dies ends its calls as broken streams (their updates are abandoned; the live
 version keeps serving) and is no longer announced; the server goes on without it.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -100,7 +104,13 @@ class _Receiver:
                 self.conn.send(message)
 
 
-async def _messages(queue: asyncio.Queue[Any], deserialize: Callable[[Any], Any]) -> AsyncIterator[Any]:
+async def _messages(
+    queue: asyncio.Queue[Any], deserialize: Callable[[Any], Any], ask: Callable[[], None]
+) -> AsyncIterator[Any]:
+    """The call's messages, as the receiver hands them over; ``ask`` tells it to start reading the
+    client's stream, at the first message the handler asks for (a call refused before, from its
+    metadata, is answered with none of its messages received)."""
+    ask()
     while (raw := await queue.get()) is not _END:
         message = deserialize(raw)
         # A slot's view: not held while the handler works on the message or waits for the next,
@@ -237,7 +247,8 @@ class WeightReceivers:
         handler = self._handler_for(_CallDetails("/logprob.v1.LogprobService/UpdateWeights", metadata))
         response = None
         try:
-            async with contextlib.aclosing(_messages(queue, handler.request_deserializer)) as requests:
+            ask = functools.partial(receiver.send, ("read", call))
+            async with contextlib.aclosing(_messages(queue, handler.request_deserializer, ask)) as requests:
                 response = await handlers.run(handlers.behaviour_of(handler), requests, context)
         except grpc.aio.AbortError:
             pass  # the context holds the status

@@ -20,6 +20,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -70,6 +71,7 @@ class EngineConfig:
     max_version_wait_s: float = 300.0
     share_prompts: bool = False
     update_yield_to_launches: bool = False
+    load_weights_roots: tuple[Path, ...] = ()  # empty: LoadWeights reads any regular file it checked
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -128,6 +130,7 @@ class LogprobEngine:
             staging,
             join_group=join_group,
             yield_to_launches=config.update_yield_to_launches,
+            load_roots=config.load_weights_roots,
             stats=stats,
         )
         self.phase = Phase.STARTING

@@ -103,9 +103,11 @@ class Stager(Protocol):
         """``stage`` of a copy of each change's ``live`` weight with its changed elements set:
         a sparse update's tensors, staged together."""
 
-    def finish(self, pending: Sequence[Any]) -> list[Any]:
+    def finish(self, pending: Sequence[Any], names: Sequence[str] = ()) -> list[Any]:
         """Waits until everything staged so far is in place (its sources may go), then the digests
-        of ``pending`` (``models.weights.TensorDigest``); called on a worker thread."""
+        of ``pending`` (``models.weights.TensorDigest``); called on a worker thread. Raises
+        ``InvalidArgument`` naming (by ``names``, in ``pending``'s order) the tensors that hold a
+        NaN or an infinity, where the staging checks (``check_finite_weights``)."""
 
 
 class Staging(Protocol):
@@ -114,7 +116,9 @@ class Staging(Protocol):
     def stager(self, device: Any) -> Stager: ...
 
     def read_file(self, file: Path) -> list[tuple[str, str, tuple[int, ...], Any]]:
-        """(name, dtype, shape, tensor) of every tensor of a safetensors file."""
+        """(name, dtype, shape, tensor) of every tensor of a safetensors file: a regular file's
+        resolved path (``weight_updates.safetensors_files``), opened without blocking and read only
+        if it is still that file (INVALID_ARGUMENT naming it otherwise)."""
 
     def check_shared(self, boot_id: str, device: Any, tensors: Sequence[SharedTensor]) -> None:
         """That ``tensors`` of a caller on host ``boot_id`` can be opened and copied to ``device``:

@@ -34,12 +34,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from logprob_service.domain import ScoreJob, ScoreResult, Timings
+import numpy as np
+
+from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, Timings
 from logprob_service.engine.admission import Admission
 from logprob_service.engine.batch_queue import TAIL_FRACTION, BatchQueue, Request, Unit, owners_of, requests_of
 from logprob_service.engine.interfaces import Executor, Launch
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.errors import FailedPrecondition, Unavailable
+from logprob_service.errors import FailedPrecondition, LogprobError, Unavailable
 from logprob_service.stats import NO_STATS, BatchLaunched, Limits, QueueChanged, RequestScored, StatsSink
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,21 @@ class _Launched:
     def __post_init__(self) -> None:
         self.owners = owners_of(self.units)  # (request, sequence index) of each position in the batch
         self.requests = requests_of(self.owners)
+
+
+def _finite(scores: SequenceScores) -> bool:
+    return bool(np.isfinite(scores.logprobs).all()) and (
+        scores.entropies is None or bool(np.isfinite(scores.entropies).all())
+    )
+
+
+def _nonfinite_scores(job: ScoreJob, sequence: int, version: int) -> LogprobError:
+    """A request whose scores came out NaN or infinite: weights that hold such values (loaded
+    without the update's check), or a fault. INTERNAL: no change to the request helps."""
+    return LogprobError(
+        f"model {job.model!r} version {version} scored NaN or infinite log-probabilities for sequence {sequence} "
+        "of this request; its weights may hold non-finite values (the server keeps serving)"
+    )
 
 
 def _request(job: ScoreJob, future: asyncio.Future[ScoreResult]) -> Request:
@@ -361,6 +378,8 @@ class Scheduler:
                     continue
                 for position, scores in zip(part.indices, await lane.executor.fetch(part.launched)):
                     request, i = batch.owners[position]
+                    if not _finite(scores):
+                        request.fail(_nonfinite_scores(request.job, i, batch.model_version))
                     request.scores[i] = scores
                     request.remaining -= 1
             whole = all(part.error is None for part in batch.parts)

@@ -7,12 +7,16 @@ One update of one model:
            piece (INVALID_ARGUMENT naming it); each piece, checked to come in order and fit, is
            written on a receiving thread straight to where the tensor is staged (on the device
            while ``staging_reserve_bytes`` stay free there, else in host memory), overlapping the
-           reception of the next pieces; once complete the tensor is digested (queued)
-  commit   the tensor count is checked, and for a full update that every weight came; then the
-           scheduler swaps the staged tensors in between two micro-batches, and the version and
-           fingerprint go live with them
+           reception of the next pieces; once complete the tensor is digested (queued), and
+           probed for NaN and infinities (``check_finite_weights``)
+  commit   the tensor count is checked, and for a full update that every weight came; the
+           digests are read back (a tensor holding a NaN or an infinity is INVALID_ARGUMENT);
+           then the scheduler swaps the staged tensors in between two micro-batches, and the
+           version and fingerprint go live with them
 Anything that fails before the swap (a bad tensor, a stream that ends or breaks before its
 commit, a cancelled call) drops the staged tensors: the live weights and version are untouched.
+LoadWeights reads only regular files, each checked after its symlinks are followed
+(``safetensors_files``).
 
 An update may come over several streams at once (``UpdateHeader.streams``): they join one
 ``_Session`` by its ``update_id``, each carries its own tensors and commit, and the update goes
@@ -32,8 +36,10 @@ import contextlib
 import functools
 import logging
 import math
+import os
+import stat
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -472,7 +478,9 @@ class _Update:
             raise
         for stager in self.stagers[1:]:
             await asyncio.to_thread(stager.finish, [])
-        digests = await asyncio.to_thread(self.stagers[0].finish, [digest for _, digest in staged.values()])
+        digests = await asyncio.to_thread(
+            self.stagers[0].finish, [digest for _, digest in staged.values()], list(staged)
+        )
         return {name: (copies, digest) for (name, (copies, _)), digest in zip(staged.items(), digests, strict=True)}
 
     async def abandon(self) -> None:
@@ -643,9 +651,13 @@ class WeightUpdater:
         *,
         join_group: JoinGroup | None = None,
         yield_to_launches: bool = False,
+        load_roots: Sequence[Path] = (),
         stats: StatsSink = NO_STATS,
     ) -> None:
+        """``load_roots``: the directories (resolved) LoadWeights may read under, with the served
+        checkpoints' own; empty: anywhere outside /proc, /sys and /dev."""
         self._registry = registry
+        self._load_roots = tuple(load_roots)
         self._scheduler = scheduler
         self._staging = staging
         self._join_group = join_group
@@ -746,12 +758,19 @@ class WeightUpdater:
     async def load(self, header: UpdateHeader, path: str) -> UpdateOutcome:
         """A LoadWeights request: the tensors of the safetensors files at ``path``."""
         start = time.perf_counter_ns()
-        files = safetensors_files(path)
+        # On a thread: a path's lookups may wait on a slow filesystem.
+        files = await asyncio.to_thread(self._checkpoint_files, path)
         with self._updating_model(header) as update:
             for file in files:  # one file in host memory at a time (checkpoint shards are a few GB)
                 for name, dtype, shape, tensor in await asyncio.to_thread(self._staging.read_file, file):
                     update.add_tensor(name, dtype, shape, tensor)
             return await self._commit(update, start)
+
+    def _checkpoint_files(self, path: str) -> list[Path]:
+        roots = self._load_roots
+        if roots:  # confined: the served checkpoints may always be read again
+            roots = (*roots, *_served_checkpoint_dirs(served.info.source for served in self._registry))
+        return safetensors_files(path, roots)
 
     async def join_group(self, spec: GroupSpec) -> WeightGroup:
         """Join a trainer's group (replacing one of the same name); returns once every rank is in."""
@@ -917,15 +936,100 @@ class WeightUpdater:
         self._groups.clear()
 
 
-def safetensors_files(path: str) -> list[Path]:
+# Where LoadWeights never reads, wherever a path's symlinks lead: kernel interfaces and devices,
+# whose files block in open (a FIFO), never end (/dev/urandom), or are the server's own memory and
+# environment (/proc/self/mem, /proc/self/environ).
+FORBIDDEN_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+# A path longer than this is cut in the middle where a message shows it (a caller may send 5,000
+# characters; the log line and the status need not repeat them).
+SHOWN_PATH_CHARS = 200
+
+
+def _shown_path(path: str | Path) -> str:
+    """``path`` quoted for a message, its middle cut when it is long."""
+    text = str(path)
+    if len(text) > SHOWN_PATH_CHARS:
+        text = f"{text[:120]}...({len(text)} characters)...{text[-60:]}"
+    return repr(text)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
+
+
+def _resolve(name: Path, where: str, roots: Sequence[Path]) -> tuple[Path, os.stat_result]:
+    """``name`` with its symlinks followed, and its stat, once checked to lie outside
+    ``FORBIDDEN_ROOTS`` and, when any are given, under one of ``roots``. ``where``: how messages
+    name it."""
+    try:
+        resolved = name.expanduser().resolve(strict=True)
+        info = resolved.stat()
+    except FileNotFoundError:
+        raise InvalidArgument(f"path: {where} does not exist on the server") from None
+    except (OSError, RuntimeError, ValueError) as err:  # too long, a symlink loop, no such user (~x), a NUL
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise InvalidArgument(f"path: {where} cannot be resolved on the server ({reason})") from None
+    where += _leads_to(name, resolved)
+    if any(resolved.is_relative_to(forbidden) for forbidden in FORBIDDEN_ROOTS):
+        raise InvalidArgument(f"path: {where} is under /proc, /sys or /dev, which LoadWeights never reads")
+    if roots and not any(resolved.is_relative_to(root) for root in roots):
+        raise InvalidArgument(
+            f"path: {where} is outside the directories LoadWeights may read "
+            f"(load_weights_roots and the served checkpoints: {', '.join(map(str, roots))})"
+        )
+    return resolved, info
+
+
+def safetensors_files(path: str, roots: Sequence[Path] = ()) -> list[Path]:
     """The .safetensors files ``path`` names: itself, or those in its directory (an HF checkpoint,
-    sharded or not, or a PEFT adapter directory)."""
-    p = Path(path).expanduser()
-    if p.is_file() and p.suffix == ".safetensors":
-        return [p]
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        if files:
-            return files
-        raise InvalidArgument(f"path: {path!r} holds no .safetensors files")
-    raise InvalidArgument(f"path: {path!r} is neither a .safetensors file nor a directory on the server")
+    sharded or not, or a PEFT adapter directory), each with its symlinks followed and checked to be
+    a regular file outside /proc, /sys and /dev, and under one of ``roots`` (resolved) when any
+    are given; else INVALID_ARGUMENT naming ``path`` and the file. Nothing is opened here:
+    ``Staging.read_file`` opens each without blocking and checks that it opened that file."""
+    where = _shown_path(path)
+    top, info = _resolve(Path(path), where, roots)
+    if stat.S_ISDIR(info.st_mode):
+        try:
+            names = sorted(top.glob("*.safetensors"))
+        except OSError as err:
+            raise InvalidArgument(f"path: {where} cannot be listed on the server ({err.strerror})") from None
+        if not names:
+            raise InvalidArgument(f"path: {where} holds no .safetensors files")
+        return [_regular_file(name, f"{where}: its file {name.name!r}", roots) for name in names]
+    if Path(path).suffix == ".safetensors":
+        return [_regular(Path(path), top, info, where)]
+    raise InvalidArgument(f"path: {where} is neither a .safetensors file nor a directory on the server")
+
+
+def _regular_file(name: Path, where: str, roots: Sequence[Path]) -> Path:
+    return _regular(name, *_resolve(name, where, roots), where)
+
+
+def _regular(name: Path, resolved: Path, info: os.stat_result, where: str) -> Path:
+    """``resolved`` (``name``'s symlinks followed), once ``info`` (its stat) shows a regular file."""
+    if not stat.S_ISREG(info.st_mode):
+        where += _leads_to(name, resolved)
+        raise InvalidArgument(f"path: {where} is {_file_kind(info.st_mode)}, not a regular file")
+    return resolved
+
+
+def _leads_to(name: Path, resolved: Path) -> str:
+    return "" if resolved == name else f" (it leads to {_shown_path(resolved)})"
+
+
+def _served_checkpoint_dirs(sources: Iterable[str]) -> list[Path]:
+    """The local directories among the served models' ``sources`` (a checkpoint directory, or a
+    LoRA model's ``BASE+ADAPTER_DIR``), resolved: LoadWeights may always read them again."""
+    dirs = []
+    for source in sources:
+        for candidate in (source, source.partition("+")[2]):
+            if candidate and os.path.isdir(os.path.expanduser(candidate)):
+                dirs.append(Path(candidate).expanduser().resolve())
+    return dirs

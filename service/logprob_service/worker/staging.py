@@ -20,7 +20,9 @@ import functools
 import logging
 import math
 import mmap
+import os
 import queue
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,10 +35,20 @@ from logprob_service.domain import SharedTensor, SparseChanges
 from logprob_service.errors import InvalidArgument
 from logprob_service.models.loading import DTYPES
 from logprob_service.models.weights import PendingDigest, TensorDigest, dtype_name, pending_digest, settle
+from logprob_service.ops import finite
 from logprob_service.ops.digest import BLOCK_BYTES, packed_lanes
 from logprob_service.worker import ipc
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A staged tensor's pending digest, and the probe of whether it holds a NaN or an infinity
+    (``ops.finite``; None where not checked), both read back by ``DeviceStager.finish``."""
+
+    digest: PendingDigest
+    probe: torch.Tensor | None
 
 
 class DeviceStager:
@@ -45,9 +57,10 @@ class DeviceStager:
     waited for once, by ``finish``, not tensor by tensor: a 7B model has ~340 tensors, and a wait
     per tensor cost more than its bytes."""
 
-    def __init__(self, device: torch.device, reserve_bytes: int) -> None:
+    def __init__(self, device: torch.device, reserve_bytes: int, check_finite: bool = True) -> None:
         self.device = device
         self.reserve_bytes = reserve_bytes
+        self.check_finite = check_finite  # ``finish`` refuses tensors that hold a NaN or an infinity
         # Staging copies run on their own stream, so they do not wait behind the scoring kernels.
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.places: set[str] = set()
@@ -57,7 +70,7 @@ class DeviceStager:
 
     def stage(
         self, tensor: torch.Tensor, *, copy: bool = False, digest: bool = True
-    ) -> tuple[torch.Tensor, PendingDigest | None]:
+    ) -> tuple[torch.Tensor, Pending | None]:
         """The staged copy of ``tensor`` and the digest of its bytes (None without ``digest``: a
         replica's copy of bytes another stager digests), queued (on a worker thread): on a GPU, on
         the staging stream, where the digest reads the staged copy, or the host copy's bytes in
@@ -66,13 +79,13 @@ class DeviceStager:
         tensor = tensor.contiguous()
         if self.stream is None:
             self.places.add("cpu")
-            return (tensor.clone() if copy else tensor), (pending_digest(tensor) if digest else None)
+            return (tensor.clone() if copy else tensor), (self._pending(tensor) if digest else None)
         # What wrote ``tensor`` on this thread's stream of its device comes first: a sparse
         # update's changed copy, or the caller's work an IPC tensor's event stands for.
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device if tensor.is_cuda else self.device))
         return self._queue(tensor, copy, digest)
 
-    def _queue(self, tensor: torch.Tensor, copy: bool, digest: bool) -> tuple[torch.Tensor, PendingDigest | None]:
+    def _queue(self, tensor: torch.Tensor, copy: bool, digest: bool) -> tuple[torch.Tensor, Pending | None]:
         """``stage`` on a GPU, once the staging stream waits for what wrote ``tensor``."""
         assert self.stream is not None
         staged: torch.Tensor | None = None
@@ -85,7 +98,7 @@ class DeviceStager:
             if staged is None:
                 # To pageable host memory: the copy is done when ``to`` returns.
                 staged, place = tensor.to("cpu", copy=copy), "cpu"
-            pending = pending_digest(staged, self.device) if digest else None
+            pending = self._pending(staged) if digest else None
         with self._lock:
             self.places.add(place)
             if tensor.is_cuda:
@@ -153,23 +166,28 @@ class DeviceStager:
             slot.done.record(self.stream)
         _slots(self.device).give(slot)
 
-    def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, PendingDigest]:
+    def _pending(self, staged: torch.Tensor) -> Pending:
+        """The digest and the probe (``check_finite``) of a staged tensor, queued: on a GPU server
+        on the current stream, the staging stream where they are called."""
+        return Pending(pending_digest(staged, self.device), finite.probe(staged) if self.check_finite else None)
+
+    def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """A received tensor, complete: its digest queued after the copies that wrote it."""
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            pending = pending_digest(tensor, self.device)
+            pending = self._pending(tensor)
         with self._lock:
             self.places.add(str(tensor.device))
         return tensor, pending
 
     def stage_changes(
         self, changes: Sequence[SparseChanges], *, digest: bool = True
-    ) -> list[tuple[torch.Tensor, PendingDigest | None]]:
+    ) -> list[tuple[torch.Tensor, Pending | None]]:
         """``stage`` of a copy of each ``live`` weight with the elements at its flat ``indices``
         (uint32) set to its ``values`` (raw bytes of its ``dtype``): bit for bit the tensors a
         dense update would send (a sparse update). While the device has room the copies are made
         there, together (``_changed_copies``), so only the changes cross from host memory; else
         in host memory, one by one."""
-        staged: list[tuple[torch.Tensor, PendingDigest | None] | None] = [None] * len(changes)
+        staged: list[tuple[torch.Tensor, Pending | None] | None] = [None] * len(changes)
         together: dict[torch.dtype, list[int]] = {}  # on the device, by dtype
         for i, c in enumerate(changes):
             live = c.live.detach()
@@ -185,17 +203,24 @@ class DeviceStager:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 for group in together.values():
-                    copies, lanes = self._changed_copies([changes[i] for i in group])
+                    copies, lanes, probes = self._changed_copies([changes[i] for i in group])
                     for k, (i, copy) in enumerate(zip(group, copies, strict=True)):
-                        pending = PendingDigest(dtype_name(copy.dtype), tuple(copy.shape), lanes[k]) if digest else None
+                        pending = None
+                        if digest:
+                            lane = PendingDigest(dtype_name(copy.dtype), tuple(copy.shape), lanes[k])
+                            pending = Pending(lane, None if probes is None else probes[k])
                         staged[i] = copy, pending
             with self._lock:
                 self.places.add(str(self.device))
         return staged  # type: ignore[return-value]  # every one filled
 
-    def _changed_copies(self, changes: Sequence[SparseChanges]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Copies of the ``live`` weights (one dtype, on this device) with their changes, and their
-        digests' lanes (``packed_lanes``), queued on the staging stream with a few calls for all
+    def _changed_copies(
+        self, changes: Sequence[SparseChanges]
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """Copies of the ``live`` weights (one dtype, on this device) with their changes, their
+        digests' lanes (``packed_lanes``), and (``check_finite``) a probe of each one's changed
+        values (``ops.finite.segment_probes``: the rest is the live weight, which went live
+        checked or was loaded at start-up), queued on the staging stream with a few calls for all
         of them: one copy of the weights into one buffer, one upload of every change, one scatter,
         one digest. A tensor at a time took ~0.5 ms of torch calls each: 0.26 s for a 1.5B
         model's 338 tensors, against 0.12-0.14 s so with a digest per tensor (0.08 s of it), and
@@ -229,23 +254,35 @@ class DeviceStager:
         meta = upload[at : at + starts.nbytes + counts.nbytes].view(torch.int64)
         where = upload[at + starts.nbytes + counts.nbytes :].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         where += torch.repeat_interleave(meta[: len(changes)], meta[len(changes) :], output_size=where.numel())
-        copies[where] = upload[:value_bytes].view(copies.dtype)
+        new_values = upload[:value_bytes].view(copies.dtype)
+        copies[where] = new_values
         lanes = packed_lanes(copies.view(torch.uint8), [n * copies.element_size() for n in numels])
+        probes = finite.segment_probes(new_values, meta[len(changes) :]) if self.check_finite else None
         views = [
             copies[int(start) : int(start) + n].view(c.live.shape)
             for start, n, c in zip(starts, numels, changes, strict=True)
         ]
-        return views, lanes
+        return views, lanes, probes
 
-    def finish(self, pending: Sequence[PendingDigest]) -> list[TensorDigest]:
+    def finish(self, pending: Sequence[Pending], names: Sequence[str] = ()) -> list[TensorDigest]:
         """Waits until every tensor staged so far is in place (their sources may go once this
-        returns), then reads the digests of ``pending``; on a worker thread."""
+        returns), then reads the digests of ``pending``; on a worker thread. With
+        ``check_finite``, INVALID_ARGUMENT naming (by ``names``, in ``pending``'s order) the
+        tensors that hold a NaN or an infinity."""
         if self.stream is not None:
             self.stream.synchronize()
             with self._lock:
                 self._reading.clear()
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            return settle(pending)
+            digests = settle([p.digest for p in pending])
+            bad = [names[i] if i < len(names) else f"#{i}" for i in finite.nonfinite([p.probe for p in pending])]
+        if bad:
+            more = f" (as do {len(bad) - 1} more: {', '.join(map(repr, bad[1:6]))}{', ...' if len(bad) > 6 else ''})"
+            raise InvalidArgument(
+                f"tensor {bad[0]!r}: holds NaN or infinite values{more if len(bad) > 1 else ''}; nothing applied "
+                "(this server refuses non-finite weights: check_finite_weights)"
+            )
+        return digests
 
     def _take_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more fit on the device with ``reserve_bytes`` left free, counted from
@@ -291,7 +328,7 @@ class Received:
         else:
             np.copyto(target[offset : offset + piece.size].numpy(), piece)
 
-    def finish(self) -> tuple[list[torch.Tensor], PendingDigest]:
+    def finish(self) -> tuple[list[torch.Tensor], Pending]:
         """The staged tensor and each replica's copy of it, and the pending digest of its bytes."""
         staged, pending = self.stager._staged(self._target().view(self.dtype).view(self.shape))
         return [staged, *(replica.copy_of(staged, self.stager) for replica in self.replicas)], pending
@@ -387,11 +424,12 @@ def page_lock(buffer: mmap.mmap) -> Callable[[], None] | None:
 class Staging:
     """The engine's ``Staging``: what it needs of tensors during an update."""
 
-    def __init__(self, reserve_bytes: int) -> None:
+    def __init__(self, reserve_bytes: int, check_finite: bool = True) -> None:
         self.reserve_bytes = reserve_bytes
+        self.check_finite = check_finite
 
     def stager(self, device: torch.device) -> DeviceStager:
-        return DeviceStager(device, self.reserve_bytes)
+        return DeviceStager(device, self.reserve_bytes, self.check_finite)
 
     @staticmethod
     def check_shared(boot_id: str, device: torch.device, tensors: Sequence[SharedTensor]) -> None:
@@ -403,12 +441,41 @@ class Staging:
 
     @staticmethod
     def read_file(file: Path) -> list[tuple[str, str, tuple[int, ...], torch.Tensor]]:
-        """(name, dtype, shape, tensor) of every tensor of a safetensors file."""
+        """(name, dtype, shape, tensor) of every tensor of the safetensors file ``file``: a regular
+        file's path with its symlinks followed, as ``engine.weight_updates.safetensors_files``
+        checked it. Opened without blocking (a FIFO's open would wait for a writer, in a call that
+        holds the interpreter lock), and read only if what was opened is a regular file at that
+        very path: a path changed since its check is refused, not followed."""
         from safetensors import SafetensorError, safe_open
 
+        fd = _open_regular(file)
         try:
-            with safe_open(file, framework="pt") as f:
+            # The file through the descriptor checked (safe_open takes a path): what was checked is read.
+            with safe_open(f"/proc/self/fd/{fd}", framework="pt") as f:
                 tensors = [(name, f.get_tensor(name)) for name in f.keys()]
-        except SafetensorError as err:
+        except (SafetensorError, OSError) as err:
             raise InvalidArgument(f"path: {str(file)!r} is not a readable safetensors file: {err}") from None
+        finally:
+            os.close(fd)
         return [(name, dtype_name(t.dtype), tuple(t.shape), t) for name, t in tensors]
+
+
+def _open_regular(file: Path) -> int:
+    """A descriptor of ``file`` opened for reading, once checked to be the regular file at that path."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as err:
+        raise InvalidArgument(f"path: {str(file)!r} cannot be opened on the server ({err.strerror})") from None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as err:
+        os.close(fd)
+        raise InvalidArgument(f"path: {str(file)!r} cannot be opened on the server ({err.strerror})") from None
+    if not regular or opened != str(file):
+        os.close(fd)
+        raise InvalidArgument(
+            f"path: {str(file)!r} changed while it was being opened (it is now {opened!r}"
+            f"{'' if regular else ', not a regular file'}); nothing read"
+        )
+    return fd

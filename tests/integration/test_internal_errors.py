@@ -1,0 +1,62 @@
+"""An INTERNAL answer (a bug) names the request id of the one log line that holds its traceback
+(issue 38, item 9): the request's own id, or for a request without one (LoadWeights, a weight
+update's stream) one made for it. Before, such an answer said "request_id= is in the server log"
+with no id to look for. The bug's own words (which may hold paths or values) never reach the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+
+from tests.helpers.calls import request
+from tests.helpers.server import settings, start, stop
+
+SECRET = "/very/private/path"
+
+
+@pytest.fixture
+async def tiny():
+    running = await start(settings({"default": "builtin:tiny-llama"}))
+    yield running
+    await stop(running)
+
+
+def failed_lines(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "logprob_service.requests" and r.getMessage() == "failed"]
+
+
+async def test_an_internal_answer_names_the_request_id_of_its_one_log_line(tiny, caplog, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise KeyError(SECRET)
+
+    monkeypatch.setattr(tiny.service.updater, "load", broken)
+    monkeypatch.setattr(tiny.service.scheduler, "submit", broken)
+    caplog.set_level(logging.INFO, logger="logprob_service")
+    ids = []
+    async with grpc.aio.insecure_channel(tiny.target) as channel:
+        stub = pb_grpc.LogprobServiceStub(channel)
+        calls = (
+            ("LoadWeights", lambda: stub.LoadWeights(pb.LoadWeightsRequest(path="/tmp"), timeout=30), None),
+            ("LoadWeights", lambda: stub.LoadWeights(pb.LoadWeightsRequest(path="/tmp"), timeout=30), None),
+            ("ScoreTokens", lambda: stub.ScoreTokens(request(([1], [2]), request_id="mine"), timeout=30), "mine"),
+        )
+        for rpc, call, own_id in calls:
+            caplog.clear()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call()
+            assert info.value.code() == grpc.StatusCode.INTERNAL, rpc
+            details = info.value.details()
+            assert details.startswith("internal error (KeyError); request_id="), details
+            assert SECRET not in details
+            request_id = details.removeprefix("internal error (KeyError); request_id=").split()[0]
+            assert request_id == own_id if own_id else len(request_id) >= 16, details
+            (line,) = failed_lines(caplog)
+            assert line.fields["request_id"] == request_id and line.fields["status"] == "INTERNAL"
+            assert line.exc_info is not None, "the traceback is in that line"
+            ids.append(request_id)
+    assert len(set(ids)) == len(ids), "each request's own id"

@@ -1,0 +1,209 @@
+"""LoadWeights and the files a path leads to (issue 38, items 2 and 9): FIFOs, devices, kernel
+files, directories named like files, paths the filesystem cannot resolve, and the
+``load_weights_roots`` setting. Each is refused at once with INVALID_ARGUMENT naming ``path`` and
+the file, logged once without a traceback, and the server keeps answering.
+
+The FIFO case runs ``logprob-service serve`` in a subprocess: a thread blocked in a FIFO's open
+while it holds the interpreter lock froze the whole process (health checks timed out, SIGTERM did
+not stop it), which only a separate process shows and survives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from logprob_client import AsyncLogprobClient, InvalidRequest
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.api.probe import check as health_check
+from logprob_service.cli import build_parser, settings_from_args
+from logprob_service.config import Settings
+from logprob_service.errors import InvalidArgument
+from logprob_service.worker.staging import Staging
+from safetensors.torch import save_file
+
+from tests.helpers.models import make_model, random_sequences
+from tests.helpers.processes import free_port, launch, wait_serving
+from tests.helpers.server import as_lists, assert_scores_match, new_seed, settings, start, stop
+
+GRACE_S = 5.0
+# A refusal is a few system calls; the bound only has to tell "at once" from "blocked until the
+# call's deadline" on a loaded 2-core machine.
+PROMPT_S = 10.0
+CALL_TIMEOUT_S = 30.0
+
+
+async def load_status(target: str, path: str, model: str = "default") -> tuple[grpc.StatusCode, str, float]:
+    """A LoadWeights call of ``path`` by a plain stub (no retries): its status, details and seconds taken."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        start = time.monotonic()
+        try:
+            await pb_grpc.LogprobServiceStub(channel).LoadWeights(
+                pb.LoadWeightsRequest(model=model, path=path), timeout=CALL_TIMEOUT_S
+            )
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.aio.AioRpcError as err:
+            code, details = err.code(), err.details()
+        return code, details, time.monotonic() - start
+
+
+def fifo_checkpoints(root: Path) -> dict[str, Path]:
+    """Paths that lead to a FIFO: a checkpoint directory holding one as its weights file, one
+    holding a symlink to one elsewhere, and the symlink itself."""
+    (root / "fifo-dir").mkdir()
+    os.mkfifo(root / "fifo-dir" / "model.safetensors")
+    os.mkfifo(root / "elsewhere.fifo")
+    (root / "link-dir").mkdir()
+    (root / "link-dir" / "model.safetensors").symlink_to(root / "elsewhere.fifo")
+    return {
+        "a directory holding a FIFO": root / "fifo-dir",
+        "a directory holding a symlink to a FIFO": root / "link-dir",
+        "a symlink to a FIFO": root / "link-dir" / "model.safetensors",
+    }
+
+
+async def test_a_fifo_is_refused_at_once_and_the_server_still_answers_and_stops(tmp_path):
+    port = free_port()
+    log = tmp_path / "server.log"
+    proc = launch(
+        "--model", "default=builtin:tiny-llama", "--device", "cpu", "--metrics-port", "0",
+        "--grace-period-s", str(GRACE_S),
+        env={"LOGPROB_PORT": str(port)},
+        stdout=log.open("w"),
+    )  # fmt: skip
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, proc)
+        for what, path in fifo_checkpoints(tmp_path).items():
+            code, details, took = await load_status(target, str(path))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details)
+            assert details.startswith("path: ") and "a FIFO" in details and str(path) in details, (what, details)
+            assert took < PROMPT_S, (what, took)
+            assert health_check(target, timeout_s=5)[0], f"health after {what}"
+        proc.send_signal(signal.SIGTERM)
+        # Within the drain time, and a margin for tearing down on a loaded machine.
+        assert proc.wait(GRACE_S + 15) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+async def tiny():
+    running = await start(settings({"default": "builtin:tiny-llama"}))
+    yield running
+    await stop(running)
+
+
+def bad_paths(root: Path) -> dict[str, tuple[str, str]]:
+    """Paths LoadWeights must refuse, each with a piece of the message that says why."""
+    for name, target in (("environ", "/proc/self/environ"), ("urandom", "/dev/urandom"), ("mem", "/proc/self/mem")):
+        (root / name).mkdir()
+        (root / name / "model.safetensors").symlink_to(target)
+    (root / "nested" / "x.safetensors").mkdir(parents=True)
+    (root / "loop.safetensors").symlink_to(root / "loop.safetensors")
+    (root / "dangling").mkdir()
+    (root / "dangling" / "model.safetensors").symlink_to(root / "nowhere")
+    (root / "empty").mkdir()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(root / "sock.safetensors"))
+    return {
+        "a symlink to /proc/self/environ": (str(root / "environ"), "under /proc, /sys or /dev"),
+        "a symlink to /dev/urandom": (str(root / "urandom"), "under /proc, /sys or /dev"),
+        "a symlink to /proc/self/mem, named": (str(root / "mem" / "model.safetensors"), "under /proc, /sys or /dev"),
+        "/proc/self/environ itself": ("/proc/self/environ", "under /proc, /sys or /dev"),
+        "a directory named x.safetensors": (str(root / "nested"), "'x.safetensors' is a directory"),
+        "a symlink loop": (str(root / "loop.safetensors"), "cannot be resolved"),
+        "a dangling symlink": (str(root / "dangling"), "does not exist"),
+        "a socket": (str(root / "sock.safetensors"), "is a socket"),
+        "an empty directory": (str(root / "empty"), "holds no .safetensors files"),
+        "5,000 characters": ("/" + "a" * 4999, "cannot be resolved on the server (File name too long)"),
+        "a user that does not exist": ("~no-such-user-here/model.safetensors", "cannot be resolved"),
+        "a NUL byte": (str(root / "x\0y.safetensors"), "cannot be resolved"),
+    }
+
+
+async def test_paths_to_what_is_not_a_regular_file_are_invalid_arguments_logged_once(tiny, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="logprob_service")
+    for what, (path, why) in bad_paths(tmp_path).items():
+        caplog.clear()
+        code, details, took = await load_status(tiny.target, path)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details)
+        assert details.startswith("path: ") and why in details, (what, details)
+        assert took < PROMPT_S, (what, took)
+        failed = [r for r in caplog.records if r.name == "logprob_service.requests" and r.getMessage() == "failed"]
+        assert len(failed) == 1 and failed[0].exc_info is None, (what, caplog.records)
+        # A long path is cut where it is shown: the log line does not carry its 5,000 characters.
+        assert len(failed[0].fields["error"]) < 1000, what
+    assert tiny.service.registry.get("default").info.version == 0
+
+
+async def test_load_weights_roots_confine_the_files_read_with_the_served_checkpoints(llama_checkpoint, tmp_path, rng):
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    new = make_model("llama", tied=False, seed=new_seed(rng))
+    new.save_pretrained(allowed / "step-1")
+    new.save_pretrained(outside / "step-1")
+    (allowed / "sneaky").mkdir()
+    (allowed / "sneaky" / "model.safetensors").symlink_to(outside / "step-1" / "model.safetensors")
+    running = await start(settings({"policy": str(llama_checkpoint)}, load_weights_roots=[allowed]))
+    try:
+        async with AsyncLogprobClient(running.target, model="policy") as client:
+            for path in (outside / "step-1", allowed / "sneaky"):
+                with pytest.raises(InvalidRequest, match=r"path: .* is outside the directories LoadWeights may read"):
+                    await client.load_weights("policy", str(path))
+            assert (await client.load_weights("policy", str(allowed / "step-1"))).version == 1
+            sequences = random_sequences(rng, 3)
+            assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
+            # The served checkpoint may always be read again (back to the start of a run).
+            assert (await client.load_weights("policy", str(llama_checkpoint))).version == 2
+    finally:
+        await stop(running)
+
+
+def test_load_weights_roots_are_existing_directories_from_a_list_the_environment_or_a_flag(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setenv("LOGPROB_LOAD_WEIGHTS_ROOTS", f"{tmp_path / 'a'}, {tmp_path / 'b'}")
+    assert Settings().load_weights_roots == (tmp_path / "a", tmp_path / "b")
+    assert Settings(load_weights_roots=str(tmp_path / "a")).load_weights_roots == (tmp_path / "a",)
+    assert Settings(load_weights_roots=[]).load_weights_roots == ()
+    flags = ["serve", "--load-weights-roots", f"{tmp_path / 'b'},{tmp_path / 'a'}", "--no-check-finite-weights"]
+    from_flags = settings_from_args(build_parser().parse_args(flags))
+    assert from_flags.load_weights_roots == (tmp_path / "b", tmp_path / "a") and not from_flags.check_finite_weights
+    with pytest.raises(ValueError, match="is not a directory"):
+        Settings(load_weights_roots=[tmp_path / "missing"])
+
+
+def test_a_file_changed_after_its_check_is_refused_not_followed(tmp_path):
+    """``read_file`` opens the checked path without blocking and reads it only if what it opened
+    is a regular file at that very path: a FIFO put in the file's place after the check is not
+    waited on, and a symlink put there is not followed."""
+    real = tmp_path / "real.safetensors"
+    save_file({"w": torch.ones(3)}, real)
+    assert [name for name, *_ in Staging.read_file(real)] == ["w"]
+    fifo = tmp_path / "swapped.safetensors"
+    os.mkfifo(fifo)
+    # A FIFO's blocking open would hold this process's interpreter lock until a writer came: a
+    # writer of another process comes after a while, so that such a test fails instead of hanging.
+    writer = subprocess.Popen(["sh", "-c", f"sleep {PROMPT_S:g}; : > '{fifo}'"])
+    try:
+        start = time.monotonic()
+        with pytest.raises(InvalidArgument, match="changed while it was being opened"):
+            Staging.read_file(fifo)
+        assert time.monotonic() - start < PROMPT_S
+    finally:
+        writer.kill()
+        writer.wait()
+    (tmp_path / "link.safetensors").symlink_to(real)
+    with pytest.raises(InvalidArgument, match=r"changed while it was being opened \(it is now '.*real\.safetensors'"):
+        Staging.read_file(tmp_path / "link.safetensors")
