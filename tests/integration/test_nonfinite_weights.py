@@ -95,7 +95,7 @@ async def test_nonfinite_scores_are_internal_naming_the_model_and_version(policy
         assert info.value.code == grpc.StatusCode.INTERNAL
         assert "model 'policy' version 0 scored NaN or infinite log-probabilities" in info.value.message
         assert "request_id=" in info.value.message
-        health = await policy_server.service.state.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+        health = await policy_server.service.edge.health.health.Check(health_pb2.HealthCheckRequest(service=""), None)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         again = await client.score(*as_lists(sequences))
         assert all((a == b).all() for a, b in zip(again, expected, strict=True))
