@@ -44,7 +44,7 @@ from logprob_service.ops.fused_logprobs import (
     fused_token_logprobs,
     plan_launch,
 )
-from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES, chunked_token_logprobs
+from logprob_service.ops.logprobs import DEFAULT_LM_HEAD_CHUNK_BYTES, chunked_token_logprobs
 
 SHAPES = [(24576, 896, 151936), (16384, 3584, 152064), (65536, 4096, 128256)]
 GOAL_X_LIMIT = 1.15
@@ -120,7 +120,7 @@ def run_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
         measure("full logits + log_softmax", lambda: full_logits(hidden, weight, targets), ref, **timing),
         measure(
             "eager 256 MiB chunks (fp32 logits)",
-            lambda: chunked_token_logprobs(hidden, weight, targets, chunk_bytes=DEFAULT_CHUNK_BYTES).logprobs,
+            lambda: chunked_token_logprobs(hidden, weight, targets, chunk_bytes=DEFAULT_LM_HEAD_CHUNK_BYTES).logprobs,
             ref,
             **timing,
         ),

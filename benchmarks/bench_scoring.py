@@ -66,7 +66,7 @@ from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import packed_forward_kwargs
 from logprob_service.ops.dispatch import LogprobOp
-from logprob_service.ops.logprobs import DEFAULT_CHUNK_BYTES
+from logprob_service.ops.logprobs import DEFAULT_LM_HEAD_CHUNK_BYTES
 from logprob_service.worker.packing import pack
 from transformers import PreTrainedModel
 
@@ -237,7 +237,7 @@ def run_all(
     eager = OfflineScorer(
         model,
         options=options,
-        logprob_op=LogprobOp("eager", DEFAULT_CHUNK_BYTES),
+        logprob_op=LogprobOp("eager", DEFAULT_LM_HEAD_CHUNK_BYTES),
         max_batch_tokens=args.max_batch_tokens,
         max_batch_sequences=256,
     )

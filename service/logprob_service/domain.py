@@ -116,7 +116,7 @@ class ScoreJob:
     return_entropy: bool = False
     deadline: float | None = None  # time.monotonic() after which the work is useless
     min_version: int = 0  # score only with weights of at least this version
-    client: str = ""  # who asked (identity.py): the fair share counts queued token-equivalents per client
+    client: str = ""  # who asked (api/security/caller.py): the fair share counts queued token-equivalents per client
     group_sizes: tuple[int, ...] = ()
 
     @property

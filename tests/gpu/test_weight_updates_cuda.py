@@ -65,7 +65,7 @@ async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path,
     pushed to the server's port or through weight receivers (read in their shared memory, which
     is page-locked in place: staged on the GPU, every piece goes to it straight from there)."""
     monkeypatch.setattr(tensor_pieces, "MIN_VIEWED_BYTES", 0)
-    monkeypatch.setattr(staging, "SLOT_BYTES", 4096)
+    monkeypatch.setattr(staging, "STAGING_SLOT_BYTES", 4096)
     ways = {"through the slots": 0, "in place": 0}
 
     def counted(way, method):

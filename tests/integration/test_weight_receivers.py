@@ -172,7 +172,7 @@ async def test_a_call_broken_off_leaves_the_live_weights_and_the_receiver_servin
 
 
 async def test_messages_larger_than_a_slot_go_over_the_pipe(llama_checkpoint, rng, monkeypatch):
-    monkeypatch.setattr(receivers, "SLOT_BYTES", 8192)
+    monkeypatch.setattr(receivers, "RECEIVER_SLOT_BYTES", 8192)
     server = await start(settings({"policy": str(llama_checkpoint)}, weight_receivers=1))
     try:
         new = make_model("llama", tied=False, seed=new_seed(rng))
@@ -201,7 +201,7 @@ async def test_receivers_slots_are_page_locked_at_start_and_unlocked_at_close_un
         settings({"policy": "unused"}, weight_receivers=2), lambda details: None, page_lock
     )
     try:
-        assert locked == [receiver_process.SLOTS * receiver_process.SLOT_BYTES] * 2
+        assert locked == [receiver_process.SLOTS * receiver_process.RECEIVER_SLOT_BYTES] * 2
         view = started._view(started._receivers[1], 3, 100)
     finally:
         await started.close()

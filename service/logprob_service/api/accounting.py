@@ -4,7 +4,7 @@
 RPC and for a stream that fails as a whole, and by the stream handler for each request answered
 on a stream. One log line per request, on the ``logprob_service.requests`` logger: DEBUG when it
 succeeded, WARNING when it failed, ERROR with the traceback when the failure is a bug
-(INTERNAL). Each line carries the RPC, the client (``identity.py``: token name or peer address),
+(INTERNAL). Each line carries the RPC, the client (``security/caller.py``: token name or peer address),
 request id, model, sequences, tokens, timings (the response's metadata when scored, else the
 time the handler took) and status as structured fields (see ``logs``).
 

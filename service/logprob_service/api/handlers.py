@@ -1,7 +1,8 @@
 """Rebuilding gRPC method handlers of any of the four kinds, for the server's interceptors.
 
-An interceptor that must run code around a call (``auth``, ``decoding``) replaces the handler's
-behaviour with a coroutine that does its part and then ``run``s the original behaviour. A
+An interceptor that must run code around a call (``security.auth``, ``malformed``,
+``interceptors``) replaces the handler's behaviour with a coroutine that does its part and then
+``run``s the original behaviour. A
 coroutine is a valid behaviour of every kind in ``grpc.aio``: one that streams responses writes
 them with ``context.write``, which ``run`` does for an async-generator behaviour.
 """

@@ -55,7 +55,7 @@ from logprob_service.logs import configure_logging
 SERVICE = "logprob.v1.LogprobService"
 # A slot holds one message of this project's client (4 MiB of a tensor's bytes and their framing);
 # a larger message goes over the pipe instead, which costs two more copies.
-SLOT_BYTES = (4 << 20) + (64 << 10)
+RECEIVER_SLOT_BYTES = (4 << 20) + (64 << 10)
 # Slots per receiver: messages in flight between it and the serving process. The serving process
 # holds at most 8 pieces of an update unwritten (engine.weight_updates.WRITES_IN_FLIGHT); a few
 # more keep a receiver copying while the serving process parses.

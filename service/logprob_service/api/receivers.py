@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 
 from logprob_service.api import handlers
-from logprob_service.api.receiver_process import SLOT_BYTES, SLOTS, SharedMemory
+from logprob_service.api.receiver_process import RECEIVER_SLOT_BYTES, SLOTS, SharedMemory
 from logprob_service.config import Settings, StartupError
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class WeightReceivers:
         return self
 
     async def _spawn(self, index: int, settings: Settings, port: int) -> _Receiver:
-        memory = SharedMemory(SLOTS, SLOT_BYTES)
+        memory = SharedMemory(SLOTS, RECEIVER_SLOT_BYTES)
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])  # where logprob_service is imported from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))

@@ -1,4 +1,5 @@
-"""protobuf <-> domain objects. The only module of the server, with servicer.py, that sees protobuf."""
+"""protobuf <-> domain objects: the gRPC edge's conversions (its other modules that see protobuf handle
+messages whole: the servicer, the server's assembly, accounting, and ``tensor_pieces``)."""
 
 from __future__ import annotations
 

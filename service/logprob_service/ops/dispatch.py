@@ -16,7 +16,7 @@ from typing import Literal, TypedDict, Unpack
 import torch
 
 from logprob_service.ops.logprobs import (
-    DEFAULT_CHUNK_BYTES,
+    DEFAULT_LM_HEAD_CHUNK_BYTES,
     LogitTransform,
     TokenScores,
     chunked_token_logprobs,
@@ -41,7 +41,7 @@ class LogprobOp:
     """The log-prob stage with its implementation fixed: ``op(hidden, weight, targets, ...)``."""
 
     kernel: Literal["triton", "eager"]
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # eager only
+    chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES  # eager only
     # triton: a row's result does not depend on the other rows (fused_logprobs.invariant_plan).
     # eager: rows go in chunks of a size fixed by V, but the CPU's matmul picks its kernels by the
     # chunk's rows, so only CUDA with split-K off (ops.determinism) is invariant there.
@@ -68,7 +68,11 @@ def _triton_importable() -> bool:
 
 
 def select_logprob_op(
-    kernel: LogprobKernel, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *, invariant: bool = False
+    kernel: LogprobKernel,
+    device: torch.device,
+    chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES,
+    *,
+    invariant: bool = False,
 ) -> LogprobOp:
     """Resolve ``kernel`` for ``device``; a forced ``triton`` that cannot run raises ValueError."""
     if kernel == "auto":

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_CHUNK_BYTES = 256 * 1024**2
+DEFAULT_LM_HEAD_CHUNK_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def chunked_token_logprobs(
     transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
     return_lse: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES,
 ) -> TokenScores:
     """Log-prob of ``targets`` under ``hidden @ weight.T``, in row chunks under ``chunk_bytes``.
 

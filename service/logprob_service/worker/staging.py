@@ -140,10 +140,10 @@ class DeviceStager:
             while start < part.size:
                 if slot is None:
                     slot, filled = slots.take(), 0
-                n = min(part.size - start, SLOT_BYTES - filled)
+                n = min(part.size - start, STAGING_SLOT_BYTES - filled)
                 np.copyto(slot.host[filled : filled + n].numpy(), part[start : start + n])  # without the GIL
                 filled, start = filled + n, start + n
-                if filled == SLOT_BYTES:
+                if filled == STAGING_SLOT_BYTES:
                     self._send(slot, filled, target[offset : offset + filled])
                     offset, slot = offset + filled, None
         if slot is not None:
@@ -338,13 +338,13 @@ class Received:
 # memory blocks the calling thread and goes through the driver's own small page-locked buffer; from
 # page-locked memory it is an asynchronous transfer on the staging stream, overlapping the next
 # pieces' arrival. 8 x 4 MiB: more pieces in flight than receiving threads, for 32 MiB of host memory.
-SLOT_BYTES = 4 << 20
+STAGING_SLOT_BYTES = 4 << 20
 SLOT_COUNT = 8
 
 
 @dataclass
 class _Slot:
-    host: torch.Tensor  # SLOT_BYTES of page-locked uint8
+    host: torch.Tensor  # STAGING_SLOT_BYTES of page-locked uint8
     done: torch.cuda.Event  # recorded after the copy that last read it
 
 
@@ -352,7 +352,9 @@ class _Slots:
     def __init__(self) -> None:
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for _ in range(SLOT_COUNT):
-            self._free.put(_Slot(torch.empty(SLOT_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()))
+            self._free.put(
+                _Slot(torch.empty(STAGING_SLOT_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+            )
 
     def take(self) -> _Slot:
         """A free slot, once the copy that last read it is done (blocks without the GIL)."""
