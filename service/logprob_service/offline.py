@@ -79,6 +79,14 @@ class OfflineScorer:
     def scorer(self) -> CausalLMScorer:
         return self.served.scorer
 
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.engine.config.max_batch_tokens
+
+    @property
+    def max_batch_sequences(self) -> int:
+        return self.engine.config.max_batch_sequences
+
     def score(
         self, sequences: Sequence[TokenSequence], *, temperature: float = 1.0, return_entropy: bool = False
     ) -> list[SequenceScores]:
