@@ -102,6 +102,8 @@ class Service:
             staging,
             join_group=WeightGroup,
             yield_to_launches=settings.update_yield_to_launches,
+            idle_timeout_s=settings.update_idle_timeout_s,
+            max_group_timeout_s=settings.max_group_timeout_s,
             stats=stats,
         )
         return cls(settings, devices, registry, executors, scheduler, updater, ServingState(), tokens, build=build)

@@ -18,7 +18,7 @@ from logprob_service.api.status import status_of
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import RequestLimits, validate_job
-from logprob_service.engine.weight_updates import WeightUpdater
+from logprob_service.engine.weight_updates import StreamIdle, WeightUpdater
 from logprob_service.errors import LogprobError
 
 
@@ -103,6 +103,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
+        await self._updater.settled()  # the fate of every push whose commit came before is in the answer
         return pb.ListModelsResponse(
             models=[wire.model_info_to_proto(served.info, self._limits) for served in self._registry],
             weight_receiver_ports=self._weight_receiver_ports(),
@@ -117,6 +118,8 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
             # the stream goes then (a weight receiver's slot of shared memory).
             async with contextlib.aclosing(wire.update_messages(request_iterator)) as messages:
                 return wire.update_response(await self._updater.update(messages))
+        except StreamIdle:
+            raise  # the client sends nothing: answered at once, not read to an end that may never come
         except LogprobError:
             await handlers.read_to_end(request_iterator)
             raise
