@@ -29,7 +29,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from .channel import Connection, channel_target
-from .errors import LogprobError, PermissionDenied, PushOutcome, error_from_rpc
+from .errors import Cancelled, DeadlineExceeded, LogprobError, PermissionDenied, PushOutcome, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
 from .ipc import ipc_request
@@ -58,6 +58,9 @@ _UPDATE_WEIGHTS = f"/{pb.DESCRIPTOR.services_by_name['LogprobService'].full_name
 # A push that ends so may have gone live all the same (its commit reached the server first): the
 # client asks ListModels before it raises (``PushOutcome``).
 _INTERRUPTED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What grpc.aio reports for a call whose request write failed because the call had ended
+# (grpc/grpc#36066): the status is lost.
+_STATUS_LOST = "Internal error from Core"
 
 
 class ScoreKeywords(TypedDict, total=False):
@@ -125,9 +128,43 @@ class _Update:
         else:
             went_live = None if version is None or now.version > version else now.version == version
             outcome = PushOutcome(model, version, now.version, now.fingerprint, went_live)
-        told = type(error)(f"{error.message}; {outcome}", error.code)
-        told.push_outcome = outcome
-        return told
+        return _with_outcome(error, outcome)
+
+
+def _with_outcome(error: LogprobError, outcome: PushOutcome) -> LogprobError:
+    told = type(error)(f"{error.message}; {outcome}", error.code)
+    told.push_outcome = outcome
+    return told
+
+
+def _status_lost(error: LogprobError) -> bool:
+    return error.code == grpc.StatusCode.INTERNAL and error.message == _STATUS_LOST
+
+
+def _interrupted(error: LogprobError) -> bool:
+    """Whether a push's call ended without the server's answer: cancelled, past its deadline, or
+    its status lost."""
+    return error.code in _INTERRUPTED or _status_lost(error)
+
+
+def _push_error(err: grpc.RpcError | LogprobError, deadline: float) -> LogprobError:
+    """The typed error of a push's failed call. Past the push's deadline, a lost status (a write
+    failed as the call had ended) or a call grpc cancelled itself is that deadline."""
+    error = err if isinstance(err, LogprobError) else error_from_rpc(err)
+    if (_status_lost(error) or error.code == grpc.StatusCode.CANCELLED) and time.monotonic() >= deadline:
+        return DeadlineExceeded(
+            f"the push's deadline passed while it was sending (gRPC reported {error}; grpc/grpc#36066)",
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+    return error
+
+
+def _unsent(error: LogprobError, model: str, version: int) -> LogprobError:
+    """``error`` of the ListModels before a push: the push was never sent, which a cancelled or
+    timed-out one's error says."""
+    if not _interrupted(error):
+        return error
+    return _with_outcome(error, PushOutcome(model or "default", version or None, None, "", went_live=False))
 
 
 @dataclass(frozen=True)
@@ -488,7 +525,11 @@ class LogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))  # read again if the server left the base
         while True:
-            ports, live = _ports_and_live(self._listed(keywords.get("timeout") or self.timeout), model)
+            try:
+                listed = self._listed(keywords.get("timeout") or self.timeout)
+            except LogprobError as err:
+                raise _unsent(err, model, keywords.get("version", 0)) from None
+            ports, live = _ports_and_live(listed, model)
             try:
                 update = self.update(model, weights, ports, live=live, **keywords)
                 return self._pushed(model, keywords, self._push(update))
@@ -518,6 +559,7 @@ class LogprobClient(_Client):
             except LogprobError as err:
                 raise self._told(update, err, []) from None
         channels = self._stream_channels(len(update.calls), update.targets)
+        deadline = time.monotonic() + update.timeout
         calls = [self._pusher(c).future(stream, timeout=update.timeout) for c, stream in zip(channels, update.calls)]
         try:
             responses = [call.result() for call in calls]  # every call, not just the first
@@ -525,18 +567,19 @@ class LogprobClient(_Client):
         except grpc.RpcError as err:
             for call in calls:
                 call.cancel()
-            raise self._told(update, error_from_rpc(err), channels) from None
+            raise self._told(update, _push_error(err, deadline), channels) from None
 
     def _told(self, update: _Update, error: LogprobError, channels: list[Any]) -> LogprobError:
         """A failed push's error; of one cancelled or past its deadline, saying whether it went live
-        all the same (ListModels, asked as ``_asked_after`` says, with the push's timeout)."""
-        if error.code not in _INTERRUPTED:
+        all the same (ListModels, asked as ``_asked_after`` says, with the client's timeout: the
+        push's may have passed, and the answer waits for a commit the server had in progress)."""
+        if not _interrupted(error):
             return error
         listed = []
         for channel in self._asked_after(update, channels):
             with contextlib.suppress(grpc.RpcError):  # the error then says the outcome is unknown
                 ask = pb_grpc.LogprobServiceStub(channel).ListModels
-                listed.append(ask(pb.ListModelsRequest(), timeout=update.timeout))
+                listed.append(ask(pb.ListModelsRequest(), timeout=self.timeout))
         return update.interrupted(error, listed)
 
     def update_weights_ipc(
@@ -641,7 +684,11 @@ class AsyncLogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))
         while True:
-            ports, live = _ports_and_live(await self._listed(keywords.get("timeout") or self.timeout), model)
+            try:
+                listed = await self._listed(keywords.get("timeout") or self.timeout)
+            except LogprobError as err:
+                raise _unsent(err, model, keywords.get("version", 0)) from None
+            ports, live = _ports_and_live(listed, model)
             try:
                 update = self.update(model, weights, ports, live=live, **keywords)
                 return self._pushed(model, keywords, await self._push(update))
@@ -673,20 +720,32 @@ class AsyncLogprobClient(_Client):
             except LogprobError as err:
                 raise await self._told(update, err, []) from None
         channels = self._stream_channels(len(update.calls), update.targets)
+        deadline = time.monotonic() + update.timeout
         calls = [self._pusher(c)(stream, timeout=update.timeout) for c, stream in zip(channels, update.calls)]
         try:
             return (await asyncio.gather(*calls))[0]
         except grpc.RpcError as err:
             for call in calls:
                 call.cancel()
-            raise await self._told(update, error_from_rpc(err), channels) from None
+            raise await self._told(update, _push_error(err, deadline), channels) from None
+        except asyncio.CancelledError:
+            for call in calls:
+                call.cancel()
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this push's caller cancelled it
+            # grpc.aio cancelled a call itself: it does so when the half-close after a call's last
+            # message fails, the deadline having just passed, and its awaiter then sees
+            # CancelledError in place of the deadline.
+            cancelled = Cancelled("a call of the push was cancelled", grpc.StatusCode.CANCELLED)
+            raise await self._told(update, _push_error(cancelled, deadline), channels) from None
 
     async def _told(self, update: _Update, error: LogprobError, channels: list[Any]) -> LogprobError:
         """See ``LogprobClient._told``."""
-        if error.code not in _INTERRUPTED:
+        if not _interrupted(error):
             return error
         asks = [
-            pb_grpc.LogprobServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=update.timeout)
+            pb_grpc.LogprobServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=self.timeout)
             for channel in self._asked_after(update, channels)
         ]
         answers = await asyncio.gather(*asks, return_exceptions=True)

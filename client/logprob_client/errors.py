@@ -18,7 +18,8 @@ class PushOutcome:
     then the push goes live all the same (ListModels answers once it has). ``version``: the
     version the push went (or would have gone) live as, None where the client cannot tell (a
     push of version 0, the live one + 1, made without the live version at hand);
-    ``live_version`` and ``fingerprint``: the model's now (None: ListModels failed too);
+    ``live_version`` and ``fingerprint``: the model's now (None: ListModels failed too, or the
+    push was never sent, its ListModels before it having failed so);
     ``went_live``: whether the push's version is live (None: cannot be told: its version is
     unknown, a later one went live since, or ListModels failed)."""
 
@@ -30,6 +31,8 @@ class PushOutcome:
 
     def __str__(self) -> str:
         if self.live_version is None:
+            if self.went_live is False:
+                return "the push was never sent: it did not go live"
             return "whether the push went live is unknown: ListModels failed too"
         pushed = f"version {self.version}" if self.version is not None else "version 0 (the live one + 1)"
         fate = {True: "went live", False: "did not go live (and will not)", None: "may or may not have gone live"}

@@ -22,6 +22,7 @@ from transformers import LlamaForCausalLM
 
 from tests.helpers.calls import parsed
 from tests.helpers.processes import free_port, launch, wait_serving
+from tests.helpers.pushes import cancelled_push, cut_point
 
 GRACE_S = 5.0  # the server's drain time (grace_period_s)
 EXIT_MARGIN_S = 10.0  # the interpreter's own exit after the drain, on a loaded 2-core machine
@@ -31,29 +32,6 @@ TRIES = 60
 def new_weights(seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_llama_config()).state_dict()
-
-
-async def cancelled_push(
-    stub: pb_grpc.LogprobServiceStub, messages: list, cut: int, pause_s: float, delay_s: float
-) -> None:
-    """Send ``messages[:cut]`` (after the last but one, wait ``pause_s``: the server has staged
-    every tensor when the commit comes), wait ``delay_s``, cancel the call; give the server a
-    moment to end the call (else the next push may find the slot still held, and test less)."""
-    sent = asyncio.Event()
-
-    async def stream():
-        for i, message in enumerate(messages[:cut]):
-            if i == len(messages) - 1:
-                await asyncio.sleep(pause_s)
-            yield message
-        sent.set()
-        await asyncio.Event().wait()
-
-    call = stub.UpdateWeights(stream())
-    await sent.wait()
-    await asyncio.sleep(delay_s)
-    call.cancel()
-    await asyncio.sleep(0.05)
 
 
 async def push_once_free(client: AsyncLogprobClient, weights, timeout_s: float = 20.0) -> int:
@@ -89,13 +67,8 @@ async def test_cancelled_pushes_never_wedge_the_server(tmp_path, rng, seed):
             stub = pb_grpc.LogprobServiceStub(channel)
             for _ in range(TRIES):
                 messages = pushes[int(rng.choice(list(pushes)))]
-                # Two thirds cut after the commit (where the wedge was; half of them with every
-                # tensor staged first), the rest anywhere before it.
-                after_commit = rng.random() < 2 / 3
-                cut = len(messages) if after_commit else int(rng.integers(0, len(messages)))
-                pause = 0.02 if after_commit and rng.random() < 0.5 else 0.0
-                delay = float(rng.uniform(0, 0.0015)) if after_commit else 0.0
-                await cancelled_push(stub, messages, cut, pause, delay)
+                # Two thirds cut after the commit (where the wedge was), the rest anywhere before it.
+                await cancelled_push(stub, messages, *cut_point(rng, messages, after_commit=2 / 3))
             final = await push_once_free(client, new_weights(seed + 1))
             assert (await client.list_models())[0].version == final
         assert health_check(target, timeout_s=5)[0], "the server is not SERVING"
