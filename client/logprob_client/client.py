@@ -21,6 +21,7 @@ An error the server answers about one of the caller's sequences names it as the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from .channel import CONNECT_TIMEOUT_S, AioConnectionWatch, Connection, ConnectionWatch, channel_target
-from .errors import LogprobError, PermissionDenied, error_from_rpc
+from .errors import Cancelled, DeadlineExceeded, LogprobError, PermissionDenied, PushOutcome, error_from_rpc
 from .future import ScoreFuture
 from .inputs import Prepared, flatten_groups, prepare, regroup
 from .ipc import ipc_request
@@ -68,6 +69,12 @@ DEFAULT_TIMEOUT_S = 120.0
 STREAMS_PER_RECEIVER = 2
 # UpdateWeights, called with messages framed by ``weights`` (pieces framed around tensor bytes).
 _UPDATE_WEIGHTS = f"/{pb.DESCRIPTOR.services_by_name['LogprobService'].full_name}/UpdateWeights"
+# A push that ends so may have gone live all the same (its commit reached the server first): the
+# client asks ListModels before it raises (``PushOutcome``).
+_INTERRUPTED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What grpc.aio reports for a call whose request write failed because the call had ended
+# (grpc/grpc#36066): the status is lost.
+_STATUS_LOST = "Internal error from Core"
 
 
 class ScoreKeywords(TypedDict, total=False):
@@ -113,12 +120,66 @@ class UpdateKeywords(TypedDict, total=False):
 @dataclass(frozen=True)
 class _Update:
     """A push, prepared: its calls' messages, where each call goes (None: the given channel), the
-    calls' timeout, and the size of their pieces."""
+    calls' timeout, and the size of their pieces; its model and version, and the model's live
+    version before it where the client knows it."""
 
     calls: list[Iterator[Message]]
     targets: list[str] | None
     timeout: float
     chunk_bytes: int
+    model: str = ""
+    version: int = 0
+    live: int | None = None
+
+    def interrupted(self, error: LogprobError, listed: Sequence[pb.ListModelsResponse]) -> LogprobError:
+        """``error`` of a push cancelled or past its deadline, saying whether the push went live, from
+        what ListModels answered after it (on several connections: the latest, the highest version)."""
+        model = self.model or "default"
+        version = self.version or (self.live + 1 if self.live is not None else None)
+        infos = [m for answer in listed for m in answer.models if m.name == model]
+        now = max(infos, key=lambda m: m.version, default=None)
+        if now is None:
+            outcome = PushOutcome(model, version, None, "", None)
+        else:
+            went_live = None if version is None or now.version > version else now.version == version
+            outcome = PushOutcome(model, version, now.version, now.fingerprint, went_live)
+        return _with_outcome(error, outcome)
+
+
+def _with_outcome(error: LogprobError, outcome: PushOutcome) -> LogprobError:
+    told = type(error)(f"{error.message}; {outcome}", error.code)
+    told.push_outcome = outcome
+    return told
+
+
+def _status_lost(error: LogprobError) -> bool:
+    return error.code == grpc.StatusCode.INTERNAL and error.message == _STATUS_LOST
+
+
+def _interrupted(error: LogprobError) -> bool:
+    """Whether a push's call ended without the server's answer: cancelled, past its deadline, or
+    its status lost."""
+    return error.code in _INTERRUPTED or _status_lost(error)
+
+
+def _push_error(err: grpc.RpcError | LogprobError, deadline: float) -> LogprobError:
+    """The typed error of a push's failed call. Past the push's deadline, a lost status (a write
+    failed as the call had ended) or a call grpc cancelled itself is that deadline."""
+    error = err if isinstance(err, LogprobError) else error_from_rpc(err)
+    if (_status_lost(error) or error.code == grpc.StatusCode.CANCELLED) and time.monotonic() >= deadline:
+        return DeadlineExceeded(
+            f"the push's deadline passed while it was sending (gRPC reported {error}; grpc/grpc#36066)",
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+    return error
+
+
+def _unsent(error: LogprobError, model: str, version: int) -> LogprobError:
+    """``error`` of the ListModels before a push: the push was never sent, which a cancelled or
+    timed-out one's error says."""
+    if not _interrupted(error):
+        return error
+    return _with_outcome(error, PushOutcome(model or "default", version or None, None, "", went_live=False))
 
 
 @dataclass(frozen=True)
@@ -251,9 +312,9 @@ class _Client:
             return [f"{host}:{receiver_ports[i % len(receiver_ports)]}" for i in range(streams)]
         return [channel_target(self._target)] * streams
 
-    def _pushers(self, streams: int, targets: list[str] | None) -> list[Any]:
-        """The UpdateWeights callables of a push over ``streams`` calls (to ``targets``, each on a
-        connection of its own; None: the given channel), taking messages (``weights.Message``)."""
+    def _stream_channels(self, streams: int, targets: list[str] | None) -> list[Any]:
+        """The channels of a push over ``streams`` calls (to ``targets``, each on a connection of its
+        own; None: the given channel)."""
         if targets is None:
             channels = [self._channel] * streams
         else:
@@ -264,12 +325,24 @@ class _Client:
                     opened.append(self.connection.open(target, aio=self._aio, own_connection=True))
                 channels.append(opened[taken[target]])
                 taken[target] += 1
-        return [
-            channel.stream_unary(
-                _UPDATE_WEIGHTS, request_serializer=join, response_deserializer=pb.UpdateWeightsResponse.FromString
-            )
-            for channel in channels
-        ]
+        return channels
+
+    @staticmethod
+    def _pusher(channel: Any) -> Any:
+        """UpdateWeights on ``channel``, taking messages (``weights.Message``)."""
+        return channel.stream_unary(
+            _UPDATE_WEIGHTS, request_serializer=join, response_deserializer=pb.UpdateWeightsResponse.FromString
+        )
+
+    def _asked_after(self, update: _Update, channels: list[Any]) -> list[Any]:
+        """Where ListModels is asked after a push cancelled or past its deadline: the push's own
+        connections where they lead to the serving port, as each answers only after what came
+        before on it (the ends of the push's calls included); else (weight receivers, push
+        processes) the client's."""
+        own = update.targets is None or (
+            self._target is not None and set(update.targets) == {channel_target(self._target)}
+        )
+        return list(dict.fromkeys(channels)) if own and channels else [self._channel]
 
     def _push_processes_for(self, chunk_bytes: int) -> PushProcesses:
         """The client's push processes, with slots for ``chunk_bytes`` pieces (started again with
@@ -362,9 +435,11 @@ class _Client:
         streams: int | None = None,
         timeout: float | None = None,
         delta: bool = False,
+        live: int | None = None,
     ) -> _Update:
         """A push's UpdateWeights calls (each read lazily, a tensor at a time) and where each goes:
-        spread over the server's weight receivers (``receiver_ports``) where it has some."""
+        spread over the server's weight receivers (``receiver_ports``) where it has some. ``live``:
+        the model's live version, where known (it tells a version-0 push's version)."""
         if streams is None:  # servers before 2026-11-24 take one
             streams = 1 if self.legacy_wire else max(DEFAULT_STREAMS, STREAMS_PER_RECEIVER * len(receiver_ports))
         make = self.deltas.setdefault(model, WeightDeltas()).update_streams if delta else update_streams
@@ -377,7 +452,8 @@ class _Client:
             streams=streams,
             pack=not self.legacy_wire,
         )
-        return _Update(calls, self._push_targets(len(calls), receiver_ports), timeout or self.timeout, chunk_bytes)
+        targets = self._push_targets(len(calls), receiver_ports)
+        return _Update(calls, targets, timeout or self.timeout, chunk_bytes, model, version, live)
 
     def _pushed(self, model: str, keywords: UpdateKeywords, response: pb.UpdateWeightsResponse) -> UpdateResult:
         """A push's result; a delta push's also becomes what the server holds."""
@@ -397,6 +473,15 @@ class _Client:
     @staticmethod
     def load_request(model: str, path: str, version: int, partial: bool) -> pb.LoadWeightsRequest:
         return pb.LoadWeightsRequest(model=model, path=str(path), version=version, partial=partial)
+
+
+def _ports_and_live(listed: pb.ListModelsResponse | None, model: str) -> tuple[Sequence[int], int | None]:
+    """From ListModels before a push (None: not asked): the weight receivers' ports and the model's
+    live version."""
+    if listed is None:
+        return (), None
+    live = next((m.version for m in listed.models if m.name == (model or "default")), None)
+    return listed.weight_receiver_ports, live
 
 
 class LogprobClient(_Client):
@@ -492,22 +577,28 @@ class LogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))  # read again if the server left the base
         while True:
-            ports = self._receiver_ports(keywords.get("timeout") or self.timeout)
             try:
-                return self._pushed(model, keywords, self._push(self.update(model, weights, ports, **keywords)))
+                listed = self._listed(keywords.get("timeout") or self.timeout)
+            except LogprobError as err:
+                raise _unsent(err, model, keywords.get("version", 0)) from None
+            ports, live = _ports_and_live(listed, model)
+            try:
+                update = self.update(model, weights, ports, live=live, **keywords)
+                return self._pushed(model, keywords, self._push(update))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
 
-    def _receiver_ports(self, timeout: float) -> Sequence[int]:
-        """The ports of the server's weight receivers (ListModels), where a push can use them; none
-        when this client's token may not list models (the score scope): it pushes to the target."""
+    def _listed(self, timeout: float) -> pb.ListModelsResponse | None:
+        """ListModels before a push, for the ports of the server's weight receivers, where a push
+        can use them; None when it cannot (a given channel, replicas), or this client's token may
+        not list models (the score scope): it pushes to the target."""
         if self._receivers_host is None:
-            return ()
+            return None
         try:
-            return self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout).weight_receiver_ports
+            return self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
         except PermissionDenied:
-            return ()
+            return None
 
     def _push(self, update: _Update) -> pb.UpdateWeightsResponse:
         """The UpdateWeights calls of one push, made together (each stream is read on a thread of
@@ -515,16 +606,33 @@ class LogprobClient(_Client):
         returned, or the first error raised."""
         if update.targets is not None and self.push_processes:
             push = self._push_processes_for(update.chunk_bytes).start(update.targets, update.calls, update.timeout)
-            return pb.UpdateWeightsResponse.FromString(push.wait())
-        pushers = self._pushers(len(update.calls), update.targets)
-        calls = [push.future(stream, timeout=update.timeout) for push, stream in zip(pushers, update.calls)]
+            try:
+                return pb.UpdateWeightsResponse.FromString(push.wait())
+            except LogprobError as err:
+                raise self._told(update, err, []) from None
+        channels = self._stream_channels(len(update.calls), update.targets)
+        deadline = time.monotonic() + update.timeout
+        calls = [self._pusher(c).future(stream, timeout=update.timeout) for c, stream in zip(channels, update.calls)]
         try:
             responses = [call.result() for call in calls]  # every call, not just the first
             return responses[0]
         except grpc.RpcError as err:
             for call in calls:
                 call.cancel()
-            raise error_from_rpc(err) from None
+            raise self._told(update, _push_error(err, deadline), channels) from None
+
+    def _told(self, update: _Update, error: LogprobError, channels: list[Any]) -> LogprobError:
+        """A failed push's error; of one cancelled or past its deadline, saying whether it went live
+        all the same (ListModels, asked as ``_asked_after`` says, with the client's timeout: the
+        push's may have passed, and the answer waits for a commit the server had in progress)."""
+        if not _interrupted(error):
+            return error
+        listed = []
+        for channel in self._asked_after(update, channels):
+            with contextlib.suppress(grpc.RpcError):  # the error then says the outcome is unknown
+                ask = pb_grpc.LogprobServiceStub(channel).ListModels
+                listed.append(ask(pb.ListModelsRequest(), timeout=self.timeout))
+        return update.interrupted(error, listed)
 
     def update_weights_ipc(
         self,
@@ -634,22 +742,26 @@ class AsyncLogprobClient(_Client):
         if keywords.get("delta"):
             weights = list(named_tensors(weights))
         while True:
-            ports = await self._receiver_ports(keywords.get("timeout") or self.timeout)
             try:
-                update = self.update(model, weights, ports, **keywords)
+                listed = await self._listed(keywords.get("timeout") or self.timeout)
+            except LogprobError as err:
+                raise _unsent(err, model, keywords.get("version", 0)) from None
+            ports, live = _ports_and_live(listed, model)
+            try:
+                update = self.update(model, weights, ports, live=live, **keywords)
                 return self._pushed(model, keywords, await self._push(update))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
 
-    async def _receiver_ports(self, timeout: float) -> Sequence[int]:
-        """See ``LogprobClient._receiver_ports``."""
+    async def _listed(self, timeout: float) -> pb.ListModelsResponse | None:
+        """See ``LogprobClient._listed``."""
         if self._receivers_host is None:
-            return ()
+            return None
         try:
-            return (await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)).weight_receiver_ports
+            return await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
         except PermissionDenied:
-            return ()
+            return None
 
     async def _push(self, update: _Update) -> pb.UpdateWeightsResponse:
         """See ``LogprobClient._push`` (here each stream is read on the event loop, or with
@@ -663,14 +775,39 @@ class AsyncLogprobClient(_Client):
             except asyncio.CancelledError:
                 push.cancel()
                 raise
-        pushers = self._pushers(len(update.calls), update.targets)
-        calls = [push(stream, timeout=update.timeout) for push, stream in zip(pushers, update.calls)]
+            except LogprobError as err:
+                raise await self._told(update, err, []) from None
+        channels = self._stream_channels(len(update.calls), update.targets)
+        deadline = time.monotonic() + update.timeout
+        calls = [self._pusher(c)(stream, timeout=update.timeout) for c, stream in zip(channels, update.calls)]
         try:
             return (await asyncio.gather(*calls))[0]
         except grpc.RpcError as err:
             for call in calls:
                 call.cancel()
-            raise error_from_rpc(err) from None
+            raise await self._told(update, _push_error(err, deadline), channels) from None
+        except asyncio.CancelledError:
+            for call in calls:
+                call.cancel()
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this push's caller cancelled it
+            # grpc.aio cancelled a call itself: it does so when the half-close after a call's last
+            # message fails, the deadline having just passed, and its awaiter then sees
+            # CancelledError in place of the deadline.
+            cancelled = Cancelled("a call of the push was cancelled", grpc.StatusCode.CANCELLED)
+            raise await self._told(update, _push_error(cancelled, deadline), channels) from None
+
+    async def _told(self, update: _Update, error: LogprobError, channels: list[Any]) -> LogprobError:
+        """See ``LogprobClient._told``."""
+        if not _interrupted(error):
+            return error
+        asks = [
+            pb_grpc.LogprobServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=self.timeout)
+            for channel in self._asked_after(update, channels)
+        ]
+        answers = await asyncio.gather(*asks, return_exceptions=True)
+        return update.interrupted(error, [a for a in answers if isinstance(a, pb.ListModelsResponse)])
 
     async def update_weights_ipc(
         self,

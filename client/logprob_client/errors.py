@@ -8,11 +8,47 @@ did (``completion_ids[3][1]``), not as the request the client built named it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
 
+@dataclass(frozen=True)
+class PushOutcome:
+    """What became of a push whose calls were cancelled or passed their deadline, as ListModels
+    told right after: the server may have taken the push's commit before the calls ended, and
+    then the push goes live all the same (ListModels answers once it has). ``version``: the
+    version the push went (or would have gone) live as, None where the client cannot tell (a
+    push of version 0, the live one + 1, made without the live version at hand);
+    ``live_version`` and ``fingerprint``: the model's now (None: ListModels failed too, or the
+    push was never sent, its ListModels before it having failed so);
+    ``went_live``: whether the push's version is live (None: cannot be told: its version is
+    unknown, a later one went live since, or ListModels failed)."""
+
+    model: str
+    version: int | None
+    live_version: int | None
+    fingerprint: str
+    went_live: bool | None
+
+    def __str__(self) -> str:
+        if self.live_version is None:
+            if self.went_live is False:
+                return "the push was never sent: it did not go live"
+            return "whether the push went live is unknown: ListModels failed too"
+        pushed = f"version {self.version}" if self.version is not None else "version 0 (the live one + 1)"
+        fate = {True: "went live", False: "did not go live (and will not)", None: "may or may not have gone live"}
+        return (
+            f"the push ({pushed}) {fate[self.went_live]}: model {self.model!r} serves version {self.live_version} "
+            f"(fingerprint {self.fingerprint}) now"
+        )
+
+
 class LogprobError(Exception):
-    """Base of every error this client raises for a failed call."""
+    """Base of every error this client raises for a failed call. ``push_outcome``: on a push
+    cancelled or past its deadline, whether it went live all the same (``PushOutcome``)."""
+
+    push_outcome: PushOutcome | None = None
 
     def __init__(
         self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN, *, server_message: str | None = None

@@ -40,6 +40,8 @@ DEFAULT_CHUNK_TOKENS = 32768
 # GRPO workload at the 0.5B shape, H200; benchmarks/RESULTS.md).
 DEFAULT_MAX_BATCH_TOKENS = DEFAULT_LONG_SEQUENCE_TOKENS
 DEFAULT_MAX_BATCH_SEQUENCES = 256
+DEFAULT_UPDATE_IDLE_TIMEOUT_S = 30.0
+DEFAULT_MAX_GROUP_TIMEOUT_S = 300.0
 # Settings that hold secrets: read from the environment (or the config file), never from a flag,
 # which would show in `ps`, shell history and process listings.
 ENV_ONLY_SETTINGS = frozenset({"auth_tokens"})
@@ -394,6 +396,24 @@ class Settings(BaseSettings):
             "UpdateWeights streams are not read while a micro-batch is being launched (each message at most "
             "0.1 s later): receiving holds the server's one Python interpreter lock, which the device thread "
             "needs for every kernel it launches, so scoring latency holds during pushes."
+        ),
+    )
+    update_idle_timeout_s: float = Field(
+        DEFAULT_UPDATE_IDLE_TIMEOUT_S,
+        gt=0,
+        description=(
+            "An UpdateWeights stream from which no message comes for this long is aborted (ABORTED), and the "
+            "model's update slot freed: a client that holds a stream open without sending cannot hold the "
+            "model's updates."
+        ),
+    )
+    max_group_timeout_s: float = Field(
+        DEFAULT_MAX_GROUP_TIMEOUT_S,
+        gt=0,
+        description=(
+            "Largest timeout_s an InitWeightsUpdateGroup may ask for (more is refused, INVALID_ARGUMENT): how "
+            "long a join may wait for a trainer, and the group's broadcasts for its tensors. A join blocked on "
+            "an unreachable trainer holds a thread that long; at most 4 joins run at once."
         ),
     )
     max_version_wait_s: float = Field(

@@ -116,7 +116,7 @@ async def test_models_are_described_and_phases_told_to_listeners(rng):
 
     engine.on_phase(listen)
     engine.start()
-    assert [info.name for info in engine.list_models()] == ["m"]
+    assert [info.name for info in await engine.list_models()] == ["m"]
     await engine.serving()
     await engine.draining()
     assert told == [Phase.SERVING, Phase.DRAINING]

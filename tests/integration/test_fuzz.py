@@ -47,7 +47,8 @@ RAW_STREAM = "/logprob.v1.LogprobService/ScoreTokensStream"
 
 @pytest.fixture
 async def fuzzed(gemma_checkpoint, rng):
-    running = await start(test_settings(gemma_checkpoint, max_message_bytes=MAX_MESSAGE_BYTES))
+    # Joins of a trainer that is not there wait at most a second (group timeouts up to it are valid).
+    running = await start(test_settings(gemma_checkpoint, max_message_bytes=MAX_MESSAGE_BYTES, max_group_timeout_s=1.0))
     yield running
     await check_unharmed(running, rng)
     await stop(running)
@@ -445,6 +446,154 @@ async def test_load_weights_paths_never_get_internal(fuzzed, gemma_checkpoint, t
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             assert details.split(":")[0] in {"path", "version", "tensor", "header"}, details
             assert len(details) < 2000, "a long path is cut where it is shown"
+
+    def run() -> None:
+        with grpc.insecure_channel(fuzzed.target) as channel:
+            check(channel)
+
+    await asyncio.to_thread(run)
+
+
+# ----------------------------------------------------------------------------- weight updates
+
+UPDATE_RAW = "/logprob.v1.LogprobService/UpdateWeights"
+JOIN_RAW = "/logprob.v1.LogprobService/InitWeightsUpdateGroup"
+# What a weight RPC may answer a readable request (never INTERNAL or UNKNOWN).
+UPDATE_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
+}
+JOIN_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+LIVE = -1  # a header's base_version: the live version, filled in when the example runs
+int64s = st.integers(-(2**63), 2**63 - 1)
+
+
+@st.composite
+def tensor_pieces(draw, weights: dict[str, tuple[str, tuple[int, ...]]]) -> pb.TensorChunk:
+    """A piece of one of the model's weights (its name, dtype and shape), or of anything at all;
+    dense or sparse, ``changed`` anywhere from 0 past the tensor's elements to 2**63 - 1."""
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(sorted(weights)))
+        dtype, shape = weights[name]
+    else:
+        name = draw(st.text(max_size=30))
+        dtype = draw(st.one_of(st.sampled_from(["float32", "bfloat16", "float16", "int8"]), st.text(max_size=8)))
+        shape = tuple(draw(st.lists(st.one_of(st.integers(0, 64), int64s), max_size=4)))
+    numel = math.prod(d for d in shape if d >= 0)
+    changed = draw(
+        st.one_of(
+            st.just(0),
+            st.integers(1, 2 * numel + 2),
+            st.sampled_from([2**31, 2**32, 2**34, 2**63 - 1, -1]),
+            int64s,
+        )
+    )
+    return pb.TensorChunk(
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        offset=draw(st.one_of(st.just(0), int64s)),
+        changed=changed,
+        indices=draw(st.binary(max_size=64)),
+        data=draw(st.binary(max_size=256)),
+    )
+
+
+@st.composite
+def update_streams(draw, weights: dict[str, tuple[str, tuple[int, ...]]]) -> list[pb.UpdateWeightsRequest]:
+    header = pb.UpdateWeightsHeader(
+        model=draw(st.one_of(st.just("gemma"), st.text(max_size=10))),  # never the model the oracle scores
+        version=draw(st.one_of(st.just(0), int64s)),
+        partial=draw(st.booleans()),
+        streams=draw(st.sampled_from([0, 1])),  # one call: no wait for streams that never come
+        update_id=draw(st.text(max_size=10)),
+    )
+    base = draw(st.one_of(st.none(), st.just(LIVE), int64s))
+    if base is not None:
+        header.base_version = base
+    messages = [pb.UpdateWeightsRequest(header=header)] if draw(st.integers(0, 9)) else []
+    for piece in draw(st.lists(tensor_pieces(weights), max_size=3)):
+        messages.append(pb.UpdateWeightsRequest(tensor=piece))
+    if draw(st.booleans()):
+        count = draw(st.one_of(st.just(len(messages) - 1), int64s))
+        messages.append(pb.UpdateWeightsRequest(commit=pb.UpdateWeightsCommit(tensor_count=count)))
+    return messages
+
+
+async def test_weight_updates_with_any_fields_get_documented_statuses(fuzzed):
+    """UpdateWeights streams with random headers, pieces (``changed``, offsets, shapes, bytes) and
+    commits: every one answered with a documented status, none INTERNAL, the update slot free."""
+    model = fuzzed.scorer("gemma").model
+    weights = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in model.state_dict().items()}
+    updater, registry = fuzzed.service.updater, fuzzed.service.registry
+
+    name = min(weights)
+    dtype, shape = weights[name]
+    live_sparse_piece = [
+        pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(model="gemma", partial=True, base_version=LIVE)),
+        pb.UpdateWeightsRequest(
+            tensor=pb.TensorChunk(name=name, dtype=dtype, shape=shape, changed=2**34, indices=b"\0" * 4, data=b"\0" * 4)
+        ),
+    ]
+
+    @settings(FUZZ, max_examples=80)
+    @given(messages=update_streams(weights))
+    # Found by an attack on the server: 2**34 changed elements of a small tensor was a MemoryError (INTERNAL).
+    @example(messages=live_sparse_piece)
+    def check(channel: grpc.Channel, messages: list[pb.UpdateWeightsRequest]) -> None:
+        if messages and messages[0].HasField("header") and messages[0].header.base_version == LIVE:
+            messages[0].header.base_version = registry.get("gemma").info.version
+        try:
+            channel.stream_unary(UPDATE_RAW)(iter([m.SerializeToString() for m in messages]), timeout=60)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as err:
+            code, details = err.code(), err.details()
+        assert code in UPDATE_CODES, (code, details)
+        assert not updater.updating("gemma"), "the update slot is still held"
+
+    def run() -> None:
+        with grpc.insecure_channel(fuzzed.target) as channel:
+            check(channel)
+
+    await asyncio.to_thread(run)
+
+
+async def test_group_joins_with_any_timeout_get_documented_statuses(fuzzed):
+    """InitWeightsUpdateGroup with any ``timeout_s`` (NaN, infinities, negatives, 1e300, the limit
+    and below) and any rank, size, name and backend, to a trainer that is not there (port 1 of
+    loopback, or no port at all): refused, naming the field, or failed to join; never INTERNAL."""
+    limit = fuzzed.service.settings.max_group_timeout_s
+
+    @settings(FUZZ, max_examples=60)
+    @given(
+        timeout_s=st.one_of(st.floats(), st.floats(0, limit), st.sampled_from([1e300, -0.0, limit, limit * 2])),
+        port=st.one_of(st.just(1), st.integers(-(2**31), 0), st.integers(65536, 2**31 - 1)),
+        rank=st.integers(-(2**31), 2**31 - 1) | st.just(1),
+        world=st.integers(-(2**31), 2**31 - 1) | st.just(2),
+        name=st.text(max_size=10),
+        backend=st.one_of(st.sampled_from(["", "gloo", "nccl"]), st.text(max_size=6)),
+    )
+    def check(channel: grpc.Channel, timeout_s, port, rank, world, name, backend) -> None:
+        request = pb.InitWeightsUpdateGroupRequest(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=rank,
+            world_size=world,
+            group_name=name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+        try:
+            channel.unary_unary(JOIN_RAW)(request.SerializeToString(), timeout=60)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as err:
+            code, details = err.code(), err.details()
+        assert code in JOIN_CODES, (code, details)
+        if not (0 <= timeout_s <= limit) and name and 0 < port < 65536 and 0 < rank < world:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in details and f"{limit:g}" in details
 
     def run() -> None:
         with grpc.insecure_channel(fuzzed.target) as channel:

@@ -137,6 +137,12 @@ NORM = "model.norm.weight"
         (dict(indices=[1, 5], values=[0.5, 0.25], base=0, changed=3), "ABORTED", [NORM, "2 of its 3 changed"]),
         (dict(indices=[1, 5], values=[0.5, 0.25], base=0, offset=2), "INVALID_ARGUMENT", [NORM, "expected 0"]),
         (dict(indices=[1, 5], values=[0.5, 0.25], base=0, commit=False), "ABORTED", ["before its commit"]),
+        # More changed elements than the tensor has: refused before anything is allocated for them
+        # (2**34 was a MemoryError, INTERNAL; 2**31 allocated 16 GiB).
+        *(
+            (dict(indices=[1, 5], values=[0.5, 0.25], base=0, changed=n), "INVALID_ARGUMENT", [NORM, f"changed {n} "])
+            for n in (2**34, 2**31)
+        ),
     ],
     ids=[
         "no-base",
@@ -147,6 +153,8 @@ NORM = "model.norm.weight"
         "too-few",
         "order",
         "no-commit",
+        "changed-2**34",
+        "changed-2**31",
     ],
 )
 async def test_a_bad_sparse_piece_names_the_tensor_and_changes_nothing(served, stream, status, fragments):
@@ -159,6 +167,17 @@ async def test_a_bad_sparse_piece_names_the_tensor_and_changes_nothing(served, s
         for fragment in fragments:
             assert fragment in caught.value.details()
         assert await live(client, "policy") == before
+
+
+async def test_changed_past_the_tensors_elements_is_refused_naming_the_limit(served):
+    shape = list(served.scorer("policy").model.get_parameter(NORM).shape)
+    numel = int(np.prod(shape))
+    async with grpc.aio.insecure_channel(served.target) as channel:
+        stream = sparse_stream(NORM, shape, [1, 5], [0.5, 0.25], base=0, changed=numel + 1)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await pb_grpc.LogprobServiceStub(channel).UpdateWeights(iter(stream))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"tensor {NORM!r}: changed {numel + 1} is more than its {numel} elements" in caught.value.details()
 
 
 async def test_a_good_sparse_piece_changes_exactly_its_elements(served):

@@ -29,7 +29,7 @@ from logprob_service.models.weights import UpdatableWeights, model_fingerprint
 
 from tests.helpers.calls import parsed, unpacked, update_calls
 from tests.helpers.models import make_model, random_sequences
-from tests.helpers.server import as_lists, assert_scores_match, live, new_seed
+from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
 from tests.helpers.waiting import TIMEOUT_S, eventually
 
 UPDATE_WEIGHTS = "/logprob.v1.LogprobService/UpdateWeights"
@@ -341,3 +341,53 @@ async def test_a_stream_cancelled_once_the_swap_has_begun_leaves_the_others_a_tr
     )
     assert answer[0].version == after.version
     assert slot_held_during_swap, "the model's update slot was freed while its swap was still running"
+
+
+IDLE_S = 0.5  # the server's update_idle_timeout_s in the tests below
+
+
+@pytest.fixture
+async def idle_served(llama_checkpoint):
+    running = await start(settings({"policy": str(llama_checkpoint)}, update_idle_timeout_s=IDLE_S))
+    yield running
+    await stop(running)
+
+
+async def header_then_nothing(messages: list[bytes]) -> AsyncIterator[bytes]:
+    """A call that sends its header and then holds its stream open, sending nothing."""
+    yield messages[0]
+    await asyncio.Event().wait()
+
+
+async def test_a_stream_that_sends_only_its_header_is_aborted_after_the_idle_limit(idle_served):
+    """One call of a two-call update sends all of its share; the other only its header, and holds
+    its stream open. Past the server's idle limit both calls are answered ABORTED (neither is
+    left waiting for a client that sends nothing), the model's update slot is free, nothing
+    changed; a push then goes through. A single-call update likewise."""
+    served = idle_served
+    good = noisy(served.scorer("policy").model)
+    first, second = update_calls("policy", good, version=0, partial=False, streams=2)
+    async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
+        before = await live(client, "policy")
+        update = raw_update(channel)
+        answered = await asyncio.wait_for(
+            asyncio.gather(
+                update(iter(first), timeout=TIMEOUT_S),
+                update(header_then_nothing(second), timeout=TIMEOUT_S),
+                return_exceptions=True,
+            ),
+            TIMEOUT_S,
+        )
+        for answer in answered:
+            assert_failed(answer, grpc.StatusCode.ABORTED, f"no message came for {IDLE_S:g} s", "update_idle_timeout_s")
+        assert not served.service.updater.updating("policy") and joined(served) == 0, "the update slot is free"
+        assert await live(client, "policy") == before
+
+        (alone,) = update_calls("policy", good, version=0, partial=False, streams=1)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(update(header_then_nothing(alone), timeout=TIMEOUT_S), TIMEOUT_S)
+        assert_failed(caught.value, grpc.StatusCode.ABORTED, "update_idle_timeout_s", "model 'policy'")
+        assert not served.service.updater.updating("policy")
+
+        result = await client.update_weights("policy", good, streams=2)
+        assert result.version == before.version + 1 and result.fingerprint == fingerprint_of(good)

@@ -7,19 +7,20 @@ its own full logits (``tests.models.reference_scores``). Tolerance 1e-5 (float32
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from logprob_client import AsyncLogprobClient, FailedPrecondition, InvalidRequest, UpdateAborted
+from logprob_client import AsyncLogprobClient, DeadlineExceeded, FailedPrecondition, InvalidRequest, UpdateAborted
 from logprob_client.weights import update_requests
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.models.weights import model_fingerprint
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.calls import parsed
+from tests.helpers.calls import OK, Gate, parsed, request
 from tests.helpers.models import ScoreReference, make_model, random_sequences
 from tests.helpers.server import as_lists, assert_scores_match, live, new_seed, settings, start, stop
 from tests.helpers.waiting import eventually
@@ -314,3 +315,84 @@ async def test_one_update_of_a_model_at_a_time(served):
             await client.update_weights("policy", state)
         release.set()
         assert (await first).version == 1
+
+
+async def test_a_push_cancelled_after_its_commit_goes_live_logged_and_listed(served, caplog):
+    """The commit reached the server, then the caller cancelled (its swap held behind a launch):
+    the push goes live all the same, the log says so, and ListModels answers only once it has,
+    so the caller can learn the push's fate from it."""
+    caplog.set_level(logging.INFO, logger="logprob_service.engine.weight_updates")
+    messages = parsed(update_requests("policy", good_update(served.scorer("policy").model), version=7, partial=False))
+    gate = Gate(served, "policy")
+    try:
+        async with grpc.aio.insecure_channel(served.target) as channel:
+            stub = pb_grpc.LogprobServiceStub(channel)
+            held = stub.ScoreTokens(request(OK, model="policy"), timeout=60)
+            await gate.wait_entered()
+
+            async def then_hold():
+                for message in messages:
+                    yield message
+                await asyncio.Event().wait()
+
+            push = stub.UpdateWeights(then_hold())
+            scheduler = served.service.scheduler
+            await eventually(lambda: "policy" in scheduler.pending_swaps, "the commit, its swap waiting")
+            push.cancel()
+            listed = asyncio.ensure_future(stub.ListModels(pb.ListModelsRequest(), timeout=60))
+            done, _ = await asyncio.wait([listed], timeout=0.5)
+            assert not done, "ListModels answered while a push past its commit was still to go live"
+            gate.release.set()
+            (policy,) = [m for m in (await listed).models if m.name == "policy"]
+            assert policy.version == 7
+            await held
+    finally:
+        gate.restore()
+    assert any("version 7 live" in r.getMessage() for r in caplog.records)
+    await eventually(lambda: not served.service.updater.updating("policy"), "the update slot to be free")
+
+
+async def test_a_push_past_its_deadline_says_whether_it_went_live(llama_checkpoint):
+    """A push's calls pass their deadline: the client asks ListModels before it raises, and its
+    error says whether the push went live. Past the commit (its swap held behind a launch): it
+    did, as version 0's live + 1. Midway (the stream read slowly while the launch is held): it
+    did not, and never does."""
+    running = await start(settings({"policy": str(llama_checkpoint)}, update_yield_to_launches=False))
+    state = running.scorer("policy").model.state_dict()
+    gate = Gate(running, "policy")
+    try:
+        async with AsyncLogprobClient(running.target, model="policy") as client:
+            held = asyncio.ensure_future(client.score([[1, 2, 3]], [[4, 5]], timeout=60))
+            await gate.wait_entered()
+            pushing = asyncio.ensure_future(client.update_weights("policy", state, timeout=2.0))
+            await asyncio.sleep(3.0)  # past the push's deadline: its calls have failed, ListModels waits
+            gate.release.set()
+            with pytest.raises(DeadlineExceeded) as caught:
+                await pushing
+            outcome = caught.value.push_outcome
+            assert (outcome.version, outcome.live_version, outcome.went_live) == (1, 1, True)
+            assert "went live" in caught.value.message
+            await held
+    finally:
+        gate.restore()
+        await stop(running)
+
+    # Midway: the stream is read slowly (0.1 s a message while a launch is held), the deadline passes.
+    running = await start(settings({"policy": str(llama_checkpoint)}))
+    gate = Gate(running, "policy")
+    try:
+        async with AsyncLogprobClient(running.target, model="policy") as client:
+            held = asyncio.ensure_future(client.score([[1, 2, 3]], [[4, 5]], timeout=60))
+            await gate.wait_entered()
+            with pytest.raises(DeadlineExceeded) as caught:
+                await client.update_weights("policy", state, version=9, chunk_bytes=4096, streams=1, timeout=1.0)
+            outcome = caught.value.push_outcome
+            assert (outcome.version, outcome.live_version, outcome.went_live) == (9, 0, False)
+            assert "did not go live" in caught.value.message
+            gate.release.set()
+            await held
+            await eventually(lambda: not running.service.updater.updating("policy"), "the update slot to be free")
+            assert (await live(client, "policy")).version == 0
+    finally:
+        gate.restore()
+        await stop(running)

@@ -15,6 +15,7 @@ from logprob_service.api import accounting, handlers, wire
 from logprob_service.api.security.caller import current_client
 from logprob_service.api.status import status_of
 from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine.weight_updates import StreamIdle
 from logprob_service.errors import LogprobError
 
 
@@ -85,8 +86,9 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
+        models = await self._engine.list_models()  # the fate of every push whose commit came before is in it
         return pb.ListModelsResponse(
-            models=[wire.model_info_to_proto(info, self._engine.limits) for info in self._engine.list_models()],
+            models=[wire.model_info_to_proto(info, self._engine.limits) for info in models],
             weight_receiver_ports=self._weight_receiver_ports(),
         )
 
@@ -98,6 +100,8 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
             # the stream goes then (a weight receiver's slot of shared memory).
             async with contextlib.aclosing(wire.update_messages(request_iterator)) as messages:
                 return wire.update_response(await self._engine.update(messages))
+        except StreamIdle:
+            raise  # the client sends nothing: answered at once, not read to an end that may never come
         except LogprobError:
             await handlers.read_to_end(request_iterator)
             raise

@@ -236,9 +236,6 @@ def update_response(outcome: UpdateOutcome) -> pb.UpdateWeightsResponse:
     )
 
 
-DEFAULT_GROUP_TIMEOUT_S = 120.0
-
-
 def group_spec(request: pb.InitWeightsUpdateGroupRequest) -> GroupSpec:
     if not request.group_name:
         raise InvalidArgument("group_name: empty; a group needs a name for UpdateWeightsFromDistributed")
@@ -251,7 +248,7 @@ def group_spec(request: pb.InitWeightsUpdateGroupRequest) -> GroupSpec:
         world_size=request.world_size,
         name=request.group_name,
         backend=request.backend,
-        timeout_s=request.timeout_s or DEFAULT_GROUP_TIMEOUT_S,
+        timeout_s=request.timeout_s,  # 0: the engine's default
     )
 
 

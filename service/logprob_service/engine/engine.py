@@ -24,7 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from logprob_service.config import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS, Settings
+from logprob_service.config import (
+    DEFAULT_MAX_BATCH_SEQUENCES,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_GROUP_TIMEOUT_S,
+    DEFAULT_UPDATE_IDLE_TIMEOUT_S,
+    Settings,
+)
 from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, SharedTensor, TokenSequence
 from logprob_service.engine.interfaces import Executor, JoinGroup, Staging, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
@@ -71,6 +77,8 @@ class EngineConfig:
     max_version_wait_s: float = 300.0
     share_prompts: bool = False
     update_yield_to_launches: bool = False
+    update_idle_timeout_s: float = DEFAULT_UPDATE_IDLE_TIMEOUT_S
+    max_group_timeout_s: float = DEFAULT_MAX_GROUP_TIMEOUT_S
     load_weights_roots: tuple[Path, ...] = ()  # empty: LoadWeights reads any regular file it checked
 
     @classmethod
@@ -131,6 +139,8 @@ class LogprobEngine:
             join_group=join_group,
             yield_to_launches=config.update_yield_to_launches,
             load_roots=config.load_weights_roots,
+            idle_timeout_s=config.update_idle_timeout_s,
+            max_group_timeout_s=config.max_group_timeout_s,
             stats=stats,
         )
         self.phase = Phase.STARTING
@@ -194,12 +204,15 @@ class LogprobEngine:
         self.check_accepting()
         return await self.scheduler.submit(validate_job(job, self.registry.get(job.model).info, self.limits))
 
-    def list_models(self) -> list[ModelInfo]:
-        return [served.info for served in self.registry]
+    async def list_models(self) -> list[ModelInfo]:
+        """The served models, once every weight update whose commit came before has gone live or
+        failed: a caller whose push was cancelled or timed out after its commit learns its fate here."""
+        await self.updater.settled()
+        return self.models()
 
-    # What the metrics read at scrape time (``stats.ServerView``).
+    # What the metrics read at scrape time (``stats.ServerView``): the models as they are now.
     def models(self) -> list[ModelInfo]:
-        return self.list_models()
+        return [served.info for served in self.registry]
 
     def device_memory(self) -> dict[str, MemorySnapshot]:
         return self._device_memory()

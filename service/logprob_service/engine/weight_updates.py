@@ -38,23 +38,26 @@ import logging
 import math
 import os
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from logprob_service.config import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 from logprob_service.domain import DTYPE_BYTES, SharedTensor, SparseChanges
 from logprob_service.engine.interfaces import JoinGroup, Received, ServedModel, Staging, UpdatableWeights, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import validate_version
-from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument, LogprobError
+from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument, LogprobError, Overloaded
 from logprob_service.stats import NO_STATS, StatsSink, WeightsUpdated
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class GroupSpec:
     world_size: int
     name: str
     backend: str  # "nccl", "gloo", or "" (by device)
-    timeout_s: float
+    timeout_s: float  # 0: DEFAULT_GROUP_TIMEOUT_S (at most the server's max_group_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,10 @@ class _SparseAssembly:
         if self.numel > MAX_SPARSE_ELEMENTS:
             raise InvalidArgument(
                 f"tensor {self.name!r}: {self.numel} elements are more than uint32 indices reach; send it dense"
+            )
+        if self.changed > self.numel:  # checked before the arrays below are allocated for them
+            raise InvalidArgument(
+                f"tensor {self.name!r}: changed {self.changed} is more than its {self.numel} elements (the limit)"
             )
         self.indices = np.empty(self.changed, dtype=np.uint32)
         self.values = np.empty(self.changed * self.itemsize, dtype=np.uint8)
@@ -343,7 +350,7 @@ class _Update:
         self.staged: dict[str, concurrent.futures.Future[tuple[list[Any], Any]]] = {}
         self.writes: collections.deque[concurrent.futures.Future[None]] = collections.deque()  # not yet waited for
         self.sparse_waiting: list[_SparseAssembly] = []  # complete, not yet staged (``stage_sparse``)
-        self.batches: list[concurrent.futures.Future[Any]] = []  # ``stage_sparse``'s jobs
+        self.jobs: list[concurrent.futures.Future[Any]] = []  # everything given to the pool (``abandon``)
         self.bytes = 0
 
     def add_piece(self, piece: TensorPiece | SparsePiece, stream: _Stream) -> None:
@@ -382,10 +389,14 @@ class _Update:
         write's error): the stream is read no faster than its bytes reach their place. Writes
         already done are taken without an await, which would cost a trip through the event loop
         for every message."""
-        while self.writes and self.writes[0].done():
-            self.writes.popleft().result()
-        while len(self.writes) > WRITES_IN_FLIGHT:
-            await asyncio.wrap_future(self.writes.popleft())
+        while True:
+            while self.writes and self.writes[0].done():
+                self.writes.popleft().result()
+            if len(self.writes) <= WRITES_IN_FLIGHT:
+                return
+            # Taken once done (above, here or by another stream of the update): a write this call's
+            # cancellation interrupts stays for ``abandon``.
+            await asyncio.wrap_future(self.writes[0])
 
     def _check_base(self, name: str) -> None:
         base, live = self.header.base_version, self.served.info.version
@@ -441,7 +452,7 @@ class _Update:
             return
         self.bytes += sum(a.nbytes for a in batch)
         job = self.pool.submit(self._stage_changes, batch)
-        self.batches.append(job)
+        self.jobs.append(job)
         for i, a in enumerate(batch):
             job.add_done_callback(functools.partial(_settle_one, self.staged[a.name], i))
 
@@ -460,6 +471,7 @@ class _Update:
     def _submit(self, name: str, nbytes: int, job: Callable[[], tuple[list[Any], Any]]) -> None:
         self.bytes += nbytes
         submitted = self.pool.submit(job)
+        self.jobs.append(submitted)
         if name in self.staged:  # a received tensor, named when its first piece came
             submitted.add_done_callback(functools.partial(_settle, self.staged[name]))
         else:
@@ -485,10 +497,12 @@ class _Update:
 
     async def abandon(self) -> None:
         """Cancels the staging not yet started and waits for what runs (its writes, its copies):
-        nothing staged for a failed update, which may read a caller's memory, outlives it."""
-        for future in [*self.staged.values(), *self.batches]:
-            future.cancel()
-        await asyncio.to_thread(concurrent.futures.wait, [*self.writes, *self.staged.values(), *self.batches])
+        nothing staged for a failed update, which may read a caller's memory, outlives it. Only
+        work given to the pools is waited for, each run or cancelled: a tensor's own future in
+        ``staged`` settles from its job, or never, where the tensor never came whole."""
+        for job in self.jobs:
+            job.cancel()
+        await _ended([*self.writes, *self.jobs])
         for stager in self.stagers:
             await asyncio.to_thread(stager.finish, [])
 
@@ -527,6 +541,16 @@ class _Update:
         )
 
 
+async def _ended(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
+    """Returns once every one of ``futures`` is done: run, failed or cancelled. Not
+    ``concurrent.futures.wait``: it counts a cancelled future as done only once an executor has
+    taken it up, so it waits forever for one that no executor holds (a tensor's future in
+    ``_Update.staged``, or a job a pool's shutdown dropped); waiting so for a cancelled push once
+    held the model's update slot, and the process's exit, for good."""
+    if futures:
+        await asyncio.wait([asyncio.wrap_future(f) for f in futures])
+
+
 def _settle_one(target: concurrent.futures.Future[Any], i: int, source: concurrent.futures.Future[Any]) -> None:
     """``target`` takes item ``i`` of ``source``'s result, or its error."""
     if source.cancelled() or source.exception() is not None:
@@ -549,11 +573,59 @@ def _settle(target: concurrent.futures.Future[Any], source: concurrent.futures.F
 
 # How long the streams of one update have to arrive, counted from the first.
 STREAMS_JOIN_S = 30.0
+# InitWeightsUpdateGroup's timeout_s when the request gives none (the server's max_group_timeout_s
+# if lower).
+DEFAULT_GROUP_TIMEOUT_S = 120.0
+# Joins of trainers' groups in progress at once, at most; more are refused (RESOURCE_EXHAUSTED).
+# Each holds a thread until it ends, which a join blocked connecting to a TCP store that does not
+# answer does only at its timeout: nothing can interrupt it.
+MAX_PENDING_JOINS = 4
 # Updates over several streams remembered once ended, so that a stream coming late gets its answer.
 ENDED_SESSIONS_KEPT = 64
 # An update stream yielding to micro-batch launches (``yield_to_launches``) reads its next message
 # after at most this long, so that it goes on, slowly, even when launches follow each other.
 LAUNCH_YIELD_MAX_S = 0.1
+
+
+class StreamIdle(Aborted):
+    """No message of an update stream came within the server's ``update_idle_timeout_s``: the
+    update is aborted and the model's update slot freed. The client holds the stream open without
+    sending, so the stream is answered at once, not read to its end first."""
+
+
+async def _on_daemon_thread(
+    fn: Callable[[], T], *, ended: Callable[[], None] = lambda: None, orphaned: Callable[[T], None] = lambda _: None
+) -> T:
+    """``fn()``, run on a daemon thread of its own: a call blocked where nothing can interrupt it
+    (a join's connect to a trainer's TCP store, up to its timeout) then holds neither a thread of
+    the event loop's default executor, which the server's other work needs, nor the process's exit,
+    which waits for that executor's threads. Cancelled, this returns at once; ``fn`` runs on, and
+    ``orphaned`` takes what it returns, which no caller will. ``ended``: called once ``fn`` has
+    returned or raised. Both are called on the event loop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        ended()
+        if done.cancelled():
+            if error is None:
+                orphaned(result)
+        elif error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as err:
+            error = err
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="logprob-group", daemon=True).start()
+    return await done
 
 
 class _Session:
@@ -615,6 +687,8 @@ class _Session:
             error = Aborted(
                 f"a stream of update {self.header.update_id!r} broke off ({type(error).__name__}); nothing applied"
             )
+        elif isinstance(error, StreamIdle):
+            error = Aborted(error.message)  # the other streams may still be sending: read to their ends
         if not self.outcome.done():
             self.outcome.set_exception(error)
             self.outcome.exception()  # retrieved: streams that already returned never read it
@@ -652,6 +726,8 @@ class WeightUpdater:
         join_group: JoinGroup | None = None,
         yield_to_launches: bool = False,
         load_roots: Sequence[Path] = (),
+        idle_timeout_s: float = DEFAULT_UPDATE_IDLE_TIMEOUT_S,
+        max_group_timeout_s: float = DEFAULT_MAX_GROUP_TIMEOUT_S,
         stats: StatsSink = NO_STATS,
     ) -> None:
         """``load_roots``: the directories (resolved) LoadWeights may read under, with the served
@@ -671,6 +747,10 @@ class WeightUpdater:
         # event loop receives the next ones.
         self._writers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-receive")
         self._groups: dict[str, WeightGroup] = {}  # joined trainers' groups, by name
+        self._joins = 0  # joins in progress (their threads, whose calls may have ended)
+        self._idle_timeout_s = idle_timeout_s
+        self._max_group_timeout_s = max_group_timeout_s
+        self._past_commit: set[asyncio.Task[UpdateOutcome]] = set()  # updates past their commit (``settled``)
 
     def updating(self, model: str) -> bool:
         """Whether an update of ``model`` is in progress (its header came; its swap is not done)."""
@@ -680,7 +760,7 @@ class WeightUpdater:
         """An UpdateWeights stream: a header, tensor pieces, a commit; or one of the streams of an
         update that comes over several."""
         start = time.perf_counter_ns()
-        first = await anext(messages, None)
+        first = await self._next_message(messages, "before its header")
         if not isinstance(first, UpdateHeader):
             raise InvalidArgument("header: the first message of an update stream must be its header")
         if first.streams > 1:
@@ -697,7 +777,7 @@ class WeightUpdater:
         while True:
             if self._yield_to_launches:
                 await self._scheduler.between_launches(LAUNCH_YIELD_MAX_S)
-            message = await anext(messages, None)
+            message = await self._next_message(messages, f"in an update of model {update.served.info.name!r}")
             if message is None:
                 break
             if session is not None:
@@ -711,6 +791,21 @@ class WeightUpdater:
             else:
                 raise InvalidArgument("header: a second header in one update stream")
         raise update.ended_early(stream)
+
+    async def _next_message(self, messages: AsyncIterator[UpdateMessage], where: str) -> UpdateMessage | None:
+        """The stream's next message (None at its end), if it comes within the idle limit: a client
+        that holds a stream open without sending would otherwise hold the model's update slot (and
+        the other streams of its update) for as long as it likes."""
+        try:
+            async with asyncio.timeout(self._idle_timeout_s) as idle:
+                return await anext(messages, None)
+        except TimeoutError:
+            if not idle.expired():
+                raise
+            raise StreamIdle(
+                f"update stream: no message came for {self._idle_timeout_s:g} s {where} (the server's "
+                "update_idle_timeout_s); nothing applied"
+            ) from None
 
     async def _update_in_session(
         self, header: UpdateHeader, messages: AsyncIterator[UpdateMessage], start: int
@@ -736,9 +831,9 @@ class WeightUpdater:
             await self._receive(session.update, messages, session)
             session.committed += 1
             if session.committed == header.streams:
-                # A task of its own: the update is whole, and goes live even if this stream's
-                # call is cancelled meanwhile (every stream is then answered with the outcome).
-                session.commit = asyncio.ensure_future(self._commit(session.update, session.start_ns))
+                # The update is whole, and goes live even if this stream's call is cancelled
+                # meanwhile (every stream is then answered with the outcome).
+                session.commit = self._go_live(session.update, session.start_ns)
                 session.commit.add_done_callback(session.settle)
         except BaseException as err:
             session.fail(err)  # the other streams' answer; this one's is its own error
@@ -780,34 +875,50 @@ class WeightUpdater:
             raise InvalidArgument(
                 f"rank_offset: {spec.rank} must be in [1, world_size={spec.world_size}) (0 is the trainer)"
             )
-        if spec.timeout_s <= 0:
-            raise InvalidArgument(f"timeout_s: {spec.timeout_s} must be > 0")
+        limit = self._max_group_timeout_s
+        if not 0 <= spec.timeout_s <= limit:  # NaN too
+            raise InvalidArgument(
+                f"timeout_s: {spec.timeout_s} is not in [0, {limit:g}] seconds (the server's max_group_timeout_s; "
+                f"0: {min(DEFAULT_GROUP_TIMEOUT_S, limit):g})"
+            )
+        if self._joins >= MAX_PENDING_JOINS:
+            raise Overloaded(
+                f"InitWeightsUpdateGroup: {self._joins} joins of weight groups are in progress, the most at once",
+                retry_after_s=1.0,
+            )
+        device = next(iter(self._registry)).device
+        join = functools.partial(
+            self._join_group,
+            device,
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            name=spec.name,
+            backend=spec.backend,
+            timeout_s=spec.timeout_s or min(DEFAULT_GROUP_TIMEOUT_S, limit),
+        )
+        self._joins += 1  # until its thread ends, which may be after its call did
+        # A join whose call ends first (cancelled, past its deadline) leaves the group it joins.
+        group = await _on_daemon_thread(join, ended=self._join_ended, orphaned=lambda group: group.close())
+        # Joined: only now does it replace a group of that name (one that failed to join leaves
+        # the trainer's working group in place).
         if (old := self._groups.pop(spec.name, None)) is not None:
             old.close()
-        device = next(iter(self._registry)).device
-        join = self._join_group
-        group = await asyncio.to_thread(
-            lambda: join(
-                device,
-                master_address=spec.master_address,
-                master_port=spec.master_port,
-                rank=spec.rank,
-                world_size=spec.world_size,
-                name=spec.name,
-                backend=spec.backend,
-                timeout_s=spec.timeout_s,
-            )
-        )
         self._groups[spec.name] = group
         log.info("joined weight group %r as rank %d of %d (%s)", spec.name, spec.rank, spec.world_size, group.backend)
         return group
+
+    def _join_ended(self) -> None:
+        self._joins -= 1
 
     async def leave_group(self, name: str) -> None:
         """Leave the group ``name`` together with its rank 0 (returns once both have left)."""
         group = self._groups.pop(name, None)
         if group is None:
             raise FailedPrecondition(f"group_name: no weight group {name!r} joined ({self._joined()})")
-        await asyncio.to_thread(group.close, graceful=True)
+        # Waits for the trainer (NCCL's shutdown): not on a thread the process's exit would wait for.
+        await _on_daemon_thread(functools.partial(group.close, graceful=True))
         log.info("left weight group %r", name)
 
     def _joined(self) -> str:
@@ -900,6 +1011,37 @@ class WeightUpdater:
         self._updating.discard(name)
 
     async def _commit(self, update: _Update, start_ns: int) -> UpdateOutcome:
+        """The update goes live (``_go_live``). Cancelling this call does not stop it: the
+        cancellation waits for its end, so that the model's update slot is held until then."""
+        going = self._go_live(update, start_ns)
+        try:
+            return await asyncio.shield(going)
+        except asyncio.CancelledError:
+            await asyncio.wait([going])  # a second cancellation (the server stopping) ends this wait
+            raise
+
+    def _go_live(self, update: _Update, start_ns: int) -> asyncio.Task[UpdateOutcome]:
+        """An update whose commit came, checked, swapped in and logged by a task of its own: it
+        goes live or fails whatever becomes of the calls that brought it (a caller may cancel
+        right after sending its commit), and ``settled`` waits for it."""
+        task = asyncio.ensure_future(self._swap_in(update, start_ns))
+        self._past_commit.add(task)
+        task.add_done_callback(self._gone_live)
+        return task
+
+    def _gone_live(self, task: asyncio.Task[UpdateOutcome]) -> None:
+        self._past_commit.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the call that brought it may be gone
+
+    async def settled(self) -> None:
+        """Returns once every update whose commit came before has gone live or failed: ListModels
+        answers after them, so a caller whose push was cancelled or timed out after its commit
+        learns from it whether the push went live."""
+        if self._past_commit:
+            await asyncio.wait(set(self._past_commit))
+
+    async def _swap_in(self, update: _Update, start_ns: int) -> UpdateOutcome:
         update.check_complete()
         staged = await update.staged_tensors()
         served, version = update.served, update.header.version
