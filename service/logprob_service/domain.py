@@ -6,11 +6,14 @@ executor converts these to tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+
+from logprob_service.errors import InvalidArgument
 
 # The weight dtypes the server serves and takes in updates, by name, with their element size.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -208,3 +211,112 @@ class SparseChanges:
     indices: np.ndarray
     values: np.ndarray
     dtype: str
+
+
+# A weight update's messages (UpdateWeights, LoadWeights, a group's broadcast), as ``api.wire``
+# makes them from the wire and ``engine.weights`` takes them in.
+
+
+def validate_version(field: str, version: int) -> int:
+    if version < 0:
+        raise InvalidArgument(f"{field}: {version} must be >= 0 (0: unset)")
+    return version
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    model: str
+    version: int  # 0: the live version + 1
+    partial: bool  # only some weights come; the others keep their live values
+    base_version: int | None = None  # the version sparse tensors change (must be the live one)
+    streams: int = 1  # the update comes over this many streams together, named by update_id
+    update_id: str = ""
+
+    def __post_init__(self) -> None:
+        validate_version("version", self.version)
+        if self.base_version is not None:
+            validate_version("base_version", self.base_version)
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """Bytes ``[offset, offset + len(data))`` of one tensor's raw little-endian, C-order bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    data: bytes | memoryview  # a view of the received message, where the wire allows
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class SparsePiece:
+    """Some of the ``changed`` elements in which one tensor differs from the base version: their flat
+    indices (little-endian uint32, ascending) and new values; ``offset`` of them came before."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    changed: int
+    indices: bytes | memoryview
+    values: bytes | memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.indices) + len(self.values)
+
+
+@dataclass(frozen=True)
+class Commit:
+    tensor_count: int
+
+
+UpdateMessage = UpdateHeader | TensorPiece | SparsePiece | Commit
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A trainer's weight-update group to join (InitWeightsUpdateGroup)."""
+
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int
+    name: str
+    backend: str  # "nccl", "gloo", or "" (by device)
+    timeout_s: float  # 0: DEFAULT_GROUP_TIMEOUT_S (at most the server's max_group_timeout_s)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor a group's rank 0 will broadcast."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class Ready:
+    """An update from a group is checked: rank 0 may broadcast."""
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    model: str
+    version: int
+    fingerprint: str
+    tensors: int
+    bytes: int
+    staged_on: str  # "cuda:0", "cpu", or "cuda:0+cpu" when device memory ran short midway
+    total_ns: int
+    swap_ns: int
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """The raw bytes of a whole tensor of ``dtype`` and ``shape``."""
+    return math.prod(shape) * DTYPE_BYTES[dtype]

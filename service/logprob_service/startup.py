@@ -26,7 +26,7 @@ from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
-from logprob_service.engine.weight_updates import WeightUpdater
+from logprob_service.engine.weights.updater import WeightUpdater
 from logprob_service.models.build import build_rank
 from logprob_service.models.loading import resolve_devices
 from logprob_service.observability import metrics

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from logprob_service.domain import ModelInfo
-from logprob_service.engine.weight_updates import TensorPiece, UpdateHeader, _Stream, _Update
+from logprob_service.domain import ModelInfo, TensorPiece, UpdateHeader
+from logprob_service.engine.weights.update import Stream, Update
 
 SHAPE = (4, 4)
 WAIT_S = 30.0  # how long a broken abandon may hang before the test fails (it returns in milliseconds)
@@ -81,8 +81,8 @@ def whole_tensor(name: str) -> TensorPiece:
 async def test_a_commit_cancelled_while_its_tensors_are_staged_ends(pools):
     staging = HeldStaging()
     info = ModelInfo("m", "fake", "fake", 100, None, "float32", "cpu", 0, "")
-    update = _Update([Replica(info)], UpdateHeader("m", 1, partial=True), staging, *pools)
-    stream = _Stream()
+    update = Update([Replica(info)], UpdateHeader("m", 1, partial=True), staging, *pools)
+    stream = Stream()
     for name in ("a", "b", "c"):  # the first runs (held), the other two wait for the pool's 2nd thread or queue
         update.add_piece(whole_tensor(name), stream)
     await asyncio.to_thread(staging.staging.wait, WAIT_S)

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from logprob_service.domain import ModelInfo, ScoreJob, SequenceScores, TokenSequence
+from logprob_service.domain import ModelInfo, ScoreJob, SequenceScores, TokenSequence, UpdateHeader
 from logprob_service.engine.engine import EngineConfig, LogprobEngine, Phase
 from logprob_service.engine.registry import ModelRegistry
-from logprob_service.engine.weight_updates import UpdateHeader
 from logprob_service.errors import InvalidArgument, ModelNotFound, Unavailable
 
 

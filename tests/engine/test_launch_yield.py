@@ -1,6 +1,6 @@
 """Weight-update streams yield to scoring: they are not read while a micro-batch is being launched
 (``Scheduler.between_launches``; ``update_yield_to_launches``, on by default), each message at most
-``weight_updates.LAUNCH_YIELD_MAX_S`` late.
+``updater.LAUNCH_YIELD_MAX_S`` late.
 
 With a fake device whose launch the test holds: no launch, no wait (checked without the clock: the
 wait never suspends); a launch in progress, a wait until it ends, or ``max_wait_s`` at most (a
@@ -21,9 +21,10 @@ import torch
 from logprob_client import AsyncLogprobClient
 from logprob_client.weights import update_requests
 from logprob_service.domain import ModelInfo, ScoreJob, SequenceScores, TokenSequence
-from logprob_service.engine import weight_updates
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
+from logprob_service.engine.weights import update as weights_update
+from logprob_service.engine.weights import updater as weights_updater
 
 from tests.helpers.calls import Gate, parsed, unpacked
 from tests.helpers.server import settings, start, stop
@@ -161,13 +162,13 @@ async def test_a_failed_launch_ends_the_wait_too(held, rng):
 def pieces_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the tensor pieces the server's updates take in, in order."""
     read: list[str] = []
-    add_piece = weight_updates._Update.add_piece
+    add_piece = weights_update.Update.add_piece
 
     def counted(self, piece, stream):
         read.append(piece.name)
         return add_piece(self, piece, stream)
 
-    monkeypatch.setattr(weight_updates._Update, "add_piece", counted)
+    monkeypatch.setattr(weights_update.Update, "add_piece", counted)
     return read
 
 
@@ -193,7 +194,7 @@ async def push_while_a_launch_is_held(running, pieces_read: list[str], rng, chec
 
 
 async def test_a_push_is_not_read_while_a_launch_is_in_progress(llama_checkpoint, pieces_read, monkeypatch, rng):
-    monkeypatch.setattr(weight_updates, "LAUNCH_YIELD_MAX_S", 3600.0)  # yield for as long as the launch lasts
+    monkeypatch.setattr(weights_updater, "LAUNCH_YIELD_MAX_S", 3600.0)  # yield for as long as the launch lasts
     running = await start(settings({"policy": str(llama_checkpoint)}))
     try:
         assert running.service.settings.update_yield_to_launches  # the default
@@ -208,7 +209,7 @@ async def test_a_push_is_not_read_while_a_launch_is_in_progress(llama_checkpoint
 
 
 async def test_a_push_goes_on_slowly_while_launches_last(llama_checkpoint, pieces_read, monkeypatch, rng):
-    monkeypatch.setattr(weight_updates, "LAUNCH_YIELD_MAX_S", 0.05)
+    monkeypatch.setattr(weights_updater, "LAUNCH_YIELD_MAX_S", 0.05)
     running = await start(settings({"policy": str(llama_checkpoint)}))
     try:
 

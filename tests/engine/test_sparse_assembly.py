@@ -9,7 +9,8 @@ import re
 
 import numpy as np
 import pytest
-from logprob_service.engine.weight_updates import SparsePiece, _SparseAssembly
+from logprob_service.domain import SparsePiece
+from logprob_service.engine.weights.assembly import SparseAssembly
 from logprob_service.errors import InvalidArgument
 
 SHAPE = (10, 10)  # 100 elements
@@ -33,12 +34,12 @@ def writers():
         yield pool
 
 
-def write(a: _SparseAssembly, p: SparsePiece, writers: concurrent.futures.Executor) -> None:
+def write(a: SparseAssembly, p: SparsePiece, writers: concurrent.futures.Executor) -> None:
     a.write(p, writers).result()
 
 
 def test_pieces_that_ascend_across_their_edge_are_taken_whole(writers):
-    a = _SparseAssembly(piece(0, [3, 7]), live=None)
+    a = SparseAssembly(piece(0, [3, 7]), live=None)
     write(a, piece(0, [3, 7]), writers)
     write(a, piece(2, [8, 50, 99]), writers)
     assert a.complete and a.indices.tolist() == [3, 7, 8, 50, 99]
@@ -57,14 +58,14 @@ def test_pieces_that_ascend_across_their_edge_are_taken_whole(writers):
     ],
 )
 def test_the_first_bad_index_is_named(second, bad, writers):
-    a = _SparseAssembly(piece(0, [3, 7]), live=None)
+    a = SparseAssembly(piece(0, [3, 7]), live=None)
     write(a, piece(0, [3, 7]), writers)
     with pytest.raises(InvalidArgument, match=re.escape(f"tensor 'w': {bad}")):
         write(a, piece(2, second), writers)
 
 
 def test_the_staging_of_a_tensor_whose_write_failed_raises_that_error(writers):
-    a = _SparseAssembly(piece(0, [3, 7]), live=None)
+    a = SparseAssembly(piece(0, [3, 7]), live=None)
     write(a, piece(0, [3, 7]), writers)
     a.write(piece(2, [8, 60, 40]), writers)  # its ends are fine: the write finds the bad index
     assert a.complete

@@ -15,7 +15,7 @@ import torch
 from logprob_client import AsyncLogprobClient
 from logprob_client.weights import WeightDeltas
 from logprob_service.api import receiver_process, tensor_pieces
-from logprob_service.engine import weight_updates
+from logprob_service.engine.weights import update as weights_update
 from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
 from logprob_service.worker import staging
@@ -124,7 +124,7 @@ def test_memory_page_locked_in_place_goes_to_the_device_straight_from_there(rng)
 
 
 @RECEIVERS
-@pytest.mark.parametrize("batch", [3, weight_updates.SPARSE_BATCH_TENSORS], ids=["batches-of-3", "one-batch"])
+@pytest.mark.parametrize("batch", [3, weights_update.SPARSE_BATCH_TENSORS], ids=["batches-of-3", "one-batch"])
 @pytest.mark.parametrize("on_device", [False, True], ids=["client-holds-on-host", "client-holds-on-gpu"])
 @pytest.mark.parametrize("reserve", [0, 10**15], ids=["staged-on-gpu", "staged-on-host"])
 async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(
@@ -134,7 +134,7 @@ async def test_a_sparse_delta_on_cuda_lands_bit_for_bit_as_a_dense_push(
     the host without room): either way, the weights that go live are those a dense push of the
     same tensors makes. The client's tensors are on the GPU, its copies held (and compared) on the
     host or on the GPU; the delta goes to the server's port or through weight receivers."""
-    monkeypatch.setattr(weight_updates, "SPARSE_BATCH_TENSORS", batch)
+    monkeypatch.setattr(weights_update, "SPARSE_BATCH_TENSORS", batch)
     make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).save_pretrained(tmp_path)
     first = make_model("qwen2", tied=True, seed=new_seed(rng), dtype=torch.bfloat16).state_dict()
     step, by_storage = {}, {}

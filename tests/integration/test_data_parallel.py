@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import AsyncLogprobClient
-from logprob_service.engine import weight_updates
+from logprob_service.engine.weights import update as weights_update
 from logprob_service.models.weights import model_fingerprint
 
 from tests.helpers.models import make_model, random_sequences
@@ -91,7 +91,7 @@ async def test_an_update_goes_live_on_every_replica_together(two_replicas, rng):
 async def test_a_sparse_delta_reaches_every_replica_bit_for_bit(two_replicas, rng, monkeypatch):
     """A delta's changed copies are staged for each replica, a few tensors at a time (batches of
     3 here): every replica then holds what a dense push of the same weights would give."""
-    monkeypatch.setattr(weight_updates, "SPARSE_BATCH_TENSORS", 3)
+    monkeypatch.setattr(weights_update, "SPARSE_BATCH_TENSORS", 3)
     replicas = two_replicas.service.registry.replicas("default")
     base = {k: v.detach().clone() for k, v in replicas[0].scorer.model.state_dict().items()}
     step, by_storage = {}, {}

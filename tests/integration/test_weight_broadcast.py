@@ -175,7 +175,7 @@ async def test_a_failed_join_keeps_the_group_that_works(served, seed):
     assert (await asyncio.to_thread(run)).version == 1
 
 
-PENDING_JOINS = 4  # what the server lets run at once (engine.weight_updates.MAX_PENDING_JOINS)
+PENDING_JOINS = 4  # what the server lets run at once (engine.weights.updater.MAX_PENDING_JOINS)
 GRACE_S = 5.0
 
 

@@ -12,7 +12,7 @@ from logprob_client import AsyncLogprobClient
 from logprob_client.weights import WeightDeltas
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.engine import weight_updates
+from logprob_service.engine.weights import update as weights_update
 from logprob_service.models.weights import model_fingerprint
 
 from tests.helpers.models import make_model, random_sequences
@@ -49,12 +49,12 @@ def model_with(weights: dict[str, torch.Tensor], like: torch.nn.Module) -> torch
 # on_device: the client holds and compares torch tensors where they are (here the CPU, with torch).
 # batch: the server stages sparse tensors 2 at a time (several batches and a last one at commit),
 # or as many as it does by default (one batch for this model).
-@pytest.mark.parametrize("batch", [2, weight_updates.SPARSE_BATCH_TENSORS])
+@pytest.mark.parametrize("batch", [2, weights_update.SPARSE_BATCH_TENSORS])
 @pytest.mark.parametrize("on_device", [False, True])
 async def test_a_delta_sends_the_changed_elements_and_lands_as_a_dense_push_would(
     served, rng, on_device, batch, monkeypatch
 ):
-    monkeypatch.setattr(weight_updates, "SPARSE_BATCH_TENSORS", batch)
+    monkeypatch.setattr(weights_update, "SPARSE_BATCH_TENSORS", batch)
     start_weights = {k: v.clone() for k, v in served.scorer("policy").model.state_dict().items()}
     dense_bytes = sum(t.nbytes for t in start_weights.values())
     sequences = random_sequences(rng, 4)

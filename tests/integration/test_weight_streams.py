@@ -24,7 +24,7 @@ import torch
 from logprob_client import AsyncLogprobClient, LogprobClient
 from logprob_client.weights import dense_piece
 from logprob_proto import logprob_pb2 as pb
-from logprob_service.engine import weight_updates
+from logprob_service.engine.weights import session as weights_session
 from logprob_service.models.weights import UpdatableWeights, model_fingerprint
 
 from tests.helpers.calls import parsed, unpacked, update_calls
@@ -177,7 +177,7 @@ async def test_a_bad_tensor_in_one_stream_fails_every_call_and_changes_nothing(s
 
 
 async def test_a_missing_stream_aborts_the_update_after_the_join_time(served, monkeypatch):
-    monkeypatch.setattr(weight_updates, "STREAMS_JOIN_S", 0.5)
+    monkeypatch.setattr(weights_session, "STREAMS_JOIN_S", 0.5)
     good = noisy(served.scorer("policy").model)
     calls = update_calls("policy", good, version=0, partial=False, streams=2)
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
@@ -271,7 +271,7 @@ async def test_a_stream_that_comes_after_its_update_failed_gets_the_updates_fail
     answered with that failure, as every stream of the update is, not start the update anew: it
     would then take the model's update slot, keep it for STREAMS_JOIN_S waiting for streams that
     already ended, and answer ABORTED for a missing stream."""
-    monkeypatch.setattr(weight_updates, "STREAMS_JOIN_S", 2.0)
+    monkeypatch.setattr(weights_session, "STREAMS_JOIN_S", 2.0)
     good = noisy(served.scorer("policy").model)
     bad = good | {NORM: torch.randn(7)}
     calls = update_calls("policy", bad, version=0, partial=False, streams=2)

@@ -321,7 +321,7 @@ async def test_a_push_cancelled_after_its_commit_goes_live_logged_and_listed(ser
     """The commit reached the server, then the caller cancelled (its swap held behind a launch):
     the push goes live all the same, the log says so, and ListModels answers only once it has,
     so the caller can learn the push's fate from it."""
-    caplog.set_level(logging.INFO, logger="logprob_service.engine.weight_updates")
+    caplog.set_level(logging.INFO, logger="logprob_service.engine.weights.updater")
     messages = parsed(update_requests("policy", good_update(served.scorer("policy").model), version=7, partial=False))
     gate = Gate(served, "policy")
     try:

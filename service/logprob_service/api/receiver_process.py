@@ -57,7 +57,7 @@ SERVICE = "logprob.v1.LogprobService"
 # a larger message goes over the pipe instead, which costs two more copies.
 RECEIVER_SLOT_BYTES = (4 << 20) + (64 << 10)
 # Slots per receiver: messages in flight between it and the serving process. The serving process
-# holds at most 8 pieces of an update unwritten (engine.weight_updates.WRITES_IN_FLIGHT); a few
+# holds at most 8 pieces of an update unwritten (engine.weights.update.WRITES_IN_FLIGHT); a few
 # more keep a receiver copying while the serving process parses.
 SLOTS = 12
 

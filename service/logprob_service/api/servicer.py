@@ -15,7 +15,7 @@ from logprob_service.api import accounting, handlers, wire
 from logprob_service.api.security.caller import current_client
 from logprob_service.api.status import status_of
 from logprob_service.engine.engine import LogprobEngine
-from logprob_service.engine.weight_updates import StreamIdle
+from logprob_service.engine.weights.session import StreamIdle
 from logprob_service.errors import LogprobError
 
 

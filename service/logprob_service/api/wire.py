@@ -13,27 +13,25 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.api.status import status_of
 from logprob_service.api.tensor_pieces import PieceView
 from logprob_service.domain import (
+    Commit,
+    GroupSpec,
     IpcHandle,
     ModelInfo,
+    Ready,
     ScoreJob,
     ScoreResult,
     SequenceScores,
     SharedTensor,
-    TokenSequence,
-)
-from logprob_service.engine.interfaces import WeightGroup
-from logprob_service.engine.validation import RequestLimits
-from logprob_service.engine.weight_updates import (
-    Commit,
-    GroupSpec,
-    Ready,
     SparsePiece,
     TensorPiece,
     TensorSpec,
+    TokenSequence,
     UpdateHeader,
     UpdateMessage,
     UpdateOutcome,
 )
+from logprob_service.engine.interfaces import WeightGroup
+from logprob_service.engine.validation import RequestLimits
 from logprob_service.errors import InvalidArgument, LogprobError
 
 DEFAULT_MODEL = "default"

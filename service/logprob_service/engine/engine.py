@@ -31,20 +31,24 @@ from logprob_service.config import (
     DEFAULT_UPDATE_IDLE_TIMEOUT_S,
     Settings,
 )
-from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, SharedTensor, TokenSequence
+from logprob_service.domain import (
+    GroupSpec,
+    ModelInfo,
+    Ready,
+    ScoreJob,
+    ScoreResult,
+    SharedTensor,
+    TensorSpec,
+    TokenSequence,
+    UpdateHeader,
+    UpdateMessage,
+    UpdateOutcome,
+)
 from logprob_service.engine.interfaces import Executor, JoinGroup, Staging, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import RequestLimits, validate_job
-from logprob_service.engine.weight_updates import (
-    GroupSpec,
-    Ready,
-    TensorSpec,
-    UpdateHeader,
-    UpdateMessage,
-    UpdateOutcome,
-    WeightUpdater,
-)
+from logprob_service.engine.weights.updater import WeightUpdater
 from logprob_service.errors import Unavailable
 from logprob_service.stats import NO_STATS, MemorySnapshot, StatsSink
 

@@ -117,7 +117,7 @@ class Staging(Protocol):
 
     def read_file(self, file: Path) -> list[tuple[str, str, tuple[int, ...], Any]]:
         """(name, dtype, shape, tensor) of every tensor of a safetensors file: a regular file's
-        resolved path (``weight_updates.safetensors_files``), opened without blocking and read only
+        resolved path (``weights.files.safetensors_files``), opened without blocking and read only
         if it is still that file (INVALID_ARGUMENT naming it otherwise)."""
 
     def check_shared(self, boot_id: str, device: Any, tensors: Sequence[SharedTensor]) -> None:

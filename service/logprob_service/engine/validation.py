@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logprob_service.domain import ModelInfo, ScoreJob
+from logprob_service.domain import ModelInfo, ScoreJob, validate_version
 from logprob_service.errors import InvalidArgument
 
 # The smallest temperature (as a float32, the wire's type). Logits divided by a much smaller one
@@ -37,12 +37,6 @@ def validate_temperature(temperature: float) -> float:
             f"temperature: {temperature} must be a finite number >= {MIN_TEMPERATURE:.0e} (or 0 for the default 1.0)"
         )
     return temperature
-
-
-def validate_version(field: str, version: int) -> int:
-    if version < 0:
-        raise InvalidArgument(f"{field}: {version} must be >= 0 (0: unset)")
-    return version
 
 
 def _names(job: ScoreJob) -> list[tuple[str, str | None]]:

@@ -7,7 +7,7 @@ both sides agreed on. The group is a process group of its own, built on that sto
 torch.distributed's default group, which a server may need for itself), so it can be joined,
 dropped and joined again while the server runs. ``logprob_client.collective`` is the trainer's side.
 
-``engine.weight_updates`` runs the update's protocol and holds the group as an opaque object
+``engine.weights`` runs the update's protocol and holds the group as an opaque object
 (``engine.interfaces.WeightGroup``): the engine touches no tensor.
 """
 
