@@ -10,6 +10,9 @@ from pathlib import Path
 
 from logprob_service.errors import InvalidArgument
 
+# Where LoadWeights never reads, wherever a path's symlinks lead: kernel interfaces and devices,
+# whose files block in open (a FIFO), never end (/dev/urandom), or are the server's own memory and
+# environment (/proc/self/mem, /proc/self/environ).
 FORBIDDEN_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
 # A path longer than this is cut in the middle where a message shows it (a caller may send 5,000
 # characters; the log line and the status need not repeat them).

@@ -453,6 +453,3 @@ class WeightUpdater:
         for group in self._groups.values():
             group.close()
         self._groups.clear()
-
-
-# Where LoadWeights never reads, wherever a path's symlinks lead: kernel interfaces and devices,
