@@ -135,7 +135,8 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     """The text of docs/configuration.md."""
-    from logprob_service.config import ENV_ONLY_SETTINGS, Settings
+    from logprob_service.config import Settings
+    from logprob_service.settings_sources import ENV_ONLY_SETTINGS
 
     serve = _serve_parser()
     flags = _flags(serve)

@@ -70,7 +70,7 @@ class _Parser(argparse.ArgumentParser):
         flags = [arg.partition("=")[0] for arg in extra if arg.startswith("-")]
         if not flags:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
-        from logprob_service.config import ENV_ONLY_SETTINGS, env_variable
+        from logprob_service.settings_sources import ENV_ONLY_SETTINGS, env_variable
 
         known = [option for action in self._actions for option in action.option_strings]
         hints = []
@@ -96,7 +96,8 @@ def _flag_type(annotation: object) -> tuple[type, list[str] | None]:
 
 
 def build_parser() -> _Parser:
-    from logprob_service.config import ENV_ONLY_SETTINGS, Settings, env_variable, flag
+    from logprob_service.config import Settings
+    from logprob_service.settings_sources import ENV_ONLY_SETTINGS, env_variable, flag
 
     parser = _Parser(prog="logprob-service", description="Token log-prob scoring service.")
     parser.add_argument("--version", action="version", version=f"logprob-service {__version__}")
@@ -165,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.commands[args.command].unrecognized(extra)
-    from logprob_service.config import StartupError
+    from logprob_service.settings_sources import StartupError
 
     try:
         if args.command == "probe":

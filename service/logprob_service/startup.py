@@ -30,7 +30,7 @@ from logprob_service.engine.weights.updater import WeightUpdater
 from logprob_service.models.build import build_rank
 from logprob_service.models.loading import resolve_devices
 from logprob_service.observability import metrics
-from logprob_service.worker.staging import page_lock
+from logprob_service.worker.pinned import page_lock
 from logprob_service.worker.tensor_parallel import Build, GroupLost, Leader
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from logprob_service.cli import SERVER_MODULES, build_parser, main, settings_from_args
-from logprob_service.config import ENV_ONLY_SETTINGS, Settings, StartupError, load_settings, parse_model_specs
+from logprob_service.config import Settings, load_settings
+from logprob_service.settings_sources import ENV_ONLY_SETTINGS, StartupError, parse_model_specs
 
 
 def test_defaults_serve_the_builtin_model_on_loopback():

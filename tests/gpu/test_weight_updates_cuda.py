@@ -18,7 +18,7 @@ from logprob_service.api import receiver_process, tensor_pieces
 from logprob_service.engine.weights import update as weights_update
 from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
-from logprob_service.worker import staging
+from logprob_service.worker import pinned, staging
 from peft import LoraConfig, get_peft_model
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
@@ -65,7 +65,7 @@ async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path,
     pushed to the server's port or through weight receivers (read in their shared memory, which
     is page-locked in place: staged on the GPU, every piece goes to it straight from there)."""
     monkeypatch.setattr(tensor_pieces, "MIN_VIEWED_BYTES", 0)
-    monkeypatch.setattr(staging, "STAGING_SLOT_BYTES", 4096)
+    monkeypatch.setattr(pinned, "STAGING_SLOT_BYTES", 4096)
     ways = {"through the slots": 0, "in place": 0}
 
     def counted(way, method):
@@ -103,22 +103,22 @@ async def test_pieces_through_small_page_locked_slots_land_bit_for_bit(tmp_path,
 
 
 def test_memory_page_locked_in_place_goes_to_the_device_straight_from_there(rng):
-    """``staging.page_lock`` of a receiver's shared memory: pieces lying there are recognised and
+    """``pinned.page_lock`` of a receiver's shared memory: pieces lying there are recognised and
     copied to the device from there, bit for bit; once unlocked, they are not recognised."""
     size = 1 << 20
     memory = receiver_process.SharedMemory(2, size)
-    unlock = staging.page_lock(memory.buffer)
+    unlock = pinned.page_lock(memory.buffer)
     assert unlock is not None
     data = rng.integers(0, 256, size, dtype=np.uint8)
     memory.buffer[size:] = data.tobytes()
     piece = np.frombuffer(memory.buffer, np.uint8, size, size)
-    assert staging._page_locked(piece) and staging._page_locked(piece[5:99])
-    assert not staging._page_locked(data)
+    assert pinned.page_locked(piece) and pinned.page_locked(piece[5:99])
+    assert not pinned.page_locked(data)
     target = torch.empty(size, dtype=torch.uint8, device="cuda")
     staging.DeviceStager(torch.device("cuda:0"), 0)._copy_locked(target, piece)
     assert torch.equal(target.cpu(), torch.from_numpy(data))
     unlock()
-    assert not staging._page_locked(piece)
+    assert not pinned.page_locked(piece)
     del piece
     memory.close()
 

@@ -25,9 +25,10 @@ import torch
 from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.api import receiver_process, receivers, wire
-from logprob_service.config import Settings, StartupError
+from logprob_service.config import Settings
 from logprob_service.models.builtin import build_builtin
 from logprob_service.models.weights import model_fingerprint
+from logprob_service.settings_sources import StartupError
 from prometheus_client import REGISTRY
 
 from tests.helpers.calls import update_calls
@@ -186,7 +187,7 @@ async def test_messages_larger_than_a_slot_go_over_the_pipe(llama_checkpoint, rn
 
 
 async def test_receivers_slots_are_page_locked_at_start_and_unlocked_at_close_unless_lent():
-    # With a page_lock (the server's on a GPU: worker.staging.page_lock), each receiver's slots
+    # With a page_lock (the server's on a GPU: worker.pinned.page_lock), each receiver's slots
     # are locked as it starts, and unlocked as it stops, unless a view of a slot is still alive
     # (a copy may still read it): then its memory stays, locked.
     locked: list[int] = []

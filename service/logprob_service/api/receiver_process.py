@@ -49,8 +49,9 @@ import grpc
 from logprob_service import host_malloc
 from logprob_service.api.security import tls
 from logprob_service.api.server_options import listen, server_options
-from logprob_service.config import Settings, StartupError
+from logprob_service.config import Settings
 from logprob_service.logs import configure_logging
+from logprob_service.settings_sources import StartupError
 
 SERVICE = "logprob.v1.LogprobService"
 # A slot holds one message of this project's client (4 MiB of a tensor's bytes and their framing);

@@ -10,7 +10,7 @@ first message, so a call refused from its metadata costs the receipt of none of 
 
 A message in a slot is read in place: the slot is given back once no view of it is left (a dense
 piece's bytes are written to where they are staged first). Serving on a GPU, the slots are
-page-locked in place (``worker.staging.page_lock``), so a dense piece goes from its slot to the
+page-locked in place (``worker.pinned.page_lock``), so a dense piece goes from its slot to the
 device with no copy in host memory.
 
 A receiver that dies ends its calls as broken streams (their updates are abandoned; the live
@@ -41,7 +41,8 @@ import numpy as np
 
 from logprob_service.api import handlers
 from logprob_service.api.receiver_process import RECEIVER_SLOT_BYTES, SLOTS, SharedMemory
-from logprob_service.config import Settings, StartupError
+from logprob_service.config import Settings
+from logprob_service.settings_sources import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ async def _messages(
 
 
 # Page-locks a receiver's slots in place for the devices the server stages on; returns what undoes
-# it, or None where they stay as they are (``worker.staging.page_lock``).
+# it, or None where they stay as they are (``worker.pinned.page_lock``).
 PageLock = Callable[[mmap.mmap], Callable[[], None] | None]
 
 

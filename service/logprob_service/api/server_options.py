@@ -9,7 +9,8 @@ from typing import Any
 
 import grpc
 
-from logprob_service.config import Settings, StartupError
+from logprob_service.config import Settings
+from logprob_service.settings_sources import StartupError
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:

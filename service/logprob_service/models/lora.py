@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-# Defined in config, which checks that adapter directories exist before anything loads.
-from logprob_service.config import split_lora_source as split_lora_source
 from logprob_service.models.loading import ModelLoadError
+
+# Defined in settings_sources, which checks that adapter directories exist before anything loads.
+from logprob_service.settings_sources import split_lora_source as split_lora_source
 
 
 class AdapterHost:

@@ -31,8 +31,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from logprob_service import __version__
-from logprob_service.config import StartupError
 from logprob_service.domain import ModelInfo
+from logprob_service.settings_sources import StartupError
 from logprob_service.stats import (
     BatchLaunched,
     BatchMemory,

@@ -7,24 +7,20 @@ calls this through the ``engine.interfaces.Staging`` protocol, so the engine tou
 Received bytes go straight to where they are staged: each piece of a tensor is copied (on a
 receiving thread, without the GIL) into a page-locked slot, from which the staging stream copies
 it into the tensor's staged place on the device while the next pieces arrive. A piece that lies
-in host memory page-locked in place (``page_lock``: a weight receiver's shared slots) is copied
+in host memory page-locked in place (``pinned.page_lock``: a weight receiver's shared slots) is copied
 to the device straight from there. No tensor is first assembled in host memory; on the host, the
 staged tensor is the buffer the pieces land in.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import functools
 import logging
 import math
-import mmap
 import os
-import queue
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +33,7 @@ from logprob_service.models.loading import DTYPES
 from logprob_service.models.weights import PendingDigest, TensorDigest, dtype_name, pending_digest, settle
 from logprob_service.ops import finite
 from logprob_service.ops.digest import BLOCK_BYTES, packed_lanes
-from logprob_service.worker import ipc
+from logprob_service.worker import ipc, pinned
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +129,17 @@ class DeviceStager:
         another, through the page-locked slots, each slot filled before it goes: small parts
         share one trip."""
         assert self.stream is not None
-        slots = _slots(self.device)
+        slots = pinned.slots(self.device)
         slot, filled = None, 0
         for part in parts:
             start = 0
             while start < part.size:
                 if slot is None:
                     slot, filled = slots.take(), 0
-                n = min(part.size - start, STAGING_SLOT_BYTES - filled)
+                n = min(part.size - start, pinned.STAGING_SLOT_BYTES - filled)
                 np.copyto(slot.host[filled : filled + n].numpy(), part[start : start + n])  # without the GIL
                 filled, start = filled + n, start + n
-                if filled == STAGING_SLOT_BYTES:
+                if filled == pinned.STAGING_SLOT_BYTES:
                     self._send(slot, filled, target[offset : offset + filled])
                     offset, slot = offset + filled, None
         if slot is not None:
@@ -160,11 +156,11 @@ class DeviceStager:
             done.record(self.stream)
         done.synchronize()
 
-    def _send(self, slot: _Slot, nbytes: int, target: torch.Tensor) -> None:
+    def _send(self, slot: pinned.Slot, nbytes: int, target: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             target.copy_(slot.host[:nbytes], non_blocking=True)
             slot.done.record(self.stream)
-        _slots(self.device).give(slot)
+        pinned.slots(self.device).give(slot)
 
     def _pending(self, staged: torch.Tensor) -> Pending:
         """The digest and the probe (``check_finite``) of a staged tensor, queued: on a GPU server
@@ -321,7 +317,7 @@ class Received:
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Bytes ``[offset, offset + len(data))`` of the tensor (checked by the engine to fit)."""
         target, piece = self._target(), np.frombuffer(data, dtype=np.uint8)
-        if target.is_cuda and _page_locked(piece):
+        if target.is_cuda and pinned.page_locked(piece):
             self.stager._copy_locked(target[offset : offset + piece.size], piece)
         elif target.is_cuda:
             self.stager._upload(target, offset, piece)
@@ -332,95 +328,6 @@ class Received:
         """The staged tensor and each replica's copy of it, and the pending digest of its bytes."""
         staged, pending = self.stager._staged(self._target().view(self.dtype).view(self.shape))
         return [staged, *(replica.copy_of(staged, self.stager) for replica in self.replicas)], pending
-
-
-# Page-locked slots per device that received bytes pass through: a copy to the device from pageable
-# memory blocks the calling thread and goes through the driver's own small page-locked buffer; from
-# page-locked memory it is an asynchronous transfer on the staging stream, overlapping the next
-# pieces' arrival. 8 x 4 MiB: more pieces in flight than receiving threads, for 32 MiB of host memory.
-STAGING_SLOT_BYTES = 4 << 20
-SLOT_COUNT = 8
-
-
-@dataclass
-class _Slot:
-    host: torch.Tensor  # STAGING_SLOT_BYTES of page-locked uint8
-    done: torch.cuda.Event  # recorded after the copy that last read it
-
-
-class _Slots:
-    def __init__(self) -> None:
-        self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
-        for _ in range(SLOT_COUNT):
-            self._free.put(
-                _Slot(torch.empty(STAGING_SLOT_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
-            )
-
-    def take(self) -> _Slot:
-        """A free slot, once the copy that last read it is done (blocks without the GIL)."""
-        slot = self._free.get()
-        slot.done.synchronize()
-        return slot
-
-    def give(self, slot: _Slot) -> None:
-        self._free.put(slot)
-
-
-@functools.cache
-def _slots(device: torch.device) -> _Slots:
-    with torch.cuda.device(device):
-        return _Slots()
-
-
-# Host memory page-locked in place by ``page_lock``: (first address, end address) of each range;
-# replaced, not changed, so that the receiving threads read it without a lock.
-_LOCKED: frozenset[tuple[int, int]] = frozenset()
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device's context
-
-
-def _page_locked(piece: np.ndarray) -> bool:
-    if not (locked := _LOCKED):
-        return False
-    start = piece.ctypes.data
-    return any(first <= start and start + piece.nbytes <= end for first, end in locked)
-
-
-def _cudart_call(name: str, *args: int) -> None:
-    """CUDA's runtime function ``name`` on a thread of its own, raising RuntimeError if it fails:
-    a failure also leaves CUDA's last error set in the thread that called, where the check after a
-    later kernel launch on that thread would raise it."""
-    cudart = torch.cuda.cudart()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="logprob-cudart") as one:
-        error = one.submit(getattr(cudart, name), *args).result()
-    if error != cudart.cudaError.success:
-        raise RuntimeError(f"{name}: {cudart.cudaGetErrorString(error)}")
-
-
-def page_lock(buffer: mmap.mmap) -> Callable[[], None] | None:
-    """Page-locks ``buffer`` (writable host memory that received messages lie in: a weight
-    receiver's shared slots) in place, for every CUDA device, so that pieces lying there are
-    copied to a device straight from it (no copy through the page-locked slots); returns what
-    undoes it, to call before the memory goes. None where there is no CUDA device, or (logged)
-    where CUDA refuses: pieces then go through the slots."""
-    if not torch.cuda.is_available():
-        return None
-    view = np.frombuffer(buffer, dtype=np.uint8)
-    first, end = view.ctypes.data, view.ctypes.data + view.nbytes
-    del view  # not held: the memory's owner closes it
-    try:
-        _cudart_call("cudaHostRegister", first, end - first, _HOST_REGISTER_PORTABLE)
-    except RuntimeError as err:
-        log.warning("%d bytes of received messages' memory not page-locked in place (%s)", end - first, err)
-        return None
-    global _LOCKED
-    _LOCKED = _LOCKED | {(first, end)}
-
-    def unlock() -> None:
-        global _LOCKED
-        _LOCKED = _LOCKED - {(first, end)}
-        _cudart_call("cudaHostUnregister", first)
-
-    return unlock
 
 
 class Staging:
