@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from common import LoopbackServer, ModelShape, build_model
 from harness import peak_allocated, publish, reset_peak, run_environment
-from logprob_client.client import STREAMS_PER_RECEIVER
+from logprob_client.pushes import STREAMS_PER_RECEIVER
 from logprob_client.weights import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS
 from logprob_service import host_malloc
 from logprob_service.config import Settings

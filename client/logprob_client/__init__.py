@@ -3,7 +3,8 @@
 No torch or transformers import here: torch is imported only when tensors are passed.
 """
 
-from .client import AsyncLogprobClient, LogprobClient
+from .aio import AsyncLogprobClient
+from .client import LogprobClient
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -21,7 +22,7 @@ from .errors import (
 )
 from .future import ScoreFuture
 from .split import RpcLimits
-from .weights import UpdateResult
+from .streams import UpdateResult
 from .wire import ModelInfo, ModelLimits, ScoreInput
 
 __all__ = [

@@ -22,7 +22,7 @@ import grpc
 from logprob_proto import logprob_pb2 as pb
 
 from .errors import LogprobError, error_from_rpc
-from .weights import UpdateResult, named_tensors
+from .streams import UpdateResult, named_tensors
 
 # Both sides key the group's store under this prefix (the server's worker.collectives).
 STORE_PREFIX = "logprob-weights"

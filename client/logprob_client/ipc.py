@@ -20,7 +20,7 @@ from typing import Any
 
 from logprob_proto import logprob_pb2 as pb
 
-from .weights import named_tensors
+from .streams import named_tensors
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 

@@ -1,5 +1,6 @@
-"""PPO / GRPO arithmetic on per-token log-probs: ratios, the clipped surrogate, aggregation, KL
-estimators, reward shaping and group-relative advantages.
+"""Trainer-side helpers: PPO / GRPO arithmetic on per-token log-probs (ratios, the clipped
+surrogate, aggregation, KL estimators, reward shaping and group-relative advantages). The client
+itself imports nothing here; trainers do (``docs/client.md``, "Loss and KL helpers").
 
 Every per-token tensor is ``(B, T)``, aligned with the completion tokens: the layout that
 ``LogprobClient.score`` returns for the dense trainer layout. ``mask`` is ``(B, T)``, 1 (or True)

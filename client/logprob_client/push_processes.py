@@ -33,10 +33,10 @@ from typing import Any
 
 import grpc
 import numpy as np
+from logprob_proto.framing import Message, join
 
 from .channel import Connection
 from .errors import LogprobError, error_for_status
-from .weights import Message, join
 
 # A slot holds one message: a piece of ``chunk_bytes`` and its framing (names, shapes, offsets).
 FRAMING_BYTES = 64 << 10

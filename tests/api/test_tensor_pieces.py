@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
-from logprob_client.weights import dense_parts, dense_piece, join, packed, sparse_parts, sparse_piece
 from logprob_proto import logprob_pb2 as pb
+from logprob_proto.framing import dense_parts, dense_piece, join, packed, sparse_parts, sparse_piece
 from logprob_service.api.tensor_pieces import MIN_VIEWED_BYTES, PieceView, read_update_request
 
 

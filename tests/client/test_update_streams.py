@@ -10,9 +10,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from logprob_client import LogprobClient
-from logprob_client import weights as client_weights
+from logprob_client import LogprobClient, compare
+from logprob_client import deltas as delta_pushes
 from logprob_client.weights import WeightDeltas, dense_piece, join, sparse_piece, split, update_streams
+from logprob_proto import framing
 from logprob_proto import logprob_pb2 as pb
 
 from tests.helpers.calls import parsed, unpacked
@@ -323,8 +324,8 @@ def test_weight_deltas_over_two_streams(rng, on_device):
     assert isinstance(deltas.held["small"], torch.Tensor) == on_device
 
 
-@pytest.mark.parametrize("count_elements", [client_weights.COUNT_ELEMENTS, 100], ids=["whole", "in-parts"])
-@pytest.mark.parametrize("group_elements", [client_weights.GROUP_ELEMENTS, 2000, 1], ids=["one-group", "by-2", "alone"])
+@pytest.mark.parametrize("count_elements", [compare.COUNT_ELEMENTS, 100], ids=["whole", "in-parts"])
+@pytest.mark.parametrize("group_elements", [compare.GROUP_ELEMENTS, 2000, 1], ids=["one-group", "by-2", "alone"])
 def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(
     rng, count_elements, group_elements, monkeypatch
 ):
@@ -333,8 +334,8 @@ def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(
     # tensor. Both send the same pieces. Counted whole, or (a smaller COUNT_ELEMENTS) in parts of
     # each tensor; the 4 sparse tensors in one group, in groups of 2 (2000 elements: 2 tensors of
     # 768), or each alone.
-    monkeypatch.setattr(client_weights, "COUNT_ELEMENTS", count_elements)
-    monkeypatch.setattr(client_weights, "GROUP_ELEMENTS", group_elements)
+    monkeypatch.setattr(compare, "COUNT_ELEMENTS", count_elements)
+    monkeypatch.setattr(compare, "GROUP_ELEMENTS", group_elements)
     start = {f"w{i}": torch.from_numpy(rng.standard_normal((48, 16)).astype(np.float32)) for i in range(6)}
     step = {n: t.clone() for n, t in start.items()}
     for i, n in enumerate(["w1", "w2", "w3", "w4"]):
@@ -362,7 +363,7 @@ def test_device_held_deltas_counted_together_or_one_by_one_send_the_same(
 
 
 def held_pool_idle() -> None:
-    client_weights._held_pool().submit(lambda: None).result()
+    compare.held_pool().submit(lambda: None).result()
 
 
 def test_device_held_changes_land_in_a_buffer_made_ahead(rng, monkeypatch):
@@ -370,13 +371,13 @@ def test_device_held_changes_land_in_a_buffer_made_ahead(rng, monkeypatch):
     # for expect_changed of the held elements (uint32 index and value each, 16 bytes of alignment
     # per tensor); a delta whose changes fit uses it, and the next is made for 1.25x its changes
     # if that is more. After the first, the comparison's kernels run once per device and element size.
-    warmed, warm_up = [], client_weights._warm_up
+    warmed, warm_up = [], delta_pushes.warm_up
 
     def warming(kinds):
         warmed.append(kinds)
         warm_up(kinds)
 
-    monkeypatch.setattr(client_weights, "_warm_up", warming)
+    monkeypatch.setattr(delta_pushes, "warm_up", warming)
     start = {f"w{i}": torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32)) for i in range(4)}
     start["half"] = torch.from_numpy(rng.standard_normal(1000).astype(np.float32)).to(torch.bfloat16)
     deltas = WeightDeltas(on_device=True, expect_changed=0.05)
@@ -412,7 +413,7 @@ def test_device_held_changes_land_in_a_buffer_made_ahead(rng, monkeypatch):
     assert all(held_bytes(deltas.held[n]) == tensor_bytes(step[n]) for n in step)
 
 
-@pytest.mark.parametrize("failing", ["_count_group", "_compare_group"])
+@pytest.mark.parametrize("failing", ["count_group", "compare_group"])
 def test_a_failure_comparing_held_tensors_fails_every_call_with_it(rng, failing, monkeypatch):
     start = {f"w{i}": torch.from_numpy(rng.standard_normal(64).astype(np.float32)) for i in range(6)}
     deltas = WeightDeltas(on_device=True)
@@ -425,7 +426,7 @@ def test_a_failure_comparing_held_tensors_fails_every_call_with_it(rng, failing,
     def fail(*args):
         raise RuntimeError("CUDA out of memory (a stand-in)")
 
-    monkeypatch.setattr(client_weights, failing, fail)
+    monkeypatch.setattr(delta_pushes, failing, fail)
     for call in deltas.update_streams("m", step, version=0, partial=False, streams=3):
         with pytest.raises(RuntimeError, match="a stand-in"):
             parsed(call)
@@ -502,9 +503,9 @@ def test_packing_sends_a_full_message_without_waiting_for_the_next_piece():
     def pieces(sizes):
         for i, n in enumerate(sizes):
             pieces_made.append(i)
-            yield client_weights.dense_parts(f"t{i}", "float32", (n // 4,), 0, memoryview(bytes(n)))
+            yield framing.dense_parts(f"t{i}", "float32", (n // 4,), 0, memoryview(bytes(n)))
 
-    packing = client_weights._pack(pieces([40, 40, 5000, 40, 3000, 3000]), most_bytes=4096)
+    packing = framing.pack_pieces(pieces([40, 40, 5000, 40, 3000, 3000]), most_bytes=4096)
     first = parsed([next(packing)])[0]
     assert [c.name for c in first.tensors.chunks] == ["t0", "t1"] and pieces_made == [0, 1, 2]
     assert parsed([next(packing)])[0].tensor.name == "t2" and pieces_made == [0, 1, 2], "not held for t3"

@@ -197,8 +197,8 @@ async def test_lora_on_cuda_against_peft_forward(tmp_path, rng):
 def test_the_comparisons_warm_up_runs_on_the_gpu_and_leaves_nothing_to_wait_for():
     """``WeightDeltas``' warm-up (run after a push, on a thread of its own, where a failure would go
     unseen) on each element size held on a GPU: it runs through, and its copies are done."""
-    from logprob_client import weights as client_weights
+    from logprob_client import compare
 
     cuda = torch.device("cuda:0")
-    client_weights._warm_up([(cuda, dtype) for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)])
+    compare.warm_up([(cuda, dtype) for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)])
     assert torch.cuda.current_stream(cuda).query()

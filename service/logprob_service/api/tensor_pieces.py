@@ -8,13 +8,8 @@ the tensor is staged (or, sparse, assembles). Only the piece's few other fields 
 protobuf, so the results, and the errors of malformed messages (``api.malformed``), are the same
 either way; any message that is not one or several tensor pieces is parsed by protobuf as before.
 
-Wire format (protobuf): a message is a sequence of fields, each a varint tag ``number << 3 |
-wire type`` and a value: a varint (type 0), 8 bytes (1), a varint length and that many bytes (2),
-or 4 bytes (5). An UpdateWeightsRequest holding a tensor is the one field 2 (type 2) whose bytes
-are a TensorChunk; its ``data`` is field 5 and its ``indices`` field 7 (both type 2). One holding
-several pieces is the one field 4 (type 2), a TensorChunks whose fields are all its field 1 (type
-2), each a TensorChunk. Where a field comes more than once, the last one counts, as protobuf reads
-it.
+The wire format, and the tags and field numbers read here, are ``logprob_proto.framing``'s, the
+framing the client writes with.
 """
 
 from __future__ import annotations
@@ -22,11 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from logprob_proto import logprob_pb2 as pb
+from logprob_proto.framing import CHUNK_TAG, DATA_FIELD, INDICES_FIELD, TENSOR_TAG, TENSORS_TAG, read_varint
 
-_TENSOR_TAG = 2 << 3 | 2  # UpdateWeightsRequest.tensor
-_TENSORS_TAG = 4 << 3 | 2  # UpdateWeightsRequest.tensors (TensorChunks)
-_CHUNK_TAG = 1 << 3 | 2  # TensorChunks.chunks
-_VIEWED = (5, 7)  # TensorChunk.data, TensorChunk.indices
+_VIEWED = (DATA_FIELD, INDICES_FIELD)
 # Smaller messages are parsed by protobuf: a copy of a few KiB costs less than walking the fields.
 MIN_VIEWED_BYTES = 64 << 10
 _EMPTY = memoryview(b"")
@@ -42,20 +35,6 @@ class PieceView:
     indices: memoryview
 
 
-def _varint(raw: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``raw[pos]`` and the position after it; IndexError past the end."""
-    value = shift = 0
-    while True:
-        byte = raw[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise IndexError("varint longer than 10 bytes")
-
-
 def _chunk_view(raw: bytes, view: memoryview, pos: int, end: int) -> PieceView | None:
     """The TensorChunk in ``raw[pos:end]`` with ``data`` and ``indices`` as views, or None where its
     fields do not end exactly at ``end`` (protobuf then reads the message, and refuses it)."""
@@ -63,12 +42,12 @@ def _chunk_view(raw: bytes, view: memoryview, pos: int, end: int) -> PieceView |
     others: list[memoryview] = []  # every other field, as written
     while pos < end:
         field_start = pos
-        tag, pos = _varint(raw, pos)
+        tag, pos = read_varint(raw, pos)
         number, wire_type = tag >> 3, tag & 7
         if wire_type == 0:
-            _, pos = _varint(raw, pos)
+            _, pos = read_varint(raw, pos)
         elif wire_type == 2:
-            size, pos = _varint(raw, pos)
+            size, pos = read_varint(raw, pos)
             if number in _VIEWED and pos + size <= end:
                 viewed[number] = view[pos : pos + size]
                 pos += size
@@ -82,7 +61,7 @@ def _chunk_view(raw: bytes, view: memoryview, pos: int, end: int) -> PieceView |
     if pos != end:  # a field past the end
         return None
     chunk = pb.TensorChunk.FromString(b"".join(others))
-    return PieceView(chunk, viewed.get(5, _EMPTY), viewed.get(7, _EMPTY))
+    return PieceView(chunk, viewed.get(DATA_FIELD, _EMPTY), viewed.get(INDICES_FIELD, _EMPTY))
 
 
 def _chunks_view(raw: bytes, view: memoryview, pos: int, end: int) -> tuple[PieceView, ...] | None:
@@ -90,10 +69,10 @@ def _chunks_view(raw: bytes, view: memoryview, pos: int, end: int) -> tuple[Piec
     one is not a piece so read, or another field comes between them."""
     pieces = []
     while pos < end:
-        tag, pos = _varint(raw, pos)
-        if tag != _CHUNK_TAG:
+        tag, pos = read_varint(raw, pos)
+        if tag != CHUNK_TAG:
             return None
-        size, pos = _varint(raw, pos)
+        size, pos = read_varint(raw, pos)
         if pos + size > end or (piece := _chunk_view(raw, view, pos, pos + size)) is None:
             return None
         pieces.append(piece)
@@ -104,14 +83,14 @@ def _chunks_view(raw: bytes, view: memoryview, pos: int, end: int) -> tuple[Piec
 def _views(raw: bytes) -> PieceView | tuple[PieceView, ...] | None:
     """``raw`` as one tensor piece with ``data`` or ``indices``, or as several pieces, or None for
     any other message (or one protobuf would refuse: it reads it, and raises)."""
-    if len(raw) < MIN_VIEWED_BYTES or raw[0] not in (_TENSOR_TAG, _TENSORS_TAG):
+    if len(raw) < MIN_VIEWED_BYTES or raw[0] not in (TENSOR_TAG, TENSORS_TAG):
         return None
     view = memoryview(raw)
     try:
-        length, pos = _varint(raw, 1)
+        length, pos = read_varint(raw, 1)
         if pos + length != len(raw):  # not the message's one field
             return None
-        if raw[0] == _TENSORS_TAG:
+        if raw[0] == TENSORS_TAG:
             return _chunks_view(raw, view, pos, len(raw))
         piece = _chunk_view(raw, view, pos, len(raw))
     except IndexError:

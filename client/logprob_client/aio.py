@@ -1,0 +1,203 @@
+"""``AsyncLogprobClient``: the asyncio client, with ``LogprobClient``'s API (methods are coroutines)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Unpack
+
+import grpc
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+
+from .base import ClientBase, ScoreKeywords, Scoring
+from .errors import Cancelled, LogprobError, PermissionDenied, error_from_rpc
+from .inputs import regroup
+from .ipc import ipc_request
+from .pushes import PreparedPush, UpdateKeywords, ports_and_live, push_error, unsent_error, was_interrupted
+from .resume import StreamResume
+from .streams import UpdateResult, named_tensors
+from .wire import (
+    ModelInfo,
+    ScoreInput,
+    model_info,
+)
+
+
+class AsyncLogprobClient(ClientBase):
+    """asyncio client with the same API as ``LogprobClient`` (methods are coroutines)."""
+
+    _aio = True
+
+    async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
+        """One RPC; its failure raised as the typed error of its status."""
+        try:
+            return await method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+    async def score(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> Any:
+        """See ``LogprobClient.score``; for overlap, ``asyncio.create_task(client.score(...))``."""
+        return await self._score(self.prepare_one(prompt_ids, completion_ids, keywords))
+
+    async def _score(self, scoring: Scoring) -> Any:
+        """A prepared scoring call's RPCs, sent once connected, and its answer."""
+        await self._connected.wait(scoring.timeout)
+        calls = [
+            self._stub.ScoreTokens(request, timeout=scoring.timeout, wait_for_ready=True)
+            for request in scoring.requests
+        ]
+        try:
+            responses = await asyncio.gather(*calls)
+        except grpc.RpcError as err:
+            error = scoring.error(*await _failure(calls, err))
+            for call in calls:
+                call.cancel()
+            raise error from None
+        return scoring.result(responses)
+
+    async def score_groups(
+        self, prompt_ids: Sequence[Any], completion_ids: Sequence[Sequence[Any]], **keywords: Unpack[ScoreKeywords]
+    ) -> Any:
+        """See ``LogprobClient.score_groups``."""
+        scoring, sizes = self.prepare_groups(prompt_ids, completion_ids, keywords)
+        return regroup(await self._score(scoring), sizes)
+
+    async def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
+        """See ``LogprobClient.score_many``."""
+        scoring = self.prepare(inputs, **keywords)
+        resume = StreamResume(scoring.requests, scoring.timeout, self.max_attempts)
+        while (delay := resume.retry_after_s(await self._stream_once(resume))) is not None:
+            await asyncio.sleep(delay)
+        return scoring.collected(resume.responses)
+
+    async def _stream_once(self, resume: StreamResume) -> grpc.RpcError | None:
+        """See ``LogprobClient._stream_once``."""
+        await self._connected.wait(resume.remaining_s())
+        try:
+            async for response in self._stub.ScoreTokensStream(**resume.next_stream()):
+                resume.take(response)
+        except grpc.RpcError as err:
+            return err
+        return None
+
+    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        response = await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+        return [model_info(m) for m in response.models]
+
+    async def update_weights(
+        self, model: str, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], **keywords: Unpack[UpdateKeywords]
+    ) -> UpdateResult:
+        """See ``LogprobClient.update_weights``."""
+        if keywords.get("delta"):
+            weights = list(named_tensors(weights))
+        while True:
+            try:
+                listed = await self._listed(keywords.get("timeout") or self.timeout)
+            except LogprobError as err:
+                raise unsent_error(err, model, keywords.get("version", 0)) from None
+            ports, live = ports_and_live(listed, model)
+            try:
+                update = self.update(model, weights, ports, live=live, **keywords)
+                return self._pushed(model, keywords, await self._push(update))
+            except LogprobError as err:
+                if not self._again_dense(model, keywords, err):
+                    raise
+
+    async def _listed(self, timeout: float) -> pb.ListModelsResponse | None:
+        """See ``LogprobClient._listed``."""
+        if self._receivers_host is None:
+            return None
+        try:
+            return await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+        except PermissionDenied:
+            return None
+
+    async def _push(self, update: PreparedPush) -> pb.UpdateWeightsResponse:
+        """See ``LogprobClient._push`` (here each stream is read on the event loop, or with
+        ``push_processes``, on threads of this client's)."""
+        if update.targets is not None and self.push_processes:
+            # Off the event loop: the first push starts the processes (about 2 s on an H100 host).
+            processes = self._push_processes_for(update.chunk_bytes)
+            push = await asyncio.to_thread(processes.start, update.targets, update.calls, update.timeout)
+            try:
+                return pb.UpdateWeightsResponse.FromString(await asyncio.to_thread(push.wait))
+            except asyncio.CancelledError:
+                push.cancel()
+                raise
+            except LogprobError as err:
+                raise await self._told(update, err, []) from None
+        channels = self._stream_channels(len(update.calls), update.targets)
+        deadline = time.monotonic() + update.timeout
+        calls = [self._pusher(c)(stream, timeout=update.timeout) for c, stream in zip(channels, update.calls)]
+        try:
+            return (await asyncio.gather(*calls))[0]
+        except grpc.RpcError as err:
+            for call in calls:
+                call.cancel()
+            raise await self._told(update, push_error(err, deadline), channels) from None
+        except asyncio.CancelledError:
+            for call in calls:
+                call.cancel()
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this push's caller cancelled it
+            # grpc.aio cancelled a call itself: it does so when the half-close after a call's last
+            # message fails, the deadline having just passed, and its awaiter then sees
+            # CancelledError in place of the deadline.
+            cancelled = Cancelled("a call of the push was cancelled", grpc.StatusCode.CANCELLED)
+            raise await self._told(update, push_error(cancelled, deadline), channels) from None
+
+    async def _told(self, update: PreparedPush, error: LogprobError, channels: list[Any]) -> LogprobError:
+        """See ``LogprobClient._told``."""
+        if not was_interrupted(error):
+            return error
+        asks = [
+            pb_grpc.LogprobServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=self.timeout)
+            for channel in self._asked_after(update, channels)
+        ]
+        answers = await asyncio.gather(*asks, return_exceptions=True)
+        return update.interrupted(error, [a for a in answers if isinstance(a, pb.ListModelsResponse)])
+
+    async def update_weights_ipc(
+        self,
+        model: str,
+        weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int = 0,
+        partial: bool = False,
+        timeout: float | None = None,
+    ) -> UpdateResult:
+        """See ``LogprobClient.update_weights_ipc``."""
+        request, kept = ipc_request(model, weights, version=version, partial=partial)
+        response = await self._call(self._stub.UpdateWeightsFromIpc, request, timeout)
+        del kept
+        return UpdateResult.from_proto(response)
+
+    async def load_weights(
+        self, model: str, path: str, *, version: int = 0, partial: bool = False, timeout: float | None = None
+    ) -> UpdateResult:
+        """See ``LogprobClient.load_weights``."""
+        request = self.load_request(model, path, version, partial)
+        return UpdateResult.from_proto(await self._call(self._stub.LoadWeights, request, timeout))
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close_push_processes)
+        for channel in self._all_channels():
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncLogprobClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _failure(calls: Sequence[Any], err: grpc.RpcError) -> tuple[int, grpc.StatusCode, str]:
+    """Which of a call's asyncio RPCs failed (the first in part order of those that have, when
+    several have), its status and message; ``gather`` raised ``err``, one of theirs."""
+    for part, call in enumerate(calls):
+        if call.done() and (code := await call.code()) != grpc.StatusCode.OK:
+            return part, code, await call.details() or ""
+    return len(calls), err.code(), err.details() or ""  # (no part: the error keeps the server's words)
