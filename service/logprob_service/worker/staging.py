@@ -1,7 +1,7 @@
 """The device side of weight updates: tensors from received bytes or from files, their digests,
 and staging them where the swap will read them from.
 
-``engine.weight_updates`` runs the update's protocol (slots, versions, checks, commit, swap) and
+``engine.weights`` runs the update's protocol (slots, versions, checks, commit, swap) and
 calls this through the ``engine.interfaces.Staging`` protocol, so the engine touches no tensor.
 
 Received bytes go straight to where they are staged: each piece of a tensor is copied (on a
@@ -351,7 +351,7 @@ class Staging:
     @staticmethod
     def read_file(file: Path) -> list[tuple[str, str, tuple[int, ...], torch.Tensor]]:
         """(name, dtype, shape, tensor) of every tensor of the safetensors file ``file``: a regular
-        file's path with its symlinks followed, as ``engine.weight_updates.safetensors_files``
+        file's path with its symlinks followed, as ``engine.weights.files.safetensors_files``
         checked it. Opened without blocking (a FIFO's open would wait for a writer, in a call that
         holds the interpreter lock), and read only if what was opened is a regular file at that
         very path: a path changed since its check is refused, not followed."""

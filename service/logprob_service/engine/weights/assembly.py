@@ -160,5 +160,6 @@ class SparseAssembly:
         return SparseChanges(self.live, self.indices, self.values, self.dtype_name)
 
 
-# Sparse pieces name elements with uint32 indices.
+# Sparse pieces name elements with uint32 indices: the wire's rule, as ``logprob_proto.framing``
+# states it for the client; the engine may not import that (no protobuf below the edge).
 MAX_SPARSE_ELEMENTS = 2**32
