@@ -16,21 +16,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.helpers.models import COMMON
 from tests.helpers.processes import free_port, launch, wait_serving
 
-VOCAB = 517
-QWEN2 = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+# The test suite's tiny shapes (tests/helpers/models.py), as a Qwen2: a trainer's model.path.
+QWEN2 = COMMON
 
 
 @pytest.fixture(scope="session")

@@ -46,8 +46,8 @@ from logprob_client.integrations.openrlhf import (
 )
 from transformers import AutoModelForCausalLM
 
-from tests.frameworks.conftest import VOCAB
 from tests.helpers import tolerances
+from tests.helpers.models import VOCAB
 
 # What openrlhf.models imports of flash-attn and DeepSpeed at module level (unused on this path).
 STAND_INS = {

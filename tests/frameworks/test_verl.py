@@ -46,8 +46,9 @@ from verl.utils.model import compute_position_id_with_mask
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.utils.padding import response_from_nested
 
-from tests.frameworks.conftest import VOCAB, use_cpu_platform
+from tests.frameworks.conftest import use_cpu_platform
 from tests.helpers import tolerances
+from tests.helpers.models import VOCAB
 from tests.helpers.processes import free_port
 
 pytestmark = pytest.mark.frameworks
