@@ -53,6 +53,9 @@ async def test_a_scored_request_moves_its_series_by_its_own_figures(running, rng
         *(f"logprob_batch_{kind}_{part}" for kind in ("tokens", "sequences") for part in ("count", "sum")), **on_cpu
     )
 
+    # The queue gauges are this process's, shared by every server a test run starts: a request
+    # moves them from where they stand, and leaves them there.
+    queue = snapshot("logprob_queue_requests", "logprob_queue_tokens", **model)
     response = await call(running.target, request(*seqs))
 
     assert moved(counters, **model) == {"logprob_tokens_scored_total": tokens, "logprob_sequences_scored_total": 3}
@@ -71,7 +74,7 @@ async def test_a_scored_request_moves_its_series_by_its_own_figures(running, rng
         assert delta[f"{histogram}_count"] == 1
         assert delta[f"{histogram}_sum"] == pytest.approx(ns / 1e9, rel=1e-9, abs=1e-12)
     # The request left the queue.
-    assert value("logprob_queue_requests", **model) == 0 and value("logprob_queue_tokens", **model) == 0
+    assert moved(queue, **model) == {"logprob_queue_requests": 0, "logprob_queue_tokens": 0}
 
 
 async def test_stream_requests_count_one_by_one_with_their_own_status(running, rng):
@@ -140,14 +143,14 @@ async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_c
     gate = Gate(running)
     refused_before = value("logprob_requests_total", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
     try:
+        queue = snapshot("logprob_queue_requests", "logprob_queue_tokens", model="default")
         big = [([i + 1] * 100, [2] * 100) for i in range(16)]  # distinct prompts: each counts
         blocker = asyncio.create_task(call(running.target, request(*big)))  # 3200 tokens
         await gate.wait_entered()
-        assert value("logprob_queue_requests", model="default") == 1
-        assert value("logprob_queue_tokens", model="default") == 3200
+        assert moved(queue, model="default") == {"logprob_queue_requests": 1, "logprob_queue_tokens": 3200}
         await expect(running.target, request(*big[:5]), grpc.StatusCode.RESOURCE_EXHAUSTED)
-        assert value("logprob_queue_requests", model="default") == 1  # the refused one never entered
-        assert value("logprob_queue_tokens", model="default") == 3200
+        # the refused one never entered
+        assert moved(queue, model="default") == {"logprob_queue_requests": 1, "logprob_queue_tokens": 3200}
         gate.release.set()
         await blocker
     finally:
@@ -157,7 +160,7 @@ async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_c
         value("logprob_requests_total", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
         == refused_before + 1
     )
-    assert value("logprob_queue_requests", model="default") == 0 and value("logprob_queue_tokens", model="default") == 0
+    assert moved(queue, model="default") == {"logprob_queue_requests": 0, "logprob_queue_tokens": 0}
 
 
 async def test_model_and_build_info(running):

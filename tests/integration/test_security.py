@@ -226,7 +226,9 @@ async def test_weight_receivers_take_the_servers_tls_and_tokens(gemma_checkpoint
         with LogprobClient(target, tls_ca_file=pki.ca, token=values["trainer"], push_processes=1) as client:
             with pytest.raises(PermissionDenied):  # a score-only token, through the receiver
                 await asyncio.to_thread(client.update_weights, "default", weights, streams=2)
-        assert running.service.receivers.forwarded == 8
+        # The client raises at the first refusal; its other call may be cancelled before the
+        # receiver forwards it (the receiver reads a call only once the server asks for it).
+        assert 7 <= running.service.receivers.forwarded <= 8
     finally:
         await stop(running)
 
