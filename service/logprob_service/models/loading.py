@@ -14,6 +14,7 @@ import huggingface_hub
 import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from logprob_service.domain import DTYPE_BYTES
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
@@ -85,9 +86,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def attention_implementation(config: PretrainedConfig) -> str:
     """The exact stock implementation for direct calls of the model: SDPA, except for models whose
-    attention softcaps its logits (Gemma 2), which SDPA cannot express. Scoring replaces it with
-    the packed implementation (``ops.attention``) either way."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+    attention softcaps its logits (Gemma 2), which SDPA cannot express, and models whose class
+    transformers does not let run SDPA (gpt-oss: its attention sinks; asking for it raises).
+    Scoring replaces it with the packed implementation (``ops.attention``) either way."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "eager"
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # a config transformers does not map (remote code): its own class decides later
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def load_causal_lm(

@@ -56,6 +56,16 @@ def config_logit_transform(config: object) -> LogitTransform:
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
 
 
+def model_body(model: PreTrainedModel) -> torch.nn.Module:
+    """The model's body (embeddings, decoder layers, final norm): ``base_model``, except where the
+    class's ``base_model_prefix`` names no attribute of it (Llama 4's text model: "language_model",
+    its body being ``.model``) and ``base_model`` is the whole model."""
+    body = model.base_model
+    if body is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        body = model.model
+    return body
+
+
 @dataclass(frozen=True)
 class ScoringOptions:
     """How a scorer runs its model's body (the settings of the same names)."""
@@ -160,7 +170,7 @@ class CausalLMScorer:
         self.tensor_parallel = tensor_parallel
         model.set_attn_implementation(attention_implementation_name(self.attention_preference))
         self.model = model
-        self.body = model.base_model
+        self.body = model_body(model)
         install_chunking(self.body)
         head = model.get_output_embeddings()
         self.vocab_size: int = head.weight.shape[0]
@@ -244,15 +254,27 @@ class CausalLMScorer:
         config = self.model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        value_head_dim = getattr(config, "v_head_dim", None)
+        if value_head_dim is not None:  # MLA (DeepSeek): queries and keys of nope + rope dims, every head its own K/V
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         ranks = self.tensor_parallel.world if self.tensor_parallel is not None else 1
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        window = getattr(config, "sliding_window", None)
         return describe_backends(
             self.attention_preference,
             heads=heads // ranks,
-            kv_heads=(getattr(config, "num_key_value_heads", None) or heads) // ranks,
+            kv_heads=(heads if value_head_dim else getattr(config, "num_key_value_heads", None) or heads) // ranks,
             head_dim=head_dim,
             dtype=self.head_weight.dtype,
             device=self.device,
             softcap=getattr(config, "attn_logit_softcapping", None),
+            value_head_dim=value_head_dim,
+            # a window where a layer has one: every layer unless the config types its layers
+            sliding_window=window if window and (not layer_types or "sliding_attention" in layer_types) else None,
+            sinks=any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in self.body.modules()),
+            attention_chunk=getattr(config, "attention_chunk_size", None)
+            if "chunked_attention" in layer_types
+            else None,
         )
 
     @property
