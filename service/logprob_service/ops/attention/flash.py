@@ -97,4 +97,12 @@ def varlen_attention(
         from torch.nn.attention.varlen import AuxRequest  # where varlen_attn is, so is its AuxRequest
 
         extra["return_aux"] = AuxRequest(lse=True)
-    return fn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, **extra)
+    result = fn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, **extra)
+    if not return_lse:
+        return result
+    out, lse = result
+    if lse.shape == (q.shape[1], q.shape[0]):
+        # FlashAttention-2's varlen layout [H, T] (torch's fake kernel for the op says so; its
+        # docstring says [T, H]): as [T, H], the layout the other backends return.
+        lse = lse.transpose(0, 1)
+    return out, lse
