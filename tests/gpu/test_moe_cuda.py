@@ -17,17 +17,22 @@ Why grouped_mm should be batch-invariant, and what this file checks of it:
 * The sort is unstable on CUDA: rows of one expert may come in any order, which only moves them
   between a group's tile rows.
 
-Models at the Qwen3-30B-A3B and gpt-oss-20b layer shapes (bf16, random weights). Run with
+Models at the Qwen3-30B-A3B and gpt-oss-20b layer shapes (bf16, random weights), and the tiny
+Qwen3-MoE over two GPUs (expert parallel) when there are two. Run with
 ``pytest -q tests/gpu/test_moe_cuda.py`` on a GPU host.
 """
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 import torch
+from logprob_client import LogprobClient
 from logprob_service.models.loading import use_experts_implementation
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.determinism import pin_matmul_reductions
 from logprob_service.worker.packing import pack
@@ -38,6 +43,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from tests.gpu.test_batch_invariance_cuda import pool, restore_cublas_settings, same_bits  # noqa: F401 (a fixture)
 from tests.helpers.models import ScoreReference, random_sequences
 from tests.helpers.moe import make_moe_model
+from tests.helpers.processes import free_port, launch, wait_serving
+from tests.helpers.server import as_lists
 
 pytestmark = [
     pytest.mark.gpu,
@@ -144,3 +151,30 @@ def test_bf16_moe_is_as_exact_as_its_own_bf16_forward(rng, seed):
         assert offline.scorer.experts == "grouped_mm"
         out = offline.score(seqs, return_entropy=True)
     reference.check([s.logprobs for s in out], [s.entropies for s in out])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_moe_model_over_two_gpus_scores_as_the_model(tmp_path, rng, seed):
+    """``serve --tensor-parallel 2`` on two GPUs (NCCL): heads sharded, experts split by expert, the
+    grouped GEMM skipping the other rank's experts; within the bf16 criterion, fingerprint whole."""
+    model = make_moe_model("qwen3_moe", seed=seed, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "model")
+    seqs = random_sequences(rng, 8, max_len=80)
+    reference = ScoreReference(model, seqs, dtype=torch.bfloat16)
+    port = free_port()
+    with (tmp_path / "server.log").open("w") as log:
+        proc = launch(
+            f"--model=moe={tmp_path / 'model'}", "--device=cuda:0,cuda:1", "--tensor-parallel=2",
+            f"--port={port}", "--metrics-port=0", stdout=log,
+        )  # fmt: skip
+        try:
+            wait_serving(f"127.0.0.1:{port}", proc, timeout=300)
+            with LogprobClient(f"127.0.0.1:{port}", model="moe") as client:
+                logprobs, entropies = client.score(*as_lists(seqs), return_entropy=True)
+                (info,) = client.list_models()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, (tmp_path / "server.log").read_text()[-3000:]
+    reference.check(logprobs, entropies)
+    assert info.fingerprint == model_fingerprint(model)
+    assert info.determinism.endswith("experts: grouped_mm"), info.determinism
