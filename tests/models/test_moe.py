@@ -61,14 +61,16 @@ def scorer_for(model: torch.nn.Module, **options: object) -> CausalLMScorer:
     return scorer
 
 
-def test_experts_run_the_models_own_loop_on_the_cpu_and_grouped_gemms_on_cuda(seed):
-    model = make_moe_model("qwen3_moe", seed=seed)
+def test_experts_run_the_models_own_loop_on_the_cpu_and_grouped_gemms_on_cuda_in_bf16(seed):
+    model = make_moe_model("qwen3_moe", seed=seed, dtype=torch.bfloat16)
     model.set_experts_implementation("grouped_mm")
     assert len(expert_modules(model)) == model.config.num_hidden_layers
-    assert use_experts_implementation(model, torch.device("cuda")) == "grouped_mm"  # only reads the device type
-    assert model.config._experts_implementation == "grouped_mm"
     assert use_experts_implementation(model, torch.device("cpu")) == "eager"
     assert model.config._experts_implementation == "eager"
+    assert use_experts_implementation(model, torch.device("cuda")) == "grouped_mm"  # only reads the device type
+    assert model.config._experts_implementation == "grouped_mm"
+    # torch documents its CUDA grouped GEMM for bf16: a float32 model runs the loop there too.
+    assert use_experts_implementation(model.float(), torch.device("cuda")) == "eager"
     dense = make_model("llama", tied=False, seed=seed)
     assert expert_modules(dense) == [] and use_experts_implementation(dense, torch.device("cuda")) is None
 

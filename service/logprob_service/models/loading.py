@@ -94,10 +94,12 @@ def attention_implementation(config: PretrainedConfig) -> str:
 # How a mixture-of-experts model's experts run (transformers' ``experts_implementation``), by
 # device type. CUDA: torch's grouped GEMM (transformers' "grouped_mm": the packed row's
 # (token, expert) pairs sorted by expert, then one CUTLASS grouped-GEMM launch per projection over
-# all experts, each expert's rows only: no per-expert Python loop, no padding to a capacity).
-# CPU: the model's own per-expert loop ("eager"), the exact reference: torch's CPU grouped_mm takes
-# no float64 and wants 16-byte-aligned strides, which small test shapes lack.
+# all experts, each expert's rows only: no per-expert Python loop, no padding to a capacity), for
+# bfloat16 weights, the dtype torch documents it for on CUDA. CPU, and other dtypes: the model's
+# own per-expert loop ("eager"), the exact reference: torch's CPU grouped_mm takes no float64 and
+# wants 16-byte-aligned strides, which small test shapes lack.
 EXPERTS_IMPLEMENTATIONS: dict[str, str] = {"cuda": "grouped_mm", "cpu": "eager"}
+GROUPED_MM_DTYPES = frozenset({torch.bfloat16})
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -108,11 +110,14 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def use_experts_implementation(model: PreTrainedModel, device: torch.device) -> str | None:
-    """Run ``model``'s experts as ``EXPERTS_IMPLEMENTATIONS`` says for ``device``; returns the
-    choice, or None for a model without experts."""
-    if not expert_modules(model):
+    """Run ``model``'s experts as ``EXPERTS_IMPLEMENTATIONS`` says for ``device`` and their dtype;
+    returns the choice, or None for a model without experts."""
+    experts = expert_modules(model)
+    if not experts:
         return None
     choice = EXPERTS_IMPLEMENTATIONS.get(device.type, "eager")
+    if next(experts[0].parameters()).dtype not in GROUPED_MM_DTYPES:
+        choice = "eager"
     model.set_experts_implementation(choice)
     return choice
 
