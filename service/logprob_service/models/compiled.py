@@ -11,6 +11,10 @@ Only modules whose class name ends in ``RMSNorm`` or ``MLP`` are compiled (every
 architecture of transformers names them so): each takes a tensor and returns one, has no
 data-dependent control flow, and sees shapes that vary in the token count only, so one dynamic
 graph per class serves every micro-batch (``dynamic=True``; no recompiles as T changes).
+A mixture-of-experts block is left eager even when its class ends in ``MLP`` (gpt-oss's
+``GptOssMLP``): its routing sorts and counts tokens by expert (data-dependent shapes), its time is
+the experts' grouped GEMMs, which inductor would not fuse anyway, and eager it routes with
+transformers' own ops, so its router choices are the model's (``models.routing``).
 Attention stays outside any graph, on ``ops.attention``'s kernels, and so do the decoder layers'
 own ``forward`` (``models.chunked`` wraps those). The compiled function is set as the module's
 ``forward`` instance attribute: parameter names, weights (updated in place by weight swaps) and
@@ -25,15 +29,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from logprob_service.models.loading import expert_modules
+
 FUSED_CLASS_SUFFIXES = ("RMSNorm", "MLP")
 BACKEND = "inductor"
 
 
 def fusable_modules(body: nn.Module) -> list[nn.Module]:
     """The norms and MLPs inside ``body.layers`` (not the final norm: once a pass, and row-sliced
-    by ``models.chunked``); none for a module without decoder layers."""
+    by ``models.chunked``), less mixture-of-experts blocks; none for a module without decoder layers."""
     modules = (m for layer in getattr(body, "layers", ()) for m in layer.modules())
-    return [m for m in modules if type(m).__name__.endswith(FUSED_CLASS_SUFFIXES)]
+    return [m for m in modules if type(m).__name__.endswith(FUSED_CLASS_SUFFIXES) and not expert_modules(m)]
 
 
 def compile_layers(body: nn.Module) -> None:

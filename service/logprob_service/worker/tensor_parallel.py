@@ -107,10 +107,22 @@ class Leader:
         launch = scorer.launch
 
         @functools.wraps(launch)
-        def announced(batch: PackedBatch, *, temperature: float = 1.0, return_entropy: bool = False) -> Launched:
+        def announced(
+            batch: PackedBatch,
+            *,
+            temperature: float = 1.0,
+            return_entropy: bool = False,
+            return_routed_experts: bool = False,
+        ) -> Launched:
             self._announce(("launch", name, batch, temperature, return_entropy))
             try:
-                return launch(batch, temperature=temperature, return_entropy=return_entropy)
+                # Routed experts are rank 0's to keep: the router is replicated, its choices the same on every rank.
+                return launch(
+                    batch,
+                    temperature=temperature,
+                    return_entropy=return_entropy,
+                    return_routed_experts=return_routed_experts,
+                )
             except Exception as err:
                 on_failure(f"rank 0 failed in a launch of {name!r}, the ranks are out of step: {err!r}")
                 raise
