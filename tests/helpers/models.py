@@ -91,6 +91,7 @@ def _granite(tied: bool, common: dict) -> PreTrainedModel:
 # The families RL trains now (issue 42), each with the feature that sets its attention apart made to
 # matter at the test lengths (windows and chunks shorter than the test sequences). Experts: a few,
 # tiny; top-k of them per token.
+ROUTER_SPREAD = 4.0  # router logits of std ~4: near-ties between experts' logits are rare
 WINDOW = 8  # sliding windows and attention chunks: shorter than the test sequences (up to ~80 tokens)
 
 
@@ -245,6 +246,12 @@ def make_model(
                 p.normal_(0.0, 1.0 / min(p.shape[1:]) ** 0.5)
             elif name.endswith(".sinks"):  # gpt-oss's sink logits, of the scores' size: a sink takes a real share
                 p.normal_(0.0, 1.0)
+        for module in model.modules():
+            # Routers (Qwen3MoeTopKRouter, GptOssTopKRouter, Llama4Router, DeepseekV3TopkRouter) with a
+            # spread that decides the top-k: rounding (float32 against float64) flips no choice, as in
+            # tests/helpers/moe.py.
+            if "router" in type(module).__name__.lower():
+                module.weight.mul_(ROUTER_SPREAD)
         model.get_output_embeddings().weight.mul_(2.0)  # logits std ~2, like a trained LM's
     return model.to(dtype).eval()
 
