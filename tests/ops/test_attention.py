@@ -11,7 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from logprob_service.domain import TokenSequence
 from logprob_service.models.loading import attention_implementation
+from logprob_service.models.scorer import ScoringOptions
+from logprob_service.offline import OfflineScorer
 from logprob_service.ops import attention as attn
 from logprob_service.ops.attention import (
     PACKED_ATTENTION,
@@ -39,7 +42,7 @@ from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward a
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager_attention
 
 from tests.helpers import tolerances
-from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, make_model
+from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, ScoreReference, make_model
 from tests.helpers.packed import own_hidden, packed_hidden
 
 pytestmark = pytest.mark.numerical
@@ -425,11 +428,13 @@ def test_chunk_segments_of_queries_that_are_their_keys_last_positions(seed):
         probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
         expected = torch.einsum("hqk,khd->qhd", probs, v[cu_k[s] : cu_k[s + 1]])
         torch.testing.assert_close(got[cu_q[s] : cu_q[s + 1]], expected, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
-    new_q, new_k, max_q, max_k, index = chunk_segments(cu_q, cu_k, chunk)
+    new_q, new_k, max_q, max_k, index, bounds = chunk_segments(cu_q, cu_k, chunk)
     assert index is not None and max_q <= chunk and max_k <= chunk  # keys before the first query chunk skipped
     # sequence 0: one chunk; 1: one; 2: 4 + 4 + 1 queries; 3: queries at positions 7 | 8-11 | 12
-    assert new_q.tolist() == [0, 3, 4, 8, 12, 13, 14, 18, 19] and new_k[-1] == len(index)
-    self_q, self_k, _, _, self_index = chunk_segments(cu_k, cu_k, chunk)
+    assert new_q.tolist() == bounds[0] == [0, 3, 4, 8, 12, 13, 14, 18, 19] and new_k[-1] == len(index)
+    assert new_k.tolist() == bounds[1]
+    assert chunk_segments(cu_q, cu_k, chunk, (cu_q.tolist(), cu_k.tolist()))[5] == bounds  # from host bounds
+    self_q, self_k, _, _, self_index, _ = chunk_segments(cu_k, cu_k, chunk)
     assert self_index is None and self_k is self_q  # self-attention: the chunks' keys are the queries' rows
 
 
@@ -444,3 +449,24 @@ def test_the_plan_names_what_each_feature_costs():
     assert "window 8 layers, packed rows: exact" in featured
     assert "attention sinks applied from each kernel's log-sum-exp" in featured
     assert "chunked attention (8 positions)" in featured and "value heads of 12 (queries/keys 24)" in featured
+
+
+@pytest.mark.parametrize("arch", ["llama4", "gemma2"])  # chunked layers; the exact loop (softcaps)
+@pytest.mark.parametrize("share", [True, False])
+def test_the_scorer_gives_host_side_paths_its_boundaries(arch, share, monkeypatch, rng, seed):
+    """The attention paths that work on the host (cutting attention chunks, the exact loop) read the
+    batch's boundaries from the scorer, never copy cu_seq_lens back from the device (a sync per
+    layer on a GPU): packed rows, shared prompts and a long sequence in chunks."""
+
+    def no_copy_back(*args):
+        raise AssertionError("cu_seq_lens copied back to the host")
+
+    monkeypatch.setattr(attn.choice, "_host_bounds", no_copy_back)
+    model = make_model(arch, tied=False, seed=seed)
+    prompt = rng.integers(0, VOCAB, 19)
+    seqs = [TokenSequence(prompt.copy(), rng.integers(0, VOCAB, n)) for n in (3, 11, 1)]
+    seqs.append(TokenSequence(rng.integers(0, VOCAB, 40), rng.integers(0, VOCAB, 90)))  # 130 > 100: chunked
+    options = ScoringOptions(compile_layers="off", share_prompts=share, long_sequence_tokens=100, chunk_tokens=23)
+    with OfflineScorer(model, options=options, max_batch_tokens=128) as offline:
+        out = offline.score(seqs)
+    ScoreReference(model, seqs).check([s.logprobs for s in out])

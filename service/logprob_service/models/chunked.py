@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from logprob_service.ops.attention import KV_CHUNK, KVChunk
+from logprob_service.ops.attention import HOST_BOUNDS, KV_CHUNK, VARLEN_KWARGS, KVChunk
 
 CHUNK_KWARG = "logprob_chunk_tokens"
 """The body's keyword argument that turns chunking on for one call: the tokens of a chunk."""
@@ -60,7 +60,7 @@ class _LayerChunking:
         total = x.shape[1]
         rotary = kwargs.pop("position_embeddings")
         position_ids = kwargs.pop("position_ids", None)
-        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        for name in (*VARLEN_KWARGS, HOST_BOUNDS):
             kwargs.pop(name, None)  # a chunk's attention reads its extent from its KVChunk instead
         buffers: dict[str, torch.Tensor] = {}
         for start in range(0, total, chunk_tokens):

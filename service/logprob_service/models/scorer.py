@@ -331,14 +331,16 @@ class CausalLMScorer:
         if len(batch.completion_lengths) == 1 and batch.num_tokens > self.options.long_sequence_tokens:
             chunking = {CHUNK_KWARG: self.options.chunk_tokens}  # memory linear in T, not in T x MLP width
         keys = None
+        host_bounds = (batch.cu_seqlens, batch.cu_seqlens)  # what host-side attention paths read, no sync
         if (shared := batch.shared_keys) is not None:  # completions keyed on their shared prompt's rows
             keys = (self._to_device(shared.cu_seqlens), shared.max_seqlen, self._to_device(shared.index))
+            host_bounds = (batch.cu_seqlens, shared.cu_seqlens)
         with routing if routing is not None else contextlib.nullcontext():
             out = self.body(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
-                **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys),
+                **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys, host_bounds=host_bounds),
                 **chunking,
             )
         hidden = out.last_hidden_state[0]  # [T, H]

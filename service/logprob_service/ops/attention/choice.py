@@ -24,7 +24,8 @@ exact path by itself (``packed_attention``):
 * Chunked attention (Llama 4's chunked layers: a query sees the causal keys of its own chunk of
   ``attention_chunk_size`` positions only): each sequence's queries are cut at the chunk borders into
   segments, each with its chunk's keys (``chunk_segments``), which is plain causal attention over
-  more, shorter segments. The cut is made on the host: one host sync per chunked layer.
+  more, shorter segments. The cut is made on the host, from the boundaries the scorer passes as host
+  ints (no sync; a caller without them pays one copy back per chunked layer).
 * Value heads narrower than query/key heads (DeepSeek-V3's MLA: 192 against 128): the values are
   zero-padded to the query's head dim for the flash kernels and the output sliced back, exactly
   (the padding columns are zeros); the exact backend takes them as they are.
@@ -128,8 +129,8 @@ def describe_backends(
         features.append("attention sinks applied from each kernel's log-sum-exp")
     if attention_chunk:
         features.append(
-            f"chunked attention ({attention_chunk} positions) as one segment per chunk, cut on the host "
-            "(one sync per chunked layer)"
+            f"chunked attention ({attention_chunk} positions) as one causal segment per chunk, cut on the host "
+            "from the batch's boundaries"
         )
     if value_head_dim and value_head_dim != head_dim:
         padded = v.shape[-1] != value_head_dim
@@ -149,21 +150,37 @@ def _padded_values(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(v, (0, pad))
 
 
+def _host_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[list[int], list[int]]:
+    """cu_q and cu_k as host lists: a host sync on a GPU."""
+    bounds_q = cu_q.tolist()
+    return bounds_q, bounds_q if cu_k is cu_q else cu_k.tolist()
+
+
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host ints on ``device``, asynchronously on CUDA (from pinned memory: a pageable copy waits)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def chunk_segments(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None]:
+    cu_q: torch.Tensor, cu_k: torch.Tensor, chunk: int, bounds: tuple[list[int], list[int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None, tuple[list[int], list[int]]]:
     """Chunked attention as causal attention over segments: each sequence's queries (its last Lq
     of Lk positions) cut at multiples of ``chunk``, each part with the keys of its own chunk.
 
-    Returns (cu_q', cu_k', max_q', max_k', index): query segment s' is rows cu_q'[s']:cu_q'[s'+1] of
-    the same query rows (they stay in order); its keys are rows cu_k'[s']:cu_k'[s'+1] of the keys
-    gathered by ``index`` (int64, on cu_q's device), or of the keys themselves when ``index`` is None
-    (the segments' keys then tile them: self-attention). A query at position p sees keys j with
-    p // chunk == j // chunk and j <= p, as transformers' ``chunked_overlay`` allows."""
+    Returns (cu_q', cu_k', max_q', max_k', index, bounds'): query segment s' is rows
+    cu_q'[s']:cu_q'[s'+1] of the same query rows (they stay in order); its keys are rows
+    cu_k'[s']:cu_k'[s'+1] of the keys gathered by ``index`` (int64, on cu_q's device), or of the
+    keys themselves when ``index`` is None (the segments' keys then tile them: self-attention);
+    bounds' = (cu_q', cu_k') as host lists. A query at position p sees keys j with
+    p // chunk == j // chunk and j <= p, as transformers' ``chunked_overlay`` allows. The cut is
+    made on the host, from ``bounds`` (cu_q and cu_k as host ints) when given, else from a copy of
+    cu_q and cu_k (a host sync)."""
     if chunk < 1:
         raise ValueError(f"attention chunk must be at least 1, got {chunk}")
-    bounds_q = cu_q.tolist()  # the host sync of a chunked layer
-    bounds_k = bounds_q if cu_k is cu_q else cu_k.tolist()
+    bounds_q, bounds_k = bounds if bounds is not None else _host_bounds(cu_q, cu_k)
     seg_q, seg_k, key_rows = [0], [0], []
     for (qs, qe), (ks, ke) in zip(itertools.pairwise(bounds_q), itertools.pairwise(bounds_k)):
         queries, keys = qe - qs, ke - ks
@@ -182,12 +199,13 @@ def chunk_segments(
     device = cu_q.device
     index = None
     if not tiled:
-        index = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in key_rows]).to(device)
+        rows = [row for a, b in key_rows for row in range(a, b)]
+        index = _to_device(rows, torch.int64, device)
     lengths_q = [b - a for a, b in itertools.pairwise(seg_q)]
     lengths_k = [b - a for a, b in itertools.pairwise(seg_k)]
-    new_q = torch.tensor(seg_q, dtype=torch.int32).to(device)
-    new_k = new_q if tiled and seg_k == seg_q else torch.tensor(seg_k, dtype=torch.int32).to(device)
-    return new_q, new_k, max(lengths_q), max(lengths_k), index
+    new_q = _to_device(seg_q, torch.int32, device)
+    new_k = new_q if tiled and seg_k == seg_q else _to_device(seg_k, torch.int32, device)
+    return new_q, new_k, max(lengths_q), max(lengths_k), index, (seg_q, seg_k)
 
 
 def packed_attention(
@@ -204,6 +222,7 @@ def packed_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    bounds: tuple[list[int], list[int]] | None = None,
     preference: AttentionBackend = "auto",
 ) -> torch.Tensor:
     """Causal attention of each packed sequence's queries over its keys, aligned bottom-right.
@@ -211,11 +230,13 @@ def packed_attention(
     q: [Tq, H, D]; k: [Tk, KV, D]; v: [Tk, KV, Dv]; cu_q, cu_k: int32 [n+1] on q's device (sequence
     s: query rows [cu_q[s], cu_q[s+1]), key rows [cu_k[s], cu_k[s+1]), Lq <= Lk) -> [Tq, H, Dv].
     ``sinks``: [H] attention-sink logits; ``attention_chunk``: a query sees only the keys of its
-    own chunk of that many positions (the module docstring says how each reaches the backends)."""
+    own chunk of that many positions (the module docstring says how each reaches the backends).
+    ``bounds``: cu_q and cu_k as host ints, where the caller has them (else they are copied back
+    where a path needs them on the host: a sync)."""
     if attention_chunk is not None:
         if sliding_window is not None:
             raise NotImplementedError("attention with both a sliding window and attention chunks")
-        cu_q, cu_k, max_q, max_k, index = chunk_segments(cu_q, cu_k, attention_chunk)
+        cu_q, cu_k, max_q, max_k, index, bounds = chunk_segments(cu_q, cu_k, attention_chunk, bounds)
         if index is not None:
             k, v = k.index_select(0, index), v.index_select(0, index)
     value_dim = v.shape[-1]
@@ -240,8 +261,7 @@ def packed_attention(
             scale=scale, window_size=varlen_window_size(sliding_window), return_lse=lse,
         )  # fmt: skip
     else:
-        bounds_q = cu_q.tolist()  # one host sync per layer: the exact path loops on the host anyway
-        bounds_k = bounds_q if cu_k is cu_q else cu_k.tolist()
+        bounds_q, bounds_k = bounds if bounds is not None else _host_bounds(cu_q, cu_k)
         return exact.exact_packed_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), bounds_q, bounds_k,
             scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,

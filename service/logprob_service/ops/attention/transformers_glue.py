@@ -44,6 +44,7 @@ j <= i + Lk - Lq, as in one pass over the whole sequence.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ PACKED_ATTENTION = "logprob_packed"
 """Name of the attention implementation: ``model.set_attn_implementation(PACKED_ATTENTION)``."""
 
 VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The sequence boundaries transformers hands through: a chunk's call drops them (``models.chunked``)."""
 
 
 # --------------------------------------------------------------------------- registration
@@ -90,8 +92,19 @@ KV_INDEX = "logprob_kv_index"
 """The keyword argument that gathers each query segment's keys/values from the packed row's."""
 
 
+HOST_BOUNDS = "logprob_host_bounds"
+"""The keyword argument with the row's query and key boundaries as host ints, where the caller has
+them (the scorer: from the batch's numpy arrays): the paths that cut or loop on the host (attention
+chunks, the exact backend) read them there instead of copying ``cu_seq_lens_*`` back, a host sync
+per layer."""
+
+
 def packed_forward_kwargs(
-    cu_seqlens: torch.Tensor, max_len: int, *, keys: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    keys: tuple[torch.Tensor, int, torch.Tensor] | None = None,
+    host_bounds: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``model.base_model(input_ids=..., position_ids=..., use_cache=False, **kwargs)``
     on a packed row.
@@ -102,6 +115,7 @@ def packed_forward_kwargs(
     (cu_seqlens_k [n+1], max_len_k, index [Tk]), segment s's keys and values are rows
     ``index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]`` of the row's, its queries the last positions of
     those keys (a completion sharing its prompt with others: the prompt's rows, then its own).
+    ``host_bounds``: (cu_seqlens, cu_seqlens_k) as host ints, the same values (``HOST_BOUNDS``).
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
@@ -111,8 +125,14 @@ def packed_forward_kwargs(
     if max_len < 1:
         raise ValueError(f"max_len must be at least 1, got {max_len}")
     cu = cu_seqlens.to(torch.int32)  # flash attention's varlen kernels index with int32
+    host = {}
+    if host_bounds is not None:
+        bounds_q, bounds_k = ([int(x) for x in bounds] for bounds in host_bounds)
+        if len(bounds_q) != cu_seqlens.numel() or len(bounds_k) != len(bounds_q):
+            raise ValueError(f"host_bounds: {len(bounds_q)} and {len(bounds_k)} entries for {cu_seqlens.numel()}")
+        host = {HOST_BOUNDS: (bounds_q, bounds_k)}
     if keys is None:
-        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len, **host}
     cu_k, max_k, index = keys
     if cu_k.shape != cu_seqlens.shape:
         raise ValueError(f"keys: {cu_k.numel() - 1} key segments for {cu_seqlens.numel() - 1} query segments")
@@ -122,6 +142,7 @@ def packed_forward_kwargs(
         "max_length_q": max_len,
         "max_length_k": int(max_k),
         KV_INDEX: index,
+        **host,
     }
 
 
@@ -209,18 +230,20 @@ def _packed_row_attention(
         k, v = chunk.write(key[0].transpose(0, 1), value[0].transpose(0, 1))  # [end, KV, D]: all keys so far
         lengths = torch.tensor([0, q.shape[0], 0, k.shape[0]], dtype=torch.int32, device=q.device)
         cu_q, cu_k, max_q, max_k = lengths[:2], lengths[2:], q.shape[0], k.shape[0]
+        bounds = ([0, q.shape[0]], [0, k.shape[0]])
     else:
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KV, D]
         index = kwargs.get(KV_INDEX)
         if index is not None:  # segments sharing a prompt: each gets its own copy of the prompt's keys
             k, v = k.index_select(0, index), v.index_select(0, index)  # [Tk, KV, D]
         cu_q, cu_k, max_q, max_k = _varlen_kwargs(kwargs, query.device)
+        bounds = kwargs.get(HOST_BOUNDS)
     if not rows_are_positions and _nope_temperature(module):
         q = _nope_positions_rescaled(module, q, cu_q, cu_k)
     out = packed_attention(
         q, k, v, cu_q, cu_k, max_q, max_k,
         scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=kwargs.get("s_aux"),
-        attention_chunk=attention_chunk, preference=preference,
+        attention_chunk=attention_chunk, bounds=bounds, preference=preference,
     )  # fmt: skip
     return out.unsqueeze(0), None  # [1, Tq, H, D]
 
@@ -295,7 +318,8 @@ def _unpacked_attention(
     _check_supported(module, one_row(query), one_row(key), attention_mask, dropout, kwargs)
     out, _ = _packed_row_attention(
         module, one_row(query), one_row(key), one_row(value), scaling, softcap,
-        preference=preference, rows_are_positions=True, **kwargs, **packed_forward_kwargs(cu_seqlens, t),
+        preference=preference, rows_are_positions=True, **kwargs,
+        **packed_forward_kwargs(cu_seqlens, t, host_bounds=(range(0, (b + 1) * t, t),) * 2),
     )  # fmt: skip
     return out.reshape(b, t, h, value.shape[-1]), None
 
