@@ -258,8 +258,8 @@ def _attention_chunk(module: torch.nn.Module) -> int | None:
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
     layer = getattr(module, "layer_idx", None)
-    if not layer_types or layer is None:
-        return None
+    if not layer_types or layer is None or layer >= len(layer_types):
+        return None  # untyped layers (as transformers builds them: one causal mask for all)
     layer_type = layer_types[layer]
     if layer_type not in LAYER_TYPES:
         raise NotImplementedError(
