@@ -430,6 +430,12 @@ class ServedActorEngine(BaseEngine):
         self.client: LogprobClient | None = None
         self._adapter_disabled = False
 
+    def __getattr__(self, name: str) -> Any:
+        """What verl reads of its engine directly (``module``, its offload flags, ...): the inner's."""
+        if name == "inner":  # not set yet (a failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def initialize(self) -> None:
         """verl's engine, then the served model checked against the actor's model and dtype."""
         self.inner.initialize()
