@@ -375,3 +375,24 @@ def test_the_plugin_without_the_served_actor_fails_at_start_up(process_group, fr
         )
     with pytest.raises(ServiceConfigError, match=r"set actor_rollout_ref\.actor\._target_=.*ServiceActorConfig"):
         actor_worker(config)
+
+
+def test_pushed_by_broadcast_through_the_service_s_weight_update_group(
+    process_group, fresh_old_policy, qwen_dir, served, rng
+):
+    """``transport=nccl``: the service joins a weight-update group hosted by rank 0 (gloo for
+    the CPU's tensors, NCCL for CUDA ones) and the tensors are broadcast through it."""
+    kwargs = "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.logprob_service"
+    extra = (f"{kwargs}.transport=nccl", f"{kwargs}.master_port={free_port()}")
+    config = verl_config(qwen_dir, served.target, extra=extra)
+    worker = actor_worker(config)
+    try:
+        update_weights(worker, 0)
+        optimizer_step(worker, rng)
+        update_weights(worker, 1)
+        assert served_version(served.target) == OLD_POLICY.version
+        rows = rollout(rng, prompts=2, n=3)
+        logps, entropies = old_log_probs(worker, config, rows)
+        Local(worker, qwen_dir, rows, TEMPERATURE).check(logps, entropies)
+    finally:
+        worker.checkpoint_engine.close()

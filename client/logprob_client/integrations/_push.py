@@ -35,6 +35,10 @@ from ._served import ServiceConfigError, normalize_dtype
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "ipc", "nccl", "grpc")
+# How long the weight-update group's join and each broadcast wait for the other side: within the
+# server's max_group_timeout_s (300 s by default; a join asking more is refused), apart from a
+# push's own deadline (a large model's gRPC push may need longer).
+GROUP_TIMEOUT_S = 120.0
 
 
 class WeightPusher:
@@ -113,7 +117,7 @@ class WeightPusher:
                     master_address=self.master_address,
                     backend=backend,
                     device=str(staged[0][1].device),
-                    timeout_s=self.timeout_s,
+                    timeout_s=min(self.timeout_s, GROUP_TIMEOUT_S),
                 )
             return self._broadcaster.push(self.model, staged, timeout=self.timeout_s)
         return self.client.update_weights(self.model, staged, delta=True, timeout=self.timeout_s)
