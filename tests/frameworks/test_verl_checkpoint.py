@@ -40,6 +40,7 @@ import verl
 from hydra import compose, initialize_config_dir
 from logprob_client import LogprobClient
 from logprob_client.errors import FailedPrecondition
+from logprob_client.integrations import verl as served_verl
 from logprob_client.integrations import verl_checkpoint
 from logprob_client.integrations.verl import CHECKED_VERL_VERSION, OLD_POLICY, ServiceConfigError, padded_batch
 from transformers import AutoModelForCausalLM
@@ -396,3 +397,29 @@ def test_pushed_by_broadcast_through_the_service_s_weight_update_group(
         Local(worker, qwen_dir, rows, TEMPERATURE).check(logps, entropies)
     finally:
         worker.checkpoint_engine.close()
+
+
+def test_a_rank_other_than_0_drains_the_weights_pushes_nothing_and_takes_rank_0_s_version(
+    fresh_old_policy, served, monkeypatch
+):
+    """On ranks other than 0 (verl's FSDP gathers each tensor on every rank), the engine reads
+    every tensor, pushes nothing, and takes the version rank 0 broadcasts over the actor's group."""
+    OLD_POLICY.settings = served_verl.ServiceSettings(address=served.target, model="policy")
+    engine = verl_checkpoint.ServiceCheckpointEngine(is_master=False)
+    assert engine.pusher is None
+    broadcast = []
+
+    def from_rank_0(box, src):
+        broadcast.append((list(box), src))
+        box[0] = 41  # what rank 0 pushed
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", from_rank_0)
+    read = []
+    weights = ((name, read.append(name) or torch.zeros(2)) for name in ("a", "b", "c"))
+    before = served_version(served.target)
+    metrics = asyncio.run(engine.send_weights(weights, global_steps=3))
+    assert read == ["a", "b", "c"] and broadcast == [([0], 0)]
+    assert OLD_POLICY.version == metrics["logprob_service/version"] == 41
+    assert served_version(served.target) == before, "only rank 0 pushes"
