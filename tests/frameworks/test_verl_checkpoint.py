@@ -117,7 +117,7 @@ def documented_lines() -> list[str]:
     """The override lines of docs/verl.md's old-policy section, as written there."""
     text = (ROOT / "docs" / "verl.md").read_text()
     section = text.split("## Old-policy log-probs and weight pushes", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "checkpoint_engine" in b]
     return [line.strip().rstrip("\\").strip() for line in block.splitlines() if line.strip()]
 
 
