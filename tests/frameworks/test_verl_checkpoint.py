@@ -138,9 +138,9 @@ def process_group():
 @pytest.fixture
 def fresh_old_policy():
     """Each worker here starts as a fresh actor process would: nothing pushed, no settings."""
-    OLD_POLICY.settings, OLD_POLICY.dtype, OLD_POLICY.version = None, None, 0
+    OLD_POLICY.settings, OLD_POLICY.version = None, 0
     yield OLD_POLICY
-    OLD_POLICY.settings, OLD_POLICY.dtype, OLD_POLICY.version = None, None, 0
+    OLD_POLICY.settings, OLD_POLICY.version = None, 0
 
 
 def verl_config(model_dir: Path, address: str, model: str = "policy", dtype: str = "float32", extra=()):
@@ -357,6 +357,13 @@ def test_bad_configuration_fails_at_start_up_naming_the_setting(
     arguments = {"address": served.target, "model": "policy", "dtype": "float32"} | settings
     with pytest.raises(ServiceConfigError, match=match):
         actor_worker(verl_config(qwen_dir, **arguments, extra=extra))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="IPC is possible where CUDA is")
+def test_ipc_without_cuda_fails_at_start_up(process_group, fresh_old_policy, qwen_dir, served):
+    extra = ("+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.logprob_service.transport=ipc",)
+    with pytest.raises(ServiceConfigError, match=r"logprob_service\.transport=ipc hands over CUDA tensors"):
+        actor_worker(verl_config(qwen_dir, served.target, extra=extra))
 
 
 def test_the_plugin_without_the_served_actor_fails_at_start_up(process_group, fresh_old_policy, qwen_dir, served):

@@ -66,6 +66,14 @@ class WeightPusher:
                 f"service joins the weight-update group; and {setting}.master_address, this host as the "
                 "service sees it)"
             )
+        if transport == "ipc":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ServiceConfigError(
+                    f"{setting}.transport=ipc hands over CUDA tensors, and this process sees no CUDA device: "
+                    "use auto or grpc"
+                )
         self.client, self.model, self.transport = client, model, transport
         self.dtype_name = normalize_dtype(dtype)
         self.master_address, self.master_port, self.timeout_s = master_address, int(master_port), timeout_s

@@ -347,7 +347,6 @@ class _OldPolicy:
 
     def __init__(self) -> None:
         self.settings: ServiceSettings | None = None
-        self.dtype: str | None = None  # the dtype the served model is checked to have
         self.version = 0  # 0: nothing pushed yet
 
     def pushed(self, version: int) -> None:
@@ -444,7 +443,7 @@ class ServedActorEngine(BaseEngine):
             self.client.close()
         dtype_setting = f"{ACTOR_PREFIX}.fsdp_config.dtype"
         self.client = connect(self.settings, self.model_config, self.engine_config.dtype, dtype_setting)
-        OLD_POLICY.settings, OLD_POLICY.dtype = self.settings, self.engine_config.dtype
+        OLD_POLICY.settings = self.settings
 
     @property
     def is_param_offload_enabled(self) -> bool:
