@@ -113,8 +113,9 @@ GROUPED_MM_DTYPES = frozenset({torch.bfloat16})
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The model's expert banks: modules whose forward transformers dispatches by
     ``experts_implementation`` (its ``use_experts_implementation`` decorator gives them these
-    attributes). None for a dense model."""
-    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "_is_expert_parallel")]
+    attributes, in every 5.x release that has it: 5.17 lacks the ``_is_expert_parallel`` that 5.24
+    adds). None for a dense model."""
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")]
 
 
 def use_experts_implementation(model: PreTrainedModel, device: torch.device) -> str | None:
