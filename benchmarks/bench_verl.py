@@ -243,7 +243,9 @@ def main() -> None:
             torch.cuda.empty_cache()
 
             target = f"127.0.0.1:{args.port}"
-            env = {**os.environ, "PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'client'}"}
+            # The project first, then whatever the caller's path holds (where the server's wheels may lie).
+            path = [str(ROOT / "service"), str(ROOT / "client"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
             proc = subprocess.Popen(
                 [sys.executable, "-m", "logprob_service.cli", "serve", "--host", "127.0.0.1", "--port", str(args.port),
                  "--metrics-port", str(args.port + 1), "--device", f"cuda:{args.service_gpu}", "--dtype", "bfloat16",

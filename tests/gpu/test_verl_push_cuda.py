@@ -54,7 +54,9 @@ def trainer(target: str, path: str, device: str, seed: int, sequences: tuple, re
                 pushed = pusher.push(actor.state_dict().items())
                 logps, entropies = client.score(*sequences, min_version=pushed.version, return_entropy=True)
                 again = by_grpc.push(actor.state_dict().items())  # the same weights, as deltas over gRPC
-                weights = {n: t.detach().cpu().clone() for n, t in actor.state_dict().items()}
+                # As numpy arrays: a torch tensor put on a queue is shared by a file descriptor its
+                # sender must still hold when it is read, and this process ends once it has put them.
+                weights = {n: t.detach().cpu().numpy().copy() for n, t in actor.state_dict().items()}
                 steps.append((pushed, pusher.resolve(next(actor.parameters())), again, logps, entropies, weights))
         results.put(steps)
     except BaseException as err:  # the test process shows what went wrong here
@@ -87,7 +89,7 @@ async def test_pushed_by_ipc_then_old_log_probs_at_that_version_are_the_actor_s(
         assert pushed.version == 1 + 2 * step and again.version == pushed.version + 1  # the model starts at 0
         assert pushed.staged_on == "cuda:0" and pushed.tensors == len(weights)
         assert pushed.fingerprint == again.fingerprint, f"step {step}: IPC and gRPC landed different weights"
-        model.load_state_dict(weights)
+        model.load_state_dict({name: torch.from_numpy(w) for name, w in weights.items()})
         ScoreReference(model, sequences).check(logps, entropies)
     first = outcome[0][3]
     assert max(float(np.abs(a - b).max()) for a, b in zip(first, logps)) > 1e-3, "the steps did not move the scores"
