@@ -71,13 +71,14 @@ def check_topk_arguments(n_rows: int, vocab: int, top_k: int, candidates: torch.
         raise ValueError(f"candidates must be [{n_rows}, Kc] ids, not {list(candidates.shape)}")
 
 
-def topk_keys(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys of float32 logits ``x`` [n, V] whose order is (logit descending, id ascending):
-    the float's bits made monotonic as a signed int in the high word, 2^31 - 1 - id in the low
-    word (``fused_topk``'s ``pack_keys``)."""
+def topk_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 keys of float32 values ``x`` [n, V] at token ``ids`` (default: the column) whose order
+    is (value descending, id ascending): the float's bits made monotonic as a signed int in the
+    high word, 2^31 - 1 - id in the low word (``fused_topk``'s ``pack_keys``)."""
     bits = x.contiguous().view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
+    if ids is None:
+        ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
     return (ordered << 32) | (0x7FFFFFFF - ids)
 
 
