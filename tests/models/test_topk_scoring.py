@@ -13,35 +13,15 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from logprob_service.domain import TokenSequence
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 
-from tests.helpers.models import VOCAB, ScoreReference, make_model, random_sequences, stock_copy
+from tests.helpers.models import VOCAB, ScoreReference, make_model, random_sequences
+from tests.helpers.topk import assert_top_k, full_logp
 
 pytestmark = pytest.mark.numerical
 
 OPS = {"eager": LogprobOp("eager", chunk_bytes=3 * VOCAB * 4), "triton": LogprobOp("triton")}
-
-
-def full_logp(model: torch.nn.Module, seq: TokenSequence, temperature: float) -> np.ndarray:
-    """[C, V] float64 log-probs of every vocabulary id at each completion position."""
-    ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None]
-    logits = stock_copy(model, torch.float64)(input_ids=ids).logits[0] / temperature
-    p = len(seq.prompt_ids)
-    return logits[p - 1 : -1].log_softmax(-1).detach().numpy()
-
-
-def assert_top_k(top_ids: np.ndarray, top_lps: np.ndarray, logp: np.ndarray, k: int, atol: float) -> None:
-    assert top_ids.dtype == np.int32 and top_lps.dtype == np.float32 and top_ids.shape == (len(logp), k)
-    order = np.argsort(-logp, axis=-1, kind="stable")  # ties: the smaller id first
-    want = np.take_along_axis(logp, order, -1)
-    np.testing.assert_allclose(top_lps, want[:, :k], atol=atol, rtol=0)
-    np.testing.assert_allclose(top_lps, np.take_along_axis(logp, top_ids.astype(np.int64), -1), atol=atol, rtol=0)
-    gaps = np.pad(want[:, :-1] - want[:, 1:], ((0, 0), (0, 1)), constant_values=np.inf)
-    clear = gaps[:, :k] > 2 * atol
-    clear[:, 1:] &= gaps[:, : k - 1] > 2 * atol
-    assert (top_ids == order[:, :k])[clear].all()
 
 
 # The kernel only where it compiles: in Triton's interpreter its bitonic networks take ~20 s per
