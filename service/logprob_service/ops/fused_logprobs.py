@@ -440,7 +440,7 @@ def fused_token_logprobs(
         num_warps=config.num_warps, num_stages=config.num_stages,
         **flags,
     )  # fmt: skip
-    block_r = 32
+    block_r = 16 if kp >= 128 else 32  # the [BLOCK_R, KP] int64 lists of the merge share the registers
     _combine_kernel[(triton.cdiv(n, block_r),)](
         hidden, weight, bias32, targets, partial_m, partial_s, partial_t,
         logprobs, entropies if entropies is not None else logprobs, lses if lses is not None else logprobs,

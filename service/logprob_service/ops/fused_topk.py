@@ -16,13 +16,15 @@ builds the same keys in torch for the eager path; -0.0 sorts just below +0.0.)
 list R of the KP largest keys per row (KP: K rounded up to a power of two), sorted descending,
 starts at the smallest int64. Each [BLOCK_N, BLOCK_V] tile of z, once its log-sum-exp update is
 done, gives its keys; when some row of the block has a key above its list's smallest (the
-running K-th value), the tile's own top KP (``tl.topk``: a bitonic top-k network) merge into R:
+running K-th value), the tile's own top KP T (``tl.topk``: a bitonic top-k network) merge into R:
 
     R' = bitonic_merge(max(R, flip(T)))
 
 (R descending, flip(T) ascending: the element-wise max is the KP largest of the 2 KP, as a
-bitonic sequence, which log2(KP) compare-exchange steps sort). A row block where no row has such
-a key skips the merge. The program writes its R: [splits, N, KP] int64 partials, 8 KP bytes per
+bitonic sequence, which log2(KP) compare-exchange steps sort). Once R holds large keys, few of a
+tile's beat its K-th: a row block where no row has one skips the tile; where every row has at
+most ``FEW``, T is built from those few alone, one tile max each, instead of the network (log2(KP)
+(log2(KP) + 1) / 2 compare-exchange steps over the tile); both give the same R'. The program writes its R: [splits, N, KP] int64 partials, 8 KP bytes per
 row per split. The list lives in registers: K <= 256 with BLOCK_N 64 (``topk_config``).
 
 **Stage 2** (``_combine_kernel``): the splits' lists merge the same way, in split order (the
@@ -85,14 +87,31 @@ def merge_topk(run, other):
     return tl.bitonic_merge(tl.maximum(run, tl.flip(other, 1)), descending=True)
 
 
+# At most this many keys of a tile above a row's running K-th are extracted one by one instead of
+# through the tile's whole top-k network (``tile_into_topk``).
+FEW = 8
+
+
 @triton.jit
 def tile_into_topk(run, z, cols, KP: tl.constexpr):
     """Merge a [R, BLOCK_V] tile of z (masked columns -inf) at token ids ``cols`` into the running
-    list ``run`` ([R, KP], descending); skipped when no row has a key above its list's last."""
+    list ``run`` ([R, KP], descending). Only the tile's keys above a row's running K-th can enter:
+    none in any row, nothing to do; at most FEW (or KP) in every row, they are taken one by one,
+    largest first (a max over the tile each), into an otherwise empty list that merges into
+    ``run``; more, the tile's own top KP (``tl.topk``) merges."""
     keys = pack_keys(z, cols[None, :])
     kth = tl.min(run, axis=1)
-    if tl.max((tl.max(keys, axis=1) > kth).to(tl.int32), axis=0) > 0:
+    most = tl.max(tl.sum((keys > kth[:, None]).to(tl.int32), axis=1), axis=0)
+    if most > min(FEW, KP):
         run = merge_topk(run, tl.topk(keys, KP))
+    elif most > 0:
+        slots = tl.arange(0, KP)[None, :]
+        few = tl.full(run.shape, MIN_KEY, tl.int64)
+        for j in range(0, most):
+            best = tl.max(keys, axis=1)[:, None]  # distinct keys: exactly one element equals it
+            few = tl.where(slots == j, best, few)
+            keys = tl.where(keys == best, MIN_KEY, keys)
+        run = merge_topk(run, few)
     return run
 
 
