@@ -24,8 +24,9 @@ running K-th value), the tile's own top KP T (``tl.topk``: a bitonic top-k netwo
 bitonic sequence, which log2(KP) compare-exchange steps sort). Once R holds large keys, few of a
 tile's beat its K-th: a row block where no row has one skips the tile; where every row has at
 most ``FEW``, T is built from those few alone, one tile max each, instead of the network (log2(KP)
-(log2(KP) + 1) / 2 compare-exchange steps over the tile); both give the same R'. The program writes its R: [splits, N, KP] int64 partials, 8 KP bytes per
-row per split. The list lives in registers: K <= 256 with BLOCK_N 64 (``topk_config``).
+(log2(KP) + 1) / 2 compare-exchange steps over the tile); both give the same R'. The program
+writes its R: [splits, N, KP] int64 partials, 8 KP bytes per row per split. The list lives in
+registers: K <= 256 with BLOCK_N 64 (``topk_config``).
 
 **Stage 2** (``_combine_kernel``): the splits' lists merge the same way, in split order (the
 result does not depend on the order: keys are distinct and the merge exact); the first K keys
