@@ -141,6 +141,4 @@ def _counted(job: ScoreJob, cost: int) -> str:
     """``cost``, and where it is not the request's tokens, why."""
     if cost == job.cost:
         return str(cost)
-    return (
-        f"{cost} (as it runs, top-k and candidate outputs included; {job.cost} tokens with each distinct prompt once)"
-    )
+    return f"{cost} (as it runs; {job.cost} tokens with each distinct prompt once)"
