@@ -87,14 +87,23 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     return HOPPER_FP32 if dtype == torch.float32 else HOPPER_16BIT
 
 
+# Of Hopper's 256 KiB of registers per SM, what a top-k program's tiles may take (the rest: the
+# dot's operands, pointers, the merge's temporaries). Untuned: sized, not measured on a GPU.
+TOPK_REGISTER_BYTES = 160 * 1024
+
+
 def topk_config(config: KernelConfig, kp: int) -> KernelConfig:
-    """``config`` for a launch with top-``kp`` lists: tiles at least ``kp`` wide (``tl.topk`` takes
-    at most a tile's width), and half the rows for lists of 128 and more, whose [BLOCK_N, KP] int64
-    list and the tile's keys share the registers with the tile's fp32 accumulators."""
+    """``config`` for a launch with top-``kp`` lists (``fused_topk``): tiles ``max(128, kp)`` wide
+    (``tl.topk`` takes at most a tile's width), and as many rows (a power of two, at most
+    ``config``'s) as fit ``TOPK_REGISTER_BYTES`` with, per row, the tile's fp32 logits and int64
+    keys (12 bytes a column) and the int64 list (8 ``kp``): 64 rows up to K = 128, 32 at 256."""
     if kp == 0:
         return config
-    block_n = config.block_n // 2 if kp >= 128 and config.block_n > 16 else config.block_n
-    return dataclasses.replace(config, block_n=block_n, block_v=max(config.block_v, kp))
+    block_v = max(min(config.block_v, 128), kp)
+    block_n = config.block_n
+    while block_n > 16 and block_n * (12 * block_v + 8 * kp) > TOPK_REGISTER_BYTES:
+        block_n //= 2
+    return dataclasses.replace(config, block_n=block_n, block_v=block_v)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ tile's beat its K-th: a row block where no row has one skips the tile; where eve
 most ``FEW``, T is built from those few alone, one tile max each, instead of the network (log2(KP)
 (log2(KP) + 1) / 2 compare-exchange steps over the tile); both give the same R'. The program
 writes its R: [splits, N, KP] int64 partials, 8 KP bytes per row per split. The list lives in
-registers: K <= 256 with BLOCK_N 64 (``topk_config``).
+registers, with the tile's int64 keys where the network runs: ``topk_config`` sizes the tiles.
 
 **Stage 2** (``_combine_kernel``): the splits' lists merge the same way, in split order (the
 result does not depend on the order: keys are distinct and the merge exact); the first K keys
@@ -62,11 +62,22 @@ def to_log2_units(x, pre, post, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def ordered_bits(z):
+    """The high word of ``pack_keys``: float32 ``z``'s bits as an int32 of the same order."""
+    b = z.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def keys_of(ordered, ids):
+    """int64 keys from ``ordered_bits`` and int ``ids`` (broadcastable)."""
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - ids.to(tl.int64))
+
+
+@triton.jit
 def pack_keys(z, ids):
     """int64 keys of float32 ``z`` (any shape) and int ``ids`` (broadcastable); see the module doc."""
-    b = z.to(tl.int32, bitcast=True)
-    ordered = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - ids.to(tl.int64))
+    return keys_of(ordered_bits(z), ids)
 
 
 @triton.jit
@@ -99,19 +110,25 @@ def tile_into_topk(run, z, cols, KP: tl.constexpr):
     list ``run`` ([R, KP], descending). Only the tile's keys above a row's running K-th can enter:
     none in any row, nothing to do; at most FEW (or KP) in every row, they are taken one by one,
     largest first (a max over the tile each), into an otherwise empty list that merges into
-    ``run``; more, the tile's own top KP (``tl.topk``) merges."""
-    keys = pack_keys(z, cols[None, :])
+    ``run``; more, the tile's own top KP (``tl.topk``) merges. Until that last case, the tile is
+    compared as int32 ``ordered_bits`` and ids, the key order without an int64 tile in registers."""
+    o = ordered_bits(z)  # [R, BLOCK_V] int32
+    ids = cols[None, :]
     kth = tl.min(run, axis=1)
-    most = tl.max(tl.sum((keys > kth[:, None]).to(tl.int32), axis=1), axis=0)
+    k_o = (kth >> 32).to(tl.int32)[:, None]  # the K-th key's high word, and its id
+    k_id = (0x7FFFFFFF - (kth & 0x7FFFFFFF)).to(tl.int32)[:, None]
+    above = (o > k_o) | ((o == k_o) & (ids < k_id))
+    most = tl.max(tl.sum(above.to(tl.int32), axis=1), axis=0)
     if most > min(FEW, KP):
-        run = merge_topk(run, tl.topk(keys, KP))
+        run = merge_topk(run, tl.topk(keys_of(o, ids), KP))
     elif most > 0:
         slots = tl.arange(0, KP)[None, :]
         few = tl.full(run.shape, MIN_KEY, tl.int64)
         for j in range(0, most):
-            best = tl.max(keys, axis=1)[:, None]  # distinct keys: exactly one element equals it
-            few = tl.where(slots == j, best, few)
-            keys = tl.where(keys == best, MIN_KEY, keys)
+            best = tl.max(o, axis=1)[:, None]  # the largest high word, then its smallest id
+            at = tl.min(tl.where(o == best, ids, 0x7FFFFFFF), axis=1)[:, None]
+            few = tl.where(slots == j, keys_of(best, at), few)
+            o = tl.where(ids == at, -2147483648, o)  # taken: below every float's bits
         run = merge_topk(run, few)
     return run
 
