@@ -228,13 +228,13 @@ def _combine_kernel(
     n_splits,
     pre,
     post,
+    K,  # top-k (a run-time value: one compiled kernel per list length KP, not per K)
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr,
     LSE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K: tl.constexpr,
     KP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -287,7 +287,7 @@ def _combine_kernel(
         for _ in range(1, n_splits):
             at += tl.cast(N, tl.int64) * KP
             top = merge_topk(top, tl.load(at, mask=row_ok[:, None], other=MIN_KEY))
-        out = rows.to(tl.int64)[:, None] * K + kk[None, :]
+        out = rows.to(tl.int64)[:, None] * K + kk[None, :]  # int64: N K may pass 2^31
         keep = row_ok[:, None] & (kk < K)[None, :]
         tl.store(top_ids_ptr + out, key_ids(top), mask=keep)
         tl.store(top_lp_ptr + out, (key_values(top) - lse2[:, None]) * 0.6931471805599453, mask=keep)
@@ -454,8 +454,8 @@ def fused_token_logprobs(
         hidden, weight, bias32, targets, partial_m, partial_s, partial_t,
         logprobs, entropies if entropies is not None else logprobs, lses if lses is not None else logprobs,
         partial_k, top_ids if top_ids is not None else logprobs, top_lps if top_lps is not None else logprobs,
-        n, hdim, hidden.stride(0), weight.stride(0), splits, pre, post,
-        LSE=lses is not None, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), K=top_k, KP=kp,
+        n, hdim, hidden.stride(0), weight.stride(0), splits, pre, post, top_k,
+        LSE=lses is not None, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), KP=kp,
         num_warps=4, **flags,
     )  # fmt: skip
     if candidates is not None and candidates.shape[1]:
