@@ -13,6 +13,7 @@ waits for that copy. The thread can launch the next micro-batch before fetching 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Literal, overload
@@ -25,6 +26,8 @@ from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_T
 from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
+from logprob_service.models.loading import use_experts_implementation
+from logprob_service.models.routing import RoutedExperts
 from logprob_service.models.tensor_parallel import TensorParallel, VocabParallelOp, head_shard
 from logprob_service.ops.attention import (
     AttentionBackend,
@@ -136,6 +139,8 @@ class Launched:
     top_logprobs: torch.Tensor | None = None  # [N, K] float32
     candidate_logprobs: torch.Tensor | None = None  # [N, Kc] float32, padded (PackedBatch.candidates)
     candidate_widths: list[int] | None = None
+    # [N, MoE layers, top_k] int32, host: each completion token's routed experts (models.routing)
+    routed_experts: torch.Tensor | None = None
 
     def fetch(self) -> list[SequenceScores]:
         if self.ready is not None:
@@ -160,6 +165,15 @@ class Launched:
                 candidates,
             )
         ]
+
+    def fetch_routed_experts(self) -> list[np.ndarray]:
+        """Per sequence, [C, MoE layers, top_k]: the experts each MoE layer routed the row that
+        predicts completion token t to (the row of the token before it), as the model chose them."""
+        if self.routed_experts is None:
+            raise ValueError("this micro-batch was launched without return_routed_experts")
+        if self.ready is not None:
+            self.ready.synchronize()
+        return np.split(self.routed_experts.numpy(), np.cumsum(self.completion_lengths)[:-1])
 
 
 class CausalLMScorer:
@@ -193,6 +207,10 @@ class CausalLMScorer:
         if tensor_parallel is not None:
             self.head_weight, self.head_bias, vocab_start = head_shard(model, tensor_parallel)
         self.transform = config_logit_transform(model.config)
+        # A mixture-of-experts model's experts: grouped GEMMs on CUDA, the exact loop on the CPU.
+        self.experts: str | None = use_experts_implementation(model, self.device)
+        if self.experts is not None:
+            log.info("mixture-of-experts layers: experts_implementation=%s", self.experts)
         op = logprob_op or select_logprob_op("auto", self.head_weight.device, invariant=options.deterministic)
         self.logprob_op = op if tensor_parallel is None else VocabParallelOp(op, tensor_parallel, vocab_start)
         self._matmuls_pinned = None
@@ -207,7 +225,12 @@ class CausalLMScorer:
         return INVARIANT_ATTENTION.get(backend, backend) if self.options.deterministic else backend
 
     def determinism(self) -> str:
-        """What ``--deterministic`` guarantees for this model on this device, for ``ListModels``."""
+        """What ``--deterministic`` guarantees for this model on this device, for ``ListModels``
+        (with, for a mixture-of-experts model, how its experts run)."""
+        experts = "" if self.experts is None else f"; experts: {self.experts}"
+        return self._determinism() + experts
+
+    def _determinism(self) -> str:
         if not self.options.deterministic:
             return "off: a sequence's scores may move (by float rounding) with what shares its micro-batch"
         if self.device.type != "cuda":
@@ -289,11 +312,20 @@ class CausalLMScorer:
 
     @torch.inference_mode()
     def launch(
-        self, batch: PackedBatch, *, temperature: float = 1.0, return_entropy: bool = False, top_k: int = 0
+        self,
+        batch: PackedBatch,
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        return_routed_experts: bool = False,
+        top_k: int = 0,
     ) -> Launched:
-        """Enqueue the scoring of one packed micro-batch; returns before the device is done. ``top_k``:
-        each completion position's K most likely ids and their log-probs too; the batch's
-        ``candidates``' log-probs where it has some."""
+        """Enqueue the scoring of one packed micro-batch; returns before the device is done.
+        ``return_routed_experts``: keep a mixture-of-experts model's router choices for the
+        completion rows (``Launched.fetch_routed_experts``; ``routing.RoutingUnsupported`` for a
+        model without routers). ``top_k``: each completion position's K most likely ids and their
+        log-probs too; the batch's ``candidates``' log-probs where it has some."""
+        routing = RoutedExperts(self.model) if return_routed_experts else None
         input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
         position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
         cu_seqlens = self._to_device(batch.cu_seqlens)  # [n + 1]
@@ -303,19 +335,23 @@ class CausalLMScorer:
         keys = None
         if (shared := batch.shared_keys) is not None:  # completions keyed on their shared prompt's rows
             keys = (self._to_device(shared.cu_seqlens), shared.max_seqlen, self._to_device(shared.index))
-        out = self.body(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys),
-            **chunking,
-        )
+        with routing if routing is not None else contextlib.nullcontext():
+            out = self.body(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys),
+                **chunking,
+            )
         hidden = out.last_hidden_state[0]  # [T, H]
         del out
-        if (np.diff(batch.rows) == 1).all():  # one sequence's rows, back to back: a view, no [N, H] copy
+        contiguous = bool((np.diff(batch.rows) == 1).all())
+        row_index = self._to_device(batch.rows) if routing is not None or not contiguous else None
+        routed = routing.ids(row_index) if routing is not None else None  # [N, layers, top_k]
+        if contiguous:  # one sequence's rows, back to back: a view, no [N, H] copy
             rows = hidden.narrow(0, int(batch.rows[0]), len(batch.rows))  # [N, H]
         else:
-            rows = hidden.index_select(0, self._to_device(batch.rows))  # [N, H]
+            rows = hidden.index_select(0, row_index)  # [N, H]
         del hidden  # the index_select copy frees the [T, H] states before the lm_head slabs are allocated
         transform = LogitTransform(self.transform.scale, self.transform.softcap, temperature)
         scores = self.logprob_op(
@@ -332,6 +368,7 @@ class CausalLMScorer:
             logprobs=self._to_host(scores.logprobs),
             entropies=self._to_host(scores.entropies),
             completion_lengths=batch.completion_lengths,
+            routed_experts=self._to_host(routed) if routed is not None else None,
             ready=self._record_event(),
             top_ids=self._to_host(scores.top_ids),
             top_logprobs=self._to_host(scores.top_logprobs),

@@ -108,11 +108,23 @@ class Leader:
 
         @functools.wraps(launch)
         def announced(
-            batch: PackedBatch, *, temperature: float = 1.0, return_entropy: bool = False, top_k: int = 0
+            batch: PackedBatch,
+            *,
+            temperature: float = 1.0,
+            return_entropy: bool = False,
+            return_routed_experts: bool = False,
+            top_k: int = 0,
         ) -> Launched:
             self._announce(("launch", name, batch, temperature, return_entropy, top_k))
             try:
-                return launch(batch, temperature=temperature, return_entropy=return_entropy, top_k=top_k)
+                # Routed experts are rank 0's to keep: the router is replicated, its choices the same on every rank.
+                return launch(
+                    batch,
+                    temperature=temperature,
+                    return_entropy=return_entropy,
+                    return_routed_experts=return_routed_experts,
+                    top_k=top_k,
+                )
             except Exception as err:
                 on_failure(f"rank 0 failed in a launch of {name!r}, the ranks are out of step: {err!r}")
                 raise
