@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -127,6 +127,10 @@ class PackedBatch:
     completion_lengths: list[int]  # to split the N results back per sequence
     # None: every segment is a whole sequence, its keys its own rows (self-attention).
     shared_keys: SharedKeys | None = None
+    # [N, Kc] int64: candidate ids whose log-probs to return, row for row with ``rows`` (each
+    # sequence's own width, then padding); None when no sequence has any.
+    candidates: np.ndarray | None = None
+    candidate_widths: list[int] | None = None  # each sequence's own Kc (0: none asked), with ``candidates``
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +145,10 @@ class Launched:
     entropies: torch.Tensor | None
     completion_lengths: list[int]
     ready: torch.cuda.Event | None  # recorded after the copies; None on the CPU (already done)
+    top_ids: torch.Tensor | None = None  # [N, K] int32
+    top_logprobs: torch.Tensor | None = None  # [N, K] float32
+    candidate_logprobs: torch.Tensor | None = None  # [N, Kc] float32, padded (PackedBatch.candidates)
+    candidate_widths: list[int] | None = None
     # [N, MoE layers, top_k] int32, host: each completion token's routed experts (models.routing)
     routed_experts: torch.Tensor | None = None
 
@@ -148,11 +156,25 @@ class Launched:
         if self.ready is not None:
             self.ready.synchronize()
         split_at = np.cumsum(self.completion_lengths)[:-1]
-        logprobs = np.split(self.logprobs.numpy(), split_at)
-        if self.entropies is None:
-            return [SequenceScores(logprobs=lp) for lp in logprobs]
-        entropies = np.split(self.entropies.numpy(), split_at)
-        return [SequenceScores(logprobs=lp, entropies=e) for lp, e in zip(logprobs, entropies)]
+
+        def per_sequence(tensor: torch.Tensor | None) -> list[np.ndarray | None]:
+            if tensor is None:
+                return [None] * len(self.completion_lengths)
+            return np.split(tensor.numpy(), split_at)
+
+        candidates = per_sequence(self.candidate_logprobs)
+        if self.candidate_widths is not None:  # each sequence's own columns; None where it asked none
+            candidates = [c[:, :w] if w else None for c, w in zip(candidates, self.candidate_widths)]
+        return [
+            SequenceScores(logprobs=lp, entropies=e, top_ids=ti, top_logprobs=tl, candidate_logprobs=c)
+            for lp, e, ti, tl, c in zip(
+                per_sequence(self.logprobs),
+                per_sequence(self.entropies),
+                per_sequence(self.top_ids),
+                per_sequence(self.top_logprobs),
+                candidates,
+            )
+        ]
 
     def fetch_routed_experts(self) -> list[np.ndarray]:
         """Per sequence, [C, MoE layers, top_k]: the experts each MoE layer routed the row that
@@ -318,11 +340,13 @@ class CausalLMScorer:
         temperature: float = 1.0,
         return_entropy: bool = False,
         return_routed_experts: bool = False,
+        top_k: int = 0,
     ) -> Launched:
         """Enqueue the scoring of one packed micro-batch; returns before the device is done.
         ``return_routed_experts``: keep a mixture-of-experts model's router choices for the
         completion rows (``Launched.fetch_routed_experts``; ``routing.RoutingUnsupported`` for a
-        model without routers)."""
+        model without routers). ``top_k``: each completion position's K most likely ids and their
+        log-probs too; the batch's ``candidates``' log-probs where it has some."""
         routing = RoutedExperts(self.model) if return_routed_experts else None
         input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
         position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
@@ -361,17 +385,27 @@ class CausalLMScorer:
             bias=self.head_bias,
             transform=transform,
             return_entropy=return_entropy,
+            top_k=top_k,
+            candidates=self._to_device(batch.candidates) if batch.candidates is not None else None,
         )
         return Launched(
             logprobs=self._to_host(scores.logprobs),
-            entropies=self._to_host(scores.entropies) if scores.entropies is not None else None,
+            entropies=self._to_host(scores.entropies),
             completion_lengths=batch.completion_lengths,
             routed_experts=self._to_host(routed) if routed is not None else None,
             ready=self._record_event(),
+            top_ids=self._to_host(scores.top_ids),
+            top_logprobs=self._to_host(scores.top_logprobs),
+            candidate_logprobs=self._to_host(scores.candidate_logprobs),
+            candidate_widths=batch.candidate_widths,
         )
 
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
+    @overload
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _to_host(self, tensor: None) -> None: ...
+    def _to_host(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or self.device.type != "cuda":
             return tensor
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor, non_blocking=True)

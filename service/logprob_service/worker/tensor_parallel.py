@@ -113,8 +113,9 @@ class Leader:
             temperature: float = 1.0,
             return_entropy: bool = False,
             return_routed_experts: bool = False,
+            top_k: int = 0,
         ) -> Launched:
-            self._announce(("launch", name, batch, temperature, return_entropy))
+            self._announce(("launch", name, batch, temperature, return_entropy, top_k))
             try:
                 # Routed experts are rank 0's to keep: the router is replicated, its choices the same on every rank.
                 return launch(
@@ -122,6 +123,7 @@ class Leader:
                     temperature=temperature,
                     return_entropy=return_entropy,
                     return_routed_experts=return_routed_experts,
+                    top_k=top_k,
                 )
             except Exception as err:
                 on_failure(f"rank 0 failed in a launch of {name!r}, the ranks are out of step: {err!r}")
@@ -175,10 +177,10 @@ def _follow(rank: int, devices: list[torch.device], port: int, build: Build, log
         command = box[0]
         if command[0] == "stop":
             break
-        _, name, batch, temperature, return_entropy = command
+        _, name, batch, temperature, return_entropy, top_k = command
         # Two in flight, as on rank 0: the next launch is queued before this one's end is awaited.
         previous = launched
-        launched = scorers[name].launch(batch, temperature=temperature, return_entropy=return_entropy)
+        launched = scorers[name].launch(batch, temperature=temperature, return_entropy=return_entropy, top_k=top_k)
         if previous is not None:
             previous.fetch()
     if launched is not None:
