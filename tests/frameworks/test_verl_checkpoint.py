@@ -42,7 +42,8 @@ from logprob_client import LogprobClient
 from logprob_client.errors import FailedPrecondition
 from logprob_client.integrations import verl as served_verl
 from logprob_client.integrations import verl_checkpoint
-from logprob_client.integrations.verl import CHECKED_VERL_VERSION, OLD_POLICY, ServiceConfigError, padded_batch
+from logprob_client.integrations.verl import CHECKED_VERL_VERSION, ServiceConfigError, padded_batch
+from logprob_client.integrations.verl_actor import OLD_POLICY
 from transformers import AutoModelForCausalLM
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils import tensordict_utils as tu

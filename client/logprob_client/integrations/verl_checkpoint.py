@@ -1,6 +1,6 @@
 """A verl ``CheckpointEngine`` plugin that pushes the actor's weights to the service's old-policy
 model after each update, so that verl's old log-probs (``compute_log_prob``) come from the service
-(``verl.ServiceActorConfig``) with the actor's current weights.
+(``verl_actor.ServiceActorConfig``) with the actor's current weights.
 
 How verl 0.9.1 moves weights (``verl/checkpoint_engine/base.py``, ``verl/workers/engine_workers.py``):
 the trainer calls ``CheckpointEngineManager.update_weights(global_steps)`` at start-up and after
@@ -26,7 +26,7 @@ The rollout still needs the actor's weights: ``ServiceCheckpointManager`` (verl'
 (hybrid) rollouts only: a disaggregated rollout's transfer (verl's nccl/nixl/... backends) is not
 combined with the push yet.
 
-Override lines (with ``verl.ServiceActorConfig``'s; docs/verl.md)::
+Override lines (with ``verl_actor.ServiceActorConfig``'s; docs/verl.md)::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=logprob_service
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=logprob_client.integrations.verl_checkpoint
@@ -59,7 +59,8 @@ except ImportError as err:  # an optional dependency
 from ..client import LogprobClient
 from ._push import WeightPusher
 from ._served import Expected, ServiceConfigError, check_served_model
-from .verl import ACTOR_PREFIX, BACKEND, OLD_POLICY
+from .verl import BACKEND
+from .verl_actor import ACTOR_PREFIX, OLD_POLICY
 
 ENGINE_PREFIX = "actor_rollout_ref.rollout.checkpoint_engine"
 KWARGS_PREFIX = f"{ENGINE_PREFIX}.engine_kwargs.{BACKEND}"
@@ -98,7 +99,7 @@ def _stock_manager_path() -> ServiceConfigError:
 @CheckpointEngineRegistry.register(BACKEND)
 class ServiceCheckpointEngine(CheckpointEngine):
     """The actor's sender of weights to the served old-policy model (its settings are the
-    actor's ``service``: ``verl.ServiceActorConfig``). Built by verl in every actor rank's
+    actor's ``service``: ``verl_actor.ServiceActorConfig``). Built by verl in every actor rank's
     ``init_model`` with ``is_master`` on rank 0 and ``engine_kwargs.logprob_service``."""
 
     def __init__(
@@ -119,7 +120,7 @@ class ServiceCheckpointEngine(CheckpointEngine):
         if settings is None:
             raise ServiceConfigError(
                 f"{ENGINE_PREFIX}.backend={BACKEND} pushes the actor's weights to the model its old log-probs are "
-                f"served by: set {ACTOR_PREFIX}._target_=logprob_client.integrations.verl.ServiceActorConfig "
+                f"served by: set {ACTOR_PREFIX}._target_=logprob_client.integrations.verl_actor.ServiceActorConfig "
                 f"with +{ACTOR_PREFIX}.service.address and .model (docs/verl.md)"
             )
         self.is_master = is_master
