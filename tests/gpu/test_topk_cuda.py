@@ -39,7 +39,15 @@ def reference_logp(hidden, weight, transform=IDENTITY, rows=128):
     return transformed_logits(hidden[:rows], weight, None, transform).log_softmax(-1)
 
 
-@pytest.mark.parametrize("k", [1, 20, 128, 256])
+# K 20 (a running list of 32) did not compile on the GPU image's Triton (torch 2.11.0+cu130, H200,
+# 2026-11-26: TritonGPURemoveLayoutConversions failed); the service sends top-k to the eager chunks
+# meanwhile (ops.dispatch.FUSED_TOP_K). Strict: a Triton that compiles it makes these fail, to say so.
+KP32_FAILS = pytest.mark.xfail(
+    reason="the fused top-k does not compile for a 32-key list on Triton 3.x of torch 2.11", strict=True
+)
+
+
+@pytest.mark.parametrize("k", [1, pytest.param(20, marks=KP32_FAILS), 128, 256])
 @pytest.mark.parametrize("n,h,v", [(1, 896, 151936), (1025, 3584, 152064), (300, 4096, 128256)])
 def test_top_k_matches_float64(k, n, h, v, seed):
     hidden, weight, targets, candidates = cuda_case(n, h, v, seed=seed)
@@ -64,6 +72,7 @@ def test_other_dtypes_and_softcap(dtype, seed):
     assert (out.candidate_logprobs[:rows].double() - logp.gather(1, candidates[:rows, :17])).abs().max().item() < TOL
 
 
+@KP32_FAILS
 def test_eager_and_fused_agree(seed):
     hidden, weight, targets, candidates = cuda_case(2000, 896, 151936, seed=seed)
     fused = fused_token_logprobs(hidden, weight, targets, top_k=20, candidates=candidates)
@@ -72,7 +81,7 @@ def test_eager_and_fused_agree(seed):
     assert (fused.candidate_logprobs - eager.candidate_logprobs).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("k", [20, 256])
+@pytest.mark.parametrize("k", [pytest.param(20, marks=KP32_FAILS), 256])
 def test_batch_invariant_bit_for_bit(k, seed):
     hidden, weight, targets, candidates = cuda_case(4099, 3584, 152064, seed=seed)
     kw = {"top_k": k, "invariant": True}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
@@ -50,3 +51,23 @@ def test_both_implementations_answer_the_same(kernel, monkeypatch):
     ref_lp, ref_ent = reference(hidden, weight, targets, b, transform)
     torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=tolerances.OP_FP32, rtol=0)
     torch.testing.assert_close(out.entropies.double(), ref_ent, atol=tolerances.OP_FP32, rtol=0)
+
+
+def test_top_k_runs_in_the_eager_chunks_while_the_fused_top_k_is_off(monkeypatch, rng):
+    """The fused kernel's top-k missed its goals on the GPU (``dispatch.FUSED_TOP_K``): a top-k call
+    of the triton op runs the eager chunks; candidates alone and plain calls stay fused."""
+    from logprob_service.ops import dispatch, fused_logprobs
+
+    calls = []
+    monkeypatch.setattr(fused_logprobs, "fused_token_logprobs", lambda *a, **kw: calls.append(kw) or "fused")
+    hidden = torch.from_numpy(rng.standard_normal((5, 8)).astype(np.float32))
+    weight = torch.from_numpy(rng.standard_normal((11, 8)).astype(np.float32))
+    targets = torch.from_numpy(rng.integers(0, 11, 5))
+    op = LogprobOp("triton")
+    assert not dispatch.FUSED_TOP_K
+    out = op(hidden, weight, targets, top_k=3)
+    assert not calls and out.top_ids.shape == (5, 3)  # the eager chunks answered
+    assert torch.equal(out.top_ids[:, 0], (hidden @ weight.T).argmax(-1).to(out.top_ids.dtype))
+    assert op(hidden, weight, targets) == "fused"
+    assert op(hidden, weight, targets, candidates=targets[:, None]) == "fused"
+    assert len(calls) == 2

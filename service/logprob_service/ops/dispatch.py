@@ -38,6 +38,16 @@ class OpOptions(TypedDict, total=False):
     candidates: torch.Tensor | None  # [N, Kc] ids whose log-probs to return (TokenScores.candidate_logprobs)
 
 
+# Whether top-k (``top_k`` > 0) runs in the fused kernel. Not yet: on the GPU image's Triton
+# (torch 2.11.0+cu130; H200, 2026-11-26) the kernel's top-k did not compile for K 20
+# (TritonGPURemoveLayoutConversions failed), and for K 128 and 256 it took 3.99-4.24x and
+# 9.69-22.6x the plain kernel's time, more than full logits + torch.topk (2.48-2.71x of the bf16
+# matmul): the eager chunks (``logprobs``, the same maths, [chunk, V] fp32 slabs under
+# ``chunk_bytes``) serve top-k on CUDA too, until the kernel is fixed and measured within its goals
+# (issue 43). Candidate ids stay fused (1.22-1.31x the plain kernel).
+FUSED_TOP_K = False
+
+
 @dataclass(frozen=True)
 class LogprobOp:
     """The log-prob stage with its implementation fixed: ``op(hidden, weight, targets, ...)``."""
@@ -55,7 +65,7 @@ class LogprobOp:
         """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs (and entropies);
         ``options``: ``bias``, ``transform``, ``return_entropy``, ``top_k``, ``candidates``
         (``logprobs.chunked_token_logprobs``)."""
-        if self.kernel == "triton":
+        if self.kernel == "triton" and not (options.get("top_k") and not FUSED_TOP_K):
             from logprob_service.ops.fused_logprobs import fused_token_logprobs
 
             return fused_token_logprobs(hidden, weight, targets, invariant=self.invariant, **options)

@@ -44,8 +44,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# A key below every logit's (the smallest int64): the empty running list.
-MIN_KEY = -(2**63)
+# A key below every logit's (the smallest int64): the empty running list. (Kernels read only
+# constexpr globals: the interpreter reads any, so only a compiled kernel tells.)
+MIN_KEY = tl.constexpr(-(2**63))
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def merge_topk(run, other):
 
 # At most this many keys of a tile above a row's running K-th are extracted one by one instead of
 # through the tile's whole top-k network (``tile_into_topk``).
-FEW = 8
+FEW = tl.constexpr(8)
 
 
 @triton.jit
