@@ -140,7 +140,7 @@ async def authed(gemma_checkpoint, tokens):
 async def test_missing_or_wrong_token_is_unauthenticated(authed, caplog):
     running, values = authed
     before = REGISTRY.get_sample_value(
-        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED"}
+        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED", "protocol": "grpc"}
     )
     for security, reason in (({}, "no credentials"), ({"token": secrets.token_urlsafe(32)}, "not valid")):
         assert await asyncio.to_thread(refused, running.target, **security) == grpc.StatusCode.UNAUTHENTICATED
@@ -158,7 +158,7 @@ async def test_missing_or_wrong_token_is_unauthenticated(authed, caplog):
             await channel.unary_unary("/logprob.v1.LogprobService/ScoreTokens")(b"\xff\xff\xff", timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = REGISTRY.get_sample_value(
-        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED"}
+        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED", "protocol": "grpc"}
     )
     assert after - (before or 0) == 5  # a sync and an async score() per case (never retried), and the garbage
     logged = [r for r in caplog.records if getattr(r, "fields", {}).get("status") == "UNAUTHENTICATED"]

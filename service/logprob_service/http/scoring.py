@@ -1,0 +1,127 @@
+"""What every scoring route shares: the caller's token sequences as one ``ScoreJob`` for the engine
+facade, scored unless the caller hangs up first, with the results back per sequence.
+
+A peer's prompt-log-prob call scores positions ``start..n-1`` of ids ``x_0..x_{n-1}``: the job's
+sequence is ``prompt = x[:start]``, ``completion = x[start:]`` (``start >= 1``: the first token has
+no context). Sequences of one call with the same prompt run it once (the engine's shared prompts),
+so a TRL call's ``prompt_lengths`` and SGLang's ``logprob_start_len`` cost what a gRPC group does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.engine.engine import LogprobEngine
+from logprob_service.errors import InvalidArgument
+from logprob_service.http.errors import Naming
+
+# A message of the ASGI ``receive`` channel once the body is read: only a disconnect comes.
+Receive = Callable[[], Awaitable[dict]]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sequence of the caller's request: all its ids, and the first position to score.
+    ``field``: how the request names its ids, e.g. ``prompt[3]``."""
+
+    ids: np.ndarray  # [n] int64
+    start: int
+    field: str
+
+    @property
+    def scored(self) -> bool:
+        return self.start < len(self.ids)
+
+
+def ids_of(values: Sequence[int], field: str) -> np.ndarray:
+    """A request's token ids as int64 (the engine checks them against the model's vocabulary)."""
+    if not values:
+        raise InvalidArgument(f"{field}: is empty; at least 1 token is required")
+    return np.asarray(values, dtype=np.int64)
+
+
+def check_start(start: int, n: int, field: str, rule: str) -> None:
+    if not 0 <= start <= n:
+        raise InvalidArgument(f"{field}: {start} is outside [0, {n}] ({rule})")
+
+
+def refuse_top_k(k: int, field: str) -> None:
+    """Top-k log-probs and candidate ids come with the engine's top-k support; until then a request
+    asking for them is refused by name rather than answered without them."""
+    if k:
+        raise InvalidArgument(f"{field}: {k} asks for top-k log-probs; top-k not supported yet (send 0)")
+
+
+@dataclass
+class Scored:
+    """A call's results: one ``SequenceScores`` per item (None: nothing of it to score)."""
+
+    result: ScoreResult
+    scores: list[SequenceScores | None]
+
+    @property
+    def model(self) -> str:
+        return self.result.model
+
+
+def _as_float32(value: float) -> float:
+    """``value`` as gRPC's float field carries it, so both edges score at the same temperature."""
+    with np.errstate(over="ignore"):  # too large: inf, which the engine refuses by name
+        return float(np.float32(value))
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def score_items(
+    engine: LogprobEngine,
+    items: Sequence[Item],
+    *,
+    model: str,
+    temperature: float,
+    batch_field: str,
+    temperature_field: str,
+    request_id: str,
+    client: str,
+    deadline: float | None,
+    receive: Receive,
+) -> Scored:
+    """Score ``items`` as one job; ``InvalidArgument`` naming the request's fields. A caller that
+    disconnects first cancels its job (its queued work is dropped); the error then goes nowhere."""
+    scored = [item for item in items if item.scored]
+    if not scored:
+        raise InvalidArgument(f"{batch_field}: no position to score (every sequence is all prompt)")
+    job = ScoreJob(
+        request_id=request_id or str(uuid.uuid4()),
+        model=model,
+        sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :]) for item in scored],
+        temperature=_as_float32(temperature),
+        deadline=deadline,
+        client=client,
+    )
+    naming = Naming([(item.field, item.start) for item in scored], batch_field, temperature_field)
+    work = asyncio.ensure_future(engine.score(job))
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    try:
+        result = work.result()
+    except InvalidArgument as err:
+        raise naming.renamed(err) from None
+    answers = iter(result.scores)
+    return Scored(result, [next(answers) if item.scored else None for item in items])

@@ -1,0 +1,130 @@
+"""SGLang's ``/generate`` for log-probs only (slime's on-policy distillation calls it with
+``input_ids``, ``return_logprob``, ``logprob_start_len: 0`` and ``max_new_tokens: 0``), and the
+``/get_model_info`` and ``/health_generate`` that slime's scripts poll.
+
+The answer is SGLang's (docs/http.md quotes it): per input, ``{"text": "", "output_ids": [],
+"meta_info": {..., "input_token_logprobs": [[logprob, token_id, null], ...]}}``, the first entry's
+log-prob ``null`` when ``logprob_start_len`` is 0 (no context); a batch (``input_ids`` a list of
+lists) gets a list of them. ``/generate`` names no model: it scores with the first one served.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TypeVar
+
+from logprob_service.errors import InvalidArgument
+from logprob_service.http.app import Answer, Call
+from logprob_service.http.bodies import Strict, generates_none, no_streaming, parse, served_model, text_refused
+from logprob_service.http.scoring import Item, check_start, ids_of, refuse_top_k, score_items
+
+T = TypeVar("T")
+
+
+class SamplingParams(Strict):
+    max_new_tokens: int | None = 128
+    temperature: float | None = None
+
+
+class GenerateRequest(Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool | None = False
+
+
+def _each(value: T | list[T] | None, i: int, batch: int, field: str, single: bool) -> T | None:
+    """A per-input field: one value for all inputs, or (a batch) one per input."""
+    if single or not isinstance(value, list):
+        return value  # type: ignore[return-value]
+    if len(value) != batch:
+        raise InvalidArgument(f"{field}: {len(value)} values for {batch} inputs; give one, or one per input")
+    return value[i]
+
+
+async def generate(call: Call) -> Answer:
+    request = parse(call.body, GenerateRequest)
+    if request.text is not None:
+        raise text_refused("text")
+    if request.input_ids is None:
+        raise InvalidArgument("input_ids: absent; this server scores token ids")
+    no_streaming(request.stream)
+    single = bool(request.input_ids) and isinstance(request.input_ids[0], int)
+    batch: list[list[int]] = [request.input_ids] if single else request.input_ids  # type: ignore[list-item]
+    if not batch:
+        raise InvalidArgument("input_ids: is empty; at least 1 input is required")
+    items, starts, rids, temperatures = [], [], [], set()
+    for i in range(len(batch)):
+        where = "" if single else f"[{i}]"
+        field = f"input_ids{where}"
+        ids = ids_of(batch[i], field)
+        params = _each(request.sampling_params, i, len(batch), "sampling_params", single) or SamplingParams()
+        generates_none(params.max_new_tokens, f"sampling_params{where}.max_new_tokens", 128, (0,))
+        temperatures.add(params.temperature or 0.0)
+        if not _each(request.return_logprob, i, len(batch), "return_logprob", single):
+            raise InvalidArgument(f"return_logprob{where}: not true; this server answers log-probs only (send true)")
+        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len", single)
+        start = -1 if start is None else start
+        check_start(start, len(ids) - 1, f"logprob_start_len{where}", "the first input position answered")
+        top = _each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single)
+        refuse_top_k(top or 0, f"top_logprobs_num{where}")
+        if request.token_ids_logprob:
+            refuse_top_k(len(request.token_ids_logprob), "token_ids_logprob")
+        items.append(Item(ids, max(start, 1), field))
+        starts.append(start)
+        rids.append(_each(request.rid, i, len(batch), "rid", single) or uuid.uuid4().hex)
+    if len(temperatures) > 1:
+        raise InvalidArgument("sampling_params: inputs of one request must share a temperature; send them apart")
+    begun = time.perf_counter()
+    scored = await score_items(
+        call.engine,
+        items,
+        model=served_model(call.engine, None),
+        temperature=temperatures.pop(),  # 0 or absent: 1.0 (greedy's log-probs are unscaled)
+        batch_field="input_ids",
+        temperature_field="sampling_params.temperature",
+        request_id=call.request_id,
+        client=call.client,
+        deadline=call.deadline,
+        receive=call.request.receive,
+    )
+    latency = time.perf_counter() - begun
+    answers = []
+    for item, start, rid, scores in zip(items, starts, rids, scored.scores):
+        logprobs = [[None, int(item.ids[0]), None]] if start == 0 else []
+        if scores is not None:
+            logprobs += [[lp, t, None] for lp, t in zip(scores.logprobs.tolist(), item.ids[item.start :].tolist())]
+        meta = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(item.ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "e2e_latency": latency,
+            "input_token_logprobs": logprobs,
+            "output_token_logprobs": [],
+        }
+        answers.append({"text": "", "output_ids": [], "meta_info": meta})
+    return Answer(answers[0] if single else answers, scored.model, scored.result)
+
+
+async def model_info(call: Call) -> Answer:
+    """SGLang's ``/get_model_info`` of the model ``/generate`` scores with."""
+    info = next(m for m in await call.engine.list_models() if m.name == served_model(call.engine, None))
+    return Answer(
+        {
+            "model_path": info.source,
+            "tokenizer_path": info.source,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(info.version),
+            "model_type": info.architecture,
+            "architectures": [info.architecture],
+        }
+    )
