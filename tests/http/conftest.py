@@ -23,8 +23,8 @@ class Served:
         self.base = f"http://127.0.0.1:{http_port}"
 
 
-async def serve_both(**overrides) -> Served:
-    running = await start(settings({"default": "builtin:tiny-llama"}, **overrides))
+async def serve_both(*, warm: bool = True, **overrides) -> Served:
+    running = await start(settings({"default": "builtin:tiny-llama"}, **overrides), warm=warm)
     try:
         port = await running.service.start_http("127.0.0.1", 0)
     except BaseException:

@@ -55,6 +55,7 @@ class Call:
     request_id: str
     deadline: float | None  # time.monotonic() from the X-Request-Timeout header (seconds), if sent
     request: Request
+    model: str = ""  # the model the request scores with, once the route knows it
 
     @property
     def client(self) -> str:
@@ -135,6 +136,7 @@ class Edge:
             start = time.perf_counter_ns()
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             answer: Answer | None = None
+            call: Call | None = None
             error: BaseException | None = None
             try:
                 set_client(request.client.host if request.client is not None else "")
@@ -143,7 +145,8 @@ class Edge:
                     set_client(principal.name)
                 deadline = _deadline(request)
                 body = await read_body(request, self.max_body_bytes) if request.method == "POST" else b""
-                answer = await handler(Call(self.engine, body, request_id, deadline, request))
+                call = Call(self.engine, body, request_id, deadline, request)
+                answer = await handler(call)
                 return answer.response(request_id)
             except LogprobError as err:
                 error = err
@@ -157,7 +160,8 @@ class Edge:
                 raise
             finally:
                 if scope is not None:
-                    _account(path, request_id, answer, error, time.perf_counter_ns() - start)
+                    model = answer.model if answer is not None else call.model if call is not None else ""
+                    _account(path, request_id, model, answer, error, time.perf_counter_ns() - start)
 
         return Route(path, endpoint, methods=list(methods))
 
@@ -180,14 +184,17 @@ def _code(error: BaseException | None) -> str:
     return "INTERNAL" if isinstance(error, Exception) else "CANCELLED"
 
 
-def _account(path: str, request_id: str, answer: Answer | None, error: BaseException | None, elapsed_ns: int) -> None:
+def _account(
+    path: str, request_id: str, model: str, answer: Answer | None, error: BaseException | None, elapsed_ns: int
+) -> None:
     code = _code(error)
-    model = answer.model if answer is not None else ""
     metrics.observe_request(model, path, code, "http")
     level = logging.DEBUG if error is None else logging.ERROR if code == "INTERNAL" else logging.WARNING
     if not log.isEnabledFor(level):
         return
     fields: dict[str, object] = {"rpc": path, "protocol": "http", "status": code, "request_id": request_id}
+    if model:
+        fields["model"] = model
     if client := current_client():
         fields["client"] = client
     result = answer.result if answer is not None else None

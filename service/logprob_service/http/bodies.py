@@ -36,12 +36,13 @@ def served_model(engine: LogprobEngine, name: str | None) -> str:
     return name or engine.models()[0].name
 
 
-def generates_none(value: int | None, field: str, default: int | None, allowed: tuple[int, ...]) -> None:
-    """``field`` (``default`` when absent) must ask for no more generated tokens than ``allowed``:
-    this server scores what it is sent and generates nothing."""
+def generates_none(body: BaseModel, name: str, field: str, allowed: tuple[int, ...]) -> None:
+    """``body.<name>`` (named ``field`` in errors; the peer's default when absent) must ask for no
+    more generated tokens than ``allowed``: this server scores what it is sent and generates nothing."""
+    value = getattr(body, name)
     if value in allowed:
         return
-    shown = f"{value}" if value is not None else f"absent (the peer's default: {default})"
+    shown = f"{value}" if name in body.model_fields_set else f"absent (the peer's default: {value})"
     raise InvalidArgument(
         f"{field}: {shown}; this server scores prompts but does not generate: "
         f"send {' or '.join(map(str, allowed))} with the log-prob fields"

@@ -42,7 +42,8 @@ class NoSuchRoute(LogprobError):
     code = ErrorCode.NOT_FOUND
 
 
-class MethodNotAllowed(InvalidArgument):
+class MethodNotAllowed(LogprobError):
+    code = ErrorCode.INVALID_ARGUMENT
     status = 405
 
 
@@ -58,7 +59,7 @@ def _param(message: str) -> str | None:
 
 
 def error_body(err: LogprobError) -> dict[str, Any]:
-    param = _param(err.message) if err.code is ErrorCode.INVALID_ARGUMENT else None
+    param = _param(err.message) if isinstance(err, InvalidArgument) else None
     return {"error": {"message": err.message, "type": err.code.name, "param": param, "code": http_status(err)}}
 
 
@@ -82,7 +83,10 @@ def _location(loc: Sequence[int | str]) -> str:
 def invalid_body(err: ValidationError) -> InvalidArgument:
     """The first of pydantic's complaints about a request body, as an InvalidArgument naming the
     field (with its index) and what was wrong."""
-    first = err.errors(include_url=False)[0]
+    # Of a union's members (a prompt is ids, or lists of ids), the complaint that got deepest into
+    # the value names the field best: "prompt[1][1]", not "prompt[0] should be an integer".
+    errors = err.errors(include_url=False)
+    first = max(errors, key=lambda e: len(e["loc"]))
     where = _location(first["loc"])
     if first["type"] == "json_invalid":
         return InvalidArgument(f"body: not JSON ({first['msg'].removeprefix('Invalid JSON: ')})")

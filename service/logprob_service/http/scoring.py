@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, TokenSequence
-from logprob_service.engine.engine import LogprobEngine
 from logprob_service.errors import InvalidArgument
+from logprob_service.http.app import Call
 from logprob_service.http.errors import Naming
-
-# A message of the ASGI ``receive`` channel once the body is read: only a disconnect comes.
-Receive = Callable[[], Awaitable[dict]]
 
 
 @dataclass(frozen=True)
@@ -77,40 +73,39 @@ def _as_float32(value: float) -> float:
         return float(np.float32(value))
 
 
-async def _until_disconnect(receive: Receive) -> None:
+async def _until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Once the body is read, only a disconnect comes on the ASGI ``receive`` channel."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
 async def score_items(
-    engine: LogprobEngine,
+    call: Call,
     items: Sequence[Item],
     *,
     model: str,
     temperature: float,
     batch_field: str,
     temperature_field: str,
-    request_id: str,
-    client: str,
-    deadline: float | None,
-    receive: Receive,
 ) -> Scored:
-    """Score ``items`` as one job; ``InvalidArgument`` naming the request's fields. A caller that
-    disconnects first cancels its job (its queued work is dropped); the error then goes nowhere."""
+    """Score ``items`` as one job of ``call``'s client; ``InvalidArgument`` naming the request's
+    fields. A caller that disconnects first cancels its job (its queued work is dropped); the error
+    then goes nowhere."""
+    call.model = model  # the request's model, for its accounting whatever the outcome
     scored = [item for item in items if item.scored]
     if not scored:
         raise InvalidArgument(f"{batch_field}: no position to score (every sequence is all prompt)")
     job = ScoreJob(
-        request_id=request_id or str(uuid.uuid4()),
+        request_id=call.request_id,
         model=model,
         sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :]) for item in scored],
         temperature=_as_float32(temperature),
-        deadline=deadline,
-        client=client,
+        deadline=call.deadline,
+        client=call.client,
     )
     naming = Naming([(item.field, item.start) for item in scored], batch_field, temperature_field)
-    work = asyncio.ensure_future(engine.score(job))
-    gone = asyncio.ensure_future(_until_disconnect(receive))
+    work = asyncio.ensure_future(call.engine.score(job))
+    gone = asyncio.ensure_future(_until_disconnect(call.request.receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -65,7 +65,7 @@ async def generate(call: Call) -> Answer:
         field = f"input_ids{where}"
         ids = ids_of(batch[i], field)
         params = _each(request.sampling_params, i, len(batch), "sampling_params", single) or SamplingParams()
-        generates_none(params.max_new_tokens, f"sampling_params{where}.max_new_tokens", 128, (0,))
+        generates_none(params, "max_new_tokens", f"sampling_params{where}.max_new_tokens", (0,))
         temperatures.add(params.temperature or 0.0)
         if not _each(request.return_logprob, i, len(batch), "return_logprob", single):
             raise InvalidArgument(f"return_logprob{where}: not true; this server answers log-probs only (send true)")
@@ -83,16 +83,12 @@ async def generate(call: Call) -> Answer:
         raise InvalidArgument("sampling_params: inputs of one request must share a temperature; send them apart")
     begun = time.perf_counter()
     scored = await score_items(
-        call.engine,
+        call,
         items,
         model=served_model(call.engine, None),
         temperature=temperatures.pop(),  # 0 or absent: 1.0 (greedy's log-probs are unscaled)
         batch_field="input_ids",
         temperature_field="sampling_params.temperature",
-        request_id=call.request_id,
-        client=call.client,
-        deadline=call.deadline,
-        receive=call.request.receive,
     )
     latency = time.perf_counter() - begun
     answers = []

@@ -53,16 +53,12 @@ async def sequence_logprobs(call: Call) -> Answer:
         check_start(prompt_length, len(ids), f"prompt_lengths[{i}]", f"the length of sequences[{i}]")
         items.append(Item(ids, max(prompt_length, 1), f"sequences[{i}]"))
     scored = await score_items(
-        call.engine,
+        call,
         items,
         model=served_model(call.engine, None),
         temperature=request.temperature,
         batch_field="sequences",
         temperature_field="temperature",
-        request_id=call.request_id,
-        client=call.client,
-        deadline=call.deadline,
-        receive=call.request.receive,
     )
     # A prompt length 0 adds the first position, which has no log-prob (vLLM's None).
     lengths = [len(item.ids) - p for item, p in zip(items, request.prompt_lengths)]

@@ -81,7 +81,7 @@ async def completions(call: Call) -> Answer:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         raise text_refused("prompt")
     no_streaming(request.stream)
-    generates_none(request.max_tokens, "max_tokens", 16, (0, 1))
+    generates_none(request, "max_tokens", "max_tokens", (0, 1))
     if request.logprobs is not None:
         raise InvalidArgument("logprobs: asks for generated tokens' log-probs; this server generates none")
     if request.n != 1:
@@ -120,16 +120,12 @@ async def _score(
     call: Call, items: list[Item], model: str | None, temperature: float | None, batch: str, temperature_field: str
 ) -> Scored:
     return await score_items(
-        call.engine,
+        call,
         items,
         model=served_model(call.engine, model),
         temperature=temperature or 0.0,  # absent or 0 (vLLM's greedy, whose log-probs are unscaled): 1.0
         batch_field=batch,
         temperature_field=temperature_field,
-        request_id=call.request_id,
-        client=call.client,
-        deadline=call.deadline,
-        receive=call.request.receive,
     )
 
 
@@ -158,7 +154,7 @@ async def generate(call: Call) -> Answer:
     request = parse(call.body, GenerateRequest)
     params = request.sampling_params
     no_streaming(request.stream)
-    generates_none(params.max_tokens, "sampling_params.max_tokens", 16, (0, 1))
+    generates_none(params, "max_tokens", "sampling_params.max_tokens", (0, 1))
     if params.logprobs is not None:
         raise InvalidArgument(
             "sampling_params.logprobs: log-probs of generated tokens; this server generates none "
