@@ -268,3 +268,30 @@ async def test_tokens_missing_wrong_or_short_of_scope_are_401_or_403(authed, rng
         expected = await grpc_client.score([s[:1] for s in sequences], [s[1:] for s in sequences])
     for choice, want in zip(completion.choices, expected):
         bitwise([next(iter(e.values()))["logprob"] for e in choice.model_extra["prompt_logprobs"][1:]], want)
+
+
+async def test_a_caller_that_hangs_up_takes_its_queued_work_with_it(served, rng):
+    """A request whose caller disconnects while it waits in the queue is cancelled: it never
+    reaches the model, it is counted CANCELLED, and the request ahead of it is answered."""
+    from tests.helpers.calls import Gate
+
+    gate = Gate(served.running)
+    ahead, behind = random_sequences(rng, 2)
+    cancelled_before = requests_counted("/v1/completions", "CANCELLED")
+    try:
+        async with httpx.AsyncClient(base_url=served.base) as first, httpx.AsyncClient(base_url=served.base) as second:
+            held = asyncio.create_task(first.post("/v1/completions", json={**COMPLETION, "prompt": ahead}))
+            await gate.wait_entered()
+            hung_up = asyncio.create_task(second.post("/v1/completions", json={**COMPLETION, "prompt": behind}))
+            await asyncio.sleep(0.5)  # queued behind the held micro-batch
+            hung_up.cancel()
+            deadline = asyncio.get_running_loop().time() + 10
+            while requests_counted("/v1/completions", "CANCELLED") == cancelled_before:
+                assert asyncio.get_running_loop().time() < deadline, "the hung-up request was never cancelled"
+                await asyncio.sleep(0.05)
+            gate.restore()
+            answered = await held
+    finally:
+        gate.restore()
+    assert answered.status_code == 200
+    assert gate.calls == [1]  # the held request's one sequence; the other never reached the model
