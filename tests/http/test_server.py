@@ -85,3 +85,12 @@ def test_serve_with_http_port_answers_both_edges_and_drains_on_sigterm(tmp_path,
         log.close()
     text = (tmp_path / "server.log").read_text()
     assert f"HTTP listening on 127.0.0.1:{http_port}" in text, text[-2000:]
+
+
+def test_an_exposed_http_port_warns_of_what_it_lacks():
+    from logprob_service.security.exposure import exposure_warnings
+
+    assert exposure_warnings("127.0.0.1", tls=False, auth=False, edge="HTTP") == []
+    plaintext, open_door = exposure_warnings("0.0.0.0", tls=False, auth=False, edge="HTTP")
+    assert plaintext.startswith("HTTP on 0.0.0.0 is PLAINTEXT") and "weight" not in plaintext
+    assert open_door.startswith("HTTP on 0.0.0.0 has NO AUTHENTICATION") and "can score" in open_door

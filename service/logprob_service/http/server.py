@@ -20,6 +20,7 @@ from logprob_service.engine.engine import LogprobEngine
 from logprob_service.http import sglang, trl, vllm
 from logprob_service.http.app import Edge
 from logprob_service.security.bearer_tokens import TokenTable
+from logprob_service.security.exposure import exposure_warnings
 from logprob_service.settings_sources import StartupError
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ async def start_http(
         sock.close()
         raise
     bound = sock.getsockname()[1]
+    for warning in exposure_warnings(host, tls=bool(tls), auth=tokens is not None, edge="HTTP"):
+        log.warning("%s", warning)
 
     async def run() -> None:
         await server.main_loop()

@@ -1,13 +1,14 @@
 """Authentication and authorization of LogprobService calls: one interceptor, one scope table.
 
-With tokens configured (``bearer_tokens.py``), every LogprobService call must carry the metadata
+With tokens configured (``security.bearer_tokens``, whose ``check_bearer`` the HTTP edge runs
+too), every LogprobService call must carry the metadata
 ``authorization: Bearer <token>``. No token, or one the server does not know: UNAUTHENTICATED.
 A known token without the scope the method needs: PERMISSION_DENIED. Both are decided from the
 metadata alone, before the handler runs (a stream's messages are not even read). Health and
 reflection are other services and stay open: probes and ``grpcurl list`` need no token.
 
 Every LogprobService call, authenticated or not, then runs with its client identity set
-(``caller.py``): the token's name, or without authentication the peer's IP address.
+(``security.caller``): the token's name, or without authentication the peer's IP address.
 """
 
 from __future__ import annotations
