@@ -94,3 +94,39 @@ def test_an_exposed_http_port_warns_of_what_it_lacks():
     plaintext, open_door = exposure_warnings("0.0.0.0", tls=False, auth=False, edge="HTTP")
     assert plaintext.startswith("HTTP on 0.0.0.0 is PLAINTEXT") and "weight" not in plaintext
     assert open_door.startswith("HTTP on 0.0.0.0 has NO AUTHENTICATION") and "can score" in open_door
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from tests.helpers.certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def test_tls_and_mutual_tls_as_the_grpc_port(pki):
+    """The HTTP edge takes the gRPC port's certificate and, with client CAs, asks callers for one."""
+    import ssl
+
+    from tests.http.conftest import serve_both
+
+    both = await serve_both(tls_cert_file=pki.server.cert, tls_key_file=pki.server.key, tls_client_ca_file=pki.ca)
+    base = both.base.replace("http://", "https://")
+    try:
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        trusted.load_cert_chain(str(pki.client.cert), str(pki.client.key))
+        async with httpx.AsyncClient(base_url=base, verify=trusted) as http:
+            assert (await http.get("/v1/models")).json()["data"][0]["id"] == "default"
+        anonymous = ssl.create_default_context(cafile=str(pki.ca))
+        async with httpx.AsyncClient(base_url=base, verify=anonymous) as http:
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                await http.get("/v1/models")
+        rogue = ssl.create_default_context(cafile=str(pki.ca))
+        rogue.load_cert_chain(str(pki.rogue_client.cert), str(pki.rogue_client.key))
+        async with httpx.AsyncClient(base_url=base, verify=rogue) as http:
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                await http.get("/v1/models")
+        async with httpx.AsyncClient(base_url=both.base) as http:  # plaintext to a TLS port
+            with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError)):
+                await http.get("/health")
+    finally:
+        await stop(both.running)
