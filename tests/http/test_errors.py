@@ -295,3 +295,26 @@ async def test_a_caller_that_hangs_up_takes_its_queued_work_with_it(served, rng)
         gate.restore()
     assert answered.status_code == 200
     assert gate.calls == [1]  # the held request's one sequence; the other never reached the model
+
+
+async def test_x_request_timeout_is_the_deadline_and_passing_it_is_504(served, rng):
+    from tests.helpers.calls import Gate
+
+    gate = Gate(served.running)
+    ahead, behind = random_sequences(rng, 2)
+    try:
+        async with httpx.AsyncClient(base_url=served.base) as http:
+            held = asyncio.create_task(http.post("/v1/completions", json={**COMPLETION, "prompt": ahead}))
+            await gate.wait_entered()
+            late = asyncio.create_task(
+                http.post(
+                    "/v1/completions", json={**COMPLETION, "prompt": behind}, headers={"x-request-timeout": "0.3"}
+                )
+            )
+            await asyncio.sleep(1.0)  # its deadline passes while it waits behind the held micro-batch
+            gate.restore()
+            answered, expired = await held, await late
+    finally:
+        gate.restore()
+    assert answered.status_code == 200
+    refusal(expired, 504, None, "deadline passed while queued")
