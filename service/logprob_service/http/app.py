@@ -64,7 +64,8 @@ class Call:
 
 @dataclass
 class Answer:
-    """A route's answer: its JSON, and for the log line the model and result it scored with."""
+    """A route's answer: its JSON (a value, or bytes already written: ``encoding``), and for the
+    log line the model and result it scored with."""
 
     payload: object
     model: str = ""
@@ -73,7 +74,10 @@ class Answer:
     extra: dict[str, str] = field(default_factory=dict)
 
     def response(self, request_id: str) -> Response:
-        content = b"" if self.payload is None else pydantic_core.to_json(self.payload)
+        if isinstance(self.payload, bytes):
+            content = self.payload
+        else:
+            content = b"" if self.payload is None else pydantic_core.to_json(self.payload)
         headers = {"x-request-id": request_id, **self.extra}
         return Response(content, status_code=self.status, media_type=JSON, headers=headers)
 

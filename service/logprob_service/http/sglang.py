@@ -15,6 +15,7 @@ import uuid
 from typing import TypeVar
 
 from logprob_service.errors import InvalidArgument
+from logprob_service.http import encoding
 from logprob_service.http.app import Answer, Call
 from logprob_service.http.bodies import Strict, generates_none, no_streaming, parse, served_model, text_refused
 from logprob_service.http.scoring import Item, check_start, ids_of, refuse_top_k, score_items
@@ -93,21 +94,23 @@ async def generate(call: Call) -> Answer:
     latency = time.perf_counter() - begun
     answers = []
     for item, start, rid, scores in zip(items, starts, rids, scored.scores):
-        logprobs = [[None, int(item.ids[0]), None]] if start == 0 else []
+        logprobs = [b"[null,%d,null]" % item.ids[0]] if start == 0 else []
         if scores is not None:
-            logprobs += [[lp, t, None] for lp, t in zip(scores.logprobs.tolist(), item.ids[item.start :].tolist())]
+            ids, lps = encoding.numbers(item.ids[item.start :].tolist()), encoding.numbers(scores.logprobs.tolist())
+            logprobs += [b"[%b,%b,null]" % (lp, t) for lp, t in zip(lps, ids)]
         meta = {
+            "input_token_logprobs": None,
             "id": rid,
             "finish_reason": {"type": "length", "length": 0},
             "prompt_tokens": len(item.ids),
             "completion_tokens": 0,
             "cached_tokens": 0,
             "e2e_latency": latency,
-            "input_token_logprobs": logprobs,
             "output_token_logprobs": [],
         }
-        answers.append({"text": "", "output_ids": [], "meta_info": meta})
-    return Answer(answers[0] if single else answers, scored.model, scored.result)
+        meta_info = encoding.with_raw(meta, "input_token_logprobs", encoding.array(logprobs))
+        answers.append(b'{"text":"","output_ids":[],"meta_info":%b}' % meta_info)
+    return Answer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
 
 
 async def model_info(call: Call) -> Answer:

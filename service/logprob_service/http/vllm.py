@@ -19,6 +19,7 @@ import uuid
 from logprob_service.domain import SequenceScores
 from logprob_service.engine.engine import Phase
 from logprob_service.errors import InvalidArgument, Unavailable
+from logprob_service.http import encoding
 from logprob_service.http.app import Answer, Call
 from logprob_service.http.bodies import (
     Strict,
@@ -33,17 +34,19 @@ from logprob_service.http.scoring import Item, Scored, check_start, ids_of, refu
 OWNER = "logprob-service"
 
 
-def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> list[dict | None]:
-    """vLLM's ``prompt_logprobs`` of one prompt: None for each position not scored, then each
-    scored token's own entry."""
-    entries: list[dict | None] = [None] * item.start
+def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
+    """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
+    each scored token's own entry."""
+    entries = [b"null"] * item.start
     if scores is not None:
-        rank = k + 1
+        rank = b"%d" % (k + 1)
         entries += [
-            {str(t): {"logprob": lp, "rank": rank, "decoded_token": f"token_id:{t}"}}
-            for t, lp in zip(item.ids[item.start :].tolist(), scores.logprobs.tolist())
+            b'{"%b":{"logprob":%b,"rank":%b,"decoded_token":"token_id:%b"}}' % (t, lp, rank, t)
+            for t, lp in zip(
+                encoding.numbers(item.ids[item.start :].tolist()), encoding.numbers(scores.logprobs.tolist())
+            )
         ]
-    return entries
+    return encoding.array(entries)
 
 
 def check_prompt_logprobs(k: int | None, field: str) -> int:
@@ -95,25 +98,19 @@ async def completions(call: Call) -> Answer:
     items = [Item(ids_of(ids, name), 1, name) for ids, name in zip(batch, names)]
     scored = await _score(call, items, request.model, request.temperature, "prompt", "temperature")
     choices = [
-        {
-            "index": i,
-            "text": "",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "prompt_logprobs": prompt_logprobs(item, scores, k),
-        }
+        b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":%b}'
+        % (i, prompt_logprobs(item, scores, k))
         for i, (item, scores) in enumerate(zip(items, scored.scores))
     ]
     payload = {
+        "choices": None,
         "id": f"cmpl-{call.request_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": scored.model,
-        "choices": choices,
         "usage": usage(sum(len(item.ids) for item in items)),
     }
-    return Answer(payload, scored.model, scored.result)
+    return Answer(encoding.with_raw(payload, "choices", encoding.array(choices)), scored.model, scored.result)
 
 
 async def _score(
@@ -178,11 +175,11 @@ async def generate(call: Call) -> Answer:
     item = Item(ids, 1 if k is not None else start + 1, "token_ids")
     scored = await _score(call, [item], request.model, params.temperature, "token_ids", "sampling_params.temperature")
     payload = {
+        "prompt_logprobs": None,
         "request_id": request.request_id or call.request_id or str(uuid.uuid4()),
         "model": scored.model,
         "created": int(time.time()),
         "usage": usage(len(ids)),
-        "prompt_logprobs": None if k is None else prompt_logprobs(item, scored.scores[0], k),
         "prompt_token_id_logprobs": None,
         "prompt_token_ids": None,
         "mm_placeholders": None,
@@ -202,6 +199,12 @@ async def generate(call: Call) -> Answer:
             }
         ],
     }
+    if k is not None:
+        return Answer(
+            encoding.with_raw(payload, "prompt_logprobs", prompt_logprobs(item, scored.scores[0], k)),
+            scored.model,
+            scored.result,
+        )
     return Answer(payload, scored.model, scored.result)
 
 
