@@ -13,6 +13,11 @@ then again), so drift of the machine hits all alike:
   ``prompt_lengths`` make the same split as gRPC's prompt / completion.
 * HTTP, SGLang's ``/generate`` (a batch of 8 ``input_ids``, ``logprob_start_len`` each prompt's
   length): JSON numbers, the heavier answer.
+* HTTP, vLLM's ``/v1/completions`` as TRL 1.16 calls it (``--routes`` adds ``completions``; not
+  run by default): every position from the second scored, an object per token in the answer.
+
+The clients run in this process, so their decoding of JSON answers shares the interpreter with the
+server (a trainer's runs in its own).
 
 Reported per method: tokens/s (real prompt + completion tokens of a pass over its median time), the
 ratio to gRPC's, p50/p99 ms of one request as its client sees it (8 in flight), and whether the
@@ -118,15 +123,42 @@ def sglang_answer(answer: list[dict[str, Any]], group: list[TokenSequence]) -> l
     return [np.array([item[0] for item in a["meta_info"]["input_token_logprobs"]], dtype=np.float32) for a in answer]
 
 
-ROUTES: dict[str, tuple[Callable, Callable]] = {
-    "trl": (trl_request, trl_answer),
-    "sglang": (sglang_request, sglang_answer),
+def completions_request(group: list[TokenSequence]) -> tuple[str, dict[str, Any]]:
+    """TRL 1.16's ``get_sequence_logprobs`` body: whole sequences as token-id prompts."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [np.concatenate([s.prompt_ids, s.completion_ids]).tolist() for s in group],
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": 0,
+    }
+    return "/v1/completions", body
+
+
+def completions_answer(answer: dict[str, Any], group: list[TokenSequence]) -> list[np.ndarray]:
+    """The completion positions of each choice's ``prompt_logprobs``, as TRL 1.16 slices them."""
+    return [
+        np.array(
+            [next(iter(e.values()))["logprob"] for e in choice["prompt_logprobs"][len(s.prompt_ids) :]],
+            dtype=np.float32,
+        )
+        for choice, s in zip(answer["choices"], group)
+    ]
+
+
+# Route: (request, answer decoding, whether it splits each sequence where gRPC does). /v1/completions
+# scores every position from the second (vLLM's prompt log-probs): the same tokens run, more
+# log-prob rows, and a different split, so its log-probs need not equal gRPC's bit for bit.
+ROUTES: dict[str, tuple[Callable, Callable, bool]] = {
+    "trl": (trl_request, trl_answer, True),
+    "sglang": (sglang_request, sglang_answer, True),
+    "completions": (completions_request, completions_answer, False),
 }
 
 
 def http_pass(sessions: list[httpx.Client], workload: Workload, route: str) -> PassResult:
     """As ``grpc_pass``: every client thread pulls requests of ``group_size`` sequences from one queue."""
-    request, decode = ROUTES[route]
+    request, decode, _ = ROUTES[route]
     work: queue.SimpleQueue[tuple[int, list[TokenSequence]]] = queue.SimpleQueue()
     for item in enumerate(workload.groups):
         work.put(item)
@@ -222,9 +254,11 @@ def report(args, device, shape, workload, methods, seconds, latencies, first) ->
     for method in methods:
         rate = tokens / statistics.median(seconds[method])
         same = all(np.array_equal(a, b) for a, b in zip(first[method], first["gRPC"], strict=True))
+        comparable = method == "gRPC" or ROUTES[method.removeprefix("HTTP ")][2]
+        verdict = ("yes" if same else "NO") if comparable else f"n/a (another split; {'equal' if same else 'differs'})"
         lines.append(
             f"| {method} | {rate:,.0f} | {rate / grpc_rate:.3f} | {percentile(latencies[method], 50):.1f} | "
-            f"{percentile(latencies[method], 99):.1f} | {'yes' if same else 'NO'} |"
+            f"{percentile(latencies[method], 99):.1f} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pydantic_core
 from starlette.applications import Starlette
@@ -70,16 +70,13 @@ class Answer:
     payload: object
     model: str = ""
     result: ScoreResult | None = None
-    status: int = 200
-    extra: dict[str, str] = field(default_factory=dict)
 
     def response(self, request_id: str) -> Response:
         if isinstance(self.payload, bytes):
             content = self.payload
         else:
             content = b"" if self.payload is None else pydantic_core.to_json(self.payload)
-        headers = {"x-request-id": request_id, **self.extra}
-        return Response(content, status_code=self.status, media_type=JSON, headers=headers)
+        return Response(content, media_type=JSON, headers={"x-request-id": request_id})
 
 
 Handler = Callable[[Call], Awaitable[Answer]]
