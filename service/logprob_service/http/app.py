@@ -72,11 +72,11 @@ class Answer:
     result: ScoreResult | None = None
 
     def response(self, request_id: str) -> Response:
-        if isinstance(self.payload, bytes):
-            content = self.payload
-        else:
-            content = b"" if self.payload is None else pydantic_core.to_json(self.payload)
-        return Response(content, media_type=JSON, headers={"x-request-id": request_id})
+        headers = {"x-request-id": request_id}
+        if self.payload is None:  # an empty 200, as vLLM's and SGLang's /health answer
+            return Response(headers=headers)
+        content = self.payload if isinstance(self.payload, bytes) else pydantic_core.to_json(self.payload)
+        return Response(content, media_type=JSON, headers=headers)
 
 
 Handler = Callable[[Call], Awaitable[Answer]]
