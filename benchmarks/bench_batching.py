@@ -43,6 +43,12 @@ Smoke test on a CPU (tiny Qwen2, float32, 16 short sequences, 2 clients; memory 
 
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_batching.py --smoke
 
+``--top-k 20,256`` also runs (c) asking each of those top-k per completion position (issue 43:
+a teacher's distribution for distillation), with a table of tokens/s against (c) without, and
+the answers' packed bytes per pass (4 bytes of log-prob + 8 K of ids and log-probs per token):
+
+    PYTHONPATH=service:client python3 benchmarks/bench_batching.py --top-k 20,256
+
 The tables are printed last, and also written to ``$OUT/bench_batching.md`` when ``OUT`` is set.
 """
 
@@ -305,8 +311,9 @@ def open_clients(target: str, n: int, **client_options: Any) -> list[LogprobClie
     return [LogprobClient(target, model=MODEL_NAME, timeout=600.0, options=options, **client_options) for _ in range(n)]
 
 
-def grpc_pass(clients: list[LogprobClient], workload: Workload) -> PassResult:
-    """Every client thread pulls requests of ``group_size`` sequences from one shared queue."""
+def grpc_pass(clients: list[LogprobClient], workload: Workload, top_k: int = 0) -> PassResult:
+    """Every client thread pulls requests of ``group_size`` sequences from one shared queue
+    (asking each for ``top_k`` ids and log-probs per completion token too, when set)."""
     work: queue.SimpleQueue[tuple[int, list[TokenSequence]]] = queue.SimpleQueue()
     for item in enumerate(workload.groups):
         work.put(item)
@@ -320,7 +327,8 @@ def grpc_pass(clients: list[LogprobClient], workload: Workload) -> PassResult:
             except queue.Empty:
                 return
             start = time.perf_counter()
-            logprobs = client.score([s.prompt_ids for s in group], [s.completion_ids for s in group])
+            answer = client.score([s.prompt_ids for s in group], [s.completion_ids for s in group], top_k=top_k)
+            logprobs = answer.logprobs if top_k else answer
             latencies.append((time.perf_counter() - start) * 1e3)
             results[index] = logprobs
 
@@ -543,6 +551,7 @@ class ShapeReport:
     model_line: str
     rows: list[Measured]  # (a), (b), (c)
     sweep: list[tuple[int, Measured]]  # (max_batch_tokens, (b) with it)
+    top_k: list[tuple[int, Measured]] = field(default_factory=list)  # (K, (c) asking top_k K), K = 0 first
 
 
 def deterministic_label(scorer: OfflineScorer) -> str:
@@ -558,19 +567,29 @@ def run_in_process(harness: Harness, scorer: OfflineScorer, workload: Workload) 
     return harness.measure(method, lambda: service_pass(scorer, workload))
 
 
-def run_grpc(harness: Harness, scorer: OfflineScorer, workload: Workload, args: argparse.Namespace) -> Measured:
+def answer_bytes(workload: Workload, top_k: int) -> int:
+    """The packed arrays a pass's answers carry: a float32 log-prob per completion token, and
+    with ``top_k`` K, K int32 ids and K float32 log-probs more (protobuf framing not counted)."""
+    tokens = sum(len(s.completion_ids) for group in workload.groups for s in group)
+    return tokens * (4 + 8 * top_k)
+
+
+def run_grpc(
+    harness: Harness, scorer: OfflineScorer, workload: Workload, args: argparse.Namespace, top_k: int = 0
+) -> Measured:
     """(c): the real server in this process, serving ``scorer``'s model; clients in threads."""
     registry = ModelRegistry()
     registry.add(serve_model(MODEL_NAME, "random", scorer.scorer))
     method = (
         f"(c) service via gRPC: {args.clients} clients, requests of {workload.group_size} sequences, "
         f"max_batch_tokens {args.max_batch_tokens}{deterministic_label(scorer)}"
+        + (f", top_k {top_k}, answers {answer_bytes(workload, top_k) / 2**20:,.1f} MiB per pass" if top_k else "")
     )
     log("  starting the gRPC server (weights fingerprint, warm-up)")
     with LoopbackServer(server_settings(args, harness.device), registry) as target:
         clients = open_clients(target, args.clients)
         try:
-            return harness.measure(method, lambda: grpc_pass(clients, workload))
+            return harness.measure(method, lambda: grpc_pass(clients, workload, top_k))
         finally:
             for client in clients:
                 client.close()
@@ -595,6 +614,7 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
     baseline = run_baseline(harness, model, workload)
 
     rows, service = [baseline], ""
+    top_k: list[tuple[int, Measured]] = []
     # Off before on: turning cuBLAS split-K off is process-wide (ops.determinism) and stays off.
     for deterministic in {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]:
         # The scorer switches the model to its attention and compiles its layers.
@@ -603,6 +623,8 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
             model, options=options, max_batch_tokens=args.max_batch_tokens, max_batch_sequences=args.max_batch_sequences
         ) as scorer:
             rows += [run_in_process(harness, scorer, workload), run_grpc(harness, scorer, workload, args)]
+            if args.top_k and not top_k:  # with the first scorer (--deterministic off, unless only on)
+                top_k = [(0, rows[-1])] + [(k, run_grpc(harness, scorer, workload, args, k)) for k in args.top_k]
             service += f"service{', deterministic' if deterministic else ''}: attention {scorer.served.info.attention}"
             service += f"; {layers_label(scorer.scorer)}; {scorer.served.info.determinism}\n"
     sweep = []
@@ -611,7 +633,7 @@ def run_shape(shape: ModelShape, args: argparse.Namespace, harness: Harness, dty
             model, options=options, max_batch_tokens=value, max_batch_sequences=args.max_batch_sequences
         ) as sweep_scorer:
             sweep.append((value, run_in_process(harness, sweep_scorer, workload)))
-    return ShapeReport(shape, f"{describe_model(shape, model)}\n{service.rstrip()}", rows, sweep)
+    return ShapeReport(shape, f"{describe_model(shape, model)}\n{service.rstrip()}", rows, sweep, top_k)
 
 
 def workload_for(args: argparse.Namespace, vocab: int) -> Workload:
@@ -669,6 +691,31 @@ def format_sweep(sweep: list[tuple[int, Measured]], workload: Workload) -> str:
         cells = [str(value), str(m.units_per_pass or "n/a"), m.note or _num(tokens_per_s(m, workload), ",.0f")]
         lines.append(f"| {' | '.join(cells + _memory_latency_busy_cells(m))} |")
     return "\n".join(lines)
+
+
+TOP_K_COST_GOAL = {20: 0.15}  # issue 43: top_k 20 costs at most 15% of (c)'s tokens/s
+
+
+def format_top_k(top_k: list[tuple[int, Measured]], workload: Workload) -> str:
+    base = tokens_per_s(top_k[0][1], workload)
+    lines = [
+        "(c) by top_k (teacher outputs):",
+        "",
+        "| top_k | tokens/s | x top_k 0 | answers MiB per pass | peak extra GiB | p50 ms | p99 ms | GPU busy % |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    goals = []
+    for k, m in top_k:
+        rate = tokens_per_s(m, workload)
+        ratio = rate / base if rate and base else None
+        cells = [str(k), m.note or _num(rate, ",.0f"), _num(ratio, ".3f"), f"{answer_bytes(workload, k) / 2**20:,.2f}"]
+        lines.append(f"| {' | '.join(cells + _memory_latency_busy_cells(m))} |")
+        if k in TOP_K_COST_GOAL and ratio is not None:
+            met = 1 - ratio <= TOP_K_COST_GOAL[k]
+            goals.append(
+                f"top_k {k} costs {100 * (1 - ratio):.1f}% ({'met' if met else 'NOT met'}, <= {TOP_K_COST_GOAL[k]:.0%})"
+            )
+    return "\n".join(lines + (["", "goal: " + "; ".join(goals)] if goals else []))
 
 
 def format_checks(shape: ModelShape, rows: list[Measured], workload: Workload) -> str:
@@ -761,6 +808,8 @@ def format_report(header: str, reports: list[ShapeReport], workload: Workload) -
         ]
         if r.sweep:
             section += ["", format_sweep(r.sweep, workload)]
+        if r.top_k:
+            section += ["", format_top_k(r.top_k, workload)]
         sections.append("\n".join(section))
     return "\n\n".join(sections) + "\n"
 
@@ -794,6 +843,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-batch-tokens", type=int, default=None, help="the service's budget of real tokens per micro-batch")
     add("--max-batch-sequences", type=int, default=256, help="the service's sequences per micro-batch")
     add("--sweep-batch-tokens", type=int_list, default=[], help="also run (b) with each, e.g. 16384,32768,65536")
+    add("--top-k", type=int_list, default=[], help="also run (c) asking each top_k, e.g. 20,256 (issue 43)")
     add("--warmup", type=int, default=1, help="untimed passes per method first")
     add("--repeats", type=int, default=None, help="timed passes per method (default 3; 2 with --smoke)")
     add("--sample-ms", type=float, default=100.0, help="GPU utilization sampling interval")

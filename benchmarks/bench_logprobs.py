@@ -21,8 +21,15 @@ On a GPU (the run that counts; liger-kernel installed):
     PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py
 
 ``--sweep`` also times a grid of kernel tile configurations at every shape (how the defaults in
-``ops/fused_logprobs.py`` were picked). The table is printed last, and also written to
-``$OUT/bench_logprobs.md`` when ``OUT`` is set.
+``ops/fused_logprobs.py`` were picked). ``--top-k`` also times the teacher outputs (issue 43) at
+every shape and at 8,192 x 3,584 x 152,064: the fused kernel with ``top_k`` 20, 128 and 256 and
+with 256 candidate ids per row, against the plain fused kernel, the matmul limit, and full logits
++ ``torch.topk`` (what vLLM's ``prompt_logprobs`` does); error: max |top-k log-prob - float64
+top-k's| over the reference rows.
+
+    PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py --top-k
+
+The table is printed last, and also written to ``$OUT/bench_logprobs.md`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ SHAPES = [(24576, 896, 151936), (16384, 3584, 152064), (65536, 4096, 128256)]
 GOAL_X_LIMIT = 1.15
 GOAL_PEAK_GIB = 0.25
 GOAL_ERR = 1e-4
+TOP_KS = (20, 128, 256)
+CANDIDATES = 256
+TOPK_MEMORY_SHAPE = (8192, 3584, 152064)  # the issue's memory goal: >= 10x less than full logits + topk
+# The issue's goals, in multiples of the plain fused kernel's time.
+GOAL_TOPK_X_FUSED = {20: 1.25, 256: 2.0, "candidates": 1.5}
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,100 @@ def run_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
     return results
 
 
+def reference_top_k(hidden: torch.Tensor, weight: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """Float64 top-k log-probs of the first ``rows`` rows: [rows, k], descending."""
+    out = []
+    for start in range(0, rows, 128):
+        x = hidden[start : start + 128].double() @ weight.double().T
+        out.append(x.log_softmax(-1).topk(k, dim=-1).values)
+    return torch.cat(out)
+
+
+def full_logits_top_k(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """vLLM's way: the [N, V] logits, an fp32 log_softmax of them, then ``torch.topk``."""
+    return (hidden @ weight.T).float().log_softmax(-1).topk(k, dim=-1).values
+
+
+def run_top_k_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
+    """The teacher outputs at one shape: first row the matmul limit, second the plain fused kernel."""
+    hidden, weight, targets = make_inputs(n, h, v, args.seed)
+    rows = min(args.ref_rows, n)
+    timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
+    results = [
+        measure("matmul limit (bf16 torch.mm)", lambda: hidden @ weight.T, None, **timing),
+        measure(
+            "fused Triton kernel (K=0)", lambda: fused_token_logprobs(hidden, weight, targets).logprobs, None, **timing
+        ),
+    ]
+    for k in TOP_KS:
+        ref = reference_top_k(hidden, weight, rows, k)
+        results.append(
+            measure(
+                f"fused Triton kernel, top_k={k}",
+                lambda k=k: fused_token_logprobs(hidden, weight, targets, top_k=k).top_logprobs,
+                ref,
+                **timing,
+            )
+        )
+        results.append(
+            measure(f"full logits + torch.topk, k={k}", lambda k=k: full_logits_top_k(hidden, weight, k), ref, **timing)
+        )
+    g = torch.Generator(device="cuda").manual_seed(args.seed + 1)
+    candidates = torch.randint(0, v, (n, CANDIDATES), device="cuda", generator=g)
+    logp_ref = []
+    for start in range(0, rows, 128):
+        x = hidden[start : start + 128].double() @ weight.double().T
+        logp_ref.append(x.log_softmax(-1).gather(1, candidates[start : start + 128]))
+    results.append(
+        measure(
+            f"fused Triton kernel, {CANDIDATES} candidates",
+            lambda: fused_token_logprobs(hidden, weight, targets, candidates=candidates).candidate_logprobs,
+            torch.cat(logp_ref),
+            **timing,
+        )
+    )
+    results.append(
+        measure(
+            "fused Triton kernel, top_k=20, batch-invariant plan",
+            lambda: fused_token_logprobs(hidden, weight, targets, top_k=20, invariant=True).top_logprobs,
+            None,
+            **timing,
+        )
+    )
+    return results
+
+
+def top_k_goal_lines(per_shape: list[tuple[tuple[int, int, int], list[Result]]]) -> list[str]:
+    lines = []
+    for (n, h, v), results in per_shape:
+        by_name = {r.method: r for r in results}
+        plain = by_name["fused Triton kernel (K=0)"].ms
+        if plain is None:
+            lines.append(f"N={n}: the plain fused kernel did not run")
+            continue
+        checks = []
+        for key, limit in GOAL_TOPK_X_FUSED.items():
+            name = (
+                f"fused Triton kernel, {CANDIDATES} candidates"
+                if key == "candidates"
+                else f"fused Triton kernel, top_k={key}"
+            )
+            r = by_name[name]
+            if r.ms is None:
+                checks.append(f"{name}: {r.note}")
+                continue
+            checks.append(
+                f"{key}: {r.ms / plain:.2f}x fused ({'met' if r.ms / plain <= limit else 'NOT met'}, <= {limit}x)"
+            )
+        ours, full = by_name["fused Triton kernel, top_k=256"], by_name["full logits + torch.topk, k=256"]
+        if ours.peak_gib and full.peak_gib:
+            checks.append(f"memory at k=256: {full.peak_gib / ours.peak_gib:.1f}x less than full logits + topk")
+        elif full.ms is None:
+            checks.append(f"full logits + topk: {full.note}")
+        lines.append(f"N={n}, H={h}, V={v}: " + "; ".join(checks))
+    return lines
+
+
 def sweep_configs() -> list[KernelConfig]:
     """Tiles that fit Hopper's shared memory and registers with a [BLOCK_N, BLOCK_V] fp32 accumulator."""
     return [
@@ -237,6 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of kernel tile configurations")
+    parser.add_argument("--top-k", action="store_true", help="also time top-k and candidate outputs (issue 43)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.shapes:
@@ -252,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_logprobs.py measures GPU kernels: it needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
     per_shape = []
+    top_k_shapes = []
     sweeps: list[str] = []
     with torch.inference_mode():
         for n, h, v in args.shapes:
@@ -259,6 +367,10 @@ def main(argv: list[str] | None = None) -> None:
             per_shape.append(((n, h, v), run_shape(n, h, v, args)))
             if args.sweep:
                 sweeps += run_sweep(n, h, v, args)
+        if args.top_k:
+            for n, h, v in [*args.shapes, TOPK_MEMORY_SHAPE]:
+                print(f"top-k at N={n}, H={h}, V={v}", file=sys.stderr, flush=True)
+                top_k_shapes.append(((n, h, v), run_top_k_shape(n, h, v, args)))
     cfg16 = default_config(torch.bfloat16)
     header = [
         "# The log-prob stage alone (bf16 inputs)",
@@ -270,6 +382,11 @@ def main(argv: list[str] | None = None) -> None:
     sections = ["\n".join(header)] + [format_shape(*shape, results) for shape, results in per_shape]
     goals = "goals (<= 1.15x limit, faster than Liger, <= 0.25 GiB, <= 1e-4):"
     sections.append("\n".join([goals, *goal_lines(per_shape)]))
+    if top_k_shapes:
+        sections.append("## Teacher outputs: top-k and candidate log-probs")
+        sections += [format_shape(*shape, results) for shape, results in top_k_shapes]
+        goals = "top-k goals (x the plain fused kernel: top_k 20 <= 1.25, 256 <= 2.0, 256 candidates <= 1.5):"
+        sections.append("\n".join([goals, *top_k_goal_lines(top_k_shapes)]))
     if sweeps:
         sections.append("\n".join(sweeps))
     report = "\n\n".join(sections) + "\n"

@@ -125,28 +125,6 @@ def rollout(rng: np.random.Generator, prompts: int, n: int, prompt_len: int, res
     return [rows[i] for i in rng.permutation(len(rows))]
 
 
-def padded(rows, temperature: float):
-    from verl import DataProto
-    from verl.utils.model import compute_position_id_with_mask
-
-    p, r = max(len(a) for a, _ in rows), max(len(b) for _, b in rows)
-    prompts, responses = torch.zeros(len(rows), p, dtype=torch.long), torch.zeros(len(rows), r, dtype=torch.long)
-    pmask, rmask = torch.zeros_like(prompts), torch.zeros_like(responses)
-    for i, (a, b) in enumerate(rows):
-        prompts[i, p - len(a) :], pmask[i, p - len(a) :] = torch.from_numpy(a), 1
-        responses[i, : len(b)], rmask[i, : len(b)] = torch.from_numpy(b), 1
-    attention_mask = torch.cat([pmask, rmask], dim=1)
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": compute_position_id_with_mask(attention_mask),
-        "response_mask": rmask,
-    }
-    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": temperature})
-
-
 def compose_config(model_dir: Path, extra: list[str]):
     import verl
     from hydra import compose, initialize_config_dir
@@ -219,6 +197,7 @@ def main() -> None:
     torch.cuda.set_device(device)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577")
     torch.distributed.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=device)
+    from logprob_client.integrations.verl import padded_batch  # verl's padded batch, as the tests build it
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     flash = importlib.util.find_spec("flash_attn") is not None
@@ -255,7 +234,7 @@ def main() -> None:
             worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="ref")
             worker.init_model()
             times, verl_out, peak = time_ref_steps(
-                worker, [padded(r, args.temperature) for r in batches_rows], device, args.warmup
+                worker, [padded_batch(r, args.temperature) for r in batches_rows], device, args.warmup
             )
             label = "verl (FSDP, remove-padding, flash-attn)" if flash else "verl (FSDP, padded, SDPA: no flash-attn)"
             median = statistics.median(times)
@@ -264,7 +243,9 @@ def main() -> None:
             torch.cuda.empty_cache()
 
             target = f"127.0.0.1:{args.port}"
-            env = {**os.environ, "PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'client'}"}
+            # The project first, then whatever the caller's path holds (where the server's wheels may lie).
+            path = [str(ROOT / "service"), str(ROOT / "client"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
             proc = subprocess.Popen(
                 [sys.executable, "-m", "logprob_service.cli", "serve", "--host", "127.0.0.1", "--port", str(args.port),
                  "--metrics-port", str(args.port + 1), "--device", f"cuda:{args.service_gpu}", "--dtype", "bfloat16",
@@ -285,7 +266,7 @@ def main() -> None:
                 worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="ref")
                 worker.init_model()
                 times, served_out, peak = time_ref_steps(
-                    worker, [padded(r, args.temperature) for r in batches_rows], device, args.warmup
+                    worker, [padded_batch(r, args.temperature) for r in batches_rows], device, args.warmup
                 )
             finally:
                 proc.terminate()

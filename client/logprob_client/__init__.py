@@ -23,7 +23,7 @@ from .errors import (
 from .future import ScoreFuture
 from .split import RpcLimits
 from .streams import UpdateResult
-from .wire import ModelInfo, ModelLimits, ScoreInput
+from .wire import ModelInfo, ModelLimits, ScoreInput, TeacherScores
 
 __all__ = [
     "AsyncLogprobClient",
@@ -43,6 +43,7 @@ __all__ = [
     "ScoreFuture",
     "ScoreInput",
     "ServerError",
+    "TeacherScores",
     "Unauthenticated",
     "Unavailable",
     "UpdateAborted",

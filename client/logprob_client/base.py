@@ -42,9 +42,13 @@ class ScoreKeywords(TypedDict, total=False):
     entropy, as a second value (False); ``min_version``: score only with weights of at least this
     version, waiting for it within the deadline (0: any; ``FailedPrecondition`` when it does not
     come, naming it and the live version); ``timeout``: this call's deadline in
-    seconds (the client's). ``score`` and ``score_async`` also take ``prompt_mask`` and
-    ``completion_mask`` (dense inputs, ``logprob_client.inputs``); ``score_many`` takes
-    ``return_exceptions`` (a failed batch's error takes its place instead of being raised).
+    seconds (the client's). ``top_k`` (0-256): also return, at each completion position, the K
+    most likely ids and their log-probs; ``candidate_ids``: ids whose log-probs to return at each
+    completion position (``inputs.prepare``); with either, the answer is a ``wire.TeacherScores``.
+    ``score`` and ``score_async`` also take ``prompt_mask``, ``completion_mask`` (dense inputs,
+    ``logprob_client.inputs``) and ``candidate_ids``; ``score_many`` takes ``return_exceptions`` (a
+    failed batch's error takes its place instead of being raised), its ``ScoreInput``s their own
+    candidates.
     """
 
     model: str | None
@@ -55,6 +59,8 @@ class ScoreKeywords(TypedDict, total=False):
     prompt_mask: Any
     completion_mask: Any
     return_exceptions: bool
+    top_k: int
+    candidate_ids: Any
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class Scoring:
     return_entropy: bool
     timeout: float
     return_exceptions: bool
+    top_k: int = 0
 
     @property
     def requests(self) -> list[pb.ScoreRequest]:
@@ -73,7 +80,7 @@ class Scoring:
     def result(self, responses: Sequence[pb.ScoreResponse]) -> Any:
         """The one batch's answer from its responses, in part order."""
         ((prepared, _),) = self.calls
-        return result(prepared, responses, self.return_entropy)
+        return result(prepared, responses, self.return_entropy, self.top_k)
 
     def error(self, part: int, code: grpc.StatusCode, message: str) -> LogprobError:
         """The one batch's error for the failure of its RPC ``part``, in the caller's terms
@@ -82,7 +89,7 @@ class Scoring:
         return caller_error(prepared, requests, part, code, message)
 
     def collected(self, responses: dict[str, pb.ScoreResponse]) -> list[Any]:
-        return collect(self.calls, responses, self.return_entropy, self.return_exceptions)
+        return collect(self.calls, responses, self.return_entropy, self.return_exceptions, self.top_k)
 
 
 class ClientBase:
@@ -251,6 +258,7 @@ class ClientBase:
         min_version: int = 0,
         timeout: float | None = None,
         return_exceptions: bool = False,
+        top_k: int = 0,
     ) -> Scoring:
         """Check the options and build every batch's requests, one per part (none when every
         completion is masked out: that answer is all zeros, made locally, as the server would
@@ -259,14 +267,24 @@ class ClientBase:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         if min_version < 0:
             raise ValueError(f"min_version must be >= 0 (0: any version), got {min_version}")
-        options = Options(model or self.model, temperature, return_entropy, min_version)
+        if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: none; the server allows up to 256), got {top_k!r}")
+        options = Options(model or self.model, temperature, return_entropy, min_version, int(top_k))
         calls = []
         for inp in inputs:
             prepared = (
                 inp
                 if isinstance(inp, Prepared)
-                else prepare(inp.prompt_ids, inp.completion_ids, inp.prompt_mask, inp.completion_mask)
+                else prepare(
+                    inp.prompt_ids,
+                    inp.completion_ids,
+                    inp.prompt_mask,
+                    inp.completion_mask,
+                    candidate_ids=inp.candidate_ids,
+                )
             )
+            if self.legacy_wire and (top_k or prepared.candidates is not None):
+                raise ValueError("top_k and candidate_ids need the current wire: not with legacy_wire=True")
             if not prepared.sequences and prepared.dense_shape is not None:
                 calls.append((prepared, []))
                 continue
@@ -276,26 +294,32 @@ class ClientBase:
             parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits, shared)
             requests = [
                 score_request(
-                    seqs[part], options, repeats=repeats[part] if self.share_prompts else None, legacy=self.legacy_wire
+                    seqs[part],
+                    options,
+                    repeats=repeats[part] if self.share_prompts else None,
+                    legacy=self.legacy_wire,
+                    candidates=prepared.candidates[part] if prepared.candidates is not None else None,
                 )
                 for part in parts
             ]
             calls.append((prepared, requests))
-        return Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions)
+        return Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions, int(top_k))
 
     def prepare_one(
         self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords, group_sizes: Sequence[int] | None = None
     ) -> Scoring:
         """``prepare`` of one batch given as ``score`` takes it (``group_sizes``: the lists are
         ``flatten_groups``' of ``score_groups``' groups, which errors then name)."""
-        masks = {name: keywords.pop(name, None) for name in ("prompt_mask", "completion_mask")}  # type: ignore[misc]
-        return self.prepare([prepare(prompt_ids, completion_ids, **masks, group_sizes=group_sizes)], **keywords)
+        given = {name: keywords.pop(name, None) for name in ("prompt_mask", "completion_mask", "candidate_ids")}  # type: ignore[misc]
+        return self.prepare([prepare(prompt_ids, completion_ids, **given, group_sizes=group_sizes)], **keywords)
 
     def prepare_groups(
         self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords
     ) -> tuple[Scoring, list[int]]:
         """``prepare`` of ``score_groups``' groups, and their sizes."""
         prompts, completions, sizes = flatten_groups(prompt_ids, completion_ids)
+        if keywords.get("candidate_ids") is not None:  # grouped as the completions are
+            keywords["candidate_ids"] = [c for group in keywords["candidate_ids"] for c in group]
         return self.prepare_one(prompts, completions, keywords, group_sizes=sizes), sizes
 
     def update(

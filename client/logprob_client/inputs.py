@@ -21,6 +21,7 @@ the caller's terms (``completion_ids[3][1]``; ``wire.caller_error``).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ class Prepared:
     like: Any = None  # the torch tensor whose device the dense result goes to, if any
     prompt_mask: np.ndarray | None = None  # dense: which prompt columns were sent, per row
     group_sizes: Sequence[int] | None = None  # groups (``flatten_groups``): completions per prompt
+    # Each sent sequence's candidate ids [C, Kc] (int64), or None where it has none; None: no candidates at all
+    candidates: list[np.ndarray | None] | None = None
 
     def name(self, index: int, field: str | None = None, position: int | None = None) -> str:
         """How the caller named sequence ``index``'s ``field`` (``FIELDS``; None: the whole
@@ -69,6 +72,8 @@ class Prepared:
         if field is None:
             return " + ".join(self.name(index, f) for f in FIELDS)
         row = index if self.rows is None else self.rows[index]
+        if field == "candidate_ids":  # a row per completion position, named like the completion's
+            return self.name(index, "completion_ids", position).replace("completion_ids", "candidate_ids", 1)
         if self.group_sizes is None:
             where = f"[{row}]"
         else:  # the flat row's group, and its place there
@@ -89,14 +94,19 @@ def prepare(
     completion_mask: Any = None,
     *,
     group_sizes: Sequence[int] | None = None,
+    candidate_ids: Any = None,
 ) -> Prepared:
     """The sequences of one call in either layout, checked: 2-D, integer ids within int32 (the
     wire's type). ``group_sizes``: the lists are ``flatten_groups``' of the caller's groups (errors
-    then name the groups)."""
+    then name the groups). ``candidate_ids``: per completion position, ids whose log-probs to
+    return: lists layout, one [C_i, Kc_i] array (or None) per sequence; dense, one (B, C, Kc)
+    array/tensor aligned with ``completion_ids``."""
     if _is_dense(prompt_ids) or _is_dense(completion_ids):
         prepared = _prepare_dense(prompt_ids, completion_ids, prompt_mask, completion_mask)
     else:
         prepared = _prepare_lists(prompt_ids, completion_ids, prompt_mask, completion_mask, group_sizes)
+    if candidate_ids is not None:
+        prepared = _with_candidates(prepared, candidate_ids)
     for i, pair in enumerate(prepared.sequences):
         for field, ids in zip(FIELDS, pair, strict=True):
             if ids.size and not (INT32_MIN <= ids.min() and ids.max() <= INT32_MAX):
@@ -104,6 +114,42 @@ def prepare(
                 raise ValueError(f"{prepared.name(i, field, j)}: {ids[j]} is outside int32, which the wire carries")
         prepared.sequences[i] = (pair[0].astype(np.int64, copy=False), pair[1].astype(np.int64, copy=False))
     return prepared
+
+
+def _with_candidates(prepared: Prepared, candidate_ids: Any) -> Prepared:
+    """``prepared`` with each sent sequence's candidate rows, checked: integer ids within int32,
+    one row per completion position (``prepare``)."""
+    if prepared.dense_shape is not None:
+        dense = _to_numpy(candidate_ids)
+        if dense.ndim != 3 or dense.shape[:2] != prepared.dense_shape:
+            raise ValueError(
+                f"candidate_ids has shape {dense.shape}: with 2-D inputs it is (B, C, Kc), "
+                f"B, C = {prepared.dense_shape} as completion_ids"
+            )
+        assert prepared.rows is not None and prepared.columns is not None
+        given = [dense[row, cols] for row, cols in zip(prepared.rows, prepared.columns)]
+    else:
+        given = list(_rows(candidate_ids, "candidate_ids"))
+        if len(given) != len(prepared.sequences):
+            raise ValueError(f"{len(given)} rows of candidate_ids for {len(prepared.sequences)} completions")
+    candidates: list[np.ndarray | None] = []
+    for i, (values, (_, completion)) in enumerate(zip(given, prepared.sequences)):
+        name = prepared.name(i, "candidate_ids")
+        if values is None:
+            candidates.append(None)
+            continue
+        ids = _to_numpy(values)
+        if ids.ndim != 2 or ids.shape[0] != len(completion):
+            raise ValueError(
+                f"{name} has shape {ids.shape}: it is (C, Kc), one row of candidates per completion token (C = "
+                f"{len(completion)})"
+            )
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} has dtype {ids.dtype}: token ids are integers")
+        if ids.size and not (INT32_MIN <= ids.min() and ids.max() <= INT32_MAX):
+            raise ValueError(f"{name}: an id is outside int32, which the wire carries")
+        candidates.append(ids.astype(np.int64, copy=False))
+    return dataclasses.replace(prepared, candidates=candidates)
 
 
 def _rows(ids: Any, name: str) -> Sequence[Any]:
@@ -201,11 +247,15 @@ def _prepare_dense(prompt_ids: Any, completion_ids: Any, prompt_mask: Any, compl
     )
 
 
-def assemble(prepared: Prepared, per_sequence: Sequence[np.ndarray]) -> Any:
-    """Scores in the caller's layout: a list of arrays, or a dense (B, C) array/tensor."""
+def assemble(
+    prepared: Prepared, per_sequence: Sequence[np.ndarray | None], width: int = 0, dtype: Any = np.float32
+) -> Any:
+    """Scores in the caller's layout: a list of arrays, or a dense (B, C) array/tensor; with
+    ``width``, per-position rows of that many ([C, width] arrays, or (B, C, width), 0 where
+    nothing was sent)."""
     if prepared.dense_shape is None:
         return list(per_sequence)
-    out = np.zeros(prepared.dense_shape, dtype=np.float32)
+    out = np.zeros(prepared.dense_shape + ((width,) if width else ()), dtype=dtype)
     for row, cols, values in zip(prepared.rows, prepared.columns, per_sequence):
         out[row, cols] = values
     if prepared.like is None:
@@ -226,8 +276,12 @@ def flatten_groups(prompt_ids: Sequence[Any], completion_ids: Sequence[Sequence[
 
 
 def regroup(flat: Any, sizes: Sequence[int]) -> Any:
-    """Per-sequence results (a list, or a (logprobs, entropies) pair of lists) cut back into groups."""
+    """Per-sequence results (a list, a (logprobs, entropies) pair of lists, or a ``TeacherScores``
+    of lists) cut back into groups."""
     if isinstance(flat, tuple):
         return tuple(regroup(part, sizes) for part in flat)
+    if dataclasses.is_dataclass(flat) and not isinstance(flat, type):
+        parts = {f.name: getattr(flat, f.name) for f in dataclasses.fields(flat)}
+        return dataclasses.replace(flat, **{k: regroup(v, sizes) for k, v in parts.items() if v is not None})
     bounds = np.cumsum([0, *sizes])
     return [flat[start:end] for start, end in itertools.pairwise(bounds)]

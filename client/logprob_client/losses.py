@@ -1,5 +1,7 @@
 """Trainer-side helpers: PPO / GRPO arithmetic on per-token log-probs (ratios, the clipped
-surrogate, aggregation, KL estimators, reward shaping and group-relative advantages). The client
+surrogate, aggregation, KL estimators, reward shaping and group-relative advantages), and
+distillation from a teacher the service scores (reverse KL on the student's samples; top-k
+forward KL and GKD's generalized JSD from the teacher's top-k). The client
 itself imports nothing here; trainers do (``docs/client.md``, "Loss and KL helpers").
 
 Every per-token tensor is ``(B, T)``, aligned with the completion tokens: the layout that
@@ -19,6 +21,7 @@ Needs torch (the client's base install does not): ``pip install torch``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 try:
@@ -177,3 +180,113 @@ def group_relative_advantages(rewards: Tensor, group_size: int, *, scale: bool =
         return centred.reshape(rewards.shape)
     std = groups.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
     return (centred / (std + eps)).reshape(rewards.shape)
+
+
+# Distillation from a teacher the service scores ------------------------------------------------
+#
+# On the student's own samples (on-policy distillation; GKD with lambda = 1), at completion token t:
+#
+#     logp    = log pi_S(y_t)          the student being trained (requires grad)
+#     teacher = log pi_T(y_t)          the teacher's log-prob of the same token (``client.score``)
+#     top_ids, top_logps: (B, T, K)    the teacher's K most likely ids and their log-probs
+#                                      (``client.score(..., top_k=K)``: ``TeacherScores``)
+#     student_logps: (B, T, V)         the student's log-softmax over the vocabulary
+
+
+def reverse_kl_advantages(logps: Tensor, teacher_logps: Tensor) -> Tensor:
+    """Per-token advantages of on-policy distillation by reverse KL:
+
+        A_t = teacher_t - logp_t = -(log pi_S(y_t) - log pi_T(y_t))
+
+    minus the one-sample (k1) estimate of KL(pi_S || pi_T) at each sampled token, detached. As
+    ``clipped_surrogate``'s ``(B, T)`` advantages (a discount of 0: each token is its own
+    return), the policy gradient lowers the student's reverse KL to the teacher, from the
+    teacher's log-prob of the sampled tokens alone (no top-k needed). Returns ``(B, T)``.
+    """
+    return (teacher_logps - logps).detach()
+
+
+def reverse_kl_loss(logps: Tensor, teacher_logps: Tensor) -> Tensor:
+    """A ``(B, T)`` surrogate whose gradient, in expectation over the student's own samples, is
+    that of the reverse KL (the score-function estimator, on-policy, no ratio):
+
+        loss_t = (logp_t - teacher_t).detach() * logp_t
+        E_{y ~ pi_S}[grad loss_t] = E[(log pi_S - log pi_T) grad log pi_S] = grad KL(pi_S || pi_T)
+
+    (the term E[grad log pi_S] = 0 drops). Its value is not the KL: log ``kl_k1(logps,
+    teacher_logps)`` for that. Aggregate with ``per_sequence_then_batch_mean`` or ``all_tokens_mean``.
+    """
+    return (logps - teacher_logps).detach() * logps
+
+
+def top_k_teacher(top_logps: Tensor) -> tuple[Tensor, Tensor]:
+    """The teacher's top-k renormalized over its K ids, and the probability mass it leaves out:
+
+        q(v_k) = pi_T(v_k) / S,   S = sum_k pi_T(v_k),   tail = 1 - S
+
+    ``top_logps``: ``(B, T, K)``. Returns ``(log q (B, T, K), tail (B, T))``; the tail is what the
+    renormalized losses ignore (report it: at K = 20 it is typically a few percent of the mass)."""
+    log_s = torch.logsumexp(top_logps, dim=-1)
+    return top_logps - log_s.unsqueeze(-1), (-torch.expm1(log_s)).clamp(min=0.0)
+
+
+def _top_k_pair(student_logps: Tensor, top_ids: Tensor, top_logps: Tensor, tail: str) -> tuple[Tensor, Tensor]:
+    """(student, teacher) log-distributions over the teacher's top-k support: renormalized over
+    the K ids, or over K + 1 outcomes (the K ids, and the tail bucket "any other id")."""
+    student_at = student_logps.gather(-1, top_ids.long())  # (B, T, K)
+    if tail == "renormalize":
+        return (
+            student_at - torch.logsumexp(student_at, dim=-1, keepdim=True),
+            top_logps - torch.logsumexp(top_logps, dim=-1, keepdim=True),
+        )
+    if tail != "bucket":
+        raise ValueError(f"tail must be 'renormalize' or 'bucket', got {tail!r}")
+
+    def with_tail(at: Tensor) -> Tensor:
+        # log(1 - sum exp(at)), kept finite where the K ids hold all the mass (a tail of ~0)
+        rest = (-torch.expm1(torch.logsumexp(at, dim=-1, keepdim=True))).clamp(min=torch.finfo(at.dtype).tiny)
+        return torch.cat([at, rest.log()], dim=-1)
+
+    return with_tail(student_at), with_tail(top_logps)
+
+
+def _kl(p_log: Tensor, q_log: Tensor) -> Tensor:
+    """KL(p || q) over the last dimension, 0 log 0 = 0 (and no NaN gradient from it)."""
+    p = p_log.exp()
+    return torch.where(p > 0, p * (p_log - q_log), torch.zeros((), dtype=p.dtype, device=p.device)).sum(-1)
+
+
+def top_k_generalized_jsd(
+    student_logps: Tensor, top_ids: Tensor, top_logps: Tensor, *, beta: float = 0.0, tail: str = "renormalize"
+) -> Tensor:
+    """GKD's generalized Jensen-Shannon divergence (Agarwal et al. 2024; TRL's
+    ``generalized_jsd_loss``), per token, on the teacher's top-k support:
+
+        beta = 0: KL(T || S) (forward)    beta = 1: KL(S || T) (reverse)
+        else:     beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
+
+    with T and S the teacher's and student's distributions restricted to that support:
+    ``tail="renormalize"`` both renormalized over the K ids (the teacher's left-out mass,
+    ``top_k_teacher``'s tail, is ignored); ``tail="bucket"`` over K + 1 outcomes, the K ids and
+    one bucket for every other id (1 - their mass, for each model): never more than the
+    divergence of the full distributions (merging outcomes cannot raise a KL), and equal to it at
+    K = V. ``student_logps``: ``(B, T, V)``; ``top_ids``, ``top_logps``: ``(B, T, K)``. Returns
+    ``(B, T)``; aggregate with a mask (``all_tokens_mean``).
+    """
+    s, t = _top_k_pair(student_logps, top_ids, top_logps, tail)
+    if beta == 0.0:
+        return _kl(t, s)
+    if beta == 1.0:
+        return _kl(s, t)
+    mixture = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log1p(-beta)]), dim=0)
+    return beta * _kl(t, mixture) + (1 - beta) * _kl(s, mixture)
+
+
+def top_k_forward_kl(student_logps: Tensor, top_ids: Tensor, top_logps: Tensor, *, tail: str = "renormalize") -> Tensor:
+    """Forward KL(T || S) on the teacher's top-k support (``top_k_generalized_jsd`` at beta 0):
+
+        renormalize: sum_k q(v_k) [log q(v_k) - log s(v_k)],  q, s renormalized over the K ids
+        bucket:      sum_k T(v_k) [log T(v_k) - log S(v_k)] + tail_T log(tail_T / tail_S)
+
+    Returns ``(B, T)``."""
+    return top_k_generalized_jsd(student_logps, top_ids, top_logps, beta=0.0, tail=tail)

@@ -3,6 +3,7 @@ layout from the responses, and the server's model descriptions."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ class ScoreInput:
     completion_ids: Any
     prompt_mask: Any = None
     completion_mask: Any = None
+    candidate_ids: Any = None
 
 
 def model_info(m: pb.ModelInfo) -> ModelInfo:
@@ -81,6 +83,7 @@ class Options:
     temperature: float
     return_entropy: bool
     min_version: int
+    top_k: int = 0
 
 
 def repeats_prompt(sequences: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[bool]:
@@ -92,18 +95,25 @@ def _i32(ids: np.ndarray) -> bytes:
     return ids.astype("<i4").tobytes()
 
 
+def _candidates(ids: np.ndarray | None) -> dict[str, Any]:
+    """A Sequence's or Completion's candidate fields for [C, Kc] ids (none for None)."""
+    return {} if ids is None else {"candidate_ids_i32": _i32(ids), "num_candidates": ids.shape[1]}
+
+
 def score_request(
     sequences: Sequence[tuple[np.ndarray, np.ndarray]],
     options: Options,
     *,
     repeats: Sequence[bool] | None = None,
     legacy: bool = False,
+    candidates: Sequence[np.ndarray | None] | None = None,
 ) -> pb.ScoreRequest:
     """A request carrying ``sequences``, ids as int32 bytes and asking for float32 bytes back. With
     ``repeats`` (``repeats_prompt`` of them), as ``SequenceGroup``s: each run of consecutive
     sequences with one prompt one group (a lone sequence, a group of one), so a prompt crosses the
     wire once; the answers come back in the sequences' order. Without, each sequence whole.
-    ``legacy``: a v1 request (every sequence whole, repeated fields)."""
+    ``legacy``: a v1 request (every sequence whole, repeated fields). ``candidates``: each
+    sequence's [C, Kc] candidate ids, or None."""
     request = pb.ScoreRequest(
         request_id=str(uuid.uuid4()),
         model=options.model,
@@ -111,16 +121,21 @@ def score_request(
         return_entropy=options.return_entropy,
         min_version=options.min_version,
         scores_f32=not legacy,
+        top_k=options.top_k,
     )
+    extra = [_candidates(ids) for ids in candidates] if candidates is not None else [{}] * len(sequences)
     if legacy:
         request.sequences.extend(pb.Sequence(prompt_ids=p.tolist(), completion_ids=c.tolist()) for p, c in sequences)
     elif repeats is None:
-        request.sequences.extend(pb.Sequence(prompt_ids_i32=_i32(p), completion_ids_i32=_i32(c)) for p, c in sequences)
+        request.sequences.extend(
+            pb.Sequence(prompt_ids_i32=_i32(p), completion_ids_i32=_i32(c), **more)
+            for (p, c), more in zip(sequences, extra, strict=True)
+        )
     else:
-        for (prompt, completion), repeat in zip(sequences, repeats, strict=True):
+        for (prompt, completion), repeat, more in zip(sequences, repeats, extra, strict=True):
             if not (request.groups and repeat):  # a part's first sequence starts a group
                 request.groups.add(prompt_ids_i32=_i32(prompt))
-            request.groups[-1].completions.add(completion_ids_i32=_i32(completion))
+            request.groups[-1].completions.add(completion_ids_i32=_i32(completion), **more)
     return request
 
 
@@ -130,8 +145,27 @@ def _values(scores: pb.SequenceScores, field: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4") if raw else np.asarray(getattr(scores, field), dtype=np.float32)
 
 
-def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool) -> Any:
-    """The caller's layout from the responses of a call's parts, in part order."""
+@dataclass(frozen=True)
+class TeacherScores:
+    """A call's answer when it asked for ``top_k`` or sent ``candidate_ids``: each field in the
+    caller's layout (lists: one array per sequence; 2-D inputs: (B, C) and (B, C, K) arrays or
+    tensors, 0 where ``completion_mask`` is 0)."""
+
+    logprobs: Any  # [C] float32 per sequence
+    entropies: Any = None  # [C] float32 per sequence, with return_entropy
+    top_ids: Any = None  # [C, K] int32: the K most likely ids at each position, descending, ties by id
+    top_logprobs: Any = None  # [C, K] float32: their log-probs
+    candidate_logprobs: Any = None  # [C, Kc] float32: log-probs of candidate_ids (None where none were sent)
+
+
+def _rows_of(scores: pb.SequenceScores, field: str, dtype: str, columns: int) -> np.ndarray:
+    """A packed [C * columns] field as [C, columns]."""
+    return np.frombuffer(getattr(scores, field), dtype=dtype).reshape(-1, columns)
+
+
+def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool, top_k: int = 0) -> Any:
+    """The caller's layout from the responses of a call's parts, in part order: log-probs (and
+    entropies, as a pair); with ``top_k`` or candidates, a ``TeacherScores``."""
     versions = sorted({response.model_version for response in responses})
     if len(versions) > 1:
         # The model's weights were updated while the call's parts were being scored.
@@ -141,16 +175,28 @@ def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_ent
         )
     scores = [s for response in responses for s in response.scores]
     logprobs = assemble(prepared, [_values(s, "logprobs") for s in scores])
-    if not return_entropy:
-        return logprobs
-    return logprobs, assemble(prepared, [_values(s, "entropies") for s in scores])
+    entropies = assemble(prepared, [_values(s, "entropies") for s in scores]) if return_entropy else None
+    if not top_k and prepared.candidates is None:
+        return logprobs if entropies is None else (logprobs, entropies)
+    answer = TeacherScores(logprobs, entropies)
+    if top_k:
+        ids = [_rows_of(s, "top_ids_i32", "<i4", top_k) for s in scores]
+        lps = [_rows_of(s, "top_logprobs_f32", "<f4", top_k) for s in scores]
+        answer = dataclasses.replace(
+            answer, top_ids=assemble(prepared, ids, top_k, np.int32), top_logprobs=assemble(prepared, lps, top_k)
+        )
+    if prepared.candidates is not None:
+        widths = [0 if ids is None else ids.shape[1] for ids in prepared.candidates]
+        cands = [_rows_of(s, "candidate_logprobs_f32", "<f4", w) if w else None for s, w in zip(scores, widths)]
+        answer = dataclasses.replace(answer, candidate_logprobs=assemble(prepared, cands, max(widths)))
+    return answer
 
 
 # How the server names a sequence of a request, at the start of its message ("...: token id 5000
 # is outside [0, 4096)"): api/wire.py and engine/validation.py.
 _WIRE_NAME = re.compile(
     r"(?:sequences\[(?P<sequence>\d+)\]|groups\[(?P<group>\d+)\](?:\.completions\[(?P<completion>\d+)\])?)"
-    r"(?:\.(?P<field>prompt_ids|completion_ids)(?:\[(?P<position>\d+)\])?)?(?=:)"
+    r"(?:\.(?P<field>prompt_ids|completion_ids|candidate_ids)(?:\[(?P<position>\d+)\])?(?P<column>\[\d+\])?)?(?=:)"
 )
 
 
@@ -184,7 +230,7 @@ def caller_error(
     if index >= len(prepared.sequences):
         return error
     position = None if match["position"] is None else int(match["position"])
-    name = prepared.name(index, match["field"], position)
+    name = prepared.name(index, match["field"], position) + (match["column"] or "")
     rpc = f" of RPC {part + 1} of {len(requests)}" if len(requests) > 1 else ""
     return type(error)(f"{name}{message[match.end() :]} (sent as {match[0]}{rpc})", error.code, server_message=message)
 
@@ -194,13 +240,14 @@ def collect(
     responses: dict[str, pb.ScoreResponse],
     return_entropy: bool,
     return_exceptions: bool,
+    top_k: int = 0,
 ) -> list[Any]:
     results: list[Any] = []
     for prepared, requests in calls:
         errors = (_stream_error(prepared, requests, part, responses) for part in range(len(requests)))
         error = next(filter(None, errors), None)
         if error is None:
-            results.append(result(prepared, [responses[r.request_id] for r in requests], return_entropy))
+            results.append(result(prepared, [responses[r.request_id] for r in requests], return_entropy, top_k))
         elif return_exceptions:
             results.append(error)
         else:

@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sequence(_message.Message):
-    __slots__ = ("prompt_ids", "completion_ids", "prompt_ids_i32", "completion_ids_i32")
+    __slots__ = ("prompt_ids", "completion_ids", "prompt_ids_i32", "completion_ids_i32", "candidate_ids_i32", "num_candidates")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_I32_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_I32_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_IDS_I32_FIELD_NUMBER: _ClassVar[int]
+    NUM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_ids_i32: bytes
     completion_ids_i32: bytes
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., prompt_ids_i32: _Optional[bytes] = ..., completion_ids_i32: _Optional[bytes] = ...) -> None: ...
+    candidate_ids_i32: bytes
+    num_candidates: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., prompt_ids_i32: _Optional[bytes] = ..., completion_ids_i32: _Optional[bytes] = ..., candidate_ids_i32: _Optional[bytes] = ..., num_candidates: _Optional[int] = ...) -> None: ...
 
 class SequenceGroup(_message.Message):
     __slots__ = ("prompt_ids", "completions", "prompt_ids_i32")
@@ -29,15 +33,19 @@ class SequenceGroup(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., prompt_ids_i32: _Optional[bytes] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("completion_ids", "completion_ids_i32")
+    __slots__ = ("completion_ids", "completion_ids_i32", "candidate_ids_i32", "num_candidates")
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_I32_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_IDS_I32_FIELD_NUMBER: _ClassVar[int]
+    NUM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_ids_i32: bytes
-    def __init__(self, completion_ids: _Optional[_Iterable[int]] = ..., completion_ids_i32: _Optional[bytes] = ...) -> None: ...
+    candidate_ids_i32: bytes
+    num_candidates: int
+    def __init__(self, completion_ids: _Optional[_Iterable[int]] = ..., completion_ids_i32: _Optional[bytes] = ..., candidate_ids_i32: _Optional[bytes] = ..., num_candidates: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "model", "sequences", "groups", "temperature", "return_entropy", "min_version", "scores_f32")
+    __slots__ = ("request_id", "model", "sequences", "groups", "temperature", "return_entropy", "min_version", "scores_f32", "top_k")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +54,7 @@ class ScoreRequest(_message.Message):
     RETURN_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCORES_F32_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
@@ -54,19 +63,26 @@ class ScoreRequest(_message.Message):
     return_entropy: bool
     min_version: int
     scores_f32: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[SequenceGroup, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ..., min_version: _Optional[int] = ..., scores_f32: _Optional[bool] = ...) -> None: ...
+    top_k: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[SequenceGroup, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ..., min_version: _Optional[int] = ..., scores_f32: _Optional[bool] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class SequenceScores(_message.Message):
-    __slots__ = ("logprobs", "entropies", "logprobs_f32", "entropies_f32")
+    __slots__ = ("logprobs", "entropies", "logprobs_f32", "entropies_f32", "top_ids_i32", "top_logprobs_f32", "candidate_logprobs_f32")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
     ENTROPIES_F32_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_I32_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     entropies: _containers.RepeatedScalarFieldContainer[float]
     logprobs_f32: bytes
     entropies_f32: bytes
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropies: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., entropies_f32: _Optional[bytes] = ...) -> None: ...
+    top_ids_i32: bytes
+    top_logprobs_f32: bytes
+    candidate_logprobs_f32: bytes
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropies: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., entropies_f32: _Optional[bytes] = ..., top_ids_i32: _Optional[bytes] = ..., top_logprobs_f32: _Optional[bytes] = ..., candidate_logprobs_f32: _Optional[bytes] = ...) -> None: ...
 
 class Metadata(_message.Message):
     __slots__ = ("tokens", "queue_ns", "compute_ns", "total_ns")

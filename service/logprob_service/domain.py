@@ -15,6 +15,9 @@ import numpy as np
 
 from logprob_service.errors import InvalidArgument
 
+# The most top-k ids, and candidate ids, a completion position may ask for (issue 43).
+MAX_TOP_K = 256
+
 # The weight dtypes the server serves and takes in updates, by name, with their element size.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -25,6 +28,8 @@ class TokenSequence:
 
     prompt_ids: np.ndarray  # [P] int64
     completion_ids: np.ndarray  # [C] int64
+    # [C, Kc] int64: at each completion position, Kc <= MAX_TOP_K ids whose log-probs to return
+    candidate_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +94,19 @@ def shared_prompt_cost(seq: TokenSequence) -> int:
     return completion + min(prompt, -(-completion * prompt // KEYS_PER_TOKEN))
 
 
+# What a completion position's extra outputs cost, in token-equivalents (admission only): this
+# many top-k or candidate log-probs (8 bytes each on the wire with their ids, and the kernel's
+# top-k merges, at most ~1x the lm_head's time at K 256) count as one more token. An estimate
+# that errs high: a token of a 0.5B model costs about 4x its lm_head.
+OUTPUTS_PER_TOKEN = 256
+
+
+def output_cost(seq: TokenSequence, top_k: int) -> int:
+    """Token-equivalents of ``seq``'s top-k and candidate log-probs (``OUTPUTS_PER_TOKEN``)."""
+    candidates = 0 if seq.candidate_ids is None else seq.candidate_ids.shape[1]
+    return -(-len(seq.completion_ids) * (top_k + candidates) // OUTPUTS_PER_TOKEN)
+
+
 def run_costs(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> list[int]:
     """Each sequence's share, in token-equivalents, of what one micro-batch of ``sequences`` costs:
     with ``share_prompts`` (``worker.packing``), the first with its prompt costs its tokens, each
@@ -121,6 +139,7 @@ class ScoreJob:
     min_version: int = 0  # score only with weights of at least this version
     client: str = ""  # who asked (api/security/caller.py): the fair share counts queued token-equivalents per client
     group_sizes: tuple[int, ...] = ()
+    top_k: int = 0  # 0-MAX_TOP_K: each completion position's K most likely ids and their log-probs
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +157,11 @@ class ScoreJob:
 class SequenceScores:
     logprobs: np.ndarray  # [C] float32
     entropies: np.ndarray | None = None  # [C] float32 when asked for
+    # With ScoreJob.top_k = K: [C, K] int32 ids, by descending log-prob (ties: smaller id first),
+    # and their [C, K] float32 log-probs.
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    candidate_logprobs: np.ndarray | None = None  # [C, Kc] float32: of TokenSequence.candidate_ids
 
 
 @dataclass(frozen=True)

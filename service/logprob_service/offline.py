@@ -88,10 +88,16 @@ class OfflineScorer:
         return self.engine.config.max_batch_sequences
 
     def score(
-        self, sequences: Sequence[TokenSequence], *, temperature: float = 1.0, return_entropy: bool = False
+        self,
+        sequences: Sequence[TokenSequence],
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        top_k: int = 0,
     ) -> list[SequenceScores]:
         """Log-probs (and entropies) of every completion token, one ``SequenceScores`` per sequence, in
-        order. Sequences are checked as the server checks a request (``InvalidArgument`` naming the
+        order (with ``top_k``, and sequences' ``candidate_ids``, their top-k and candidates' log-probs
+        too). Sequences are checked as the server checks a request (``InvalidArgument`` naming the
         sequence), without its per-request limits."""
         job = ScoreJob(
             request_id=f"offline-{uuid.uuid4()}",
@@ -99,6 +105,7 @@ class OfflineScorer:
             sequences=list(sequences),
             temperature=temperature,
             return_entropy=return_entropy,
+            top_k=top_k,
         )
         return self._run(self.engine.score(job)).scores
 

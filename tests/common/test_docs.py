@@ -167,3 +167,18 @@ def test_the_readme_stays_short():
     assert len(README.splitlines()) <= 300
     quickstart = section(README, "## Quickstart")
     assert re.search(r"^make serve +#", quickstart, flags=re.M) and re.search(r"^make test +#", quickstart, flags=re.M)
+
+
+@pytest.mark.parametrize(("heading", "guide"), [("## verl", "verl.md"), ("## OpenRLHF", "openrlhf.md")])
+def test_the_readme_s_framework_lines_are_its_guide_s_which_the_framework_tests_run(heading, guide):
+    """The README's override lines and commands for verl and OpenRLHF are lines of their guide's
+    code blocks, which tests/frameworks runs as written (read from the page or spelled there)."""
+
+    def block_lines(text: str) -> set[str]:
+        blocks = re.findall(r"```(?:bash)?\n(.*?)```", text, re.S)
+        return {line.strip().rstrip("\\").strip() for block in blocks for line in block.splitlines() if line.strip()}
+
+    readme = block_lines(section(README, heading))
+    assert readme, f"no code lines in the README's {heading} section"
+    missing = readme - block_lines((DOCS / guide).read_text())
+    assert not missing, f"README lines not in docs/{guide}: {sorted(missing)}"

@@ -90,6 +90,7 @@ def use_cpu_platform() -> None:
         memory_reserved=lambda *a, **k: 0,
         reset_peak_memory_stats=lambda *a, **k: None,
         mem_get_info=lambda *a, **k: (0, 0),
+        get_device_name=lambda *a, **k: "CPU",  # verl's flops counter (mfu) asks
         manual_seed=torch.manual_seed,
         manual_seed_all=torch.manual_seed,
     )

@@ -36,13 +36,11 @@ pytest.importorskip(
 import verl
 import verl.utils.torch_functional as verl_F
 from hydra import compose, initialize_config_dir
-from logprob_client.integrations.verl import CHECKED_VERL_VERSION, ServiceConfigError
+from logprob_client.integrations.verl import CHECKED_VERL_VERSION, ServiceConfigError, padded_batch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
-from verl import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils import tensordict_utils as tu
-from verl.utils.model import compute_position_id_with_mask
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.utils.padding import response_from_nested
 
@@ -114,27 +112,6 @@ def rollout(rng: np.random.Generator, prompts: int, n: int, max_prompt: int = 9,
     rows[1] = (rows[1][0], rows[1][1][:0])
     rows = [rows[i] for i in rng.permutation(len(rows))]
     return rows
-
-
-def padded(rows, temperature: float) -> DataProto:
-    p, r = max(len(a) for a, _ in rows), max(len(b) for _, b in rows)
-    prompts = torch.zeros(len(rows), p, dtype=torch.long)
-    responses = torch.zeros(len(rows), r, dtype=torch.long)
-    pmask = torch.zeros(len(rows), p, dtype=torch.long)
-    rmask = torch.zeros(len(rows), r, dtype=torch.long)
-    for i, (a, b) in enumerate(rows):
-        prompts[i, p - len(a) :], pmask[i, p - len(a) :] = torch.from_numpy(a), 1
-        responses[i, : len(b)], rmask[i, : len(b)] = torch.from_numpy(b), 1
-    attention_mask = torch.cat([pmask, rmask], dim=1)
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": compute_position_id_with_mask(attention_mask),
-        "response_mask": rmask,
-    }
-    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": temperature})
 
 
 def padding_free(rows, temperature: float, calculate_entropy: bool) -> TensorDict:
@@ -212,7 +189,7 @@ def sent_prompts(worker, monkeypatch) -> list[list[bytes]]:
 def test_grpo_groups_padded_through_verl_s_own_ref_step(worker, qwen_dir, rng, monkeypatch):
     rows = rollout(rng, prompts=3, n=4)
     calls = sent_prompts(worker, monkeypatch)
-    out = RayPPOTrainer._compute_ref_log_prob(Trainer(worker), padded(rows, TEMPERATURE))
+    out = RayPPOTrainer._compute_ref_log_prob(Trainer(worker), padded_batch(rows, TEMPERATURE))
 
     ref = out.batch["ref_log_prob"]  # verl's layout: [B, R] float32, right-padded like responses
     width = max(len(b) for _, b in rows)

@@ -11,18 +11,35 @@ import torch
 from logprob_service.domain import TokenSequence
 from logprob_service.models.compiled import eager_layers
 from logprob_service.models.loading import attention_implementation
+from logprob_service.models.scorer import model_body
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from tests.helpers import tolerances
@@ -71,7 +88,144 @@ def _granite(tied: bool, common: dict) -> PreTrainedModel:
     return GraniteForCausalLM(GraniteConfig(**common, tie_word_embeddings=tied, logits_scaling=4.0))
 
 
-ARCHITECTURES = {"llama": _llama, "qwen2": _qwen2, "gemma2": _gemma2, "cohere": _cohere, "granite": _granite}
+# The families RL trains now (issue 42), each with the feature that sets its attention apart made to
+# matter at the test lengths (windows and chunks shorter than the test sequences). Experts: a few,
+# tiny; top-k of them per token.
+ROUTER_SPREAD = 4.0  # router logits of std ~4: near-ties between experts' logits are rare
+WINDOW = 8  # sliding windows and attention chunks: shorter than the test sequences (up to ~80 tokens)
+
+
+def _llama3(tied: bool, common: dict) -> PreTrainedModel:
+    # Llama 3.1's rope scaling, with its original context short enough that the scaled and the
+    # smoothed frequency bands both occur at head_dim 16 (wavelengths 6 to 6e3 positions).
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=10000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(LlamaConfig(**common, head_dim=16, tie_word_embeddings=tied, rope_parameters=rope))
+
+
+def _qwen3(tied: bool, common: dict) -> PreTrainedModel:
+    return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=tied))  # q/k RMS norms
+
+
+def _qwen3_moe(tied: bool, common: dict) -> PreTrainedModel:
+    config = Qwen3MoeConfig(
+        **common,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def _gemma3(tied: bool, common: dict) -> PreTrainedModel:
+    config = Gemma3TextConfig(
+        **common,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        query_pre_attn_scalar=24,  # its scaling is 24^-0.5, not head_dim^-0.5
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],  # local then global (5:1 in the real models)
+    )
+    return Gemma3ForCausalLM(config)
+
+
+def _mistral(tied: bool, common: dict) -> PreTrainedModel:
+    return MistralForCausalLM(MistralConfig(**common, head_dim=16, tie_word_embeddings=tied, sliding_window=WINDOW))
+
+
+def _phi3(tied: bool, common: dict) -> PreTrainedModel:
+    # Fused qkv and gate_up projections; Phi-3's sliding window (2047 in the mini model) made short.
+    return Phi3ForCausalLM(Phi3Config(**common, tie_word_embeddings=tied, sliding_window=WINDOW + 3))
+
+
+def _gpt_oss(tied: bool, common: dict) -> PreTrainedModel:
+    config = GptOssConfig(
+        **common,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],  # alternating, as in gpt-oss
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        # gpt-oss's YaRN, its original context a 32nd of the test's (as 4096 is of 131072)
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=common["max_position_embeddings"] // 32,
+        ),
+    )
+    return GptOssForCausalLM(config)  # attention sinks: one learned logit per head (make_model sets them)
+
+
+def _llama4(tied: bool, common: dict) -> PreTrainedModel:
+    config = Llama4TextConfig(
+        **common,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        intermediate_size_mlp=96,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,  # layer 0 dense, layer 1 MoE (with its shared expert)
+        no_rope_layers=[1, 0],  # layer 0: rope, chunked attention; layer 1: NoPE, full attention
+        attention_chunk_size=WINDOW,
+        attn_temperature_tuning=True,
+        floor_scale=4,  # NoPE queries scaled by position from position 3 on (8192 in the real models)
+        attn_scale=0.1,
+    )
+    return Llama4ForCausalLM(config)
+
+
+def _deepseek_v3(tied: bool, common: dict) -> PreTrainedModel:
+    # MLA: queries and keys of 16 + 8 (rope) dims, values of 12; heads read no shared K/V.
+    common = {**common, "num_key_value_heads": common["num_attention_heads"]}
+    config = DeepseekV3Config(
+        **common,
+        tie_word_embeddings=tied,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+ARCHITECTURES = {
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "gemma2": _gemma2,
+    "cohere": _cohere,
+    "granite": _granite,
+    "llama3": _llama3,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "gemma3": _gemma3,
+    "mistral": _mistral,
+    "phi3": _phi3,
+    "gpt_oss": _gpt_oss,
+    "llama4": _llama4,
+    "deepseek_v3": _deepseek_v3,
+}
 
 
 def make_model(
@@ -85,9 +239,19 @@ def make_model(
     model = ARCHITECTURES[arch](tied, {**COMMON, "max_position_embeddings": max_positions})
     model.set_attn_implementation(attention_implementation(model.config))
     with torch.no_grad():
-        for _, p in model.named_parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+            elif p.dim() == 3:  # stacked experts [E, in, out] or [E, out, in]: the smaller dim is ~ the fan-in
+                p.normal_(0.0, 1.0 / min(p.shape[1:]) ** 0.5)
+            elif name.endswith(".sinks"):  # gpt-oss's sink logits, of the scores' size: a sink takes a real share
+                p.normal_(0.0, 1.0)
+        for module in model.modules():
+            # Routers (Qwen3MoeTopKRouter, GptOssTopKRouter, Llama4Router, DeepseekV3TopkRouter) with a
+            # spread that decides the top-k: rounding (float32 against float64) flips no choice, as in
+            # tests/helpers/moe.py.
+            if "router" in type(module).__name__.lower():
+                module.weight.mul_(ROUTER_SPREAD)
         model.get_output_embeddings().weight.mul_(2.0)  # logits std ~2, like a trained LM's
     return model.to(dtype).eval()
 
@@ -120,11 +284,15 @@ def stock_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torc
     cached = copies.get(dtype)
     if cached is not None and cached[0] == state:
         return cached[1]
-    with eager_layers(getattr(model, "base_model", model)):  # a deep copy keeps compiled forwards' binding
+    body = model_body(model) if isinstance(model, PreTrainedModel) else getattr(model, "base_model", model)
+    with eager_layers(body):  # a deep copy keeps compiled forwards' binding
         reference = copy.deepcopy(model).to("cpu", dtype).eval()
     config = getattr(reference, "config", None)
     if config is not None and hasattr(reference, "set_attn_implementation"):
         reference.set_attn_implementation(attention_implementation(config))
+        if dtype == torch.float64 and getattr(config, "_experts_implementation", None) not in (None, "eager"):
+            # transformers' default experts (grouped_mm) run no float64: the reference loops over experts
+            reference.set_experts_implementation("eager")
     copies[dtype] = (state, reference)
     return reference
 

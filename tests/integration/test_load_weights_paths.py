@@ -14,22 +14,17 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from logprob_client import AsyncLogprobClient, InvalidRequest
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.probe import check as health_check
 from logprob_service.cli import build_parser, settings_from_args
 from logprob_service.config import Settings
-from logprob_service.errors import InvalidArgument
-from logprob_service.worker.staging import Staging
-from safetensors.torch import save_file
 
 from tests.helpers.models import make_model, random_sequences
 from tests.helpers.processes import free_port, launch, wait_serving
@@ -182,28 +177,3 @@ def test_load_weights_roots_are_existing_directories_from_a_list_the_environment
     assert from_flags.load_weights_roots == (tmp_path / "b", tmp_path / "a") and not from_flags.check_finite_weights
     with pytest.raises(ValueError, match="is not a directory"):
         Settings(load_weights_roots=[tmp_path / "missing"])
-
-
-def test_a_file_changed_after_its_check_is_refused_not_followed(tmp_path):
-    """``read_file`` opens the checked path without blocking and reads it only if what it opened
-    is a regular file at that very path: a FIFO put in the file's place after the check is not
-    waited on, and a symlink put there is not followed."""
-    real = tmp_path / "real.safetensors"
-    save_file({"w": torch.ones(3)}, real)
-    assert [name for name, *_ in Staging.read_file(real)] == ["w"]
-    fifo = tmp_path / "swapped.safetensors"
-    os.mkfifo(fifo)
-    # A FIFO's blocking open would hold this process's interpreter lock until a writer came: a
-    # writer of another process comes after a while, so that such a test fails instead of hanging.
-    writer = subprocess.Popen(["sh", "-c", f"sleep {PROMPT_S:g}; : > '{fifo}'"])
-    try:
-        start = time.monotonic()
-        with pytest.raises(InvalidArgument, match="changed while it was being opened"):
-            Staging.read_file(fifo)
-        assert time.monotonic() - start < PROMPT_S
-    finally:
-        writer.kill()
-        writer.wait()
-    (tmp_path / "link.safetensors").symlink_to(real)
-    with pytest.raises(InvalidArgument, match=r"changed while it was being opened \(it is now '.*real\.safetensors'"):
-        Staging.read_file(tmp_path / "link.safetensors")

@@ -30,10 +30,11 @@ from logprob_service.api.probe import check as health_check
 from logprob_service.domain import TokenSequence
 from logprob_service.models.weights import model_fingerprint
 
-from tests.helpers.models import ScoreReference, make_model, random_sequences
+from tests.helpers.models import VOCAB, ScoreReference, make_model, random_sequences
 from tests.helpers.processes import free_port, launch, wait_serving
 from tests.helpers.seeds import session_seed
 from tests.helpers.server import as_lists
+from tests.helpers.topk import assert_top_k, full_logp
 
 ARCHITECTURES = {"llama": False, "qwen2": True, "gemma2": True}  # name -> tied lm_head
 EXIT_GROUP_LOST = 3
@@ -110,6 +111,25 @@ def test_long_sequences_run_in_chunks_and_groups_run_their_prompt_once(models, s
         (lone,) = client.score(*as_lists([long]))
         (shared,) = client.score_groups([prompt], [[s.completion_ids for s in group]])
     ScoreReference(model, [long, *group]).check([lone, *shared])
+
+
+@pytest.mark.numerical
+def test_top_k_and_candidates_merge_over_the_ranks(models, server, rng):
+    # Gemma 2 (softcap): each rank's top-k of its 259 or 258 ids, merged (ops.vocab_parallel)
+    model, _ = models["gemma2"]
+    _, port = server
+    sequences = random_sequences(rng, 3)
+    candidates = [rng.integers(0, VOCAB, (len(s.completion_ids), 5)) for s in sequences]
+    with LogprobClient(f"127.0.0.1:{port}", model="gemma2") as client:
+        out = client.score(*as_lists(sequences), top_k=256, candidate_ids=candidates, temperature=0.8)
+    reference = ScoreReference(model, sequences, 0.8)
+    reference.check(out.logprobs)
+    for seq, top_ids, top_lps, cands, got in zip(
+        sequences, out.top_ids, out.top_logprobs, candidates, out.candidate_logprobs
+    ):
+        logp = full_logp(model, seq, 0.8)
+        assert_top_k(top_ids, top_lps, logp, 256, reference.atol)
+        np.testing.assert_allclose(got, np.take_along_axis(logp, cands, -1), atol=reference.atol, rtol=0)
 
 
 def test_fingerprints_are_the_whole_models_and_updates_are_refused(models, server):

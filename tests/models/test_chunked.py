@@ -1,10 +1,12 @@
 """Layer-major, token-chunked scoring of a long sequence (``models.chunked``), on the CPU.
 
-A tiny model per architecture (Llama, Qwen2 with GQA, Gemma 2 with softcaps and a sliding window
-of 8, shorter than a chunk) scores one sequence of 150 tokens both ways: whole, and in chunks of
-23 tokens (not a divisor, so the last chunk is ragged; longer than the window, so a chunk's
-queries see keys of earlier chunks). Both must be as exact as the model's own float32 forward
-(``tests.helpers.models.ScoreReference``), and no layer may see more than a chunk's rows at once.
+A tiny model per architecture (``tests.helpers.models.ARCHITECTURES``: Llama, Qwen2 with GQA,
+Gemma 2 with softcaps and a sliding window of 8, shorter than a chunk, and the families of issue 42:
+sliding windows, gpt-oss's sinks, Llama 4's attention chunks of 8 and NoPE layers, DeepSeek's MLA)
+scores one sequence of 150 tokens both ways: whole, and in chunks of 23 tokens (not a divisor, so
+the last chunk is ragged; longer than the window, so a chunk's queries see keys of earlier chunks).
+Both must be as exact as the model's own float32 forward (``tests.helpers.models.ScoreReference``),
+and no layer may see more than a chunk's rows at once.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import pytest
 import torch
 from logprob_service.domain import TokenSequence
 from logprob_service.models.chunked import _RowSlices
-from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.models.scorer import CausalLMScorer, ScoringOptions, model_body
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import sequence_attention
 
-from tests.helpers.models import VOCAB, ScoreReference, make_model
+from tests.helpers.models import ARCHITECTURES, VOCAB, ScoreReference, make_model
 from tests.helpers.tolerances import PACKED_HIDDEN_FP32
 
 pytestmark = pytest.mark.numerical
@@ -31,14 +33,15 @@ def long_sequence(rng: np.random.Generator, prompt: int = 40, completion: int = 
     return TokenSequence(rng.integers(0, VOCAB, prompt), rng.integers(0, VOCAB, completion))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_a_chunked_sequence_scores_as_the_whole_one(arch, rng, seed):
     model = make_model(arch, tied=arch != "llama", seed=seed)
     seq = long_sequence(rng)
     whole = CausalLMScorer(model, options=ScoringOptions(long_sequence_tokens=10**9))
     chunked = CausalLMScorer(model, options=ScoringOptions(long_sequence_tokens=100, chunk_tokens=CHUNK))
     rows_seen = []
-    hook = model.base_model.layers[0].mlp.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[1]))
+    norm = model_body(model).layers[0].input_layernorm  # every family has one, and it sees the layer's rows
+    hook = norm.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[1]))
     try:
         results = {}
         for name, scorer in (("whole", whole), ("chunked", chunked)):

@@ -14,7 +14,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from logprob_service.models.loading import ModelLoadError, load_causal_lm
 
-from tests.helpers.models import make_model
+from tests.helpers.models import ARCHITECTURES, make_model
 from tests.helpers.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,3 +85,15 @@ def test_a_warning_of_huggingface_hub_is_printed_once():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("Retrying in 1s") == 1, done.stderr
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_checkpoint_of_every_family_loads_with_an_attention_its_class_runs(arch, tmp_path, seed):
+    """gpt-oss's class refuses SDPA (its sinks): asked for it, transformers raised and the load failed."""
+    model = make_model(arch, tied=False, seed=seed)
+    model.save_pretrained(tmp_path)
+    loaded = load(str(tmp_path))
+    assert type(loaded) is type(model)
+    assert loaded.config._attn_implementation == ("eager" if arch in ("gemma2", "gpt_oss") else "sdpa")
+    for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)

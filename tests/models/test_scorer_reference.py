@@ -26,13 +26,20 @@ OPS = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+# The interpreter is slow: one temperature for the kernel (the op tests vary the transform).
+KERNELS_AND_TEMPERATURES = [("eager", 1.0), ("eager", 0.7), ("eager", 1.9), ("triton", 0.7)]
+# The families of issue 42 differ in their bodies only, which the lm_head op never sees: one of
+# the cases above each, the body's packed forward being what is under test.
+FAMILIES_BY_BODY = {"llama3", "qwen3", "qwen3_moe", "gemma3", "mistral", "phi3", "gpt_oss", "llama4", "deepseek_v3"}
+CASES = [
+    (arch, kernel, temperature)
+    for arch in sorted(ARCHITECTURES)
+    for kernel, temperature in (KERNELS_AND_TEMPERATURES[1:2] if arch in FAMILIES_BY_BODY else KERNELS_AND_TEMPERATURES)
+]
+
+
+@pytest.mark.parametrize("arch,kernel,temperature", CASES)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize(
-    "kernel,temperature",
-    # The interpreter is slow: one temperature for the kernel (the op tests vary the transform).
-    [("eager", 1.0), ("eager", 0.7), ("eager", 1.9), ("triton", 0.7)],
-)
 def test_logprobs_and_entropy_match_full_logits_reference(arch, tied, temperature, kernel, rng):
     if kernel == "triton":
         pytest.importorskip("triton")

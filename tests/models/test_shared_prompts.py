@@ -1,9 +1,11 @@
 """Sequences sharing a prompt, scored with the prompt run once (``worker.packing``), on the CPU.
 
-Tiny Llama, Qwen2 (GQA) and Gemma 2 (softcaps, a sliding window of 8 shorter than the prompts,
-so a completion's window reaches back into its shared prompt). Shared and unshared layouts must
-each be as exact as the model's own float32 forward (``ScoreReference``), and no further from
-each other than that bound allows.
+Every tiny architecture of ``tests.helpers.models.ARCHITECTURES`` (Gemma 2, Gemma 3, Mistral,
+Phi-3 and gpt-oss with sliding windows of 8-11 shorter than the prompts, so a completion's window
+reaches back into its shared prompt; Llama 4 with attention chunks of 8, so a completion's chunk may
+start inside its prompt, and NoPE layers whose query scale follows the position). Shared and
+unshared layouts must each be as exact as the model's own float32 forward (``ScoreReference``), and
+no further from each other than that bound allows.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.offline import OfflineScorer
 from logprob_service.worker.packing import pack
 
-from tests.helpers.models import VOCAB, ScoreReference, make_model
+from tests.helpers.models import ARCHITECTURES, VOCAB, ScoreReference, make_model
 
 pytestmark = pytest.mark.numerical
 
@@ -41,7 +43,7 @@ def grpo_mix(rng: np.random.Generator) -> list[TokenSequence]:
     ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_shared_prompts_score_as_the_sequences_alone(arch, rng, seed):
     model = make_model(arch, tied=arch != "llama", seed=seed)
     scorer = CausalLMScorer(model, options=ScoringOptions(compile_layers="off"))

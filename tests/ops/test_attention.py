@@ -6,14 +6,20 @@ float32 throughout, so the packed forward must match each sequence's own forward
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
+from logprob_service.domain import TokenSequence
 from logprob_service.models.loading import attention_implementation
+from logprob_service.models.scorer import ScoringOptions
+from logprob_service.offline import OfflineScorer
 from logprob_service.ops import attention as attn
 from logprob_service.ops.attention import (
     PACKED_ATTENTION,
     attention_implementation_name,
+    describe_backends,
     exact,
     exact_packed_attention,
     flash,
@@ -22,17 +28,21 @@ from logprob_service.ops.attention import (
     register_packed_attention,
     varlen_window_size,
 )
+from logprob_service.ops.attention.choice import chunk_segments, packed_attention
+from logprob_service.ops.attention.common import apply_sinks
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import (
     AttentionMaskInterface,
     causal_mask_function,
+    chunked_causal_mask_function,
     sliding_window_causal_mask_function,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager_attention
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager_attention
 
 from tests.helpers import tolerances
-from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, make_model
+from tests.helpers.models import ARCHITECTURES, COMMON, VOCAB, ScoreReference, make_model
 from tests.helpers.packed import own_hidden, packed_hidden
 
 pytestmark = pytest.mark.numerical
@@ -291,8 +301,10 @@ def test_unsupported_semantics_are_refused():
     module = _fake_module(2, 2, 8)
     with pytest.raises(NotImplementedError, match="causal only"):
         packed_attention_forward(module, q, k, v, None, is_causal=False, **kwargs)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        packed_attention_forward(module, q, k, v, None, s_aux=torch.zeros(2), **kwargs)
+    module.config, module.layer_idx = SimpleNamespace(layer_types=["bidirectional_attention"]), 0
+    with pytest.raises(NotImplementedError, match="layer 0 is of type 'bidirectional_attention'"):
+        packed_attention_forward(module, q, k, v, None, **kwargs)  # not run as plain causal attention
+    del module.config
     with pytest.raises(ValueError, match="without a cache"):
         packed_attention_forward(module, q, k[:, :, :3], v[:, :, :3], None, **kwargs)
     with pytest.raises(ValueError, match="attention_mask"):
@@ -314,3 +326,147 @@ def test_cpu_never_reaches_the_varlen_kernel(monkeypatch, caplog):
         )
     assert out.shape == (1, 6, 2, 8)
     assert not caplog.records  # the CPU path is the expected one there: no slow-path warning
+
+
+# --------------------------------------------------------------------------- sinks, attention chunks
+
+
+def _block_diagonal(lengths: list[int], window: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """[T, T] bool: query row i may see key row j (same sequence, causal, the window, the chunk),
+    the chunk by transformers' own ``chunked_causal_mask_function`` on in-sequence positions."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    keep = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        keep &= pos[None, :] > pos[:, None] - window
+    if chunk is not None:
+        in_chunk = chunked_causal_mask_function(chunk, torch.zeros(1, dtype=torch.long))
+        keep &= in_chunk(0, 0, pos[:, None], pos[None, :])
+    return keep
+
+
+def _additive(keep: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)[None, None]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_match_gpt_oss_eager_on_a_block_diagonal_mask(window, seed):
+    """gpt-oss's sinks (``s_aux``, one logit per query head, in every row's softmax) against
+    transformers' own gpt-oss eager attention on the packed row with an explicit mask."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, d, lengths = 6, 2, 16, [1, 11, 4, 17]
+    total, cu = sum(lengths), torch.tensor([0, *np.cumsum(lengths)])
+    q, k, v = (torch.randn(1, n, total, d, generator=g) for n in (heads, kv_heads, kv_heads))
+    module = _fake_module(heads, kv_heads, d)
+    module.sinks = torch.nn.Parameter(torch.randn(heads, generator=g) * 2)  # some far above the scores, some below
+    expected, _ = gpt_oss_eager_attention(module, q, k, v, _additive(_block_diagonal(lengths, window)), scaling=0.3)
+    got, _ = packed_attention_forward(
+        module, q, k, v, None, scaling=0.3, sliding_window=window, s_aux=module.sinks,
+        **packed_forward_kwargs(cu, max(lengths)),
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
+    plain, _ = packed_attention_forward(
+        module, q, k, v, None, scaling=0.3, sliding_window=window, **packed_forward_kwargs(cu, max(lengths))
+    )
+    assert (plain - got).abs().max() > 1e-2, f"seed {seed}: the sinks changed nothing"
+
+
+def test_sinks_from_a_kernels_log_sum_exp(seed):
+    """What the fast backends do (they return the log-sum-exp of the plain attention): scaling the
+    plain output by sigmoid(lse - sink) gives the exact attention with sinks."""
+    g = torch.Generator().manual_seed(seed)
+    heads, length, d = 4, 23, 8
+    q, k, v = (torch.randn(heads, length, d, generator=g) * 2 for _ in range(3))
+    sinks = torch.randn(heads, generator=g) * 3
+    kwargs = dict(scale=d**-0.5, sliding_window=None, softcap=None)
+    plain = exact.sequence_attention(q, k, v, **kwargs)  # [L, H, D]
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5
+    lse = scores.masked_fill(torch.ones(length, length).triu(1).bool(), float("-inf")).logsumexp(-1).T  # [L, H]
+    with_sinks = exact.sequence_attention(q, k, v, **kwargs, sinks=sinks)
+    torch.testing.assert_close(apply_sinks(plain, lse, sinks), with_sinks, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
+
+
+def test_chunked_layers_match_transformers_chunked_mask(seed):
+    """Llama 4's chunked attention layer (its type read from config.layer_types): transformers' own
+    eager attention under its chunked causal mask, on a packed row whose sequences span several
+    chunks, start mid-chunk never (positions restart at 0) and end mid-chunk."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, d, chunk, lengths = 4, 2, 8, 5, [1, 13, 5, 4, 21]
+    total, cu = sum(lengths), torch.tensor([0, *np.cumsum(lengths)])
+    q, k, v = (torch.randn(1, n, total, d, generator=g) for n in (heads, kv_heads, kv_heads))
+    module = _fake_module(heads, kv_heads, d)
+    module.config = SimpleNamespace(layer_types=["full_attention", "chunked_attention"], attention_chunk_size=chunk)
+    kwargs = dict(scaling=0.4, **packed_forward_kwargs(cu, max(lengths)))
+    results = {}
+    for layer, chunked in ((0, None), (1, chunk)):
+        module.layer_idx = layer
+        expected, _ = gemma2_eager_attention(
+            module, q, k, v, _additive(_block_diagonal(lengths, chunk=chunked)), scaling=0.4
+        )
+        results[layer], _ = packed_attention_forward(module, q, k, v, None, **kwargs)
+        torch.testing.assert_close(results[layer], expected, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
+    assert (results[0] - results[1]).abs().max() > 1e-2, f"seed {seed}: the chunks changed nothing"
+
+
+def test_chunk_segments_of_queries_that_are_their_keys_last_positions(seed):
+    """A completion over its shared prompt's keys, or a chunk of a long sequence: Lq < Lk queries,
+    aligned bottom-right. Cut into chunk segments (keys gathered by the index where the segments'
+    keys skip rows), each query still sees exactly the keys of its own chunk up to itself."""
+    g = torch.Generator().manual_seed(seed)
+    heads, d, chunk = 2, 8, 4
+    queries, keys = [3, 1, 9, 6], [11, 1, 9, 13]  # sequence 0 starts mid-chunk, 1 is one token, 2 is whole
+    cu_q = torch.tensor([0, *np.cumsum(queries)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *np.cumsum(keys)], dtype=torch.int32)
+    q = torch.randn(sum(queries), heads, d, generator=g)
+    k, v = (torch.randn(sum(keys), heads, d, generator=g) for _ in range(2))
+    got = packed_attention(q, k, v, cu_q, cu_k, max(queries), max(keys), scale=0.5, attention_chunk=chunk)
+    for s, (lq, lk) in enumerate(zip(queries, keys)):
+        pos = torch.arange(lk - lq, lk)[:, None]  # the queries' positions
+        j = torch.arange(lk)[None, :]
+        keep = (j <= pos) & (j // chunk == pos // chunk)
+        scores = torch.einsum("qhd,khd->hqk", q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]]) * 0.5
+        probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+        expected = torch.einsum("hqk,khd->qhd", probs, v[cu_k[s] : cu_k[s + 1]])
+        torch.testing.assert_close(got[cu_q[s] : cu_q[s + 1]], expected, atol=tolerances.PACKED_HIDDEN_FP32, rtol=0)
+    new_q, new_k, max_q, max_k, index, bounds = chunk_segments(cu_q, cu_k, chunk)
+    assert index is not None and max_q <= chunk and max_k <= chunk  # keys before the first query chunk skipped
+    # sequence 0: one chunk; 1: one; 2: 4 + 4 + 1 queries; 3: queries at positions 7 | 8-11 | 12
+    assert new_q.tolist() == bounds[0] == [0, 3, 4, 8, 12, 13, 14, 18, 19] and new_k[-1] == len(index)
+    assert new_k.tolist() == bounds[1]
+    assert chunk_segments(cu_q, cu_k, chunk, (cu_q.tolist(), cu_k.tolist()))[5] == bounds  # from host bounds
+    self_q, self_k, _, _, self_index, _ = chunk_segments(cu_k, cu_k, chunk)
+    assert self_index is None and self_k is self_q  # self-attention: the chunks' keys are the queries' rows
+
+
+def test_the_plan_names_what_each_feature_costs():
+    """ListModels' attention string says how sinks, attention chunks and narrower value heads are served."""
+    common = dict(heads=4, kv_heads=4, dtype=torch.float32, device=torch.device("cpu"), softcap=None)
+    plain = describe_backends("auto", head_dim=16, **common)
+    assert "attention sinks" not in plain and "chunked attention" not in plain and "window " not in plain
+    featured = describe_backends(
+        "auto", head_dim=24, value_head_dim=12, sliding_window=8, sinks=True, attention_chunk=8, **common
+    )
+    assert "window 8 layers, packed rows: exact" in featured
+    assert "attention sinks applied from each kernel's log-sum-exp" in featured
+    assert "chunked attention (8 positions)" in featured and "value heads of 12 (queries/keys 24)" in featured
+
+
+@pytest.mark.parametrize("arch", ["llama4", "gemma2"])  # chunked layers; the exact loop (softcaps)
+@pytest.mark.parametrize("share", [True, False])
+def test_the_scorer_gives_host_side_paths_its_boundaries(arch, share, monkeypatch, rng, seed):
+    """The attention paths that work on the host (cutting attention chunks, the exact loop) read the
+    batch's boundaries from the scorer, never copy cu_seq_lens back from the device (a sync per
+    layer on a GPU): packed rows, shared prompts and a long sequence in chunks."""
+
+    def no_copy_back(*args):
+        raise AssertionError("cu_seq_lens copied back to the host")
+
+    monkeypatch.setattr(attn.choice, "_host_bounds", no_copy_back)
+    model = make_model(arch, tied=False, seed=seed)
+    prompt = rng.integers(0, VOCAB, 19)
+    seqs = [TokenSequence(prompt.copy(), rng.integers(0, VOCAB, n)) for n in (3, 11, 1)]
+    seqs.append(TokenSequence(rng.integers(0, VOCAB, 40), rng.integers(0, VOCAB, 90)))  # 130 > 100: chunked
+    options = ScoringOptions(compile_layers="off", share_prompts=share, long_sequence_tokens=100, chunk_tokens=23)
+    with OfflineScorer(model, options=options, max_batch_tokens=128) as offline:
+        out = offline.score(seqs)
+    ScoreReference(model, seqs).check([s.logprobs for s in out])

@@ -24,7 +24,7 @@ from logprob_service.ops.logprobs import LogitTransform
 from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
 
 from tests.helpers import tolerances
-from tests.helpers.op_reference import random_case, reference
+from tests.helpers.op_reference import random_case, reference, transformed_logits
 from tests.helpers.processes import free_port
 from tests.helpers.seeds import session_seed
 
@@ -60,6 +60,15 @@ def inputs(case: Case):
     return random_case(case.n, case.h, VOCAB, dtype=case.dtype, bias=case.bias, seed=case.seed)
 
 
+TOP_K = 40  # more than the 31 ids of the smallest shard of 3: it pads
+
+
+def candidates(case: Case) -> torch.Tensor:
+    """[n, 7] ids of every shard."""
+    g = torch.Generator().manual_seed(case.seed + 1)
+    return torch.randint(0, VOCAB, (case.n, 7), generator=g)
+
+
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # as tests/conftest.py sets it for this process's parent
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -80,7 +89,24 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
             return_entropy=True,
         )
         results.append((scores.logprobs, scores.entropies))
-    torch.save(results, Path(out) / f"rank{rank}.pt")
+    topk = []  # eager only: the interpreter's top-k networks are slow (tests/ops/test_topk.py)
+    for case in cases():
+        if case.kernel == "eager":
+            hidden, weight, targets, bias = inputs(case)
+            scores = vocab_parallel_logprobs(
+                hidden,
+                weight[start:stop],
+                targets,
+                vocab_start=start,
+                group=dist.group.WORLD,
+                op=LogprobOp("eager"),
+                bias_shard=bias[start:stop] if bias is not None else None,
+                transform=case.transform,
+                top_k=TOP_K,
+                candidates=candidates(case),
+            )
+            topk.append((scores.top_ids, scores.top_logprobs, scores.candidate_logprobs))
+    torch.save((results, topk), Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -93,18 +119,41 @@ def ranks(request, tmp_path_factory) -> list[list[tuple[torch.Tensor, torch.Tens
     return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
 
 
-def test_every_rank_gets_the_same_scores(ranks):
-    for rank in ranks[1:]:
-        for (lp, ent), (lp0, ent0) in zip(rank, ranks[0], strict=True):
+@pytest.fixture(scope="module")
+def scores(ranks):
+    """Each rank's (log-probs, entropies) per case."""
+    return [rank[0] for rank in ranks]
+
+
+def test_every_rank_gets_the_same_scores(scores):
+    for rank in scores[1:]:
+        for (lp, ent), (lp0, ent0) in zip(rank, scores[0], strict=True):
             assert torch.equal(lp, lp0) and torch.equal(ent, ent0)
 
 
-def test_scores_match_the_whole_vocabulary(ranks):
+def test_scores_match_the_whole_vocabulary(scores):
     all_cases = cases()
-    step = -(-VOCAB // len(ranks))
-    assert {int(t) // step for c in all_cases for t in inputs(c)[2]} == set(range(len(ranks)))  # every shard
-    for case, (logprobs, entropies) in zip(all_cases, ranks[0], strict=True):
+    step = -(-VOCAB // len(scores))
+    assert {int(t) // step for c in all_cases for t in inputs(c)[2]} == set(range(len(scores)))  # every shard
+    for case, (logprobs, entropies) in zip(all_cases, scores[0], strict=True):
         hidden, weight, targets, bias = inputs(case)
         want_lp, want_ent = reference(hidden, weight, targets, bias, case.transform)
         torch.testing.assert_close(logprobs.double(), want_lp, atol=tolerances.OP_FP32, rtol=0, msg=str(case))
         torch.testing.assert_close(entropies.double(), want_ent, atol=tolerances.OP_FP32, rtol=0, msg=str(case))
+
+
+def test_top_k_and_candidates_match_the_whole_vocabulary(ranks):
+    eager = [case for case in cases() if case.kernel == "eager"]
+    for rank in ranks[1:]:
+        for got, want in zip(rank[1], ranks[0][1], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for case, (top_ids, top_lps, cand_lps) in zip(eager, ranks[0][1], strict=True):
+        hidden, weight, _, bias = inputs(case)
+        logp = transformed_logits(hidden, weight, bias, case.transform).log_softmax(-1)
+        want_vals = torch.sort(logp, dim=-1, descending=True).values
+        assert top_ids.dtype == torch.int32 and top_ids.shape == (case.n, TOP_K)
+        torch.testing.assert_close(top_lps.double(), want_vals[:, :TOP_K], atol=tolerances.OP_FP32, rtol=0)
+        torch.testing.assert_close(top_lps.double(), logp.gather(1, top_ids.long()), atol=tolerances.OP_FP32, rtol=0)
+        assert (top_ids.long().sort(-1).values.diff(dim=-1) > 0).all()
+        want_c = logp.gather(1, candidates(case))
+        torch.testing.assert_close(cand_lps.double(), want_c, atol=tolerances.OP_FP32, rtol=0)

@@ -32,23 +32,34 @@ Positions that predict no response token hold 0. All of a rank's rows go in one 
 (its RPCs in flight together, spread over the replicas), rows with one prompt (a GRPO group)
 sent as one shared-prompt group, whatever order verl's length balancing left them in.
 
+Old-policy log-probs (the actor's ``compute_log_prob``: ``old_log_probs`` and entropy) come from
+the service too with ``ServiceActorConfig`` as the actor's config class: its engine is verl's own
+(FSDP) engine for training and weight export, wrapped by ``ServedActorEngine``, which sends the
+forward-only log-prob batches to the served old-policy model instead, each with ``min_version``
+the version the actor last pushed there (``verl_checkpoint``, a ``CheckpointEngine`` plugin): it
+never scores with weights older than the actor's.
+
 Checked against verl 0.9.1 (``CHECKED_VERL_VERSION``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import nullcontext
+import copy
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 try:
     import torch
     from tensordict import TensorDict
+    from verl import DataProto
     from verl.base_config import BaseConfig
     from verl.utils import tensordict_utils as tu
+    from verl.utils.model import compute_position_id_with_mask
     from verl.workers.config import FSDPActorConfig
-    from verl.workers.config.engine import EngineConfig
+    from verl.workers.config.engine import EngineConfig, FSDPEngineConfig
     from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 except ImportError as err:  # an optional dependency
     raise ImportError(
@@ -64,17 +75,25 @@ from ._served import Expected, ServiceConfigError, check_served_model, score_row
 
 CHECKED_VERL_VERSION = "0.9.1"
 BACKEND = "logprob_service"
+ACTOR_BACKEND = "logprob_service_actor"  # the actor's engine: verl's own, old log-probs served
 REF_PREFIX = "actor_rollout_ref.ref"
+ACTOR_PREFIX = "actor_rollout_ref.actor"
 
 __all__ = [
+    "ACTOR_BACKEND",
     "BACKEND",
     "CHECKED_VERL_VERSION",
+    "OLD_POLICY",
+    "ServedActorEngine",
+    "ServedActorEngineConfig",
+    "ServiceActorConfig",
     "ServiceConfigError",
     "ServiceEngine",
     "ServiceEngineConfig",
     "ServiceRefConfig",
     "ServiceSettings",
     "nested_scores",
+    "padded_batch",
 ]
 
 
@@ -206,6 +225,40 @@ def nested_scores(
     return out
 
 
+def connect(settings: ServiceSettings, model_config: Any, dtype: str | None, dtype_setting: str) -> LogprobClient:
+    """A client of the served model, once the service answers at ``settings.address`` and serves
+    ``settings.model`` with the vocabulary of verl's model (``model_config``) in ``dtype``; else
+    ``ServiceConfigError`` naming the setting (start-up, before any training)."""
+    prefix = settings.setting_prefix
+    client = LogprobClient(
+        targets(settings.address, f"{prefix}.service.address"),
+        timeout=settings.timeout_s,
+        model=settings.model,
+        max_sequences_per_rpc=settings.max_sequences_per_rpc,
+        max_tokens_per_rpc=settings.max_tokens_per_rpc,
+    )
+    hf_config = getattr(model_config, "hf_config", None)
+    text_config = hf_config.get_text_config() if hf_config is not None else None
+    try:
+        check_served_model(
+            client,
+            Expected(
+                model=settings.model,
+                model_setting=f"{prefix}.service.model",
+                address_setting=f"{prefix}.service.address={settings.address!r}",
+                vocab_size=getattr(text_config, "vocab_size", None),
+                vocab_setting="actor_rollout_ref.model.path's config",
+                dtype=dtype,
+                dtype_setting=dtype_setting,
+            ),
+            timeout=min(settings.timeout_s, 30.0),
+        )
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu", "npu"])
 class ServiceEngine(BaseEngine):
     """A forward-only verl engine whose model lives in logprob-service.
@@ -227,31 +280,13 @@ class ServiceEngine(BaseEngine):
 
     def initialize(self) -> None:
         """Connect and check the served model against verl's settings (start-up, ``reset``)."""
-        prefix = self.settings.setting_prefix
-        address = targets(self.settings.address, f"{prefix}.service.address")
         if self.client is not None:
             self.client.close()
-        self.client = LogprobClient(
-            address,
-            timeout=self.settings.timeout_s,
-            model=self.settings.model,
-            max_sequences_per_rpc=self.settings.max_sequences_per_rpc,
-            max_tokens_per_rpc=self.settings.max_tokens_per_rpc,
-        )
-        hf_config = getattr(self.model_config, "hf_config", None)
-        text_config = hf_config.get_text_config() if hf_config is not None else None
-        check_served_model(
-            self.client,
-            Expected(
-                model=self.settings.model,
-                model_setting=f"{prefix}.service.model",
-                address_setting=f"{prefix}.service.address={self.settings.address!r}",
-                vocab_size=getattr(text_config, "vocab_size", None),
-                vocab_setting="actor_rollout_ref.model.path's config",
-                dtype=self.engine_config.dtype,
-                dtype_setting=f"{prefix}.fsdp_config.dtype",
-            ),
-            timeout=min(self.settings.timeout_s, 30.0),
+        self.client = connect(
+            self.settings,
+            self.model_config,
+            self.engine_config.dtype,
+            f"{self.settings.setting_prefix}.fsdp_config.dtype",
         )
 
     @property
@@ -299,3 +334,191 @@ class ServiceEngine(BaseEngine):
 
     def get_per_tensor_param(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("the served reference's weights live in the service")
+
+
+# --- Old-policy log-probs -------------------------------------------------------------------
+
+
+class _OldPolicy:
+    """What this process knows of the served old-policy model: where it is (set by the actor's
+    engine at start-up) and the version the actor last pushed there (set by the checkpoint engine,
+    ``verl_checkpoint.ServiceCheckpointEngine``, on every actor rank). Both live in the actor's
+    worker process, which holds the actor's engine and its checkpoint engine side by side."""
+
+    def __init__(self) -> None:
+        self.settings: ServiceSettings | None = None
+        self.version = 0  # 0: nothing pushed yet
+
+    def pushed(self, version: int) -> None:
+        """The live version after a push: the next old log-probs wait for it. (A restarted service
+        counts again from its checkpoint's version; the push after it was dense, so the number
+        names the actor's weights all the same.)"""
+        self.version = version
+
+
+OLD_POLICY = _OldPolicy()
+
+
+@dataclass
+class ServedActorEngineConfig(FSDPEngineConfig):
+    """verl's FSDP engine config of the actor, plus the service's settings and the strategy of the
+    engine that trains (``inner_strategy``: ``actor.strategy``, fsdp or fsdp2)."""
+
+    service: ServiceSettings = field(default_factory=ServiceSettings)
+    inner_strategy: str = "fsdp"
+
+
+@dataclass
+class ServiceActorConfig(FSDPActorConfig):
+    """verl's FSDP actor config (every key of verl's ``actor`` yaml taken as is), plus ``service``:
+    the served old-policy model. The actor trains with verl's own engine (``strategy``); its
+    old log-probs come from the service."""
+
+    service: Any = field(default_factory=ServiceSettings)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        settings = _settings(self.service, ACTOR_PREFIX)
+        if "," in settings.address:
+            raise ServiceConfigError(
+                f"{ACTOR_PREFIX}.service.address={settings.address!r}: the old-policy model is one service "
+                "(the actor pushes its weights there), not replicas"
+            )
+        object.__setattr__(self, "service", settings)
+        fsdp = self.fsdp_config
+        engine = ServedActorEngineConfig(
+            **{f.name: getattr(fsdp, f.name) for f in fields(fsdp) if f.init},
+            service=settings,
+            inner_strategy=self.strategy,
+        )
+        object.__setattr__(engine, "strategy", ACTOR_BACKEND)
+        self.engine = engine
+
+
+def _delegated(name: str) -> Any:
+    def method(self: ServedActorEngine, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+@EngineRegistry.register(model_type="language_model", backend=ACTOR_BACKEND, device=["cuda", "cpu", "npu"])
+class ServedActorEngine(BaseEngine):
+    """The actor's engine: verl's own (``inner``, built for ``inner_strategy``) for everything but
+    the forward-only log-probs of ``compute_log_prob``, which the served old-policy model scores.
+
+    Whatever else asks the engine for a forward goes to verl's engine as before: a loss, the
+    reference of a LoRA actor (``disable_adapter``), ``sum_pi_squared``.
+    """
+
+    def __init__(self, model_config: Any, engine_config: ServedActorEngineConfig, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(engine_config, ServedActorEngineConfig):
+            raise ServiceConfigError(
+                f"the {ACTOR_BACKEND} engine needs "
+                f"{ACTOR_PREFIX}._target_=logprob_client.integrations.verl.ServiceActorConfig"
+            )
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.settings = engine_config.service
+        inner_config = copy.copy(engine_config)  # as verl filled it in, for the engine that trains
+        object.__setattr__(inner_config, "strategy", engine_config.inner_strategy)
+        model_type = getattr(model_config, "model_type", None) or "language_model"
+        self.inner: BaseEngine = EngineRegistry.new(
+            model_type, engine_config.inner_strategy, model_config, inner_config, *args, **kwargs
+        )
+        self.client: LogprobClient | None = None
+        self._adapter_disabled = False
+
+    def __getattr__(self, name: str) -> Any:
+        """What verl reads of its engine directly (``module``, its offload flags, ...): the inner's."""
+        if name == "inner":  # not set yet (a failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def initialize(self) -> None:
+        """verl's engine, then the served model checked against the actor's model and dtype."""
+        self.inner.initialize()
+        if self.client is not None:
+            self.client.close()
+        dtype_setting = f"{ACTOR_PREFIX}.fsdp_config.dtype"
+        self.client = connect(self.settings, self.model_config, self.engine_config.dtype, dtype_setting)
+        OLD_POLICY.settings = self.settings
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return self.inner.is_param_offload_enabled
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return self.inner.is_optimizer_offload_enabled
+
+    @contextmanager
+    def _without_adapter(self) -> Iterator[None]:
+        self._adapter_disabled = True
+        try:
+            with self.inner.disable_adapter():
+                yield
+        finally:
+            self._adapter_disabled = False
+
+    def disable_adapter(self) -> Any:
+        return self._without_adapter()
+
+    def _served(self, data: TensorDict, loss_function: Any) -> bool:
+        """Whether this forward is the old policy's log-probs (the served model's to score)."""
+        return (
+            loss_function is None
+            and not self._adapter_disabled
+            and not tu.get_non_tensor_data(data, "calculate_sum_pi_squared", False)
+        )
+
+    def infer_batch(self, data: TensorDict, loss_function: Any = None) -> Any:
+        if not self._served(data, loss_function):
+            return self.inner.infer_batch(data, loss_function=loss_function)
+        if self.client is None:
+            raise RuntimeError("the engine was not initialized (TrainingWorker.reset)")
+        if OLD_POLICY.version == 0:
+            raise RuntimeError(
+                "no weights of the actor were pushed to the served old-policy model yet: set "
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=logprob_service (docs/verl.md); the "
+                "service's own weights are not the actor's"
+            )
+        calculate_entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
+        output = nested_scores(
+            self.client,
+            self.settings.model,
+            data,
+            calculate_entropy=calculate_entropy,
+            min_version=OLD_POLICY.version,
+        )
+        return {"model_output": output, "loss": [], "metrics": {}}
+
+
+for _name, _ in inspect.getmembers(BaseEngine, inspect.isfunction):
+    if not _name.startswith("_") and _name not in ServedActorEngine.__dict__:
+        setattr(ServedActorEngine, _name, _delegated(_name))
+ServedActorEngine.__abstractmethods__ = frozenset()
+
+
+def padded_batch(rows: Sequence[tuple[Any, Any]], temperature: float) -> DataProto:
+    """verl's padded rollout batch (what its v0 trainer passes to the ref and old-log-prob steps)
+    of ``(prompt_ids, response_ids)`` rows: prompts left-padded, responses right-padded, with
+    ``attention_mask``, ``position_ids``, ``response_mask`` and the temperature in the meta info."""
+    p, r = max(len(a) for a, _ in rows), max(len(b) for _, b in rows)
+    prompts = torch.zeros(len(rows), p, dtype=torch.long)
+    responses = torch.zeros(len(rows), r, dtype=torch.long)
+    pmask, rmask = torch.zeros_like(prompts), torch.zeros_like(responses)
+    for i, (a, b) in enumerate(rows):
+        prompts[i, p - len(a) :], pmask[i, p - len(a) :] = torch.as_tensor(a, dtype=torch.long), 1
+        responses[i, : len(b)], rmask[i, : len(b)] = torch.as_tensor(b, dtype=torch.long), 1
+    attention_mask = torch.cat([pmask, rmask], dim=1)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": compute_position_id_with_mask(attention_mask),
+        "response_mask": rmask,
+    }
+    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": temperature})

@@ -60,6 +60,25 @@ def _ids(message: Message, field: str, name: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4").astype(np.int64)
 
 
+def _candidates(message: pb.Sequence | pb.Completion, name: str) -> np.ndarray | None:
+    """``message``'s candidate ids as [rows, num_candidates] (``engine.validation`` checks the rows
+    against its completion, the width and the ids), or None when it sends none."""
+    raw, width = message.candidate_ids_i32, message.num_candidates
+    if not raw and not width:
+        return None
+    if width <= 0:
+        raise InvalidArgument(f"{name}.num_candidates: {width} must be >= 1 when candidate_ids_i32 is set")
+    if len(raw) % 4:
+        raise InvalidArgument(f"{name}.candidate_ids_i32: {len(raw)} bytes are not whole little-endian int32 ids")
+    ids = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    if not len(ids) or len(ids) % width:
+        raise InvalidArgument(
+            f"{name}.candidate_ids_i32: {len(ids)} ids are not whole rows of num_candidates {width} "
+            "(one row per completion token)"
+        )
+    return ids.reshape(-1, width)
+
+
 def request_size(request: pb.ScoreRequest) -> tuple[int, int]:
     """Sequences and prompt + completion tokens of a request (a group's prompt once per completion),
     for its log line, read from the message without converting it."""
@@ -78,13 +97,21 @@ def request_size(request: pb.ScoreRequest) -> tuple[int, int]:
 def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: str) -> ScoreJob:
     """The request's sequences, then each group's completions as sequences sharing one prompt array."""
     sequences = [
-        TokenSequence(_ids(seq, "prompt_ids", f"sequences[{i}]"), _ids(seq, "completion_ids", f"sequences[{i}]"))
+        TokenSequence(
+            _ids(seq, "prompt_ids", f"sequences[{i}]"),
+            _ids(seq, "completion_ids", f"sequences[{i}]"),
+            _candidates(seq, f"sequences[{i}]"),
+        )
         for i, seq in enumerate(request.sequences)
     ]
     for g, group in enumerate(request.groups):
         prompt = _ids(group, "prompt_ids", f"groups[{g}]")
         sequences += [
-            TokenSequence(prompt, _ids(c, "completion_ids", f"groups[{g}].completions[{j}]"))
+            TokenSequence(
+                prompt,
+                _ids(c, "completion_ids", f"groups[{g}].completions[{j}]"),
+                _candidates(c, f"groups[{g}].completions[{j}]"),
+            )
             for j, c in enumerate(group.completions)
         ]
     return ScoreJob(
@@ -97,17 +124,30 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: s
         min_version=request.min_version,
         client=client,
         group_sizes=tuple(len(group.completions) for group in request.groups),
+        top_k=request.top_k,
     )
 
 
 def _scores(scores: SequenceScores, as_f32: bool) -> pb.SequenceScores:
     entropies = scores.entropies if scores.entropies is not None else np.zeros(0, np.float32)
+    # top-k and candidates: always packed bytes ([C, K] row after row), whatever ``as_f32``
+    extra = {
+        field: array.astype(dtype).tobytes()
+        for field, array, dtype in (
+            ("top_ids_i32", scores.top_ids, "<i4"),
+            ("top_logprobs_f32", scores.top_logprobs, "<f4"),
+            ("candidate_logprobs_f32", scores.candidate_logprobs, "<f4"),
+        )
+        if array is not None
+    }
     if as_f32:
         return pb.SequenceScores(
-            logprobs_f32=scores.logprobs.astype("<f4").tobytes(), entropies_f32=entropies.astype("<f4").tobytes()
+            logprobs_f32=scores.logprobs.astype("<f4").tobytes(),
+            entropies_f32=entropies.astype("<f4").tobytes(),
+            **extra,
         )
     # .tolist(): protobuf reads a list of floats several times faster than a numpy array.
-    return pb.SequenceScores(logprobs=scores.logprobs.tolist(), entropies=entropies.tolist())
+    return pb.SequenceScores(logprobs=scores.logprobs.tolist(), entropies=entropies.tolist(), **extra)
 
 
 def response_from_result(result: ScoreResult, scores_f32: bool = False) -> pb.ScoreResponse:

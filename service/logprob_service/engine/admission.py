@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, deque
 
-from logprob_service.domain import ScoreJob
+from logprob_service.domain import OUTPUTS_PER_TOKEN, ScoreJob
 from logprob_service.errors import InvalidArgument, Overloaded
 from logprob_service.stats import NO_STATS, QueueChanged, StatsSink
 
@@ -69,8 +69,9 @@ class Admission:
             limit = "max_queued_tokens" if cap == self.max_queued_tokens else "max_queued_tokens_per_client"
             raise InvalidArgument(
                 f"{field}: the request costs {cost} token-equivalents as it runs (a shared prompt again in "
-                f"each micro-batch that holds some of its completions, plus their reads of it), more than "
-                f"{limit}={cap} can ever admit; send fewer completions of a prompt per request"
+                f"each micro-batch that holds some of its completions, plus their reads of it, and one per "
+                f"{OUTPUTS_PER_TOKEN} top-k or candidate outputs of a position), more than "
+                f"{limit}={cap} can ever admit; send fewer completions of a prompt (or a smaller top_k) per request"
             )
         if self.queued_tokens + cost > self.max_queued_tokens:
             raise Overloaded(

@@ -35,6 +35,7 @@ from logprob_service.domain import (
     ScoreResult,
     SequenceScores,
     TokenSequence,
+    output_cost,
     prompt_groups,
     run_costs,
     shared_prompt_cost,
@@ -51,6 +52,7 @@ class BatchKey:
     model: str
     temperature: float
     return_entropy: bool
+    top_k: int = 0
 
 
 @dataclass(eq=False)
@@ -78,7 +80,7 @@ class Request:
 
     @property
     def key(self) -> BatchKey:
-        return BatchKey(self.job.model, self.job.temperature, self.job.return_entropy)
+        return BatchKey(self.job.model, self.job.temperature, self.job.return_entropy, self.job.top_k)
 
     @property
     def started(self) -> bool:
@@ -149,7 +151,8 @@ class BatchQueue:
         for indices in parts:
             costs = self.costs([seqs[i] for i in indices])
             for i, cost in zip(indices, costs):
-                request.costs[i] = cost
+                # admission counts the extra outputs too; micro-batches are cut by the tokens they run
+                request.costs[i] = cost + output_cost(seqs[i], request.job.top_k)
             units.append(Unit(request, indices, sum(costs)))
         return units
 

@@ -59,7 +59,13 @@ class Executor(Protocol):
     """The device worker: every call on the device runs on its one thread, in order."""
 
     async def launch(
-        self, served: Any, sequences: Sequence[TokenSequence], *, temperature: float, return_entropy: bool
+        self,
+        served: Any,
+        sequences: Sequence[TokenSequence],
+        *,
+        temperature: float,
+        return_entropy: bool,
+        top_k: int = 0,
     ) -> list[Launch]:
         """Enqueue a micro-batch's scoring on the device; returns once it is enqueued."""
 

@@ -358,6 +358,7 @@ class Scheduler:
                 sequences,
                 temperature=key.temperature,
                 return_entropy=key.return_entropy,
+                top_k=key.top_k,
             )
         except Exception as err:
             batch.error = err

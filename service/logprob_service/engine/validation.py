@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logprob_service.domain import ModelInfo, ScoreJob, validate_version
+from logprob_service.domain import MAX_TOP_K, ModelInfo, ScoreJob, TokenSequence, validate_version
 from logprob_service.errors import InvalidArgument
 
 # The smallest temperature (as a float32, the wire's type). Logits divided by a much smaller one
@@ -60,11 +60,38 @@ def _check_ids(field: str, ids: np.ndarray, info: ModelInfo) -> None:
         )
 
 
+def _check_candidates(name: str, seq: TokenSequence, info: ModelInfo) -> None:
+    """``seq.candidate_ids``: [C, Kc] ids of the model's vocabulary, 1 <= Kc <= ``MAX_TOP_K``."""
+    candidates = seq.candidate_ids
+    if candidates is None:
+        return
+    field = f"{name}.candidate_ids"
+    rows = len(seq.completion_ids)
+    if candidates.ndim != 2 or candidates.shape[0] != rows:
+        got = f"{candidates.shape[0]} rows of {candidates.shape[1]}" if candidates.ndim == 2 else f"{candidates.size}"
+        raise InvalidArgument(
+            f"{field}: {got} ids; the completion has {rows} tokens, and each needs one row of equal length"
+        )
+    if not 1 <= candidates.shape[1] <= min(MAX_TOP_K, info.vocab_size):
+        raise InvalidArgument(
+            f"{field}: {candidates.shape[1]} candidates per position; 1 to {min(MAX_TOP_K, info.vocab_size)} allowed"
+        )
+    bad = np.argwhere((candidates < 0) | (candidates >= info.vocab_size))
+    if bad.size:
+        t, j = (int(x) for x in bad[0])
+        raise InvalidArgument(
+            f"{field}[{t}][{j}]: token id {int(candidates[t, j])} (completion position {t}) is outside "
+            f"[0, {info.vocab_size}) of model {info.name!r}"
+        )
+
+
 def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> ScoreJob:
     """``job`` checked against its model ``info`` and ``limits``, with its temperature resolved
     (0: the default 1.0); ``InvalidArgument`` naming the field, index and limit otherwise."""
     temperature = validate_temperature(job.temperature)
     validate_version("min_version", job.min_version)
+    if not 0 <= job.top_k <= min(MAX_TOP_K, info.vocab_size):
+        raise InvalidArgument(f"top_k: {job.top_k} must lie in [0, {min(MAX_TOP_K, info.vocab_size)}] (0: none)")
     for g, size in enumerate(job.group_sizes):
         if size == 0:
             raise InvalidArgument(f"groups[{g}].completions: the group has none; at least 1 completion is required")
@@ -84,6 +111,7 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> Score
         if prompt_field is not None:
             _check_ids(prompt_field, seq.prompt_ids, info)
         _check_ids(f"{name}.completion_ids", seq.completion_ids, info)
+        _check_candidates(name, seq, info)
         if info.max_positions is not None and seq.num_tokens > info.max_positions:
             raise InvalidArgument(
                 f"{name}: {len(seq.prompt_ids)} prompt + {len(seq.completion_ids)} completion = "

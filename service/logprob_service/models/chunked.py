@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from logprob_service.ops.attention import KV_CHUNK, KVChunk
+from logprob_service.ops.attention import HOST_BOUNDS, KV_CHUNK, VARLEN_KWARGS, KVChunk
 
 CHUNK_KWARG = "logprob_chunk_tokens"
 """The body's keyword argument that turns chunking on for one call: the tokens of a chunk."""
@@ -55,24 +55,32 @@ class _LayerChunking:
         return self._chunked(hidden_states, int(chunk_tokens), kwargs)
 
     def _chunked(self, x: torch.Tensor, chunk_tokens: int, kwargs: dict[str, Any]) -> torch.Tensor:
-        # x: [1, T, hidden], one sequence; position_embeddings: (cos, sin) [1, T, head_dim] each.
+        # x: [1, T, hidden], one sequence; position_embeddings: (cos, sin) [1, T, head_dim] each, or
+        # one tensor [1, T, ...] (Llama 4's complex rotary factors).
         total = x.shape[1]
-        cos, sin = kwargs.pop("position_embeddings")
+        rotary = kwargs.pop("position_embeddings")
         position_ids = kwargs.pop("position_ids", None)
-        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        for name in (*VARLEN_KWARGS, HOST_BOUNDS):
             kwargs.pop(name, None)  # a chunk's attention reads its extent from its KVChunk instead
         buffers: dict[str, torch.Tensor] = {}
         for start in range(0, total, chunk_tokens):
             end = min(total, start + chunk_tokens)
             out = self.original(
                 x[:, start:end],
-                position_embeddings=(cos[:, start:end], sin[:, start:end]),
+                position_embeddings=_rows(rotary, start, end),
                 position_ids=None if position_ids is None else position_ids[:, start:end],
                 **kwargs,
                 **{KV_CHUNK: KVChunk(buffers, start, end, total)},
             )
             x[:, start:end] = out if isinstance(out, torch.Tensor) else out[0]
         return x
+
+
+def _rows(rotary: torch.Tensor | tuple[torch.Tensor, ...], start: int, end: int) -> Any:
+    """Rows [start, end) of a layer's rotary inputs: a tensor [1, T, ...] or a tuple of them."""
+    if isinstance(rotary, torch.Tensor):
+        return rotary[:, start:end]
+    return tuple(t[:, start:end] for t in rotary)
 
 
 NORM_ROWS = 32768

@@ -13,7 +13,9 @@ from typing import Any
 import huggingface_hub
 import torch
 from huggingface_hub import constants as hub_constants
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from logprob_service.domain import DTYPE_BYTES
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
@@ -85,9 +87,48 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def attention_implementation(config: PretrainedConfig) -> str:
     """The exact stock implementation for direct calls of the model: SDPA, except for models whose
-    attention softcaps its logits (Gemma 2), which SDPA cannot express. Scoring replaces it with
-    the packed implementation (``ops.attention``) either way."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+    attention softcaps its logits (Gemma 2), which SDPA cannot express, and models whose class
+    transformers does not let run SDPA (gpt-oss: its attention sinks; asking for it raises).
+    Scoring replaces it with the packed implementation (``ops.attention``) either way."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "eager"
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # a config transformers does not map (remote code): its own class decides later
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
+# How a mixture-of-experts model's experts run (transformers' ``experts_implementation``), by
+# device type. CUDA: torch's grouped GEMM (transformers' "grouped_mm": the packed row's
+# (token, expert) pairs sorted by expert, then one CUTLASS grouped-GEMM launch per projection over
+# all experts, each expert's rows only: no per-expert Python loop, no padding to a capacity), for
+# bfloat16 weights, the dtype torch documents it for on CUDA. CPU, and other dtypes: the model's
+# own per-expert loop ("eager"), the exact reference: torch's CPU grouped_mm takes no float64 and
+# wants 16-byte-aligned strides, which small test shapes lack.
+EXPERTS_IMPLEMENTATIONS: dict[str, str] = {"cuda": "grouped_mm", "cpu": "eager"}
+GROUPED_MM_DTYPES = frozenset({torch.bfloat16})
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's expert banks: modules whose forward transformers dispatches by
+    ``experts_implementation`` (its ``use_experts_implementation`` decorator gives them these
+    attributes, in every 5.x release that has it: 5.17 lacks the ``_is_expert_parallel`` that 5.24
+    adds). None for a dense model."""
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")]
+
+
+def use_experts_implementation(model: PreTrainedModel, device: torch.device) -> str | None:
+    """Run ``model``'s experts as ``EXPERTS_IMPLEMENTATIONS`` says for ``device`` and their dtype;
+    returns the choice, or None for a model without experts."""
+    experts = expert_modules(model)
+    if not experts:
+        return None
+    choice = EXPERTS_IMPLEMENTATIONS.get(device.type, "eager")
+    if next(experts[0].parameters()).dtype not in GROUPED_MM_DTYPES:
+        choice = "eager"
+    model.set_experts_implementation(choice)
+    return choice
 
 
 def load_causal_lm(
@@ -121,7 +162,9 @@ def load_causal_lm(
         raise
     except Exception as err:  # transformers raises OSError/ValueError/... with useful text
         raise ModelLoadError(f"could not load model from {source!r}: {err}") from err
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    use_experts_implementation(model, device)  # transformers' default, grouped_mm, fails on the CPU in float64
+    return model
 
 
 def _hub_access(source: str) -> dict[str, Any]:

@@ -13,9 +13,10 @@ waits for that copy. The thread can launch the next micro-batch before fetching 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -25,6 +26,8 @@ from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_T
 from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
+from logprob_service.models.loading import use_experts_implementation
+from logprob_service.models.routing import RoutedExperts
 from logprob_service.models.tensor_parallel import TensorParallel, VocabParallelOp, head_shard
 from logprob_service.ops.attention import (
     AttentionBackend,
@@ -54,6 +57,16 @@ def config_logit_transform(config: object) -> LogitTransform:
         scale /= float(scaling)
     softcap = getattr(config, "final_logit_softcapping", None)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+def model_body(model: PreTrainedModel) -> torch.nn.Module:
+    """The model's body (embeddings, decoder layers, final norm): ``base_model``, except where the
+    class's ``base_model_prefix`` names no attribute of it (Llama 4's text model: "language_model",
+    its body being ``.model``) and ``base_model`` is the whole model."""
+    body = model.base_model
+    if body is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        body = model.model
+    return body
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,10 @@ class PackedBatch:
     completion_lengths: list[int]  # to split the N results back per sequence
     # None: every segment is a whole sequence, its keys its own rows (self-attention).
     shared_keys: SharedKeys | None = None
+    # [N, Kc] int64: candidate ids whose log-probs to return, row for row with ``rows`` (each
+    # sequence's own width, then padding); None when no sequence has any.
+    candidates: np.ndarray | None = None
+    candidate_widths: list[int] | None = None  # each sequence's own Kc (0: none asked), with ``candidates``
 
     @property
     def num_tokens(self) -> int:
@@ -128,16 +145,45 @@ class Launched:
     entropies: torch.Tensor | None
     completion_lengths: list[int]
     ready: torch.cuda.Event | None  # recorded after the copies; None on the CPU (already done)
+    top_ids: torch.Tensor | None = None  # [N, K] int32
+    top_logprobs: torch.Tensor | None = None  # [N, K] float32
+    candidate_logprobs: torch.Tensor | None = None  # [N, Kc] float32, padded (PackedBatch.candidates)
+    candidate_widths: list[int] | None = None
+    # [N, MoE layers, top_k] int32, host: each completion token's routed experts (models.routing)
+    routed_experts: torch.Tensor | None = None
 
     def fetch(self) -> list[SequenceScores]:
         if self.ready is not None:
             self.ready.synchronize()
         split_at = np.cumsum(self.completion_lengths)[:-1]
-        logprobs = np.split(self.logprobs.numpy(), split_at)
-        if self.entropies is None:
-            return [SequenceScores(logprobs=lp) for lp in logprobs]
-        entropies = np.split(self.entropies.numpy(), split_at)
-        return [SequenceScores(logprobs=lp, entropies=e) for lp, e in zip(logprobs, entropies)]
+
+        def per_sequence(tensor: torch.Tensor | None) -> list[np.ndarray | None]:
+            if tensor is None:
+                return [None] * len(self.completion_lengths)
+            return np.split(tensor.numpy(), split_at)
+
+        candidates = per_sequence(self.candidate_logprobs)
+        if self.candidate_widths is not None:  # each sequence's own columns; None where it asked none
+            candidates = [c[:, :w] if w else None for c, w in zip(candidates, self.candidate_widths)]
+        return [
+            SequenceScores(logprobs=lp, entropies=e, top_ids=ti, top_logprobs=tl, candidate_logprobs=c)
+            for lp, e, ti, tl, c in zip(
+                per_sequence(self.logprobs),
+                per_sequence(self.entropies),
+                per_sequence(self.top_ids),
+                per_sequence(self.top_logprobs),
+                candidates,
+            )
+        ]
+
+    def fetch_routed_experts(self) -> list[np.ndarray]:
+        """Per sequence, [C, MoE layers, top_k]: the experts each MoE layer routed the row that
+        predicts completion token t to (the row of the token before it), as the model chose them."""
+        if self.routed_experts is None:
+            raise ValueError("this micro-batch was launched without return_routed_experts")
+        if self.ready is not None:
+            self.ready.synchronize()
+        return np.split(self.routed_experts.numpy(), np.cumsum(self.completion_lengths)[:-1])
 
 
 class CausalLMScorer:
@@ -160,7 +206,7 @@ class CausalLMScorer:
         self.tensor_parallel = tensor_parallel
         model.set_attn_implementation(attention_implementation_name(self.attention_preference))
         self.model = model
-        self.body = model.base_model
+        self.body = model_body(model)
         install_chunking(self.body)
         head = model.get_output_embeddings()
         self.vocab_size: int = head.weight.shape[0]
@@ -171,6 +217,10 @@ class CausalLMScorer:
         if tensor_parallel is not None:
             self.head_weight, self.head_bias, vocab_start = head_shard(model, tensor_parallel)
         self.transform = config_logit_transform(model.config)
+        # A mixture-of-experts model's experts: grouped GEMMs on CUDA, the exact loop on the CPU.
+        self.experts: str | None = use_experts_implementation(model, self.device)
+        if self.experts is not None:
+            log.info("mixture-of-experts layers: experts_implementation=%s", self.experts)
         op = logprob_op or select_logprob_op("auto", self.head_weight.device, invariant=options.deterministic)
         self.logprob_op = op if tensor_parallel is None else VocabParallelOp(op, tensor_parallel, vocab_start)
         self._matmuls_pinned = None
@@ -185,7 +235,12 @@ class CausalLMScorer:
         return INVARIANT_ATTENTION.get(backend, backend) if self.options.deterministic else backend
 
     def determinism(self) -> str:
-        """What ``--deterministic`` guarantees for this model on this device, for ``ListModels``."""
+        """What ``--deterministic`` guarantees for this model on this device, for ``ListModels``
+        (with, for a mixture-of-experts model, how its experts run)."""
+        experts = "" if self.experts is None else f"; experts: {self.experts}"
+        return self._determinism() + experts
+
+    def _determinism(self) -> str:
         if not self.options.deterministic:
             return "off: a sequence's scores may move (by float rounding) with what shares its micro-batch"
         if self.device.type != "cuda":
@@ -244,15 +299,27 @@ class CausalLMScorer:
         config = self.model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        value_head_dim = getattr(config, "v_head_dim", None)
+        if value_head_dim is not None:  # MLA (DeepSeek): queries and keys of nope + rope dims, every head its own K/V
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         ranks = self.tensor_parallel.world if self.tensor_parallel is not None else 1
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        window = getattr(config, "sliding_window", None)
         return describe_backends(
             self.attention_preference,
             heads=heads // ranks,
-            kv_heads=(getattr(config, "num_key_value_heads", None) or heads) // ranks,
+            kv_heads=(heads if value_head_dim else getattr(config, "num_key_value_heads", None) or heads) // ranks,
             head_dim=head_dim,
             dtype=self.head_weight.dtype,
             device=self.device,
             softcap=getattr(config, "attn_logit_softcapping", None),
+            value_head_dim=value_head_dim,
+            # a window where a layer has one: every layer unless the config types its layers
+            sliding_window=window if window and (not layer_types or "sliding_attention" in layer_types) else None,
+            sinks=any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in self.body.modules()),
+            attention_chunk=getattr(config, "attention_chunk_size", None)
+            if "chunked_attention" in layer_types
+            else None,
         )
 
     @property
@@ -266,8 +333,21 @@ class CausalLMScorer:
         return tensor.to(self.device)
 
     @torch.inference_mode()
-    def launch(self, batch: PackedBatch, *, temperature: float = 1.0, return_entropy: bool = False) -> Launched:
-        """Enqueue the scoring of one packed micro-batch; returns before the device is done."""
+    def launch(
+        self,
+        batch: PackedBatch,
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        return_routed_experts: bool = False,
+        top_k: int = 0,
+    ) -> Launched:
+        """Enqueue the scoring of one packed micro-batch; returns before the device is done.
+        ``return_routed_experts``: keep a mixture-of-experts model's router choices for the
+        completion rows (``Launched.fetch_routed_experts``; ``routing.RoutingUnsupported`` for a
+        model without routers). ``top_k``: each completion position's K most likely ids and their
+        log-probs too; the batch's ``candidates``' log-probs where it has some."""
+        routing = RoutedExperts(self.model) if return_routed_experts else None
         input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
         position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
         cu_seqlens = self._to_device(batch.cu_seqlens)  # [n + 1]
@@ -275,21 +355,27 @@ class CausalLMScorer:
         if len(batch.completion_lengths) == 1 and batch.num_tokens > self.options.long_sequence_tokens:
             chunking = {CHUNK_KWARG: self.options.chunk_tokens}  # memory linear in T, not in T x MLP width
         keys = None
+        host_bounds = (batch.cu_seqlens, batch.cu_seqlens)  # what host-side attention paths read, no sync
         if (shared := batch.shared_keys) is not None:  # completions keyed on their shared prompt's rows
             keys = (self._to_device(shared.cu_seqlens), shared.max_seqlen, self._to_device(shared.index))
-        out = self.body(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys),
-            **chunking,
-        )
+            host_bounds = (batch.cu_seqlens, shared.cu_seqlens)
+        with routing if routing is not None else contextlib.nullcontext():
+            out = self.body(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys, host_bounds=host_bounds),
+                **chunking,
+            )
         hidden = out.last_hidden_state[0]  # [T, H]
         del out
-        if (np.diff(batch.rows) == 1).all():  # one sequence's rows, back to back: a view, no [N, H] copy
+        contiguous = bool((np.diff(batch.rows) == 1).all())
+        row_index = self._to_device(batch.rows) if routing is not None or not contiguous else None
+        routed = routing.ids(row_index) if routing is not None else None  # [N, layers, top_k]
+        if contiguous:  # one sequence's rows, back to back: a view, no [N, H] copy
             rows = hidden.narrow(0, int(batch.rows[0]), len(batch.rows))  # [N, H]
         else:
-            rows = hidden.index_select(0, self._to_device(batch.rows))  # [N, H]
+            rows = hidden.index_select(0, row_index)  # [N, H]
         del hidden  # the index_select copy frees the [T, H] states before the lm_head slabs are allocated
         transform = LogitTransform(self.transform.scale, self.transform.softcap, temperature)
         scores = self.logprob_op(
@@ -299,16 +385,27 @@ class CausalLMScorer:
             bias=self.head_bias,
             transform=transform,
             return_entropy=return_entropy,
+            top_k=top_k,
+            candidates=self._to_device(batch.candidates) if batch.candidates is not None else None,
         )
         return Launched(
             logprobs=self._to_host(scores.logprobs),
-            entropies=self._to_host(scores.entropies) if scores.entropies is not None else None,
+            entropies=self._to_host(scores.entropies),
             completion_lengths=batch.completion_lengths,
+            routed_experts=self._to_host(routed) if routed is not None else None,
             ready=self._record_event(),
+            top_ids=self._to_host(scores.top_ids),
+            top_logprobs=self._to_host(scores.top_logprobs),
+            candidate_logprobs=self._to_host(scores.candidate_logprobs),
+            candidate_widths=batch.candidate_widths,
         )
 
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
+    @overload
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _to_host(self, tensor: None) -> None: ...
+    def _to_host(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or self.device.type != "cuda":
             return tensor
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor, non_blocking=True)

@@ -13,6 +13,14 @@ Each rank of the group (one process per GPU, ``worker.tensor_parallel``) builds 
   collective combines the ranks' per-token statistics (``ops.vocab_parallel``). A tied lm_head is
   the replicated input embedding, of which each rank uses its slice.
 
+* a mixture-of-experts model's experts are split by expert (expert parallel): rank r holds experts
+  [r E/N, (r+1) E/N) whole (their 3-D weights as DTensor ``Shard(0)``), the router is replicated,
+  and each rank runs its own experts' grouped GEMMs (``models.loading``'s implementation) on the
+  tokens routed to them, then one all-reduce of the layer's [T, hidden] output sums the ranks'
+  partial outputs: the same collective as a row-parallel MLP's. Transformers' own TP plan for the
+  experts (``packed_colwise``: each expert's width split) would make an already narrow expert
+  (768 wide at Qwen3-30B-A3B) narrower; by expert, each expert's GEMM stays whole.
+
 The skeleton is built with its parameters on the meta device (buffers real: RoPE's frequencies are
 computed, not loaded), sharded there, and then only each rank's shards are allocated and read, so
 a model larger than one GPU (or than host memory) never exists whole anywhere.
@@ -21,8 +29,10 @@ a model larger than one GPU (or than host memory) never exists whole anywhere.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +44,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
-from logprob_service.models.loading import ModelLoadError, attention_implementation
+from logprob_service.models.loading import ModelLoadError, attention_implementation, expert_modules
 from logprob_service.ops.dispatch import LogprobOp, OpOptions
 from logprob_service.ops.logprobs import TokenScores
 from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
@@ -49,7 +59,9 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {"colwise": ColwiseParallel, "r
 # Styles of the plan left out: the input embedding stays whole on every rank (transformers 5.17
 # plans a vocab-parallel one for tied models). It is one row gather per token; sharded, it would
 # cost an all-reduce of [T, H] per forward to save V x H / N of memory per rank (1.2 GB at 72B).
-REPLICATED_STYLES = frozenset({"embedding_rowwise"})
+REPLICATED_STYLES = frozenset({"embedding_rowwise", "replicated_with_grad_allreduce"})
+# Plan entries under a layer's experts: served expert-parallel instead (``shard_experts``).
+EXPERTS_PATTERN = ".experts"
 
 
 @dataclass(frozen=True)
@@ -69,10 +81,15 @@ def body_plan(config: PretrainedConfig, world: int) -> dict[str, ParallelStyle]:
     """The DTensor plan of the model's body; ModelLoadError when the architecture has none this
     module can apply, or when its heads or MLP width do not split evenly over ``world`` ranks."""
     name = type(config).__name__
-    plan = getattr(config, "base_model_tp_plan", None)
-    if not plan:
-        raise ModelLoadError(f"tensor parallel: {name} has no tensor-parallel plan (base_model_tp_plan)")
-    plan = {pattern: style for pattern, style in plan.items() if style not in REPLICATED_STYLES}
+    plan = {
+        pattern: style
+        for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items()
+        if style not in REPLICATED_STYLES and EXPERTS_PATTERN not in pattern
+    }
+    if not plan:  # gpt-oss's names only its embedding: nothing of its layers would be sharded
+        raise ModelLoadError(
+            f"tensor parallel: {name} has no tensor-parallel plan (base_model_tp_plan) for its attention or MLPs"
+        )
     unknown = sorted({style for style in plan.values() if style not in STYLES})
     if unknown:
         raise ModelLoadError(f"tensor parallel: {name}'s plan uses styles {unknown}; supported: {sorted(STYLES)}")
@@ -82,6 +99,9 @@ def body_plan(config: PretrainedConfig, world: int) -> dict[str, ParallelStyle]:
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "intermediate_size": config.intermediate_size,
     }
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        sizes["num_experts"] = experts
     for field, size in sizes.items():
         if size % world:
             raise ModelLoadError(f"tensor parallel {world}: {name}.{field} = {size} does not split over {world} ranks")
@@ -112,9 +132,16 @@ class StateDictSource:
         return tensor if dim is None else tensor.narrow(dim, start, stop - start)
 
 
+# A checkpoint keeps each expert's matrices apart (Qwen2/Qwen3-MoE, DeepSeek: ``experts.{e}.gate_proj.weight``);
+# the model holds them stacked by expert, gate and up concatenated (transformers' conversion mapping).
+CHECKPOINT_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
 class SafetensorsSource:
     """Slices read from a checkpoint directory's ``*.safetensors`` files: only a rank's own bytes
-    are read (``safe_open(...).get_slice``), never a whole tensor another rank shares."""
+    are read (``safe_open(...).get_slice``), never a whole tensor another rank shares. A stacked
+    expert weight is assembled from its experts' own tensors, a rank's experts only."""
 
     def __init__(self, directory: Path) -> None:
         index = directory / "model.safetensors.index.json"
@@ -128,11 +155,27 @@ class SafetensorsSource:
                     self._files.update(dict.fromkeys(f.keys(), file))
         if not self._files:
             raise ModelLoadError(f"tensor parallel: no *.safetensors weights in {str(directory)!r}")
+        self._experts: dict[str, tuple[str, tuple[str, ...], int]] = {}  # stacked name -> (prefix, parts, experts)
+        for name in self._files:
+            if match := CHECKPOINT_EXPERT.fullmatch(name):
+                prefix, index, part = match.groups()
+                for stacked, parts in STACKED_EXPERTS.items():
+                    if part in parts:
+                        count = self._experts.get(f"{prefix}.{stacked}", (prefix, parts, 0))[2]
+                        self._experts[f"{prefix}.{stacked}"] = (prefix, parts, max(count, int(index) + 1))
 
     def names(self) -> set[str]:
-        return set(self._files)
+        return set(self._files) | set(self._experts)
 
     def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        if name in self._experts:
+            prefix, parts, count = self._experts[name]
+            if dim not in (None, 0):
+                raise ModelLoadError(f"tensor parallel: {name} is split by expert only, not along dimension {dim}")
+            experts = range(count) if dim is None else range(start, stop)
+            return torch.stack(
+                [torch.cat([self.read(f"{prefix}.{e}.{part}.weight", None, 0, 0) for part in parts]) for e in experts]
+            )
         with safe_open(self._files[name], "pt") as f:
             piece = f.get_slice(name)
             if dim is None:
@@ -169,6 +212,7 @@ def sharded_skeleton(
         )
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     parallelize_module(model.base_model, tp.mesh, plan)
+    shard_experts(model, tp)
     if not config.tie_word_embeddings:
         # Only the weight's rows are sharded: the module's forward (full logits) is never called.
         parallelize_module(model.get_output_embeddings(), tp.mesh, ColwiseParallel())
@@ -225,7 +269,53 @@ def run_locally_(model: PreTrainedModel, tp: TensorParallel) -> PreTrainedModel:
                 module.forward = functools.partial(F.linear, weight=weight, bias=bias)
             else:
                 module.forward = functools.partial(_rowwise, weight=weight, bias=bias, group=tp.group)
+    for experts in expert_modules(model.base_model):
+        run_experts_locally(experts, tp)
     return model
+
+
+def shard_experts(model: PreTrainedModel, tp: TensorParallel) -> None:
+    """Make each expert bank's per-expert weights (first dimension: the experts) DTensors split by
+    expert over the group, on the meta device like the rest of the skeleton."""
+    for experts in expert_modules(model.base_model):
+        for name, param in list(experts.named_parameters(recurse=False)):
+            if param.dim() and param.shape[0] == experts.num_experts:
+                sharded = distribute_tensor(param, tp.mesh, [Shard(0)])
+                experts.register_parameter(name, nn.Parameter(sharded, requires_grad=False))
+
+
+def run_experts_locally(experts: nn.Module, tp: TensorParallel) -> None:
+    """Make a sharded expert bank run its own experts on the tokens routed to them, and sum the
+    ranks' outputs. The bank keeps its DTensor parameters (state dict, digests); a shallow copy
+    holding their local shards, told it holds ``E / N`` experts and is expert-parallel, computes:
+    transformers' experts implementations skip an expert id equal to their expert count (the
+    grouped GEMM sorts such rows last and leaves them out of its groups; the loop skips them)."""
+    local = copy.copy(experts)
+    local._parameters = {
+        name: nn.Parameter(p.to_local(), requires_grad=False) if isinstance(p, DTensor) else p
+        for name, p in experts._parameters.items()
+    }
+    local.num_experts = experts.num_experts // tp.world
+    local._is_expert_parallel = True
+    experts.forward = functools.partial(
+        _expert_parallel, local=local, first=local.num_experts * tp.rank, group=tp.group
+    )
+
+
+def _expert_parallel(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    local: nn.Module,
+    first: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    ids = top_k_index - first  # [T, top_k]: this rank's experts are 0..count-1
+    mine = (ids >= 0) & (ids < local.num_experts)
+    out = local(hidden, torch.where(mine, ids, local.num_experts), torch.where(mine, top_k_weights, 0))
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def _rowwise(

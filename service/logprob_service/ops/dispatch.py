@@ -34,6 +34,8 @@ class OpOptions(TypedDict, total=False):
     transform: LogitTransform  # scale, softcap, temperature (default: none)
     return_entropy: bool
     return_lse: bool  # each row's log-sum-exp too (TokenScores.lse)
+    top_k: int  # each row's K most likely ids and their log-probs (TokenScores.top_ids, .top_logprobs)
+    candidates: torch.Tensor | None  # [N, Kc] ids whose log-probs to return (TokenScores.candidate_logprobs)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class LogprobOp:
         self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Unpack[OpOptions]
     ) -> TokenScores:
         """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs (and entropies);
-        ``options``: ``bias``, ``transform``, ``return_entropy`` (``logprobs.chunked_token_logprobs``)."""
+        ``options``: ``bias``, ``transform``, ``return_entropy``, ``top_k``, ``candidates``
+        (``logprobs.chunked_token_logprobs``)."""
         if self.kernel == "triton":
             from logprob_service.ops.fused_logprobs import fused_token_logprobs
 

@@ -39,6 +39,7 @@ the time of the bare bf16 matmul h @ W^T at Qwen/Llama shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -47,7 +48,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores
+from logprob_service.ops.fused_topk import (
+    MIN_KEY,
+    _candidates_kernel,
+    key_ids,
+    key_values,
+    merge_topk,
+    padded_k,
+    tile_into_topk,
+    to_log2_units,
+)
+from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores, check_topk_arguments
 
 LOG2E = 1.4426950408889634
 
@@ -76,16 +87,23 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     return HOPPER_FP32 if dtype == torch.float32 else HOPPER_16BIT
 
 
-@triton.jit
-def _to_log2_units(x, pre, post, SOFTCAP: tl.constexpr):
-    """z = x' log2(e). With softcap, pre = scale / c and post = c log2(e) / T; else pre = scale log2(e) / T."""
-    if SOFTCAP:
-        u = x * pre
-        # tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|) <= 1: never overflows.
-        e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(u))
-        th = (1.0 - e) / (1.0 + e)
-        return tl.where(u < 0, -th, th) * post
-    return x * pre
+# Of Hopper's 256 KiB of registers per SM, what a top-k program's tiles may take (the rest: the
+# dot's operands, pointers, the merge's temporaries). Untuned: sized, not measured on a GPU.
+TOPK_REGISTER_BYTES = 160 * 1024
+
+
+def topk_config(config: KernelConfig, kp: int) -> KernelConfig:
+    """``config`` for a launch with top-``kp`` lists (``fused_topk``): tiles ``max(128, kp)`` wide
+    (``tl.topk`` takes at most a tile's width), and as many rows (a power of two, at most
+    ``config``'s) as fit ``TOPK_REGISTER_BYTES`` with, per row, the tile's fp32 logits and int64
+    keys (12 bytes a column) and the int64 list (8 ``kp``): 64 rows up to K = 128, 32 at 256."""
+    if kp == 0:
+        return config
+    block_v = max(min(config.block_v, 128), kp)
+    block_n = config.block_n
+    while block_n > 16 and block_n * (12 * block_v + 8 * kp) > TOPK_REGISTER_BYTES:
+        block_n //= 2
+    return dataclasses.replace(config, block_n=block_n, block_v=block_v)
 
 
 @triton.jit
@@ -96,6 +114,7 @@ def _partials_kernel(
     m_ptr,  # [S, N] fp32 out: max of z over the split
     s_ptr,  # [S, N] fp32 out: sum 2^(z - m)
     t_ptr,  # [S, N] fp32 out: sum 2^(z - m) z (only when ENTROPY)
+    k_ptr,  # [S, N, KP] int64 out: the split's top KP keys per row, descending (only when KP > 0)
     N,
     V,
     H,
@@ -114,6 +133,7 @@ def _partials_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    KP: tl.constexpr,  # top-k list length (fused_topk), 0: no top-k
 ):
     # Program order: a group of `group_rows` row blocks x every split. Programs that run at the
     # same time then share a few W tiles and a few row blocks, both of which fit in L2, instead
@@ -138,6 +158,8 @@ def _partials_kernel(
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
+    if KP > 0:
+        top = tl.full([BLOCK_N, KP], MIN_KEY, tl.int64)
     # Two nested loops (tiles, then k). Flattening them into one (tile, k) loop, so the pipeline
     # would prefetch across the softmax update, measured 25-30% slower on an H200.
     for v0 in range(v_begin, v_begin + n_tiles * BLOCK_V, BLOCK_V):
@@ -163,7 +185,7 @@ def _partials_kernel(
         col_ok = cols < V
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
-        z = _to_log2_units(acc, pre, post, SOFTCAP)
+        z = to_log2_units(acc, pre, post, SOFTCAP)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -172,12 +194,16 @@ def _partials_kernel(
         if ENTROPY:
             t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
         m = m_new
+        if KP > 0:
+            top = tile_into_topk(top, z, cols, KP)
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     if ENTROPY:
         tl.store(t_ptr + out, t, mask=row_ok)
+    if KP > 0:
+        tl.store(k_ptr + out[:, None] * KP + tl.arange(0, KP)[None, :], top, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -192,6 +218,9 @@ def _combine_kernel(
     logp_ptr,  # [N] fp32 out
     ent_ptr,  # [N] fp32 out (only when ENTROPY)
     lse_ptr,  # [N] fp32 out (only when LSE)
+    k_ptr,  # [S, N, KP] int64: stage 1's top-k keys (only when KP > 0)
+    top_ids_ptr,  # [N, K] int32 out
+    top_lp_ptr,  # [N, K] fp32 out
     N,
     H,
     stride_h,
@@ -199,12 +228,14 @@ def _combine_kernel(
     n_splits,
     pre,
     post,
+    K,  # top-k (a run-time value: one compiled kernel per list length KP, not per K)
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr,
     LSE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    KP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
@@ -241,17 +272,29 @@ def _combine_kernel(
         x_y += tl.sum(a * b, axis=1)
     if HAS_BIAS:
         x_y += tl.load(b_ptr + y, mask=row_ok, other=0.0)
-    z_y = _to_log2_units(x_y, pre, post, SOFTCAP)
+    z_y = to_log2_units(x_y, pre, post, SOFTCAP)
 
     tl.store(logp_ptr + rows, (z_y - lse2) * 0.6931471805599453, mask=row_ok)
     if ENTROPY:
         tl.store(ent_ptr + rows, (lse2 - big_t / big_s) * 0.6931471805599453, mask=row_ok)
     if LSE:
         tl.store(lse_ptr + rows, lse2 * 0.6931471805599453, mask=row_ok)
+    if KP > 0:
+        # Merge the splits' lists (exact: distinct keys), then the first K are the row's top-k.
+        kk = tl.arange(0, KP)
+        at = k_ptr + rows.to(tl.int64)[:, None] * KP + kk[None, :]
+        top = tl.load(at, mask=row_ok[:, None], other=MIN_KEY)
+        for _ in range(1, n_splits):
+            at += tl.cast(N, tl.int64) * KP
+            top = merge_topk(top, tl.load(at, mask=row_ok[:, None], other=MIN_KEY))
+        out = rows.to(tl.int64)[:, None] * K + kk[None, :]  # int64: N K may pass 2^31
+        keep = row_ok[:, None] & (kk < K)[None, :]
+        tl.store(top_ids_ptr + out, key_ids(top), mask=keep)
+        tl.store(top_lp_ptr + out, (key_values(top) - lse2[:, None]) * 0.6931471805599453, mask=keep)
 
 
 def transform_constants(transform: LogitTransform) -> tuple[float, float]:
-    """(pre, post) of ``_to_log2_units`` for a transform."""
+    """(pre, post) of ``to_log2_units`` for a transform."""
     if transform.softcap is not None:
         return transform.scale / transform.softcap, transform.softcap * LOG2E / transform.temperature
     return transform.scale * LOG2E / transform.temperature, 1.0
@@ -333,6 +376,8 @@ def fused_token_logprobs(
     transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
     return_lse: bool = False,
+    top_k: int = 0,
+    candidates: torch.Tensor | None = None,
     config: KernelConfig | None = None,
     plan: LaunchPlan | None = None,
     invariant: bool = False,
@@ -341,7 +386,10 @@ def fused_token_logprobs(
 
     hidden: [N, H] and weight: [V, H], both bf16, fp16 or fp32 (hidden is cast to weight's dtype);
     targets: [N] integer in [0, V); bias: [V] or None. Returns float32 [N] log-probs (and
-    entropies, and each row's log-sum-exp of its transformed logits, when asked). ``invariant``:
+    entropies, and each row's log-sum-exp of its transformed logits, when asked). ``top_k``: each
+    row's K most likely ids ([N, K] int32, descending, ties by id) and their log-probs ([N, K]
+    float32); ``candidates``: [N, Kc] ids whose log-probs to return ([N, Kc] float32); see
+    ``fused_topk``. ``invariant``:
     each row's result bit for bit the same whatever the other rows (``invariant_plan``). ``config``
     and ``plan`` override the tiles and the grid (tests use them to exercise several tiles, groups
     and splits at small shapes).
@@ -353,15 +401,25 @@ def fused_token_logprobs(
         raise NotImplementedError("the fused kernel on the CPU (Triton's interpreter) supports float16 and float32")
     n, hdim = hidden.shape
     vocab = weight.shape[0]
+    check_topk_arguments(n, vocab, top_k, candidates)
     hidden = hidden.to(weight.dtype).contiguous()
     weight = weight.contiguous()
     targets = targets.to(torch.int64).contiguous()
-    config = config or default_config(weight.dtype)
+    kp = padded_k(top_k) if top_k else 0
+    config = topk_config(config or default_config(weight.dtype), kp)
     logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropies = torch.empty_like(logprobs) if return_entropy else None
-    lses = torch.empty_like(logprobs) if return_lse else None
+    # The candidates' log-probs subtract the row's log-sum-exp: asked for internally.
+    lses = torch.empty_like(logprobs) if return_lse or candidates is not None else None
+    top_ids = torch.empty((n, top_k), dtype=torch.int32, device=hidden.device) if top_k else None
+    top_lps = torch.empty((n, top_k), dtype=torch.float32, device=hidden.device) if top_k else None
+    cand_lps = None
+    if candidates is not None:
+        candidates = candidates.to(device=hidden.device, dtype=torch.int64).contiguous()
+        cand_lps = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
+    scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps)
     if n == 0:
-        return TokenScores(logprobs=logprobs, entropies=entropies, lse=lses)
+        return scores
     planner = invariant_plan if invariant else plan_launch
     plan = plan or planner(n, hdim, vocab, weight.element_size(), config, device_info(hidden.device))
     v_tiles = triton.cdiv(vocab, config.block_v)
@@ -370,6 +428,7 @@ def fused_token_logprobs(
     partial_m = torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
     partial_s = torch.empty_like(partial_m)
     partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
+    partial_k = torch.empty((splits, n, kp), dtype=torch.int64, device=hidden.device) if kp else partial_m
     bias32 = bias.float().contiguous() if bias is not None else partial_m  # dummy pointer when absent
     pre, post = transform_constants(transform)
     flags = {"HAS_BIAS": bias is not None, "SOFTCAP": transform.softcap is not None, "ENTROPY": return_entropy}
@@ -382,20 +441,29 @@ def fused_token_logprobs(
         w_in = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_k])
     row_blocks = triton.cdiv(n, config.block_n)
     _partials_kernel[(row_blocks * splits,)](
-        h_in, w_in, bias32, partial_m, partial_s, partial_t,
+        h_in, w_in, bias32, partial_m, partial_s, partial_t, partial_k,
         n, vocab, hdim, hidden.stride(0), weight.stride(0),
         splits, tiles_per_split, min(plan.group_rows, row_blocks), pre, post,
         IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k,
+        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k, KP=kp,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **flags,
     )  # fmt: skip
-    block_r = 32
+    block_r = 16 if kp >= 128 else 32  # the [BLOCK_R, KP] int64 lists of the merge share the registers
     _combine_kernel[(triton.cdiv(n, block_r),)](
         hidden, weight, bias32, targets, partial_m, partial_s, partial_t,
         logprobs, entropies if entropies is not None else logprobs, lses if lses is not None else logprobs,
-        n, hdim, hidden.stride(0), weight.stride(0), splits, pre, post,
-        LSE=return_lse, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), num_warps=4,
-        **flags,
+        partial_k, top_ids if top_ids is not None else logprobs, top_lps if top_lps is not None else logprobs,
+        n, hdim, hidden.stride(0), weight.stride(0), splits, pre, post, top_k,
+        LSE=lses is not None, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), KP=kp,
+        num_warps=4, **flags,
     )  # fmt: skip
-    return TokenScores(logprobs=logprobs, entropies=entropies, lse=lses)
+    if candidates is not None and candidates.shape[1]:
+        block_c = 16
+        _candidates_kernel[(n, triton.cdiv(candidates.shape[1], block_c))](
+            hidden, weight, bias32, candidates, lses, cand_lps,
+            candidates.shape[1], hdim, hidden.stride(0), weight.stride(0), pre, post,
+            HAS_BIAS=bias is not None, SOFTCAP=transform.softcap is not None,
+            BLOCK_C=block_c, BLOCK_K=min(128, triton.next_power_of_2(hdim)), num_warps=4,
+        )  # fmt: skip
+    return scores

@@ -9,11 +9,15 @@ For each row i (a hidden state h_i that predicts token y_i):
     lse_i = logsumexp(x_i)
     log p(y_i) = x_i[y_i] - lse_i
     H_i   = -sum_v p_v log p_v,  p = exp(x_i - lse_i)     # entropy, only when asked
+    top-k_i = the K ids of largest x_i (ties: smaller id first), their x_i - lse_i   # when asked
+    cand_ic = x_i[c] - lse_i for each candidate id c of row i                        # when asked
 
 Rows are processed in chunks so that one chunk's (rows, V) float32 logit slab stays under a
 byte budget: memory is O(budget), not O(N * V). The logits of a chunk are produced directly in
 float32 (cuBLAS accumulates in fp32 and, with ``out_dtype``, writes fp32), so they are never
-rounded to bf16 -- rounding them costs ~8e-3 nats of error at a 150K vocabulary.
+rounded to bf16 -- rounding them costs ~8e-3 nats of error at a 150K vocabulary. The top-k of a
+chunk is ``torch.topk`` of int64 keys that order (logit descending, id ascending) (``topk_keys``,
+the fused kernel's keys), so ties fall by id; it adds an int64 slab, counted in the budget.
 """
 
 from __future__ import annotations
@@ -53,6 +57,34 @@ class TokenScores:
     entropies: torch.Tensor | None  # [N] float32, or None when not asked for
     # [N] float32: each row's log-sum-exp of its transformed logits, when asked for (ops.vocab_parallel)
     lse: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None  # [N, K] int32: each row's K most likely ids, descending, ties by id
+    top_logprobs: torch.Tensor | None = None  # [N, K] float32: their log-probs
+    candidate_logprobs: torch.Tensor | None = None  # [N, Kc] float32: log-probs of the asked candidate ids
+
+
+def check_topk_arguments(n_rows: int, vocab: int, top_k: int, candidates: torch.Tensor | None) -> None:
+    """The op's own shape checks (ids in range are the caller's: checking them here would wait for
+    the device); requests are checked with their names in ``engine.validation``."""
+    if not 0 <= top_k <= vocab:
+        raise ValueError(f"top_k {top_k} must lie in [0, {vocab}] (the vocabulary)")
+    if candidates is not None and (candidates.dim() != 2 or candidates.shape[0] != n_rows):
+        raise ValueError(f"candidates must be [{n_rows}, Kc] ids, not {list(candidates.shape)}")
+
+
+def topk_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 keys of float32 values ``x`` [n, V] at token ``ids`` (default: the column) whose order
+    is (value descending, id ascending): the float's bits made monotonic as a signed int in the
+    high word, 2^31 - 1 - id in the low word (``fused_topk``'s ``pack_keys``)."""
+    bits = x.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    if ids is None:
+        ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
+    return (ordered << 32) | (0x7FFFFFFF - ids)
+
+
+def key_ids(keys: torch.Tensor) -> torch.Tensor:
+    """The token ids of ``topk_keys``' keys, as int64."""
+    return 0x7FFFFFFF - (keys & 0x7FFFFFFF)
 
 
 def rows_per_chunk(vocab_size: int, chunk_bytes: int) -> int:
@@ -83,15 +115,20 @@ def chunked_token_logprobs(
     transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
     return_lse: bool = False,
+    top_k: int = 0,
+    candidates: torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES,
 ) -> TokenScores:
     """Log-prob of ``targets`` under ``hidden @ weight.T``, in row chunks under ``chunk_bytes``.
 
     hidden: [N, H] rows that predict the targets (any float dtype); weight: [V, H] (the lm_head,
     or the input embedding when tied); targets: [N] int64 in [0, V); bias: [V] or None.
-    Returns float32 [N] log-probs (and entropies, and log-sum-exps, when asked).
+    Returns float32 [N] log-probs (and entropies, and log-sum-exps, when asked; and with
+    ``top_k``, each row's K most likely ids and their log-probs; with ``candidates`` [N, Kc], the
+    log-probs of those ids).
     """
     n, vocab = hidden.shape[0], weight.shape[0]
+    check_topk_arguments(n, vocab, top_k, candidates)
     if not hidden.is_cuda and weight.dtype != torch.float32:
         weight = weight.float()
         bias = bias.float() if bias is not None else None
@@ -100,7 +137,14 @@ def chunked_token_logprobs(
     logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropies = torch.empty_like(logprobs) if return_entropy else None
     lses = torch.empty_like(logprobs) if return_lse else None
-    step = rows_per_chunk(vocab, chunk_bytes)
+    top_ids = torch.empty((n, top_k), dtype=torch.int32, device=hidden.device) if top_k else None
+    top_lps = torch.empty((n, top_k), dtype=torch.float32, device=hidden.device) if top_k else None
+    cand_lps = None
+    if candidates is not None:
+        candidates = candidates.to(device=hidden.device, dtype=torch.int64)
+        cand_lps = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
+    # With top-k, each fp32 logit has an int64 key beside it: 12 bytes per element, not 4.
+    step = rows_per_chunk(vocab, chunk_bytes // 3 if top_k else chunk_bytes)
     for start in range(0, n, step):
         end = min(start + step, n)
         x = transform.apply_(_logits_fp32(hidden[start:end], weight, bias))  # [n, V] fp32
@@ -108,8 +152,14 @@ def chunked_token_logprobs(
         logprobs[start:end] = x.gather(1, targets[start:end, None]).squeeze(1) - lse
         if lses is not None:
             lses[start:end] = lse
+        if top_ids is not None and top_lps is not None:
+            ids = key_ids(torch.topk(topk_keys(x), top_k, dim=-1).values)  # [n, K], descending
+            top_ids[start:end] = ids.to(torch.int32)
+            top_lps[start:end] = x.gather(1, ids) - lse[:, None]
+        if candidates is not None and cand_lps is not None:
+            cand_lps[start:end] = x.gather(1, candidates[start:end]) - lse[:, None]
         if entropies is not None:
             # In place: x becomes p = exp(x - lse); entr(p) = -p log p, 0 at p = 0.
             x.sub_(lse[:, None]).exp_()
             entropies[start:end] = torch.special.entr(x).sum(dim=-1)
-    return TokenScores(logprobs=logprobs, entropies=entropies, lse=lses)
+    return TokenScores(logprobs, entropies, lses, top_ids, top_lps, cand_lps)

@@ -15,7 +15,11 @@ One all-gather of those [3, N] floats gives every rank all of them, and each com
     log p  = sum_r z_r - lse                                 (one rank holds the target)
     H      = lse - sum_r exp(lse_r - lse) e_r
 
-so no rank ever holds another's logits: 12 bytes per token cross, not 4 V. float32 is enough:
+so no rank ever holds another's logits: 12 bytes per token cross, not 4 V. With a top-k, each
+rank's own top K (its log-probs lp_r, relative to lse_r) cross too, 8 K bytes per token, and the
+K largest of the world's K x ranks, at lp_r + lse_r - lse, with ties by the smaller global id,
+are the top-k (the global top K are each within some rank's top K). A candidate's log-prob comes
+from the rank that holds its id, as the target's does. float32 is enough:
 each rank's statistics are the op's own float32 results (the kernel accumulates in float32), and
 the combination adds a few roundings of values of the size of lse (|lse| ~ 10-20: ~1e-6 each).
 """
@@ -26,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from logprob_service.ops.dispatch import LogprobOp
-from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores
+from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores, topk_keys
 
 # torch 2.13 renames all_gather_into_tensor (a FutureWarning on every call there) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,14 +47,21 @@ def vocab_parallel_logprobs(
     bias_shard: torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
     return_entropy: bool = False,
+    top_k: int = 0,
+    candidates: torch.Tensor | None = None,
 ) -> TokenScores:
     """Log-probs of ``targets`` (ids of the whole vocabulary) under the lm_head whose rows
     ``vocab_start`` + [0, V_r) are ``weight_shard`` here and the rest on the other ranks of
     ``group``; every rank calls this with the same ``hidden`` and ``targets`` and gets the same
-    result. hidden: [N, H]; weight_shard: [V_r, H]; targets: [N]."""
+    result. hidden: [N, H]; weight_shard: [V_r, H]; targets: [N]; candidates: [N, Kc] global ids."""
     rows = weight_shard.shape[0]
     local = targets - vocab_start
     mine = (local >= 0) & (local < rows)
+    local_candidates = None
+    if candidates is not None:
+        local_candidates = candidates - vocab_start
+        mine_c = (local_candidates >= 0) & (local_candidates < rows)
+        local_candidates = local_candidates.clamp(0, rows - 1)  # another rank's: masked below
     scores = op(
         hidden,
         weight_shard,
@@ -59,6 +70,8 @@ def vocab_parallel_logprobs(
         transform=transform,
         return_entropy=return_entropy,
         return_lse=True,
+        top_k=min(top_k, rows),
+        candidates=local_candidates,
     )
     lse_r = scores.lse
     assert lse_r is not None
@@ -74,4 +87,23 @@ def vocab_parallel_logprobs(
     entropies = None
     if return_entropy:
         entropies = lse - (torch.exp(lse_all - lse) * e_all).sum(dim=0)
-    return TokenScores(logprobs=logprobs, entropies=entropies, lse=lse)
+    top_ids = top_lps = cand_lps = None
+    if top_k and scores.top_ids is not None and scores.top_logprobs is not None:
+        # Every rank sends K (a shard of fewer ids pads with -inf), global ids in float32 slots,
+        # bit for bit: one gather of [2, N, K].
+        pad = top_k - scores.top_ids.shape[1]
+        own_lp = torch.nn.functional.pad(scores.top_logprobs + (lse_r - lse)[:, None], (0, pad), value=-torch.inf)
+        own_ids = torch.nn.functional.pad(scores.top_ids + vocab_start, (0, pad))
+        own = torch.stack([own_lp, own_ids.view(torch.float32)])
+        pieces = torch.empty((world * 2, *own.shape[1:]), dtype=own.dtype, device=own.device)
+        _all_gather(pieces, own, group=group)
+        values, ids = pieces.view(world, 2, len(lse), top_k).permute(1, 2, 0, 3).reshape(2, len(lse), -1)
+        ids = ids.contiguous().view(torch.int32)  # [N, world K] each
+        at = torch.topk(topk_keys(values, ids.long()), top_k, dim=-1).indices
+        top_ids, top_lps = ids.gather(1, at), values.gather(1, at)
+    if candidates is not None and scores.candidate_logprobs is not None:
+        own_c = torch.where(mine_c, scores.candidate_logprobs + lse_r[:, None], 0.0)
+        pieces = torch.empty((world * own_c.shape[0], own_c.shape[1]), dtype=own_c.dtype, device=own_c.device)
+        _all_gather(pieces, own_c.contiguous(), group=group)
+        cand_lps = pieces.view(world, *own_c.shape).sum(dim=0) - lse[:, None]
+    return TokenScores(logprobs, entropies, lse, top_ids, top_lps, cand_lps)

@@ -53,11 +53,17 @@ def launch_splitting_on_oom(
     *,
     temperature: float,
     return_entropy: bool,
+    top_k: int = 0,
 ) -> list[Part]:
     """Launch ``sequences[indices]`` as one packed batch, halving it on out-of-memory."""
     try:
         batch = pack([sequences[i] for i in indices], share_prompts=scorer.options.share_prompts)
-        return [Part(indices, launched=scorer.launch(batch, temperature=temperature, return_entropy=return_entropy))]
+        return [
+            Part(
+                indices,
+                launched=scorer.launch(batch, temperature=temperature, return_entropy=return_entropy, top_k=top_k),
+            )
+        ]
     except torch.OutOfMemoryError:
         pass  # handled below, once the traceback no longer holds the failed attempt's tensors
     if torch.cuda.is_available():
@@ -80,7 +86,7 @@ def launch_splitting_on_oom(
         ]
     half = len(indices) // 2
     log.warning("out of device memory on %d sequences: retrying as two halves", len(indices))
-    kwargs = {"temperature": temperature, "return_entropy": return_entropy}
+    kwargs = {"temperature": temperature, "return_entropy": return_entropy, "top_k": top_k}
     return launch_splitting_on_oom(scorer, sequences, indices[:half], **kwargs) + launch_splitting_on_oom(
         scorer, sequences, indices[half:], **kwargs
     )
@@ -92,12 +98,18 @@ def launch_measured(
     *,
     temperature: float,
     return_entropy: bool,
+    top_k: int = 0,
     stats: StatsSink = NO_STATS,
 ) -> list[Part]:
     """``launch_splitting_on_oom`` over all of ``sequences``, observing its peak device memory."""
     with gpu_memory.micro_batch_peak(scorer.device) as peak:
         parts = launch_splitting_on_oom(
-            scorer, sequences, list(range(len(sequences))), temperature=temperature, return_entropy=return_entropy
+            scorer,
+            sequences,
+            list(range(len(sequences))),
+            temperature=temperature,
+            return_entropy=return_entropy,
+            top_k=top_k,
         )
     if peak.bytes is not None:
         stats.record(BatchMemory(str(scorer.device), peak.bytes))
@@ -123,11 +135,17 @@ class DeviceExecutor:
         *,
         temperature: float,
         return_entropy: bool,
+        top_k: int = 0,
     ) -> list[Part]:
         def launch() -> list[Part]:
             served.activate()  # a LoRA model and its base share one model: select which one scores
             return launch_measured(
-                served.scorer, sequences, temperature=temperature, return_entropy=return_entropy, stats=self._stats
+                served.scorer,
+                sequences,
+                temperature=temperature,
+                return_entropy=return_entropy,
+                top_k=top_k,
+                stats=self._stats,
             )
 
         return await self.run(launch)

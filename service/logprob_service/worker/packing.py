@@ -79,6 +79,8 @@ def pack(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> P
         rows=np.concatenate(rows).astype(np.int64),
         targets=np.concatenate([s.completion_ids for s in sequences]).astype(np.int64),
         completion_lengths=[len(s.completion_ids) for s in sequences],
+        candidates=_candidates(sequences),
+        candidate_widths=[0 if s.candidate_ids is None else s.candidate_ids.shape[1] for s in sequences],
         shared_keys=SharedKeys(
             index=np.concatenate(key_rows).astype(np.int64),
             cu_seqlens=np.concatenate([[0], np.cumsum(key_lengths)]).astype(np.int32),
@@ -87,3 +89,19 @@ def pack(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> P
         if shared
         else None,  # every segment's keys are its own rows: plain self-attention, no gather
     )
+
+
+def _candidates(sequences: Sequence[TokenSequence]) -> np.ndarray | None:
+    """[N, Kc] candidate ids of every completion position, row for row with ``rows``, Kc the most
+    of any sequence's; shorter rows (and sequences without) padded with id 0, their results cut
+    off again in ``Launched.fetch``. None when no sequence has any."""
+    widths = [0 if s.candidate_ids is None else s.candidate_ids.shape[1] for s in sequences]
+    if not any(widths):
+        return None
+    out = np.zeros((sum(len(s.completion_ids) for s in sequences), max(widths)), dtype=np.int64)
+    row = 0
+    for seq, width in zip(sequences, widths):
+        if width:
+            out[row : row + len(seq.completion_ids), :width] = seq.candidate_ids
+        row += len(seq.completion_ids)
+    return out

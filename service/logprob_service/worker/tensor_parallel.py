@@ -107,10 +107,24 @@ class Leader:
         launch = scorer.launch
 
         @functools.wraps(launch)
-        def announced(batch: PackedBatch, *, temperature: float = 1.0, return_entropy: bool = False) -> Launched:
-            self._announce(("launch", name, batch, temperature, return_entropy))
+        def announced(
+            batch: PackedBatch,
+            *,
+            temperature: float = 1.0,
+            return_entropy: bool = False,
+            return_routed_experts: bool = False,
+            top_k: int = 0,
+        ) -> Launched:
+            self._announce(("launch", name, batch, temperature, return_entropy, top_k))
             try:
-                return launch(batch, temperature=temperature, return_entropy=return_entropy)
+                # Routed experts are rank 0's to keep: the router is replicated, its choices the same on every rank.
+                return launch(
+                    batch,
+                    temperature=temperature,
+                    return_entropy=return_entropy,
+                    return_routed_experts=return_routed_experts,
+                    top_k=top_k,
+                )
             except Exception as err:
                 on_failure(f"rank 0 failed in a launch of {name!r}, the ranks are out of step: {err!r}")
                 raise
@@ -163,10 +177,10 @@ def _follow(rank: int, devices: list[torch.device], port: int, build: Build, log
         command = box[0]
         if command[0] == "stop":
             break
-        _, name, batch, temperature, return_entropy = command
+        _, name, batch, temperature, return_entropy, top_k = command
         # Two in flight, as on rank 0: the next launch is queued before this one's end is awaited.
         previous = launched
-        launched = scorers[name].launch(batch, temperature=temperature, return_entropy=return_entropy)
+        launched = scorers[name].launch(batch, temperature=temperature, return_entropy=return_entropy, top_k=top_k)
         if previous is not None:
             previous.fetch()
     if launched is not None:

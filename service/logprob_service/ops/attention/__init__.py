@@ -33,8 +33,10 @@ from logprob_service.ops.attention.choice import AttentionBackend, describe_back
 from logprob_service.ops.attention.common import varlen_window_size
 from logprob_service.ops.attention.exact import exact_packed_attention, sequence_attention
 from logprob_service.ops.attention.transformers_glue import (
+    HOST_BOUNDS,
     KV_CHUNK,
     PACKED_ATTENTION,
+    VARLEN_KWARGS,
     KVChunk,
     attention_implementation_name,
     packed_attention_forward,
@@ -43,8 +45,10 @@ from logprob_service.ops.attention.transformers_glue import (
 )
 
 __all__ = [
+    "HOST_BOUNDS",
     "KV_CHUNK",
     "PACKED_ATTENTION",
+    "VARLEN_KWARGS",
     "AttentionBackend",
     "KVChunk",
     "attention_implementation_name",

@@ -5,6 +5,10 @@ Merging by log-sum-exp: for two disjoint key sets A and B of the same query rows
 ``o = (exp(lse_A) o_A + exp(lse_B) o_B) / (exp(lse_A) + exp(lse_B))`` and
 ``lse = logaddexp(lse_A, lse_B)`` are exactly attention over A u B: ``merge_attention`` does it.
 (``sdpa_cudnn`` splits a chunk's keys in two this way.)
+
+Attention sinks from the log-sum-exp: a sink logit s joins each row's softmax without a value, so
+``p_j = exp(x_j) / (exp(lse) + exp(s)) = softmax_j * sigmoid(lse - s)``: a fast kernel's output
+times ``sigmoid(lse - s)`` is exactly attention with the sink (``apply_sinks``).
 """
 
 from __future__ import annotations
@@ -45,3 +49,11 @@ def merge_attention(
         return torch.where(weight > 0, weight * out.float(), 0.0)
 
     return (part(out1, lse1) + part(out2, lse2)).to(out1.dtype), lse
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks from attention without them: out [T, H, D], lse [T, H] (natural log over
+    the allowed keys), sinks [H] -> [T, H, D] in out's dtype, scaled in float32 (see the module
+    docstring). A row with no allowed key (lse -inf) gives all its probability to the sink: 0."""
+    share = torch.sigmoid(lse.float() - sinks.float()[None, :]).unsqueeze(-1)  # [T, H, 1]
+    return (out.float() * share).to(out.dtype)

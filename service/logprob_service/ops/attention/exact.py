@@ -2,6 +2,10 @@
 implementation computes it, in blocks of query rows so that one block's float32 scores stay under
 ``FALLBACK_SCORE_BYTES`` (memory O(block x L), not O(L^2)). It serves every call the faster
 backends cannot compute exactly: the CPU, float32, softcapped attention.
+
+Attention sinks (gpt-oss): one learned logit per query head that joins every row's softmax and
+takes its share of the probability without a value: ``p_j = exp(x_j) / (sum_k exp(x_k) + exp(s_h))``,
+as transformers' eager gpt-oss computes it (a column of the sink logit, softmax, the column dropped).
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ def exact_packed_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
     score_bytes: int | None = None,
 ) -> torch.Tensor:
     """Eager-exact attention of each sequence of a packed row, on its own.
 
     q: [H, Tq, D]; k: [KV, Tk, D]; v: [KV, Tk, Dv]; ``cu_q`` / ``cu_k``: host lists [n+1] of query
     and key boundaries (``cu_k`` defaults to ``cu_q``: self-attention) -> [Tq, H, Dv]. A sequence
-    with fewer queries than keys holds its last queries (aligned bottom-right).
+    with fewer queries than keys holds its last queries (aligned bottom-right). ``sinks``: [H]
+    attention-sink logits, or None.
     """
     cu_k = cu_q if cu_k is None else cu_k
     heads, total, _ = q.shape
@@ -44,7 +50,7 @@ def exact_packed_attention(
         if qe > qs:
             out[qs:qe] = sequence_attention(
                 q[:, qs:qe], k[:, ks:ke], v[:, ks:ke],
-                scale=scale, sliding_window=sliding_window, softcap=softcap, score_bytes=score_bytes,
+                scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, score_bytes=score_bytes,
             )  # fmt: skip
     return out
 
@@ -57,6 +63,7 @@ def sequence_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
     score_bytes: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence, as transformers' eager implementation computes it.
@@ -65,7 +72,7 @@ def sequence_attention(
     sequence's last Lq positions (query i sits at position i + Lk - Lq). Query rows go in blocks
     whose float32 scores fit ``score_bytes`` (default ``FALLBACK_SCORE_BYTES``); each block reads
     only the keys it can see (causal, and the window), so a row's result does not depend on the
-    blocking.
+    blocking. ``sinks``: [H] attention-sink logits (see the module docstring), or None.
     """
     heads, length, _ = q.shape
     kv_heads, keys = k.shape[0], k.shape[1]
@@ -89,7 +96,12 @@ def sequence_attention(
         # -inf instead of eager's additive finfo.min: both give exactly 0 after the softmax, and
         # every row keeps at least itself, so no row is all -inf.
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:  # the sink's column joins the softmax, then goes: its share of the probability is dropped
+            sink = sinks.to(scores.dtype).view(kv_heads, groups, 1, 1).expand(-1, -1, q1 - q0, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+            probs = probs[..., :-1].to(q.dtype)
         o = probs @ v[:, None, k0:p1]  # [KV, G, Lq, Dv]
         out[q0:q1] = o.flatten(0, 1).transpose(0, 1)  # [Lq, H, Dv]
     return out

@@ -75,8 +75,10 @@ def varlen_attention(
     *,
     scale: float,
     window_size: tuple[int, int],
-) -> torch.Tensor:
-    """Flash-attention varlen over the packed row. q: [T, H, D]; k, v: [T, KV, D] -> [T, H, D]."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Flash-attention varlen over the packed row. q: [T, H, D]; k, v: [T, KV, D] -> [T, H, D], and
+    with ``return_lse`` the log-sum-exp [T, H] float32 (torch's ``AuxRequest(lse=True)``)."""
     fn = _varlen_attn()
     assert fn is not None, "fast_path_blocker lets no call through without varlen_attn"
     groups = q.shape[1] // k.shape[1]
@@ -91,4 +93,16 @@ def varlen_attention(
             # transient (freed after the call).
             k = k.repeat_interleave(groups, dim=1)  # [T, H, D]
             v = v.repeat_interleave(groups, dim=1)  # [T, H, D]
-    return fn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, **extra)
+    if return_lse:
+        from torch.nn.attention.varlen import AuxRequest  # where varlen_attn is, so is its AuxRequest
+
+        extra["return_aux"] = AuxRequest(lse=True)
+    result = fn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, **extra)
+    if not return_lse:
+        return result
+    out, lse = result
+    if lse.shape == (q.shape[1], q.shape[0]):
+        # FlashAttention-2's varlen layout [H, T] (torch's fake kernel for the op says so; its
+        # docstring says [T, H]): as [T, H], the layout the other backends return.
+        lse = lse.transpose(0, 1)
+    return out, lse

@@ -65,8 +65,11 @@ def sdpa_cudnn_blocker(
     return _sdpa_cudnn_refused(q.device, q.dtype, q.shape[-1], q.shape[-2] // k.shape[-2])
 
 
-def sdpa_cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+def sdpa_cudnn_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, return_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one sequence on torch's cuDNN flash kernel. q: [Lq, H, D]; k, v: [Lk, KV, D].
+    With ``return_lse`` also the log-sum-exp [Lq, H] float32 (for attention sinks: ``common.apply_sinks``).
 
     Lq = Lk: SDPA, causal. Lq < Lk (a chunk: the sequence's last Lq positions): SDPA's causal mask
     is aligned top-left, so the keys split in two, each on the mask-free or the square kernel
@@ -74,6 +77,8 @@ def sdpa_cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     H200): the Lk - Lq keys before the chunk, all visible (no mask), and the chunk's own Lq keys,
     causal; the two are merged by log-sum-exp (``common.merge_attention``), exactly."""
     prefix = k.shape[0] - q.shape[0]
+    if prefix == 0 and return_lse:
+        return _cudnn_lse_attention(q, k, v, causal=True, scale=scale)
     if prefix == 0:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = F.scaled_dot_product_attention(
@@ -83,4 +88,5 @@ def sdpa_cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         return out[0].transpose(0, 1)  # [T, H, D]
     before = _cudnn_lse_attention(q, k[:prefix], v[:prefix], causal=False, scale=scale)
     own = _cudnn_lse_attention(q, k[prefix:], v[prefix:], causal=True, scale=scale)
-    return merge_attention(*before, *own)[0]
+    out, lse = merge_attention(*before, *own)
+    return (out, lse) if return_lse else out

@@ -22,6 +22,19 @@ Conventions, checked against transformers 5 (5.17 and 5.23 agree):
   batch row as one whole sequence, so a model switched to this implementation still answers
   ordinary unpadded calls exactly.
 
+What a layer's attention needs beyond q, k, v, read where transformers keeps it:
+
+* Attention sinks (gpt-oss): the ``s_aux`` argument, [H] logits.
+* Chunked attention (Llama 4): transformers tells it only through the mask it builds for the layer's
+  type (``create_chunked_causal_mask``), which a maskless implementation never gets; so the layer's
+  type is read from ``config.layer_types[module.layer_idx]`` and the chunk from
+  ``config.attention_chunk_size``. A layer type this module does not know is refused, not run as
+  plain causal attention.
+* Llama 4's NoPE layers scale their queries by position (``attn_temperature_tuning``), computing the
+  position as the row's index in ``hidden_states``: right for one unpadded sequence, wrong for a
+  packed row or a chunk. The queries are rescaled here to each row's position in its own sequence
+  (``_nope_positions_rescaled``).
+
 Chunks of a long sequence (``models.chunked``): a layer called with a ``KVChunk`` writes the
 chunk's keys and values into the layer's K/V buffers and attends the chunk's queries to every key
 so far, causal aligned bottom-right: query i of a chunk of Lq queries over Lk keys sees keys
@@ -31,6 +44,7 @@ j <= i + Lk - Lq, as in one pass over the whole sequence.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +56,7 @@ PACKED_ATTENTION = "logprob_packed"
 """Name of the attention implementation: ``model.set_attn_implementation(PACKED_ATTENTION)``."""
 
 VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The sequence boundaries transformers hands through: a chunk's call drops them (``models.chunked``)."""
 
 
 # --------------------------------------------------------------------------- registration
@@ -77,8 +92,19 @@ KV_INDEX = "logprob_kv_index"
 """The keyword argument that gathers each query segment's keys/values from the packed row's."""
 
 
+HOST_BOUNDS = "logprob_host_bounds"
+"""The keyword argument with the row's query and key boundaries as host ints, where the caller has
+them (the scorer: from the batch's numpy arrays): the paths that cut or loop on the host (attention
+chunks, the exact backend) read them there instead of copying ``cu_seq_lens_*`` back, a host sync
+per layer."""
+
+
 def packed_forward_kwargs(
-    cu_seqlens: torch.Tensor, max_len: int, *, keys: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    keys: tuple[torch.Tensor, int, torch.Tensor] | None = None,
+    host_bounds: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``model.base_model(input_ids=..., position_ids=..., use_cache=False, **kwargs)``
     on a packed row.
@@ -89,6 +115,7 @@ def packed_forward_kwargs(
     (cu_seqlens_k [n+1], max_len_k, index [Tk]), segment s's keys and values are rows
     ``index[cu_seqlens_k[s]:cu_seqlens_k[s+1]]`` of the row's, its queries the last positions of
     those keys (a completion sharing its prompt with others: the prompt's rows, then its own).
+    ``host_bounds``: (cu_seqlens, cu_seqlens_k) as host ints, the same values (``HOST_BOUNDS``).
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
@@ -98,8 +125,14 @@ def packed_forward_kwargs(
     if max_len < 1:
         raise ValueError(f"max_len must be at least 1, got {max_len}")
     cu = cu_seqlens.to(torch.int32)  # flash attention's varlen kernels index with int32
+    host = {}
+    if host_bounds is not None:
+        bounds_q, bounds_k = ([int(x) for x in bounds] for bounds in host_bounds)
+        if len(bounds_q) != cu_seqlens.numel() or len(bounds_k) != len(bounds_q):
+            raise ValueError(f"host_bounds: {len(bounds_q)} and {len(bounds_k)} entries for {cu_seqlens.numel()}")
+        host = {HOST_BOUNDS: (bounds_q, bounds_k)}
     if keys is None:
-        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len, **host}
     cu_k, max_k, index = keys
     if cu_k.shape != cu_seqlens.shape:
         raise ValueError(f"keys: {cu_k.numel() - 1} key segments for {cu_seqlens.numel() - 1} query segments")
@@ -109,6 +142,7 @@ def packed_forward_kwargs(
         "max_length_q": max_len,
         "max_length_k": int(max_k),
         KV_INDEX: index,
+        **host,
     }
 
 
@@ -161,32 +195,104 @@ def packed_attention_forward(
     Without the varlen kwargs, query is [B, H, T, D] and each row is one sequence; with a
     ``KV_CHUNK``, the row is a chunk of one long sequence (see the module docstring).
     """
-    chunk: KVChunk | None = kwargs.get(KV_CHUNK)
-    if chunk is None and all(kwargs.get(name) is None for name in VARLEN_KWARGS):
+    if kwargs.get(KV_CHUNK) is None and all(kwargs.get(name) is None for name in VARLEN_KWARGS):
         return _unpacked_attention(
             module, query, key, value, attention_mask, scaling, dropout, softcap, preference=preference, **kwargs
         )
     _check_supported(module, query, key, attention_mask, dropout, kwargs)
+    return _packed_row_attention(
+        module, query, key, value, scaling, softcap, preference=preference, rows_are_positions=False, **kwargs
+    )
+
+
+def _packed_row_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
+    *,
+    preference: AttentionBackend,
+    rows_are_positions: bool,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``packed_attention_forward`` once the call is known to be one packed row or chunk.
+    ``rows_are_positions``: each sequence starts at row 0 of its own batch row (an unpacked call)."""
+    chunk: KVChunk | None = kwargs.get(KV_CHUNK)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     # Models pass the window per layer as an argument (None on full-attention layers); the module
     # attribute only stands in for a model that does not pass the argument at all.
     sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    attention_chunk = _attention_chunk(module)
     q = query[0].transpose(0, 1)  # [T, H, D], a view: backends copy what they need
     if chunk is not None:
         k, v = chunk.write(key[0].transpose(0, 1), value[0].transpose(0, 1))  # [end, KV, D]: all keys so far
         lengths = torch.tensor([0, q.shape[0], 0, k.shape[0]], dtype=torch.int32, device=q.device)
         cu_q, cu_k, max_q, max_k = lengths[:2], lengths[2:], q.shape[0], k.shape[0]
+        bounds = ([0, q.shape[0]], [0, k.shape[0]])
     else:
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KV, D]
         index = kwargs.get(KV_INDEX)
         if index is not None:  # segments sharing a prompt: each gets its own copy of the prompt's keys
             k, v = k.index_select(0, index), v.index_select(0, index)  # [Tk, KV, D]
         cu_q, cu_k, max_q, max_k = _varlen_kwargs(kwargs, query.device)
+        bounds = kwargs.get(HOST_BOUNDS)
+    if not rows_are_positions and _nope_temperature(module):
+        q = _nope_positions_rescaled(module, q, cu_q, cu_k)
     out = packed_attention(
         q, k, v, cu_q, cu_k, max_q, max_k,
-        scale=scale, sliding_window=sliding_window, softcap=softcap, preference=preference,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=kwargs.get("s_aux"),
+        attention_chunk=attention_chunk, bounds=bounds, preference=preference,
     )  # fmt: skip
     return out.unsqueeze(0), None  # [1, Tq, H, D]
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""Layer types (``config.layer_types``) whose attention this module computes: each is causal, the
+window coming as the ``sliding_window`` argument and the chunk from the config."""
+
+
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The attention chunk of the module's layer (Llama 4's chunked layers), None for other layers."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if not layer_types or layer is None or layer >= len(layer_types):
+        return None  # untyped layers (as transformers builds them: one causal mask for all)
+    layer_type = layer_types[layer]
+    if layer_type not in LAYER_TYPES:
+        raise NotImplementedError(
+            f"{PACKED_ATTENTION!r} attention: layer {layer} is of type {layer_type!r}, whose mask it does not "
+            f"know (it computes {', '.join(LAYER_TYPES)})"
+        )
+    if layer_type != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
+def _nope_temperature(module: torch.nn.Module) -> bool:
+    """Whether the layer scaled its queries by row index (Llama 4's NoPE layers with temperature tuning)."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
+
+
+def _nope_positions_rescaled(
+    module: torch.nn.Module, q: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor
+) -> torch.Tensor:
+    """Queries [T, H, D] that Llama 4 scaled by ``1 + attn_scale * log1p(floor((r + 1) / floor_scale))``
+    of their row index r, rescaled to that of their position in their sequence: row r of segment s
+    sits at position r - cu_q[s] + (Lk_s - Lq_s) (the queries are their keys' last positions). On
+    the device, no host sync. Scales computed in float32, as transformers does."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    segment = torch.searchsorted(cu_q, rows.to(cu_q.dtype), right=True) - 1  # [T]
+    offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1]) - cu_q[:-1]  # [n]: position of row 0 - cu_q[s]
+    positions = rows + offset[segment]
+
+    def temperature(pos: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    ratio = (temperature(positions) / temperature(rows))[:, None, None]  # [T, 1, 1], 1 where they agree
+    return (q.float() * ratio).to(q.dtype) if q.dtype != torch.float64 else q * ratio.double()
 
 
 def _unpacked_attention(
@@ -209,9 +315,11 @@ def _unpacked_attention(
         return x.transpose(0, 1).reshape(x.shape[1], b * t, x.shape[-1])[None]
 
     cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device)
-    out, _ = packed_attention_forward(
-        module, one_row(query), one_row(key), one_row(value), attention_mask, scaling, dropout, softcap,
-        preference=preference, **kwargs, **packed_forward_kwargs(cu_seqlens, t),
+    _check_supported(module, one_row(query), one_row(key), attention_mask, dropout, kwargs)
+    out, _ = _packed_row_attention(
+        module, one_row(query), one_row(key), one_row(value), scaling, softcap,
+        preference=preference, rows_are_positions=True, **kwargs,
+        **packed_forward_kwargs(cu_seqlens, t, host_bounds=(range(0, (b + 1) * t, t),) * 2),
     )  # fmt: skip
     return out.reshape(b, t, h, value.shape[-1]), None
 
@@ -246,8 +354,6 @@ def _check_supported(
         is_causal = getattr(module, "is_causal", True)
     if not is_causal:
         raise NotImplementedError(f"{PACKED_ATTENTION!r} attention is causal only; this layer is bidirectional")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{PACKED_ATTENTION!r} attention does not support attention sinks (s_aux)")
     if dropout and module.training:
         raise NotImplementedError(f"{PACKED_ATTENTION!r} attention is for inference: attention dropout is not applied")
 

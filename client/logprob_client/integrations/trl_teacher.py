@@ -1,0 +1,101 @@
+"""logprob-service as the teacher of TRL's ``ServerDistillationTrainer`` (on-policy distillation).
+
+TRL 1.16's ``trl.experimental.server_distillation.ServerDistillationTrainer`` asks its teacher for
+log-probs through one method of its ``teacher_client`` (a ``VLLMClient``, set in ``__init__``):
+``get_sequence_logprobs(sequences, prompt_lengths, top_logprobs, temperature)``, which answers
+per sequence the teacher's top-k log-probs and ids at each completion position and its log-prob
+of the actual token. ``ServiceTeacher`` answers the same from a logprob-service (``top_k``), the
+actual token's log-prob exact whether or not it is among the top-k (vLLM answers -inf there):
+
+    from logprob_client import LogprobClient
+    from logprob_client.integrations.trl_teacher import ServiceDistillationTrainer, ServiceTeacher
+
+    trainer = ServiceDistillationTrainer(
+        model=student,
+        args=ServerDistillationConfig(loss_top_k=20, beta=0.0, ...),
+        teacher=ServiceTeacher(LogprobClient("teacher-host:50051"), model="teacher"),
+        ...,
+    )
+
+``ServiceDistillationTrainer`` is TRL's trainer, built with ``ServiceTeacher`` where TRL's
+``__init__`` makes its ``VLLMClient`` (which needs vLLM installed, and a URL): the one attribute
+TRL reads the teacher from. ``examples/distill_trl.py`` runs it end to end.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+try:
+    import trl.generation.vllm_client as vllm_client
+
+    with warnings.catch_warnings():  # "importing from trl.experimental": this module pins what it uses (TRL 1.16)
+        warnings.simplefilter("ignore")
+        from trl.experimental.server_distillation import ServerDistillationTrainer
+except ImportError as err:  # an optional dependency
+    raise ImportError('logprob_client.integrations.trl_teacher needs TRL: pip install "logprob-service[trl]"') from err
+
+from ..client import LogprobClient
+
+
+class ServiceTeacher:
+    """``VLLMClient.get_sequence_logprobs`` (TRL 1.16) answered by logprob-service's ``model``."""
+
+    def __init__(self, client: LogprobClient, model: str | None = None) -> None:
+        self.client = client
+        self.model = model
+
+    def get_sequence_logprobs(
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lengths: Sequence[int],
+        top_logprobs: int = 100,
+        temperature: float = 1.0,
+        chunk_size: int = 0,
+        max_concurrent_requests: int = 4,
+    ) -> dict[str, list]:
+        """Per sequence (prompt + completion ids, ``prompt_lengths[i]`` of them the prompt), at each
+        completion position: ``logprobs`` and ``logprob_token_ids`` [C][K] (the teacher's top-k,
+        descending, ties by id), ``actual_logprobs`` and ``actual_token_ids`` [C][1]. A sequence
+        with no completion gets empty lists. ``chunk_size`` and ``max_concurrent_requests`` are
+        vLLM's and unused: the client cuts large calls into RPCs in flight together."""
+        del chunk_size, max_concurrent_requests
+        sent = [i for i, (ids, p) in enumerate(zip(sequences, prompt_lengths, strict=True)) if len(ids) > p]
+        out: dict[str, list[Any]] = {
+            key: [[] for _ in sequences]
+            for key in ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids")
+        }
+        if not sent:
+            return out
+        prompts = [np.asarray(sequences[i][: prompt_lengths[i]]) for i in sent]
+        completions = [np.asarray(sequences[i][prompt_lengths[i] :]) for i in sent]
+        answer = self.client.score(prompts, completions, model=self.model, temperature=temperature, top_k=top_logprobs)
+        for i, completion, logprobs, top_ids, top_lps in zip(
+            sent, completions, answer.logprobs, answer.top_ids, answer.top_logprobs, strict=True
+        ):
+            out["logprobs"][i] = top_lps.tolist()
+            out["logprob_token_ids"][i] = top_ids.tolist()
+            out["actual_logprobs"][i] = logprobs[:, None].tolist()
+            out["actual_token_ids"][i] = np.asarray(completion)[:, None].tolist()
+        return out
+
+
+class ServiceDistillationTrainer(ServerDistillationTrainer):
+    """TRL's ``ServerDistillationTrainer`` whose teacher is ``teacher`` (a ``ServiceTeacher``); every
+        other argument is TRL's. ``args.teacher_model_server_url`` must be set (TRL's config checks it)
+    but is not used."""
+
+    def __init__(self, *args: Any, teacher: ServiceTeacher, **kwargs: Any) -> None:
+        # TRL's __init__ imports VLLMClient from its module and builds it from the URL: hand it ours.
+        with mock.patch.object(vllm_client, "VLLMClient", lambda **_: teacher):
+            super().__init__(*args, **kwargs)
+        if self.teacher_client is not teacher:
+            raise RuntimeError(
+                "this TRL's ServerDistillationTrainer no longer builds its teacher_client from "
+                "trl.generation.vllm_client.VLLMClient: logprob_client.integrations.trl_teacher needs updating"
+            )

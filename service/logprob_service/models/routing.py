@@ -1,0 +1,81 @@
+"""The expert ids a mixture-of-experts model's routers choose, captured while it scores.
+
+Router replay (verl's ``routed_experts``) needs, for each completion token, the experts each MoE
+layer routed to. transformers 5 gives every MoE family a router module of its own class, named in
+the model's ``_can_record_outputs["router_logits"]`` (that is how ``output_router_logits``
+collects its logits), and the families of the ``use_experts_implementation`` kind (Qwen3-MoE,
+gpt-oss, Mixtral, Qwen2-MoE, ...) have it return ``(logits, weights, top_k_ids)``. A forward hook
+on each router keeps its ``top_k_ids``: the choice the model itself made, on the packed row, not a
+recomputation from the logits. A chunked long sequence (``models.chunked``) calls each router once
+a chunk, in row order, so a router's calls concatenate to the whole row.
+
+The ids are kept on the device ([T, top_k] per MoE layer) until the row's completion rows are
+selected; only [N, layers, top_k] go to the host.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+ROUTER_OUTPUT = "router_logits"
+"""The key of ``_can_record_outputs`` whose recorder names the model's router class."""
+IDS_INDEX = 2
+"""Where a router's output tuple holds its top-k expert ids: (logits, weights, ids)."""
+
+
+class RoutingUnsupported(ValueError):
+    """The model has no router whose top-k ids can be captured (dense, or another router kind)."""
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE routers in layer order; ``RoutingUnsupported`` when it has none."""
+    recorder = getattr(model, "_can_record_outputs", None) or {}
+    target = getattr(recorder.get(ROUTER_OUTPUT), "target_class", None)
+    found = [m for m in model.modules() if target is not None and isinstance(m, target)]
+    if not found:
+        raise RoutingUnsupported(f"{type(model).__name__} has no mixture-of-experts router to report routed experts of")
+    return found
+
+
+class RoutedExperts:
+    """Within ``with``, every router call's top-k expert ids are kept; ``ids(rows)`` gives them at
+    rows of the packed row, [len(rows), layers, top_k]."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._routers = routers(model)
+        self._calls: list[list[torch.Tensor]] = [[] for _ in self._routers]
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> RoutedExperts:
+        for calls, router in zip(self._calls, self._routers):
+            calls.clear()
+            self._handles.append(router.register_forward_hook(self._keeper(calls, router)))
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @staticmethod
+    def _keeper(calls: list[torch.Tensor], router: nn.Module) -> Any:
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            ids = output[IDS_INDEX] if isinstance(output, tuple) and len(output) > IDS_INDEX else None
+            if ids is None or ids.is_floating_point():
+                raise RoutingUnsupported(
+                    f"{type(router).__name__} does not return its top-k expert ids (logits, weights, ids)"
+                )
+            calls.append(ids.reshape(-1, ids.shape[-1]))  # [tokens of this call, top_k]
+
+        return keep
+
+    def ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), layers, top_k] int32: the experts each MoE layer routed row ``rows[i]`` to."""
+        per_layer = [torch.cat(calls).index_select(0, rows) for calls in self._calls]
+        return torch.stack(per_layer, dim=1).to(torch.int32)

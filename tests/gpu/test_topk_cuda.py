@@ -1,0 +1,98 @@
+"""Top-k and candidate log-probs of the fused kernel on the GPU, at real vocabulary sizes (issue 43).
+Skipped without CUDA.
+
+Criterion: the fused op's (tests/gpu/test_fused_logprobs_cuda.py): 1e-4 nats against float64 logits
+of the same bf16 inputs; ids equal the float64 top-k's wherever its neighbouring log-probs are
+further apart than twice that (``tests.helpers.topk.assert_top_k``). Batch invariance: a row's
+top-k and candidates bit for bit the same alone and in a batch, with the invariant plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from logprob_service.ops.fused_logprobs import fused_token_logprobs
+from logprob_service.ops.logprobs import IDENTITY, LogitTransform, chunked_token_logprobs
+
+from tests.helpers.op_reference import transformed_logits
+from tests.helpers.topk import assert_top_k
+
+TOL = 1e-4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.numerical,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def cuda_case(n, h, v, dtype=torch.bfloat16, *, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 3 / h**0.5).to(dtype)  # logits std ~3
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    candidates = torch.randint(0, v, (n, 256), device="cuda", generator=g)
+    return hidden, weight, targets, candidates
+
+
+def reference_logp(hidden, weight, transform=IDENTITY, rows=128):
+    return transformed_logits(hidden[:rows], weight, None, transform).log_softmax(-1)
+
+
+@pytest.mark.parametrize("k", [1, 20, 128, 256])
+@pytest.mark.parametrize("n,h,v", [(1, 896, 151936), (1025, 3584, 152064), (300, 4096, 128256)])
+def test_top_k_matches_float64(k, n, h, v, seed):
+    hidden, weight, targets, candidates = cuda_case(n, h, v, seed=seed)
+    out = fused_token_logprobs(hidden, weight, targets, top_k=k, candidates=candidates)
+    logp = reference_logp(hidden, weight)
+    rows = len(logp)
+    assert_top_k(out.top_ids[:rows].cpu().numpy(), out.top_logprobs[:rows].cpu().numpy(), logp.cpu().numpy(), k, TOL)
+    want = logp.gather(1, candidates[:rows])
+    assert (out.candidate_logprobs[:rows].double() - want).abs().max().item() < TOL
+    plain = fused_token_logprobs(hidden, weight, targets)
+    assert (out.logprobs - plain.logprobs).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes_and_softcap(dtype, seed):
+    hidden, weight, targets, candidates = cuda_case(513, 2304, 256000, dtype, seed=seed)  # Gemma 2's vocabulary
+    transform = LogitTransform(softcap=30.0, temperature=0.7)
+    out = fused_token_logprobs(hidden, weight, targets, transform=transform, top_k=64, candidates=candidates[:, :17])
+    logp = reference_logp(hidden, weight, transform)
+    rows = len(logp)
+    assert_top_k(out.top_ids[:rows].cpu().numpy(), out.top_logprobs[:rows].cpu().numpy(), logp.cpu().numpy(), 64, TOL)
+    assert (out.candidate_logprobs[:rows].double() - logp.gather(1, candidates[:rows, :17])).abs().max().item() < TOL
+
+
+def test_eager_and_fused_agree(seed):
+    hidden, weight, targets, candidates = cuda_case(2000, 896, 151936, seed=seed)
+    fused = fused_token_logprobs(hidden, weight, targets, top_k=20, candidates=candidates)
+    eager = chunked_token_logprobs(hidden, weight, targets, top_k=20, candidates=candidates)
+    assert (fused.top_logprobs - eager.top_logprobs).abs().max().item() < TOL
+    assert (fused.candidate_logprobs - eager.candidate_logprobs).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("k", [20, 256])
+def test_batch_invariant_bit_for_bit(k, seed):
+    hidden, weight, targets, candidates = cuda_case(4099, 3584, 152064, seed=seed)
+    kw = {"top_k": k, "invariant": True}
+    whole = fused_token_logprobs(hidden, weight, targets, candidates=candidates, **kw)
+    for rows in (slice(0, 1), slice(1000, 1003), slice(4000, 4099)):
+        part = fused_token_logprobs(hidden[rows], weight, targets[rows], candidates=candidates[rows], **kw)
+        assert torch.equal(whole.top_ids[rows], part.top_ids)
+        assert torch.equal(whole.top_logprobs[rows], part.top_logprobs)
+        assert torch.equal(whole.candidate_logprobs[rows], part.candidate_logprobs)
+        assert torch.equal(whole.logprobs[rows], part.logprobs)
+
+
+def test_memory_grows_as_n_times_k(seed):
+    # 8,192 x 152K: the full logits alone are 4.6 GiB in fp32; the top-256 partials are splits x N x 256 x 8 bytes
+    hidden, weight, targets, _ = cuda_case(8192, 3584, 152064, seed=seed)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fused_token_logprobs(hidden, weight, targets, top_k=256)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    full_logits = 8192 * 152064 * (2 + 4)  # bf16 logits and their fp32 copy, as full logits + topk holds them
+    assert extra * 10 <= full_logits, extra / 2**30

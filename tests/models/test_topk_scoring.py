@@ -1,0 +1,66 @@
+"""Top-k and candidate log-probs through the scorer (packing, shared prompts, micro-batches, the
+engine) equal a float64 full-softmax top-k from the model's own full logits.
+
+Llama, Qwen2 and Gemma 2 (final-logit softcap); the eager lm_head and the fused kernel (Triton's
+interpreter on a CPU). Tolerance: as for the log-probs (``tests.helpers.models.ScoreReference``);
+ids are the reference's wherever its neighbouring log-probs are further apart than twice that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from logprob_service.offline import OfflineScorer
+from logprob_service.ops.dispatch import LogprobOp
+
+from tests.helpers.models import VOCAB, ScoreReference, make_model, random_sequences
+from tests.helpers.topk import assert_top_k, full_logp
+
+pytestmark = pytest.mark.numerical
+
+OPS = {"eager": LogprobOp("eager", chunk_bytes=3 * VOCAB * 4), "triton": LogprobOp("triton")}
+
+
+# The kernel only where it compiles: in Triton's interpreter its bitonic networks take ~20 s per
+# launch at these shapes (tests/ops/test_topk.py checks it there, at small tiles, softcap included).
+CASES = [("llama", "eager", 40), ("qwen2", "eager", 40), ("gemma2", "eager", 40)]
+if torch.cuda.is_available():
+    CASES.append(("gemma2", "triton", 400))
+
+
+@pytest.mark.parametrize("arch,kernel,batch_tokens", CASES, ids=[f"{a}-{k}" for a, k, _ in CASES])
+def test_top_k_and_candidates_match_the_full_softmax(arch, kernel, batch_tokens, rng):
+    model = make_model(arch, tied=arch == "gemma2", seed=int(rng.integers(1 << 30)))
+    sequences = random_sequences(rng, 5, max_len=12)
+    # two completions of one prompt (a shared-prompt group), candidates on some sequences only
+    sequences.append(dataclasses.replace(sequences[2], completion_ids=rng.integers(0, VOCAB, 4, dtype=np.int64)))
+    sequences = [
+        dataclasses.replace(s, candidate_ids=rng.integers(0, VOCAB, (len(s.completion_ids), 3 + i), dtype=np.int64))
+        if i % 2
+        else s
+        for i, s in enumerate(sequences)
+    ]
+    k, temperature = 9, 0.8
+    with OfflineScorer(model, logprob_op=OPS[kernel], max_batch_tokens=batch_tokens, max_batch_sequences=3) as scorer:
+        out = scorer.score(sequences, temperature=temperature, top_k=k)
+    reference = ScoreReference(model, sequences, temperature)
+    reference.check([s.logprobs for s in out])
+    for seq, scores in zip(sequences, out):
+        logp = full_logp(model, seq, temperature)
+        assert_top_k(scores.top_ids, scores.top_logprobs, logp, k, reference.atol)
+        if seq.candidate_ids is None:
+            assert scores.candidate_logprobs is None
+        else:
+            want = np.take_along_axis(logp, seq.candidate_ids, -1)
+            assert scores.candidate_logprobs.dtype == np.float32 and scores.candidate_logprobs.shape == want.shape
+            np.testing.assert_allclose(scores.candidate_logprobs, want, atol=reference.atol, rtol=0)
+
+
+def test_without_top_k_nothing_more_comes(rng):
+    model = make_model("llama", tied=False, seed=int(rng.integers(1 << 30)))
+    with OfflineScorer(model) as scorer:
+        (out,) = scorer.score(random_sequences(rng, 1))
+    assert out.top_ids is None and out.top_logprobs is None and out.candidate_logprobs is None

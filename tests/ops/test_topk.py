@@ -1,0 +1,157 @@
+"""Top-k and candidate log-probs of both log-prob ops (the fused kernel and eager chunks) against a
+float64 full-softmax reference, ties broken by the smaller id, and the fused kernel's batch invariance.
+
+The fused kernel runs in Triton's CPU interpreter here (tests/conftest.py sets TRITON_INTERPRET=1),
+on the GPU where there is one. Small tiles and explicit plans give several tiles, splits and groups.
+
+Exactness: the op's float32 top-k log-probs are the float64 top-k's values within
+``tolerances.OP_FP32``; its ids are the float64 ids wherever the float64 log-probs around them are
+further apart than twice that (closer ones may swap in float32, as any float32 computation may).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, key_ids, topk_keys
+
+from tests.helpers import tolerances
+from tests.helpers.op_reference import random_case, transformed_logits
+
+pytestmark = pytest.mark.numerical
+
+triton = pytest.importorskip("triton")
+
+from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = KernelConfig(block_n=16, block_v=32, block_k=16, num_warps=4, num_stages=2)
+TRANSFORMS = {
+    "plain": LogitTransform(),
+    "scale+softcap+temperature": LogitTransform(scale=0.25, softcap=4.0, temperature=1.7),
+}
+
+
+def fused(hidden, weight, targets, **kw):
+    return fused_token_logprobs(hidden, weight, targets, config=SMALL, plan=LaunchPlan(3, 2), **kw)
+
+
+def eager(hidden, weight, targets, **kw):
+    return chunked_token_logprobs(hidden, weight, targets, chunk_bytes=4 * weight.shape[0] * 7, **kw)  # 7-row chunks
+
+
+OPS = {"fused": fused, "eager": eager}
+
+
+def assert_topk_matches(out, hidden, weight, bias, transform, k, atol=tolerances.OP_FP32):
+    logp = transformed_logits(hidden, weight, bias, transform).log_softmax(-1)  # [N, V] float64
+    ref_vals, ref_ids = torch.sort(logp, dim=-1, descending=True, stable=True)  # ties: smaller id first
+    ids, lps = out.top_ids, out.top_logprobs
+    assert ids.dtype == torch.int32 and lps.dtype == torch.float32 and ids.shape == lps.shape == (len(hidden), k)
+    torch.testing.assert_close(lps.double(), ref_vals[:, :k], atol=atol, rtol=0)
+    torch.testing.assert_close(lps.double(), logp.gather(1, ids.long()), atol=atol, rtol=0)
+    assert (lps[:, 1:] <= lps[:, :-1]).all()  # descending
+    # ids are the reference's wherever its log-probs around them are apart beyond float32's reach
+    gaps = torch.nn.functional.pad(ref_vals[:, :-1] - ref_vals[:, 1:], (0, 1), value=float("inf"))  # [N, V]
+    clear = torch.ones_like(ref_vals[:, :k], dtype=torch.bool)
+    clear[:, 1:] &= gaps[:, : k - 1] > 2 * atol
+    clear &= gaps[:, :k] > 2 * atol
+    assert clear.float().mean() > 0.5  # the check below checks something
+    assert (ids.long() == ref_ids[:, :k])[clear].all()
+    assert (ids.long().sort(-1).values.diff(dim=-1) > 0).all()  # distinct
+
+
+CASES = [  # (dtype, k, transform): k 100 takes lists of 128, wider than SMALL's tiles
+    (torch.float32, 1, "plain"),
+    (torch.float32, 5, "scale+softcap+temperature"),
+    (torch.float16, 32, "plain"),
+    (torch.float32, 100, "scale+softcap+temperature"),
+]
+
+
+@pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
+@pytest.mark.parametrize("dtype,k,transform", CASES, ids=[f"{d}-{k}-{t}" for d, k, t in CASES])
+def test_top_k_matches_float64(op, dtype, k, transform):
+    transform = TRANSFORMS[transform]
+    hidden, weight, targets, bias = random_case(21, 24, 301, dtype=dtype, bias=True, device=DEVICE)
+    out = OPS[op](hidden, weight, targets, bias=bias, transform=transform, top_k=k, return_entropy=True)
+    assert_topk_matches(out, hidden, weight, bias, transform, k)
+    # the log-probs of the targets are those of the same op without top-k
+    plain = OPS[op](hidden, weight, targets, bias=bias, transform=transform)
+    torch.testing.assert_close(out.logprobs, plain.logprobs, atol=tolerances.OP_FP32, rtol=0)
+
+
+@pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
+def test_top_k_of_the_whole_vocabulary_and_a_ragged_one(op):
+    # V = 70 < the list's 128 in the fused kernel: the padding never shows
+    hidden, weight, targets, _ = random_case(9, 16, 70, device=DEVICE)
+    for k in (70, 3):
+        assert_topk_matches(OPS[op](hidden, weight, targets, top_k=k), hidden, weight, None, LogitTransform(), k)
+
+
+@pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
+def test_ties_go_to_the_smaller_id(op):
+    hidden, weight, targets, _ = random_case(12, 16, 100, device=DEVICE)
+    # ids 90 and 20 (different tiles and splits), and 7 and 8, have the same row: equal logits
+    weight[90] = weight[20]
+    weight[7] = weight[8]
+    out = OPS[op](hidden, weight, targets, top_k=100)
+    ids = out.top_ids.long()
+    pos = {i: (ids == i).int().argmax(-1) for i in (7, 8, 20, 90)}
+    assert (pos[20] + 1 == pos[90]).all() and (pos[7] + 1 == pos[8]).all()
+    assert (out.top_logprobs.gather(1, pos[20][:, None]) == out.top_logprobs.gather(1, pos[90][:, None])).all()
+
+
+@pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
+@pytest.mark.parametrize("transform", list(TRANSFORMS.values()), ids=list(TRANSFORMS))
+def test_candidate_logprobs_match_float64(op, transform):
+    hidden, weight, targets, bias = random_case(23, 40, 257, bias=True, device=DEVICE)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    candidates = torch.randint(0, 257, (23, 19), generator=g).to(DEVICE)
+    candidates[:, 0] = targets  # a candidate that is the target: the same log-prob
+    out = OPS[op](hidden, weight, targets, bias=bias, transform=transform, candidates=candidates, top_k=4)
+    logp = transformed_logits(hidden, weight, bias, transform).log_softmax(-1)
+    assert out.candidate_logprobs.dtype == torch.float32 and out.candidate_logprobs.shape == (23, 19)
+    torch.testing.assert_close(
+        out.candidate_logprobs.double(), logp.gather(1, candidates), atol=tolerances.OP_FP32, rtol=0
+    )
+    torch.testing.assert_close(out.candidate_logprobs[:, 0], out.logprobs, atol=tolerances.OP_FP32, rtol=0)
+    assert out.lse is None  # used inside, not asked for
+    assert_topk_matches(out, hidden, weight, bias, transform, 4)
+
+
+@pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
+def test_no_rows_and_no_candidates(op):
+    hidden, weight, targets, _ = random_case(3, 16, 40, device=DEVICE)
+    out = OPS[op](hidden[:0], weight, targets[:0], top_k=5, candidates=torch.zeros((0, 4), dtype=torch.int64))
+    assert out.top_ids.shape == (0, 5) and out.candidate_logprobs.shape == (0, 4)
+    out = OPS[op](hidden, weight, targets, candidates=torch.zeros((3, 0), dtype=torch.int64))
+    assert out.candidate_logprobs.shape == (3, 0) and out.top_ids is None
+
+
+@pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
+def test_bad_arguments_are_refused(op):
+    hidden, weight, targets, _ = random_case(3, 16, 40, device=DEVICE)
+    with pytest.raises(ValueError, match="top_k 41 must lie in"):
+        OPS[op](hidden, weight, targets, top_k=41)
+    with pytest.raises(ValueError, match=r"candidates must be \[3, Kc\]"):
+        OPS[op](hidden, weight, targets, candidates=torch.zeros((2, 4), dtype=torch.int64))
+
+
+def test_fused_top_k_is_batch_invariant():
+    # a row's top-k and candidates, bit for bit, whatever rows share its launch (invariant plan)
+    hidden, weight, targets, _ = random_case(40, 32, 200, device=DEVICE)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    candidates = torch.randint(0, 200, (40, 9), generator=g).to(DEVICE)
+    kw = {"top_k": 7, "invariant": True, "config": SMALL}
+    whole = fused_token_logprobs(hidden, weight, targets, candidates=candidates, **kw)
+    part = fused_token_logprobs(hidden[5:8], weight, targets[5:8], candidates=candidates[5:8], **kw)
+    assert torch.equal(whole.top_ids[5:8], part.top_ids)
+    assert torch.equal(whole.top_logprobs[5:8], part.top_logprobs)
+    assert torch.equal(whole.candidate_logprobs[5:8], part.candidate_logprobs)
+
+
+def test_keys_order_by_value_then_id():
+    x = torch.tensor([[1.0, -2.0, 1.0, float("-inf"), 0.0, -0.5, 3.0, -2.0]])
+    order = key_ids(torch.sort(topk_keys(x), descending=True).values)
+    assert order.tolist() == [[6, 0, 2, 4, 5, 1, 7, 3]]
