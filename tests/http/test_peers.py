@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -28,6 +29,19 @@ def random_sequences(rng: np.random.Generator, n: int, low: int = 3, high: int =
 async def grpc_scores(served, prompts, completions, **keywords) -> list[np.ndarray]:
     async with AsyncLogprobClient(served.target) as client:
         return await client.score(prompts, completions, **keywords)
+
+
+async def grpc_teacher_scores(served, prompts, completions, *, top_k=0, candidates=None, temperature=1.0):
+    """What gRPC answers for these sequences with ``top_k`` and ``candidates`` (one [C, Kc] list
+    per sequence), one ``SequenceScores``-like record per sequence."""
+    keywords = {"top_k": top_k, "temperature": temperature}
+    if candidates is not None:
+        keywords["candidate_ids"] = [np.asarray(c, dtype=np.int64) for c in candidates]
+    async with AsyncLogprobClient(served.target) as client:
+        answer = await client.score(prompts, completions, **keywords)
+    fields = ("logprobs", "top_ids", "top_logprobs", "candidate_logprobs")
+    columns = [getattr(answer, name) or [None] * len(prompts) for name in fields]
+    return [SimpleNamespace(**dict(zip(fields, values))) for values in zip(*columns)]
 
 
 async def prompt_logprobs_by_grpc(served, sequences, **keywords) -> list[np.ndarray]:
@@ -129,9 +143,9 @@ async def test_sglang_batch_and_logprob_start_len(served, rng):
 
 
 async def test_prime_rl_prefill_logprobs_request(served, rng):
-    """prime-rl's ``prefill_logprobs`` (src/prime_rl/utils/client.py): its body as it sends it,
-    and its flattening of the answer, verbatim. It asks ``prompt_logprobs: 1`` (top-1), which needs
-    top-k: until then refused by name; with 0 the same call answers bitwise."""
+    """prime-rl's ``prefill_logprobs`` (src/prime_rl/utils/client.py): its body as it sends it
+    (``prompt_logprobs: 1``: the token's own and the top 1), and its flattening of the answer
+    (the first entry of each position's dict: the token's own), verbatim."""
     token_ids = random_sequences(rng, 1, low=5)[0]
     base = served.base
     body = {
@@ -140,11 +154,6 @@ async def test_prime_rl_prefill_logprobs_request(served, rng):
         "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1},
     }
     async with httpx.AsyncClient() as http:
-        refused = await http.post(f"{base}/inference/v1/generate", json=body)
-        assert refused.status_code == 400
-        assert "sampling_params.prompt_logprobs" in refused.json()["error"]["message"]
-        assert "top-k not supported yet" in refused.json()["error"]["message"]
-        body["sampling_params"]["prompt_logprobs"] = 0
         http_response = await http.post(f"{base}/inference/v1/generate", json=body)
     response = http_response.json()
     flat: list[float] = []
@@ -155,9 +164,12 @@ async def test_prime_rl_prefill_logprobs_request(served, rng):
         first = next(iter(entry.values()))
         lp = first.logprob if hasattr(first, "logprob") else first.get("logprob")
         flat.append(float(lp) if lp is not None else 0.0)
-    (expected,) = await prompt_logprobs_by_grpc(served, [token_ids])
+    (expected,) = await grpc_teacher_scores(served, [token_ids[:1]], [token_ids[1:]], top_k=1)
     assert flat[0] == 0.0 and len(flat) == len(token_ids)
-    bitwise(flat[1:], expected)
+    bitwise(flat[1:], expected.logprobs)
+    for entry, top, own in zip(response["prompt_logprobs"][1:], expected.top_ids[:, 0].tolist(), token_ids[1:]):
+        assert next(iter(entry)) == str(own) and entry[str(top)]["rank"] == 1
+        assert len(entry) == (1 if top == own else 2)
     assert response["output_mode"] == "tokens" and response["choices"][0]["token_ids"] == []
 
 
@@ -239,3 +251,82 @@ async def test_trl_prompt_length_zero_answers_the_first_position_empty(served, r
     bitwise([v[0] for v in as_json["logprobs"][0][1:]], expected)
     assert binary["actual_logprobs"][0][0] == [-np.inf] and binary["actual_token_ids"][0][0] == [0]
     bitwise([v[0] for v in binary["actual_logprobs"][0][1:]], expected)
+
+
+async def test_trl_1_16_top_logprobs_are_the_engines_top_k(served, rng, monkeypatch):
+    """TRL 1.16's ``get_sequence_logprobs`` with ``top_logprobs`` 3: its rank-sorted, padded
+    top-k lists (forward KL) and the token's own (reverse KL), as gRPC answers them."""
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
+    client = await asyncio.to_thread(vllm_client.VLLMClient, base_url=served.base)
+    sequences = random_sequences(rng, 3)
+    prompt_lengths = [int(rng.integers(1, len(s))) for s in sequences]
+    result = await asyncio.to_thread(client.get_sequence_logprobs, sequences, prompt_lengths, top_logprobs=3)
+    expected = await grpc_teacher_scores(served, [s[:1] for s in sequences], [s[1:] for s in sequences], top_k=3)
+    for p, lps, ids, actual, want in zip(
+        prompt_lengths, result["logprobs"], result["logprob_token_ids"], result["actual_logprobs"], expected
+    ):
+        assert ids == want.top_ids[p - 1 :].tolist()
+        bitwise([v for row in lps for v in row], want.top_logprobs[p - 1 :].ravel())
+        bitwise([v[0] for v in actual], want.logprobs[p - 1 :])
+
+
+async def test_sglang_top_logprobs_num_and_token_ids_logprob(served, rng):
+    (tokens,) = random_sequences(rng, 1, low=5)
+    wanted = [5, 7, 11]
+    body = {
+        "input_ids": tokens,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": wanted,
+    }
+    async with httpx.AsyncClient(base_url=served.base) as session:
+        meta = (await session.post("/generate", json=body)).json()["meta_info"]
+    rows = len(tokens) - 1
+    (want,) = await grpc_teacher_scores(served, [tokens[:1]], [tokens[1:]], top_k=2, candidates=[[wanted] * rows])
+    assert meta["input_top_logprobs"][0] is None and meta["input_token_ids_logprobs"][0] is None
+    assert meta["output_top_logprobs"] == [] and meta["output_token_ids_logprobs"] == []
+    assert [[e[1] for e in row] for row in meta["input_top_logprobs"][1:]] == want.top_ids.tolist()
+    bitwise([e[0] for row in meta["input_top_logprobs"][1:] for e in row], want.top_logprobs.ravel())
+    assert [[e[1] for e in row] for row in meta["input_token_ids_logprobs"][1:]] == [wanted] * rows
+    bitwise([e[0] for row in meta["input_token_ids_logprobs"][1:] for e in row], want.candidate_logprobs.ravel())
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+async def test_vllm_prompt_logprob_token_ids_answer_the_npy_matrix(served, rng, per_row):
+    """vLLM's training path: candidate ids from ``prompt_logprob_start``; ``[rows, K]`` float32
+    ``.npy`` whose row i scores token ``start + i + 1`` (docs "training/prompt_token_id_logprobs")."""
+    import io
+
+    (tokens,) = random_sequences(rng, 1, low=8)
+    start = 3
+    rows = len(tokens) - 1 - start
+    candidates = rng.integers(0, VOCAB, (rows, 4)).tolist() if per_row else [9, 99, 999, 3]
+    body = {
+        "token_ids": tokens,
+        "sampling_params": {"max_tokens": 1, "prompt_logprob_token_ids": candidates, "prompt_logprob_start": start},
+    }
+    async with httpx.AsyncClient(base_url=served.base) as session:
+        response = (await session.post("/inference/v1/generate", json=body)).json()
+    scores = np.load(io.BytesIO(base64.b64decode(response["prompt_token_id_logprobs"])))
+    assert scores.dtype == np.float32 and scores.shape == (rows, 4) and response["prompt_logprobs"] is None
+    per_position = candidates if per_row else [candidates] * rows
+    (want,) = await grpc_teacher_scores(served, [tokens[: start + 1]], [tokens[start + 1 :]], candidates=[per_position])
+    assert scores.tobytes() == want.candidate_logprobs.astype(np.float32).tobytes()
+
+
+async def test_trl_get_sequence_logprobs_route_top_logprobs_binary(served, rng):
+    sequences = random_sequences(rng, 3, low=4)
+    request = {"sequences": sequences, "prompt_lengths": [2, 2, 3], "top_logprobs": 3, "response_format": "binary"}
+    async with httpx.AsyncClient(base_url=served.base) as session:
+        decoded = decode_binary_logprobs((await session.post("/get_sequence_logprobs/", json=request)).json())
+    expected = await grpc_teacher_scores(
+        served, [s[:p] for s, p in zip(sequences, [2, 2, 3])], [s[p:] for s, p in zip(sequences, [2, 2, 3])], top_k=3
+    )
+    for lps, ids, actual, want in zip(
+        decoded["logprobs"], decoded["logprob_token_ids"], decoded["actual_logprobs"], expected
+    ):
+        assert ids == want.top_ids.tolist()
+        bitwise([v for row in lps for v in row], want.top_logprobs.ravel())
+        bitwise([v[0] for v in actual], want.logprobs)

@@ -12,8 +12,6 @@ import tomllib
 import warnings
 
 import httpx
-import numpy as np
-import pytest
 from logprob_service.cli import build_parser
 from transformers import training_args
 from trl.generation import vllm_client
@@ -79,8 +77,7 @@ async def test_slimes_rm_url_answers_its_reward_func(served, rng):
 
 
 async def test_prime_rls_teacher_base_url_reaches_its_prefill_route(served, rng):
-    """prime-rl's ``prefill_logprobs`` derives its URL from the teacher's ``base_url``; its
-    ``prompt_logprobs: 1`` is top-1, refused by name until top-k is served (as the README says)."""
+    """prime-rl's ``prefill_logprobs`` derives its URL from the teacher's ``base_url``."""
     (config,) = blocks("toml")
     teacher = tomllib.loads(config)["orchestrator"]["algo"]["teacher"]
     assert tomllib.loads(config)["orchestrator"]["algo"]["type"] == "opd"
@@ -94,7 +91,7 @@ async def test_prime_rls_teacher_base_url_reaches_its_prefill_route(served, rng)
     async with httpx.AsyncClient() as http:
         answer = await http.post(f"{base}/inference/v1/generate", json=body)
         models = await http.get(f"{base_url}/models")
-    assert answer.status_code == 400 and "top-k not supported yet" in answer.json()["error"]["message"]
+    assert answer.status_code == 200 and len(answer.json()["prompt_logprobs"]) == len(body["token_ids"])
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "default"
 
 
@@ -114,6 +111,5 @@ async def test_trls_teacher_model_server_url_serves_its_vllm_client(served, rng,
     expected = await prompt_logprobs_by_grpc(served, sequences)
     for actual, want in zip(result["actual_logprobs"], expected):
         bitwise([v[0] for v in actual], want)
-    with pytest.raises(Exception, match="top-k not supported yet"):
-        await asyncio.to_thread(client.get_sequence_logprobs, sequences, [1, 1, 1], top_logprobs=1)
-    assert np.isfinite([v[0] for v in result["actual_logprobs"][0]]).all()
+    top = await asyncio.to_thread(client.get_sequence_logprobs, sequences, [1, 1, 1], top_logprobs=1)
+    assert [len(row) for row in top["logprobs"][0]] == [1] * (len(sequences[0]) - 1)

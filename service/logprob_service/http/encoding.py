@@ -20,10 +20,13 @@ def array(items: Sequence[bytes]) -> bytes:
     return b"[" + b",".join(items) + b"]"
 
 
-def with_raw(value: dict, key: str, raw: bytes) -> bytes:
-    """``value`` as JSON with ``raw`` (JSON text already written) as the value of ``key``, which
-    ``value`` must hold as None and as its first key (so no string value before it can hold the
-    text replaced)."""
-    assert next(iter(value)) == key and value[key] is None
-    placeholder = pydantic_core.to_json(key) + b":null"
-    return pydantic_core.to_json(value).replace(placeholder, pydantic_core.to_json(key) + b":" + raw, 1)
+def with_raw(value: dict, **raw: bytes) -> bytes:
+    """``value`` as JSON with each of ``raw``'s values (JSON text already written) as the value of
+    its key, which ``value`` must hold as None among its first keys (so no string value before
+    them can hold the text replaced)."""
+    assert list(value)[: len(raw)] == list(raw) and all(value[key] is None for key in raw)
+    text = pydantic_core.to_json(value)
+    for key, written in raw.items():
+        name = pydantic_core.to_json(key)
+        text = text.replace(name + b":null", name + b":" + written, 1)
+    return text

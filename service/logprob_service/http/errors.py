@@ -98,22 +98,31 @@ def invalid_body(err: ValidationError) -> InvalidArgument:
 @dataclass(frozen=True)
 class Naming:
     """How the caller's request named what the engine checks, to rewrite the engine's messages:
-    the engine's ``sequences[i]`` is ``items[i] = (field, offset)`` (its prompt's token ``j`` is
-    ``field[j]``, its completion's ``field[offset + j]``), ``sequences`` the whole ``batch``."""
+    the engine's ``sequences[i]`` is ``items[i] = (field, offset, candidates, rows)`` (its
+    prompt's token ``j`` is ``field[j]``, its completion's ``field[offset + j]``, its candidate ids
+    the list ``candidates`` shared by every position when ``rows`` is None, else that list's row
+    ``t - rows`` for position ``t``), ``sequences`` the whole ``batch``, ``top_k`` the request's
+    top-k field."""
 
-    items: Sequence[tuple[str, int]]
+    items: Sequence[tuple[str, int, str, int | None]]
     batch: str
     temperature: str = "temperature"
+    top_k: str = "top_k"
 
-    _SEQUENCE = re.compile(r"^sequences\[(\d+)\](?:\.(prompt_ids|completion_ids)(?:\[(\d+)\])?)?")
+    _SEQUENCE = re.compile(r"^sequences\[(\d+)\](?:\.(prompt_ids|completion_ids|candidate_ids)(?:\[(\d+)\])?)?")
 
     def rename(self, message: str) -> str:
-        if message.startswith("temperature:"):
-            return self.temperature + message.removeprefix("temperature")
+        for engine_field, field in (("temperature", self.temperature), ("top_k", self.top_k)):
+            if message.startswith(f"{engine_field}:"):
+                return field + message.removeprefix(engine_field)
         match = self._SEQUENCE.match(message)
         if match is None:
             return self.batch + message.removeprefix("sequences") if message.startswith("sequences:") else message
-        field, offset = self.items[int(match[1])]
+        field, offset, candidates, rows = self.items[int(match[1])]
+        if match[2] == "candidate_ids":
+            if rows is not None and match[3] is not None:  # rows before the request's own copy its first
+                candidates += f"[{max(int(match[3]) - rows, 0)}]"
+            return candidates + message[match.end() :]
         if match[3] is not None:
             field += f"[{int(match[3]) + (offset if match[2] == 'completion_ids' else 0)}]"
         return field + message[match.end() :]

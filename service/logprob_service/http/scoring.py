@@ -3,8 +3,10 @@ facade, scored unless the caller hangs up first, with the results back per seque
 
 A peer's prompt-log-prob call scores positions ``start..n-1`` of ids ``x_0..x_{n-1}``: the job's
 sequence is ``prompt = x[:start]``, ``completion = x[start:]`` (``start >= 1``: the first token has
-no context). Sequences of one call with the same prompt run it once (the engine's shared prompts),
-so a TRL call's ``prompt_lengths`` and SGLang's ``logprob_start_len`` cost what a gRPC group does.
+no context), with the call's top-k (``ScoreJob.top_k``) and, where it names some, the candidate ids
+of each scored position (``TokenSequence.candidate_ids``). Sequences of one call with the same
+prompt run it once (the engine's shared prompts), so a TRL call's ``prompt_lengths`` and SGLang's
+``logprob_start_len`` cost what a gRPC group does.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from logprob_service.http.errors import Naming
 
 @dataclass(frozen=True)
 class Item:
-    """One sequence of the caller's request: all its ids, and the first position to score.
-    ``field``: how the request names its ids, e.g. ``prompt[3]``."""
+    """One sequence of the caller's request: all its ids, the first position to score, and the
+    candidate ids of each position scored. ``field``: how the request names its ids, e.g.
+    ``prompt[3]``; ``candidates_field``: its candidate ids, e.g. ``token_ids_logprob``."""
 
     ids: np.ndarray  # [n] int64
     start: int
     field: str
+    candidates: np.ndarray | None = None  # [n - start, Kc] int64
+    candidates_field: str = ""
+    candidates_rows: int | None = None  # None: one list for every position; else the request's row 0's position
 
     @property
     def scored(self) -> bool:
@@ -48,11 +54,19 @@ def check_start(start: int, n: int, field: str, rule: str) -> None:
         raise InvalidArgument(f"{field}: {start} is outside [0, {n}] ({rule})")
 
 
-def refuse_top_k(k: int, field: str) -> None:
-    """Top-k log-probs and candidate ids come with the engine's top-k support; until then a request
-    asking for them is refused by name rather than answered without them."""
-    if k:
-        raise InvalidArgument(f"{field}: {k} asks for top-k log-probs; top-k not supported yet (send 0)")
+def candidate_rows(values: Sequence[int] | Sequence[Sequence[int]], rows: int, field: str) -> np.ndarray:
+    """A request's candidate ids as ``[rows, Kc]`` int64: one list for every row, or one per row
+    (all of one length; the engine checks the ids and the width)."""
+    if values and not isinstance(values[0], int):
+        if len(values) != rows:
+            raise InvalidArgument(f"{field}: {len(values)} rows of candidate ids for {rows} scored positions")
+        widths = {len(row) for row in values}
+        if len(widths) > 1:
+            raise InvalidArgument(f"{field}: rows of {sorted(widths)} ids; every row needs the same number")
+        return np.asarray(values, dtype=np.int64).reshape(rows, -1)
+    if not values:
+        raise InvalidArgument(f"{field}: is empty; at least 1 candidate id is required")
+    return np.broadcast_to(np.asarray(values, dtype=np.int64), (rows, len(values)))
 
 
 @dataclass
@@ -87,6 +101,8 @@ async def score_items(
     temperature: float,
     batch_field: str,
     temperature_field: str,
+    top_k: int = 0,
+    top_k_field: str = "top_k",
 ) -> Scored:
     """Score ``items`` as one job of ``call``'s client; ``InvalidArgument`` naming the request's
     fields. A caller that disconnects first cancels its job (its queued work is dropped); the error
@@ -98,12 +114,18 @@ async def score_items(
     job = ScoreJob(
         request_id=call.request_id,
         model=model,
-        sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :]) for item in scored],
+        sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :], item.candidates) for item in scored],
         temperature=_as_float32(temperature),
         deadline=call.deadline,
         client=call.client,
+        top_k=top_k,
     )
-    naming = Naming([(item.field, item.start) for item in scored], batch_field, temperature_field)
+    naming = Naming(
+        [(item.field, item.start, item.candidates_field, item.candidates_rows) for item in scored],
+        batch_field,
+        temperature_field,
+        top_k_field,
+    )
     work = asyncio.ensure_future(call.engine.score(job))
     gone = asyncio.ensure_future(_until_disconnect(call.request.receive))
     try:

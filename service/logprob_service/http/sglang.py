@@ -10,15 +10,18 @@ lists) gets a list of them. ``/generate`` names no model: it scores with the fir
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import TypeVar
+
+import numpy as np
 
 from logprob_service.errors import InvalidArgument
 from logprob_service.http import encoding
 from logprob_service.http.app import Answer, Call
 from logprob_service.http.bodies import Strict, generates_none, no_streaming, parse, served_model, text_refused
-from logprob_service.http.scoring import Item, check_start, ids_of, refuse_top_k, score_items
+from logprob_service.http.scoring import Item, candidate_rows, check_start, ids_of, score_items
 
 T = TypeVar("T")
 
@@ -60,7 +63,7 @@ async def generate(call: Call) -> Answer:
     batch: list[list[int]] = [request.input_ids] if single else request.input_ids  # type: ignore[list-item]
     if not batch:
         raise InvalidArgument("input_ids: is empty; at least 1 input is required")
-    items, starts, rids, temperatures = [], [], [], set()
+    items, starts, rids, temperatures, tops = [], [], [], set(), set()
     for i in range(len(batch)):
         where = "" if single else f"[{i}]"
         field = f"input_ids{where}"
@@ -73,15 +76,23 @@ async def generate(call: Call) -> Answer:
         start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len", single)
         start = -1 if start is None else start
         check_start(start, len(ids) - 1, f"logprob_start_len{where}", "the first input position answered")
-        top = _each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single)
-        refuse_top_k(top or 0, f"top_logprobs_num{where}")
-        if request.token_ids_logprob:
-            refuse_top_k(len(request.token_ids_logprob), "token_ids_logprob")
-        items.append(Item(ids, max(start, 1), field))
+        tops.add(_each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single) or 0)
+        item = Item(ids, max(start, 1), field)
+        wanted = request.token_ids_logprob
+        if wanted is not None:
+            shared = single or (bool(wanted) and isinstance(wanted[0], int))
+            name = "token_ids_logprob" if shared else f"token_ids_logprob[{i}]"
+            mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob", single)
+            candidates = candidate_rows(mine, len(ids) - item.start, name)  # type: ignore[arg-type]
+            item = dataclasses.replace(item, candidates=candidates, candidates_field=name)
+        items.append(item)
         starts.append(start)
         rids.append(_each(request.rid, i, len(batch), "rid", single) or uuid.uuid4().hex)
     if len(temperatures) > 1:
         raise InvalidArgument("sampling_params: inputs of one request must share a temperature; send them apart")
+    if len(tops) > 1:
+        raise InvalidArgument("top_logprobs_num: inputs of one request must share it; send them apart")
+    k = tops.pop()
     begun = time.perf_counter()
     scored = await score_items(
         call,
@@ -90,16 +101,28 @@ async def generate(call: Call) -> Answer:
         temperature=temperatures.pop(),  # 0 or absent: 1.0 (greedy's log-probs are unscaled)
         batch_field="input_ids",
         temperature_field="sampling_params.temperature",
+        top_k=k,
+        top_k_field="top_logprobs_num",
     )
     latency = time.perf_counter() - begun
     answers = []
     for item, start, rid, scores in zip(items, starts, rids, scored.scores):
         logprobs = [b"[null,%d,null]" % item.ids[0]] if start == 0 else []
-        if scores is not None:
+        raw = {}
+        if scores is None:  # a one-token input: its first position, which has no log-prob
+            raw["input_token_logprobs"] = encoding.array(logprobs)
+            raw |= {"input_top_logprobs": b"[null]"} if k else {}
+            raw |= {"input_token_ids_logprobs": b"[null]"} if item.candidates is not None else {}
+        else:
             ids, lps = encoding.numbers(item.ids[item.start :].tolist()), encoding.numbers(scores.logprobs.tolist())
             logprobs += [b"[%b,%b,null]" % (lp, t) for lp, t in zip(lps, ids)]
+            raw["input_token_logprobs"] = encoding.array(logprobs)
+            if k:
+                raw["input_top_logprobs"] = _positions(start, scores.top_ids, scores.top_logprobs)
+            if item.candidates is not None:
+                raw["input_token_ids_logprobs"] = _positions(start, item.candidates, scores.candidate_logprobs)
         meta = {
-            "input_token_logprobs": None,
+            **dict.fromkeys(raw),
             "id": rid,
             "finish_reason": {"type": "length", "length": 0},
             "prompt_tokens": len(item.ids),
@@ -107,10 +130,25 @@ async def generate(call: Call) -> Answer:
             "cached_tokens": 0,
             "e2e_latency": latency,
             "output_token_logprobs": [],
+            **({"output_top_logprobs": []} if k else {}),
+            **({"output_token_ids_logprobs": []} if item.candidates is not None else {}),
         }
-        meta_info = encoding.with_raw(meta, "input_token_logprobs", encoding.array(logprobs))
+        meta_info = encoding.with_raw(meta, **raw)
         answers.append(b'{"text":"","output_ids":[],"meta_info":%b}' % meta_info)
     return Answer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
+
+
+def _positions(start: int, ids: np.ndarray, logprobs: np.ndarray) -> bytes:
+    """SGLang's per-position lists of ``[logprob, token_id, null]`` (``input_top_logprobs``,
+    ``input_token_ids_logprobs``): null for the first token when ``logprob_start_len`` is 0."""
+    width = ids.shape[1]
+    names, values = encoding.numbers(ids.ravel().tolist()), encoding.numbers(logprobs.ravel().tolist())
+    rows = [b"null"] if start == 0 else []
+    rows += [
+        encoding.array([b"[%b,%b,null]" % (values[j], names[j]) for j in range(p, p + width)])
+        for p in range(0, len(names), width)
+    ]
+    return encoding.array(rows)
 
 
 async def model_info(call: Call) -> Answer:

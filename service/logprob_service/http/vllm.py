@@ -13,10 +13,15 @@ a lower bound: ``k + 1`` for a token outside the top ``k``.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import io
 import time
 import uuid
 
-from logprob_service.domain import SequenceScores
+import numpy as np
+
+from logprob_service.domain import MAX_TOP_K, SequenceScores
 from logprob_service.engine.engine import Phase
 from logprob_service.errors import InvalidArgument, Unavailable
 from logprob_service.http import encoding
@@ -29,23 +34,39 @@ from logprob_service.http.bodies import (
     served_model,
     text_refused,
 )
-from logprob_service.http.scoring import Item, Scored, check_start, ids_of, refuse_top_k, score_items
+from logprob_service.http.scoring import Item, Scored, candidate_rows, check_start, ids_of, score_items
 
 OWNER = "logprob-service"
 
 
-def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
+ENTRY = b'"%b":{"logprob":%b,"rank":%d,"decoded_token":"token_id:%b"}'
+
+
+def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int, first: int = 0) -> bytes:
     """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
-    each scored token's own entry."""
+    for each scored token (from its ``first``) its own entry and the top ``k``'s (the own entry
+    once, first, as vLLM's dict has it)."""
     entries = [b"null"] * item.start
-    if scores is not None:
-        rank = b"%d" % (k + 1)
-        entries += [
-            b'{"%b":{"logprob":%b,"rank":%b,"decoded_token":"token_id:%b"}}' % (t, lp, rank, t)
-            for t, lp in zip(
-                encoding.numbers(item.ids[item.start :].tolist()), encoding.numbers(scores.logprobs.tolist())
-            )
+    if scores is None:
+        return encoding.array(entries)
+    own = item.ids[item.start :]
+    ids, lps = encoding.numbers(own.tolist()), encoding.numbers(scores.logprobs.tolist())
+    if not k:
+        entries += [b"{" + ENTRY % (t, lp, 1, t) + b"}" for t, lp in zip(ids, lps)]
+        return encoding.array(entries)
+    assert scores.top_ids is not None and scores.top_logprobs is not None
+    among = scores.top_ids == own[:, None]
+    ranks = np.where(among.any(axis=1), among.argmax(axis=1) + 1, k + 1).tolist()
+    top_ids = encoding.numbers(scores.top_ids.ravel().tolist())
+    top_lps = encoding.numbers(scores.top_logprobs.ravel().tolist())
+    for p in range(len(own)):
+        row = [ENTRY % (ids[p], lps[p], ranks[p], ids[p])]
+        row += [
+            ENTRY % (top_ids[j], top_lps[j], j - p * k + 1, top_ids[j])
+            for j in range(p * k, (p + 1) * k)
+            if j - p * k + 1 != ranks[p]
         ]
+        entries.append(b"{" + b",".join(row) + b"}")
     return encoding.array(entries)
 
 
@@ -54,9 +75,10 @@ def check_prompt_logprobs(k: int | None, field: str) -> int:
         raise InvalidArgument(
             f"{field}: absent; this server answers prompt log-probs only: send 0 (the tokens' own) or k (the top k too)"
         )
-    if k < -1:
-        raise InvalidArgument(f"{field}: {k} must be >= -1 (-1: the whole vocabulary)")
-    refuse_top_k(k, field)
+    if k == -1:
+        raise InvalidArgument(f"{field}: -1 asks for the whole vocabulary; at most {MAX_TOP_K} are answered")
+    if k < 0:
+        raise InvalidArgument(f"{field}: {k} must be >= 0")
     return k
 
 
@@ -96,7 +118,9 @@ async def completions(call: Call) -> Answer:
     batch = [prompt] if single else prompt
     names = ["prompt"] if single else [f"prompt[{i}]" for i in range(len(batch))]
     items = [Item(ids_of(ids, name), 1, name) for ids, name in zip(batch, names)]
-    scored = await _score(call, items, request.model, request.temperature, "prompt", "temperature")
+    scored = await _score(
+        call, items, request.model, request.temperature, "prompt", "temperature", k, "prompt_logprobs"
+    )
     choices = [
         b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":%b}'
         % (i, prompt_logprobs(item, scores, k))
@@ -110,11 +134,18 @@ async def completions(call: Call) -> Answer:
         "model": scored.model,
         "usage": usage(sum(len(item.ids) for item in items)),
     }
-    return Answer(encoding.with_raw(payload, "choices", encoding.array(choices)), scored.model, scored.result)
+    return Answer(encoding.with_raw(payload, choices=encoding.array(choices)), scored.model, scored.result)
 
 
 async def _score(
-    call: Call, items: list[Item], model: str | None, temperature: float | None, batch: str, temperature_field: str
+    call: Call,
+    items: list[Item],
+    model: str | None,
+    temperature: float | None,
+    batch: str,
+    temperature_field: str,
+    top_k: int,
+    top_k_field: str,
 ) -> Scored:
     return await score_items(
         call,
@@ -123,10 +154,19 @@ async def _score(
         temperature=temperature or 0.0,  # absent or 0 (vLLM's greedy, whose log-probs are unscaled): 1.0
         batch_field=batch,
         temperature_field=temperature_field,
+        top_k=top_k,
+        top_k_field=top_k_field,
     )
 
 
 # --------------------------------------------------------------------------- /inference/v1/generate
+
+
+def npy_base64(array: np.ndarray) -> str:
+    """A base64 ``.npy`` file, as vLLM answers ``prompt_token_id_logprobs``."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class SamplingParams(Strict):
@@ -168,19 +208,34 @@ async def generate(call: Call) -> Answer:
     k = params.prompt_logprobs
     if k is not None:
         k = check_prompt_logprobs(k, "sampling_params.prompt_logprobs")
-    if params.prompt_logprob_token_ids is not None:
-        refuse_top_k(len(params.prompt_logprob_token_ids), "sampling_params.prompt_logprob_token_ids")
     start = params.prompt_logprob_start or 0
     check_start(start, len(ids) - 1, "sampling_params.prompt_logprob_start", "the first prompt row scored")
+    # With prompt_logprobs every position is scored, the matrix's rows (from start) among them.
+    first_row = start if k is not None else 0
     item = Item(ids, 1 if k is not None else start + 1, "token_ids")
-    scored = await _score(call, [item], request.model, params.temperature, "token_ids", "sampling_params.temperature")
+    wanted = params.prompt_logprob_token_ids
+    if wanted is not None:
+        field = "sampling_params.prompt_logprob_token_ids"
+        rows = candidate_rows(wanted, len(ids) - 1 - start, field)
+        per_row = not isinstance(wanted[0], int)
+        padded = np.concatenate([np.repeat(rows[:1], first_row, axis=0), rows]) if first_row and len(rows) else rows
+        rows_at = first_row if per_row else None
+        item = dataclasses.replace(item, candidates=padded, candidates_field=field, candidates_rows=rows_at)
+    scored = await _score(
+        call, [item], request.model, params.temperature, "token_ids", "sampling_params.temperature",
+        k or 0, "sampling_params.prompt_logprobs",
+    )  # fmt: skip
+    scores = scored.scores[0]
+    matrix = None
+    if wanted is not None and scores is not None and scores.candidate_logprobs is not None:
+        matrix = npy_base64(scores.candidate_logprobs[first_row:].astype(np.float32))
     payload = {
         "prompt_logprobs": None,
         "request_id": request.request_id or call.request_id or str(uuid.uuid4()),
         "model": scored.model,
         "created": int(time.time()),
         "usage": usage(len(ids)),
-        "prompt_token_id_logprobs": None,
+        "prompt_token_id_logprobs": matrix,
         "prompt_token_ids": None,
         "mm_placeholders": None,
         "metrics": None,
@@ -200,11 +255,8 @@ async def generate(call: Call) -> Answer:
         ],
     }
     if k is not None:
-        return Answer(
-            encoding.with_raw(payload, "prompt_logprobs", prompt_logprobs(item, scored.scores[0], k)),
-            scored.model,
-            scored.result,
-        )
+        answered = encoding.with_raw(payload, prompt_logprobs=prompt_logprobs(item, scores, k))
+        return Answer(answered, scored.model, scored.result)
     return Answer(payload, scored.model, scored.result)
 
 
