@@ -57,12 +57,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRITON_CACHE_DIR=/data/cache/triton \
     LOGPROB_HOST=0.0.0.0 \
     LOGPROB_PORT=50051 \
+    LOGPROB_HTTP_PORT=8000 \
     LOGPROB_METRICS_PORT=9481
 VOLUME ["/data"]
 WORKDIR /data
 USER 10001:10001
-# gRPC, and Prometheus /metrics.
-EXPOSE 50051 9481
+# gRPC, the HTTP edge (vLLM / SGLang / TRL callers, docs/http.md; vLLM's port), and Prometheus /metrics.
+EXPOSE 50051 8000 9481
 # The standard gRPC health service: healthy once the models are loaded and warm. Loading a large
 # checkpoint takes minutes; failures during the start period do not count.
 HEALTHCHECK --interval=15s --timeout=10s --start-period=600s --retries=3 CMD ["logprob-service", "probe"]

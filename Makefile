@@ -25,8 +25,10 @@ FORCE:
 
 install: $(VENV)/.installed  ## create .venv and install the server, client and dev tools
 
-serve: install  ## serve builtin:tiny-llama on 127.0.0.1:50051 (pass flags in SERVE_ARGS)
-	$(BIN)/logprob-service serve $(SERVE_ARGS)
+# The HTTP edge on vLLM's port, for vLLM / SGLang / TRL callers (docs/http.md); a later
+# --http-port in SERVE_ARGS wins (0: off).
+serve: install  ## serve builtin:tiny-llama: gRPC on 127.0.0.1:50051, HTTP on :8000 (pass flags in SERVE_ARGS)
+	$(BIN)/logprob-service serve --http-port 8000 $(SERVE_ARGS)
 
 test: install  ## run the test suite (GPU tests are skipped without CUDA)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -40,6 +40,8 @@ SERVER_MODULES = (
     "pydantic_settings",
     "yaml",
     "peft",
+    "starlette",
+    "uvicorn",
 )
 # The exit code of a server whose tensor-parallel group lost a rank (a restart serves again).
 EXIT_GROUP_LOST = 3
@@ -180,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from logprob_service.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    from logprob_service.api.security.bearer_tokens import TokenConfigError
     from logprob_service.models.loading import ModelLoadError
+    from logprob_service.security.bearer_tokens import TokenConfigError
     from logprob_service.startup import serve
     from logprob_service.worker.tensor_parallel import GroupLost
 

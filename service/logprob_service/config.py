@@ -58,6 +58,24 @@ class Settings(BaseSettings):
     metrics_port: int = Field(
         9481, ge=0, le=65535, description="Port of the Prometheus /metrics HTTP endpoint (0 disables it)."
     )
+    http_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of the HTTP edge (docs/http.md): the log-prob calls trainers make to vLLM (/v1/completions, "
+            "/inference/v1/generate), SGLang (/generate) and TRL (/get_sequence_logprobs/), with /health and "
+            "/v1/models, over the same engine, tokens, TLS and limits as gRPC. 0: off."
+        ),
+    )
+    http_max_body_bytes: int = Field(
+        64 * MiB,
+        ge=MiB,
+        description=(
+            "Largest HTTP request body; a larger one is refused (413) by its Content-Length, or as it arrives, "
+            "before any of it is parsed."
+        ),
+    )
 
     # What to serve, where.
     models: Annotated[dict[str, str], NoDecode] = Field(
@@ -218,7 +236,7 @@ class Settings(BaseSettings):
 
     # Security (SECURITY.md).
     tls_cert_file: FilePath | None = Field(
-        None, description="PEM certificate chain the gRPC port presents; with tls_key_file it turns TLS on."
+        None, description="PEM certificate chain the gRPC and HTTP ports present; with tls_key_file it turns TLS on."
     )
     tls_key_file: FilePath | None = Field(None, description="PEM private key of tls_cert_file.")
     tls_client_ca_file: FilePath | None = Field(
@@ -229,7 +247,7 @@ class Settings(BaseSettings):
         None,
         description=(
             "YAML or JSON file of bearer tokens (name, scopes, token or its sha256); when set, every "
-            "LogprobService call needs a token."
+            "LogprobService call, and every HTTP route but /health, needs a token."
         ),
     )
     auth_tokens: SecretStr | None = Field(
@@ -373,11 +391,18 @@ class Settings(BaseSettings):
         ports = range(self.weight_receiver_port, self.weight_receiver_port + self.weight_receivers)
         if ports[-1] > 65535:
             raise ValueError(f"weight_receiver_port {ports[0]} + {self.weight_receivers} receivers passes port 65535")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             if getattr(self, name) in ports:
                 raise ValueError(
                     f"{name} ({getattr(self, name)}) is among the weight receivers' ports {ports[0]}-{ports[-1]}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _http_port_free(self) -> Settings:
+        for name in ("port", "metrics_port"):
+            if self.http_port and self.http_port == getattr(self, name):
+                raise ValueError(f"http_port ({self.http_port}) is also {name}; give each its own port")
         return self
 
     @model_validator(mode="after")

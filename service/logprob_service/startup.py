@@ -2,8 +2,9 @@
 
 ``Service`` is a server's whole: its engine (``builder.build_engine``), the models loaded into it
 (one replica per device, or a tensor-parallel group's rank 0), the gRPC edge
-(``api.server.create_server``) and its weight receivers. ``serve`` binds, loads, warms up and
-serves until SIGTERM/SIGINT, then drains within the grace period.
+(``api.server.create_server``) and its weight receivers, and the HTTP edge (``http.server``) when
+``http_port`` is set. ``serve`` binds, loads, warms up and serves until SIGTERM/SIGINT, then drains
+both edges within the grace period.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import grpc
 import torch
 
 from logprob_service.api.receivers import WeightReceivers
-from logprob_service.api.security.bearer_tokens import TokenTable, load_token_table
 from logprob_service.api.server import GrpcEdge, create_server
 from logprob_service.builder import build_engine, load_models, server_devices
 from logprob_service.config import Settings
@@ -27,9 +27,11 @@ from logprob_service.engine.engine import LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.weights.updater import WeightUpdater
+from logprob_service.http.server import HttpEdge, start_http
 from logprob_service.models.build import build_rank
 from logprob_service.models.loading import resolve_devices
 from logprob_service.observability import metrics
+from logprob_service.security.bearer_tokens import TokenTable, load_token_table
 from logprob_service.worker.pinned import page_lock
 from logprob_service.worker.tensor_parallel import Build, GroupLost, Leader
 
@@ -50,6 +52,7 @@ class Service:
     lost: asyncio.Future[str] | None = None
     build: Build | None = None  # what loads each rank's models (default: those the settings name)
     edge: GrpcEdge | None = None  # once the gRPC server started
+    http: HttpEdge | None = None  # once the HTTP edge started
 
     @classmethod
     def create(cls, settings: Settings, registry: ModelRegistry | None = None, build: Build | None = None) -> Service:
@@ -96,6 +99,12 @@ class Service:
             await self.engine.close()
             raise
         return self.edge.server, self.edge.port
+
+    async def start_http(self, host: str, port: int) -> int:
+        """Bind and start the HTTP edge over the engine (after ``start_grpc``, which starts the
+        engine); its port (``port`` 0 picks one). /health answers 503 until ``warm_up``."""
+        self.http = await start_http(self.engine, self.settings, host, port, tokens=self.tokens)
+        return self.http.port
 
     async def load_models(self) -> None:
         """Load every configured model in a worker thread (the loop keeps answering health checks),
@@ -145,7 +154,10 @@ class Service:
         await self.engine.draining()
         notice_s = min(self.settings.drain_notice_s, grace_s)
         await asyncio.sleep(notice_s)
-        await server.stop(grace_s - notice_s)
+        stopping = [server.stop(grace_s - notice_s)]
+        if self.http is not None:
+            stopping.append(self.http.close(grace_s - notice_s))
+        await asyncio.gather(*stopping)
         await self.close()
 
     async def close(self) -> None:
@@ -153,6 +165,8 @@ class Service:
             # What warm-up froze goes back to the collector, so the interpreter's last collection
             # frees it (nanobind, under triton, reports objects left at exit as leaks).
             gc.unfreeze()
+        if self.http is not None:
+            await self.http.close()
         if self.edge is not None:
             await self.edge.close()
         await self.engine.close()
@@ -194,6 +208,14 @@ async def _serve(service: Service, settings: Settings) -> None:
         "plaintext" if settings.tls_cert_file is None else ("mutual TLS" if settings.tls_client_ca_file else "TLS"),
         f"{len(service.tokens)} tokens" if service.tokens is not None else "no authentication",
     )
+    if settings.http_port:
+        try:
+            http_port = await service.start_http(settings.host, settings.http_port)
+        except BaseException:
+            await server.stop(0)
+            await service.close()
+            raise
+        log.info("HTTP listening on %s:%d (/health 503 until models are warm; docs/http.md)", settings.host, http_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -58,6 +58,8 @@ CONTAINER_ENV = SETTINGS_ENV | {"HF_TOKEN"}
 OVERLAY_DIR = ROOT / "deploy" / "overlays" / "production"
 WORKLOAD = ("StatefulSet", "logprob-service")
 GRPC_PORT = Settings.model_fields["port"].default
+# The HTTP edge is off by default (http_port 0); the image turns it on at vLLM's (and TRL's) port.
+HTTP_PORT = 8000
 METRICS_PORT = Settings.model_fields["metrics_port"].default
 OLDEST_K8S = "1.27"  # gRPC probes are GA from 1.27
 
@@ -172,12 +174,13 @@ def test_the_image_serves_as_a_non_root_user_configured_by_its_environment():
     assert healthcheck.json and healthcheck.value == ("CMD", "logprob-service", "probe")
     assert image_uid() > 0
     (expose,) = instructions("EXPOSE")
-    assert {int(p) for p in expose.value} == {GRPC_PORT, METRICS_PORT}
+    assert {int(p) for p in expose.value} == {GRPC_PORT, HTTP_PORT, METRICS_PORT}
     env = image_env()
     assert {k for k in env if k.startswith("LOGPROB_")} <= SETTINGS_ENV
     # Bound on every interface, on the ports it exposes; the probe reads the same variables.
     assert env["LOGPROB_HOST"] == "0.0.0.0"
     assert int(env["LOGPROB_PORT"]) == GRPC_PORT and int(env["LOGPROB_METRICS_PORT"]) == METRICS_PORT
+    assert int(env["LOGPROB_HTTP_PORT"]) == HTTP_PORT
     (volume,) = instructions("VOLUME")
     assert volume.value == ("/data",) and env["HF_HOME"].startswith("/data/")
     assert env["TRITON_CACHE_DIR"].startswith("/data/")
@@ -301,7 +304,7 @@ def test_compose_runs_the_image_with_prometheus_and_grafana_on_the_observability
     (gpu,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["capabilities"] == ["gpu"]
     published = {int(p.rsplit(":", 1)[1]) for p in server["ports"]}
-    assert published == {GRPC_PORT, METRICS_PORT, 9090, 3000}
+    assert published == {GRPC_PORT, HTTP_PORT, METRICS_PORT, 9090, 3000}
 
     # Prometheus and Grafana share the server's network namespace, so the files' own addresses hold.
     assert services["prometheus"]["network_mode"] == services["grafana"]["network_mode"] == "service:logprob"
@@ -366,6 +369,14 @@ def server_container(doc: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
+def http_routes() -> list[Any]:
+    """The HTTP edge's routes, as the server mounts them (no engine needed to list them)."""
+    from logprob_service.http.app import Edge
+    from logprob_service.http.server import routes
+
+    return routes(Edge(None, None, 1))  # type: ignore[arg-type]
+
+
 def validate_strictly(documents: list[dict[str, Any]], versions: tuple[str, ...] = ()) -> None:
     """Every core document against Kubernetes' JSON schemas, strictly (a field the schema does not
     have, a typo, fails too); the ServiceMonitor is a CRD (its own test)."""
@@ -414,16 +425,20 @@ def test_the_service_monitor_passes_the_prometheus_operator_crd():
 def test_the_workload_matches_the_server_and_the_image():
     pod = workload()["spec"]["template"]["spec"]
     container = server_container(workload())
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT}
     assert {e["name"] for e in container["env"]} <= CONTAINER_ENV
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     resources = container["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
     assert {"cpu", "memory"} <= set(resources["requests"])
 
-    # Native gRPC probes of the standard health service on the gRPC port.
+    # Native gRPC probes of the standard health service on the gRPC port; readiness on the HTTP
+    # edge's /health (a route that needs no token), so a replica is ready once both edges serve.
     probes = {name: container[f"{name}Probe"] for name in ("startup", "readiness", "liveness")}
-    assert all(p["grpc"] == {"port": GRPC_PORT} for p in probes.values())
+    assert probes["startup"]["grpc"] == probes["liveness"]["grpc"] == {"port": GRPC_PORT}
+    assert probes["readiness"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert any(route.path == "/health" for route in http_routes())
 
     def window(probe: dict[str, Any]) -> int:  # seconds of failures before the probe acts
         return probe["periodSeconds"] * probe["failureThreshold"]
@@ -473,11 +488,14 @@ def test_services_monitor_and_budget_select_the_pods():
     services = {s["metadata"]["name"]: s for s in by_kind("Service")}
     for service in services.values():
         assert selects(service["spec"]["selector"], labels)
-        assert all(p["targetPort"] in {"grpc", "metrics"} for p in service["spec"]["ports"])
+        assert all(p["targetPort"] in {"grpc", "http", "metrics"} for p in service["spec"]["ports"])
     # The headless Service (clients balance over its DNS records), the client guide's target.
     headless = services["logprob-headless"]
     assert headless["spec"]["clusterIP"] == "None"
-    assert [(p["port"], p["targetPort"]) for p in headless["spec"]["ports"]] == [(GRPC_PORT, "grpc")]
+    assert [(p["port"], p["targetPort"]) for p in headless["spec"]["ports"]] == [
+        (GRPC_PORT, "grpc"),
+        (HTTP_PORT, "http"),
+    ]
     # The ServiceMonitor scrapes through the normal Service only, named as the alerts' job.
     (monitor,) = by_kind("ServiceMonitor")
     scraped = [

@@ -76,8 +76,9 @@ def test_cli_serves_scores_and_drains_on_sigterm(cli_server, rng):
             client.score([[1]], [[99999]])
 
         scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        assert 'logprob_requests_total{code="OK",model="ref",rpc="ScoreTokens"} 1.0' in scraped
-        assert 'logprob_requests_total{code="INVALID_ARGUMENT",model="ref",rpc="ScoreTokens"} 1.0' in scraped
+        assert 'logprob_requests_total{code="OK",model="ref",protocol="grpc",rpc="ScoreTokens"} 1.0' in scraped
+        refused = 'logprob_requests_total{code="INVALID_ARGUMENT",model="ref",protocol="grpc",rpc="ScoreTokens"} 1.0'
+        assert refused in scraped
         # 3 x 21 tokens, plus the warm-up's 16.
         assert 'logprob_tokens_scored_total{model="ref"} 79.0' in scraped
         assert 'logprob_request_duration_seconds_count{model="ref"} 2.0' in scraped  # warm-up + one scored

@@ -385,7 +385,7 @@ def test_the_image_serves_scores_metrics_and_health_and_drains_on_sigterm(image,
                 "logprob_requests_total",
                 "logprob_tokens_scored_total",
             }
-            ok = (("code", "OK"), ("model", info.name), ("rpc", "ScoreTokens"))
+            ok = (("code", "OK"), ("model", info.name), ("protocol", "grpc"), ("rpc", "ScoreTokens"))
             assert samples[("logprob_requests_total", ok)] == 1.0
 
             # SIGTERM with a call in flight (the queue gauge counts it until it is answered).

@@ -46,7 +46,7 @@ async def test_a_scored_request_moves_its_series_by_its_own_figures(running, rng
     tokens = sum(len(p) + len(c) for p, c in seqs)  # < max_batch_tokens: one micro-batch
     model = {"model": "default"}
     counters = snapshot("logprob_tokens_scored_total", "logprob_sequences_scored_total", **model)
-    requests = snapshot("logprob_requests_total", rpc="ScoreTokens", code="OK", **model)
+    requests = snapshot("logprob_requests_total", protocol="grpc", rpc="ScoreTokens", code="OK", **model)
     histograms = snapshot(*(f"{h}_{part}" for h in HISTOGRAMS for part in ("count", "sum")), **model)
     on_cpu = {**model, "device": "cpu"}  # micro-batch series also name the device that ran them
     batches = snapshot(
@@ -59,7 +59,7 @@ async def test_a_scored_request_moves_its_series_by_its_own_figures(running, rng
     response = await call(running.target, request(*seqs))
 
     assert moved(counters, **model) == {"logprob_tokens_scored_total": tokens, "logprob_sequences_scored_total": 3}
-    assert moved(requests, rpc="ScoreTokens", code="OK", **model) == {"logprob_requests_total": 1}
+    assert moved(requests, protocol="grpc", rpc="ScoreTokens", code="OK", **model) == {"logprob_requests_total": 1}
     assert moved(batches, **on_cpu) == {
         "logprob_batch_tokens_count": 1,
         "logprob_batch_tokens_sum": tokens,
@@ -79,7 +79,7 @@ async def test_a_scored_request_moves_its_series_by_its_own_figures(running, rng
 
 async def test_stream_requests_count_one_by_one_with_their_own_status(running, rng):
     before = {
-        code: value("logprob_requests_total", model="default", rpc="ScoreTokensStream", code=code)
+        code: value("logprob_requests_total", protocol="grpc", model="default", rpc="ScoreTokensStream", code=code)
         for code in ("OK", "INVALID_ARGUMENT")
     }
     bad = request(([1, 2], [3, 99999]), request_id="bad")
@@ -92,7 +92,8 @@ async def test_stream_requests_count_one_by_one_with_their_own_status(running, r
         "error"
     )
     after = {
-        code: value("logprob_requests_total", model="default", rpc="ScoreTokensStream", code=code) for code in before
+        code: value("logprob_requests_total", protocol="grpc", model="default", rpc="ScoreTokensStream", code=code)
+        for code in before
     }
     # One count per request; the stream's own OK status is not a request of its own.
     assert {code: after[code] - before[code] for code in before} == {"OK": 1, "INVALID_ARGUMENT": 1}
@@ -106,7 +107,7 @@ async def test_errors_count_by_status_with_served_model_names_only(running, capl
             ("", "ListModels", "OK"),
             ("gemma", "ScoreTokens", "OK"),
         ]
-        return {k: value("logprob_requests_total", model=k[0], rpc=k[1], code=k[2]) for k in keys}
+        return {k: value("logprob_requests_total", protocol="grpc", model=k[0], rpc=k[1], code=k[2]) for k in keys}
 
     before, tokens_before = counts(), value("logprob_tokens_scored_total", model="default")
     with caplog.at_level(logging.DEBUG, logger="logprob_service.requests"):
@@ -117,7 +118,9 @@ async def test_errors_count_by_status_with_served_model_names_only(running, capl
         ok = await call(running.target, request(([5, 6, 7], [8, 9]), model="gemma", request_id="fine"))
     after = counts()
     assert {k: after[k] - before[k] for k in before} == dict.fromkeys(before, 1)
-    assert value("logprob_requests_total", model="nope", rpc="ScoreTokens", code="NOT_FOUND") == 0  # no such series
+    assert (
+        value("logprob_requests_total", protocol="grpc", model="nope", rpc="ScoreTokens", code="NOT_FOUND") == 0
+    )  # no such series
     assert value("logprob_tokens_scored_total", model="default") == tokens_before  # failures score nothing
 
     # One log line per request: DEBUG when answered, WARNING when failed, each with its fields.
@@ -141,7 +144,9 @@ async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_c
     assert (value("logprob_queue_tokens_limit"), value("logprob_batch_tokens_limit")) == (4000, 512)
     assert value("logprob_batch_sequences_limit") == running.service.settings.max_batch_sequences
     gate = Gate(running)
-    refused_before = value("logprob_requests_total", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
+    refused_before = value(
+        "logprob_requests_total", protocol="grpc", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED"
+    )
     try:
         queue = snapshot("logprob_queue_requests", "logprob_queue_tokens", model="default")
         big = [([i + 1] * 100, [2] * 100) for i in range(16)]  # distinct prompts: each counts
@@ -157,7 +162,7 @@ async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_c
         gate.restore()
         await stop(running)
     assert (
-        value("logprob_requests_total", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
+        value("logprob_requests_total", protocol="grpc", model="default", rpc="ScoreTokens", code="RESOURCE_EXHAUSTED")
         == refused_before + 1
     )
     assert moved(queue, model="default") == {"logprob_queue_requests": 0, "logprob_queue_tokens": 0}
@@ -198,7 +203,7 @@ async def test_a_push_over_several_calls_counts_as_one_request(policy_server):
     from logprob_client import AsyncLogprobClient, FailedPrecondition
 
     state = policy_server.scorer("policy").model.state_dict()
-    ok = {"model": "policy", "rpc": "UpdateWeights", "code": "OK"}
+    ok = {"model": "policy", "rpc": "UpdateWeights", "code": "OK", "protocol": "grpc"}
     refused = {**ok, "code": "FAILED_PRECONDITION"}
     before = snapshot("logprob_requests_total", **ok), snapshot("logprob_requests_total", **refused)
     async with AsyncLogprobClient(policy_server.target, model="policy") as client:

@@ -27,7 +27,7 @@ from logprob_client import (
 from logprob_client.channel import open_channel
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
-from logprob_service.api.security import tls as transport
+from logprob_service.security import exposure
 from prometheus_client import REGISTRY
 
 from tests.helpers.calls import assert_matches_reference, random_batch
@@ -140,7 +140,7 @@ async def authed(gemma_checkpoint, tokens):
 async def test_missing_or_wrong_token_is_unauthenticated(authed, caplog):
     running, values = authed
     before = REGISTRY.get_sample_value(
-        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED"}
+        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED", "protocol": "grpc"}
     )
     for security, reason in (({}, "no credentials"), ({"token": secrets.token_urlsafe(32)}, "not valid")):
         assert await asyncio.to_thread(refused, running.target, **security) == grpc.StatusCode.UNAUTHENTICATED
@@ -158,7 +158,7 @@ async def test_missing_or_wrong_token_is_unauthenticated(authed, caplog):
             await channel.unary_unary("/logprob.v1.LogprobService/ScoreTokens")(b"\xff\xff\xff", timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = REGISTRY.get_sample_value(
-        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED"}
+        "logprob_requests_total", {"model": "", "rpc": "ScoreTokens", "code": "UNAUTHENTICATED", "protocol": "grpc"}
     )
     assert after - (before or 0) == 5  # a sync and an async score() per case (never retried), and the garbage
     logged = [r for r in caplog.records if getattr(r, "fields", {}).get("status") == "UNAUTHENTICATED"]
@@ -333,7 +333,7 @@ async def test_a_server_reachable_from_other_machines_warns_for_what_it_lacks(
     gemma_checkpoint, tokens, monkeypatch, caplog
 ):
     # Bound to loopback (tests stay there), but taken for an exposed address.
-    monkeypatch.setattr(transport, "is_loopback", lambda host: False)
+    monkeypatch.setattr(exposure, "is_loopback", lambda host: False)
     for extra, expected in (({}, ["PLAINTEXT", "NO AUTHENTICATION"]), ({"auth_tokens_file": tokens[0]}, ["PLAINTEXT"])):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="logprob_service.api.server"):

@@ -63,7 +63,7 @@ async def answer(target: str, messages) -> pb.UpdateWeightsResponse | grpc.aio.A
 
 
 def update_requests(served) -> float:
-    labels = {"model": "policy", "rpc": "UpdateWeights", "code": "OK"}
+    labels = {"model": "policy", "rpc": "UpdateWeights", "code": "OK", "protocol": "grpc"}
     return REGISTRY.get_sample_value("logprob_requests_total", labels) or 0.0
 
 

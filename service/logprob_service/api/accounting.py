@@ -26,9 +26,9 @@ from google.protobuf.message import Message
 from logprob_proto import logprob_pb2 as pb
 
 from logprob_service.api import wire
-from logprob_service.api.security.caller import current_client
 from logprob_service.errors import LogprobError
 from logprob_service.observability import metrics
+from logprob_service.security.caller import current_client
 
 log = logging.getLogger("logprob_service.requests")
 

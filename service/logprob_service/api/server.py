@@ -20,11 +20,12 @@ from logprob_service.api.malformed import MalformedMessageInterceptor
 from logprob_service.api.receivers import PageLock, WeightReceivers
 from logprob_service.api.security import tls
 from logprob_service.api.security.auth import AuthInterceptor
-from logprob_service.api.security.bearer_tokens import TokenTable
 from logprob_service.api.server_options import listen, server_options
 from logprob_service.api.servicer import LogprobServicer
 from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
+from logprob_service.security.bearer_tokens import TokenTable
+from logprob_service.security.exposure import exposure_warnings
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ async def create_server(
     credentials = tls.server_credentials(settings)
     host, _, port_text = address.rpartition(":")
     port = listen(server, host, int(port_text), credentials, "--port")
-    for warning in tls.exposure_warnings(host, tls=credentials is not None, auth=tokens is not None):
+    for warning in exposure_warnings(host, tls=credentials is not None, auth=tokens is not None):
         log.warning("%s", warning)
     await health.show(engine.phase)
     await server.start()

@@ -65,8 +65,9 @@ def _latency_seconds(name: str, doc: str) -> Histogram:
 # Requests and their latency.
 REQUESTS = Counter(
     "logprob_requests",
-    "Requests answered, by model, RPC and final gRPC status code.",
-    ["model", "rpc", "code"],
+    "Requests answered, by model, RPC (an HTTP route's path), final status code (gRPC's name; an HTTP answer "
+    "the name of the error it stands for) and protocol (grpc, http).",
+    ["model", "rpc", "code", "protocol"],
 )
 REQUEST_DURATION = _latency_seconds(
     "logprob_request_duration_seconds",
@@ -249,9 +250,10 @@ def model_label(name: str) -> str:
     return name if name in _labelled else ""
 
 
-def observe_request(model: str, rpc: str, code: str) -> None:
-    """One answered request, by the name of its final status (the gRPC edge's)."""
-    REQUESTS.labels(model=model_label(model), rpc=rpc, code=code).inc()
+def observe_request(model: str, rpc: str, code: str, protocol: str = "grpc") -> None:
+    """One answered request, by the name of its final status (gRPC's names, which the HTTP edge's
+    errors share: ``errors.ErrorCode``), and the edge that answered it."""
+    REQUESTS.labels(model=model_label(model), rpc=rpc, code=code, protocol=protocol).inc()
 
 
 class PrometheusStats:

@@ -1,13 +1,14 @@
 """Authentication and authorization of LogprobService calls: one interceptor, one scope table.
 
-With tokens configured (``bearer_tokens.py``), every LogprobService call must carry the metadata
+With tokens configured (``security.bearer_tokens``, whose ``check_bearer`` the HTTP edge runs
+too), every LogprobService call must carry the metadata
 ``authorization: Bearer <token>``. No token, or one the server does not know: UNAUTHENTICATED.
 A known token without the scope the method needs: PERMISSION_DENIED. Both are decided from the
 metadata alone, before the handler runs (a stream's messages are not even read). Health and
 reflection are other services and stay open: probes and ``grpcurl list`` need no token.
 
 Every LogprobService call, authenticated or not, then runs with its client identity set
-(``caller.py``): the token's name, or without authentication the peer's IP address.
+(``security.caller``): the token's name, or without authentication the peer's IP address.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any
 import grpc
 
 from logprob_service.api import handlers
-from logprob_service.api.security.bearer_tokens import Principal, Scope, TokenTable
-from logprob_service.api.security.caller import peer_host, set_client
-from logprob_service.errors import LogprobError, PermissionDenied, Unauthenticated
+from logprob_service.errors import LogprobError
+from logprob_service.security.bearer_tokens import Principal, Scope, TokenTable, check_bearer
+from logprob_service.security.caller import peer_host, set_client
 
 # The one table of which scope each LogprobService method needs. A method not listed needs
 # admin: weight updates, and any state-changing RPC added later, are closed to score tokens by
@@ -36,20 +37,7 @@ def required_scope(rpc: str) -> Scope:
 def authorize(tokens: TokenTable, rpc: str, metadata: Sequence[tuple[str, Any]]) -> Principal:
     """The principal whose bearer token ``metadata`` carries, if it may call ``rpc``."""
     header = next((value for key, value in metadata if key == "authorization"), None)
-    if header is None:
-        raise Unauthenticated("no credentials: this server needs the metadata 'authorization: Bearer <token>'")
-    scheme, _, token = str(header).partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthenticated("authorization metadata is not of the form 'Bearer <token>'")
-    principal = tokens.lookup(token.strip())
-    if principal is None:
-        raise Unauthenticated("the bearer token is not valid for this server")
-    scope = required_scope(rpc)
-    if scope not in principal.scopes:
-        raise PermissionDenied(
-            f"token {principal.name!r} has scopes [{', '.join(sorted(principal.scopes))}]; {rpc} needs scope {scope!r}"
-        )
-    return principal
+    return check_bearer(tokens, header, rpc, required_scope(rpc), "metadata")
 
 
 class AuthInterceptor(handlers.ServiceInterceptor):

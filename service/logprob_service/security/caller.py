@@ -1,7 +1,8 @@
 """Who is calling: the client identity the fair share, the logs and error messages use.
 
-Set once per LogprobService call by ``auth.AuthInterceptor``, before the handler runs, and read
-anywhere below it in the same call (tasks the handler starts inherit it):
+Set once per call, before the handler runs, by the gRPC edge (``api.security.auth.AuthInterceptor``)
+and the HTTP edge (``http.app``), and read anywhere below it in the same call (tasks the handler
+starts inherit it):
 
 - with authentication, the name of the caller's token: a trainer is one client however many
   connections or processes it uses, and cannot pose as another;

@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from logprob_service.config import Settings
+from logprob_service.errors import PermissionDenied, Unauthenticated
 
 Scope = Literal["score", "admin"]
 MIN_TOKEN_CHARS = 16
@@ -91,6 +92,24 @@ class TokenTable:
             if hmac.compare_digest(digest, expected):
                 found = principal
         return found
+
+
+def check_bearer(tokens: TokenTable, header: str | None, method: str, scope: Scope, carrier: str) -> Principal:
+    """The principal whose token the ``authorization`` value ``header`` carries (None: absent), if
+    it has ``scope``, which ``method`` needs; ``carrier`` names where the value comes from in the
+    caller's terms (gRPC "metadata", HTTP "header"). The one check of both edges."""
+    if header is None:
+        raise Unauthenticated(f"no credentials: this server needs the {carrier} 'authorization: Bearer <token>'")
+    scheme, _, token = str(header).partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated(f"authorization {carrier} is not of the form 'Bearer <token>'")
+    principal = tokens.lookup(token.strip())
+    if principal is None:
+        raise Unauthenticated("the bearer token is not valid for this server")
+    if scope not in principal.scopes:
+        scopes = ", ".join(sorted(principal.scopes))
+        raise PermissionDenied(f"token {principal.name!r} has scopes [{scopes}]; {method} needs scope {scope!r}")
+    return principal
 
 
 def _parse(text: str, source: str) -> list[_Entry]:

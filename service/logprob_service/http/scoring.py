@@ -1,0 +1,144 @@
+"""What every scoring route shares: the caller's token sequences as one ``ScoreJob`` for the engine
+facade, scored unless the caller hangs up first, with the results back per sequence.
+
+A peer's prompt-log-prob call scores positions ``start..n-1`` of ids ``x_0..x_{n-1}``: the job's
+sequence is ``prompt = x[:start]``, ``completion = x[start:]`` (``start >= 1``: the first token has
+no context), with the call's top-k (``ScoreJob.top_k``) and, where it names some, the candidate ids
+of each scored position (``TokenSequence.candidate_ids``). Sequences of one call with the same
+prompt run it once (the engine's shared prompts), so a TRL call's ``prompt_lengths`` and SGLang's
+``logprob_start_len`` cost what a gRPC group does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.errors import InvalidArgument
+from logprob_service.http.app import Call
+from logprob_service.http.errors import Naming
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sequence of the caller's request: all its ids, the first position to score, and the
+    candidate ids of each position scored. ``field``: how the request names its ids, e.g.
+    ``prompt[3]``; ``candidates_field``: its candidate ids, e.g. ``token_ids_logprob``."""
+
+    ids: np.ndarray  # [n] int64
+    start: int
+    field: str
+    candidates: np.ndarray | None = None  # [n - start, Kc] int64
+    candidates_field: str = ""
+    candidates_rows: int | None = None  # None: one list for every position; else the request's row 0's position
+
+    @property
+    def scored(self) -> bool:
+        return self.start < len(self.ids)
+
+
+def ids_of(values: Sequence[int], field: str) -> np.ndarray:
+    """A request's token ids as int64 (the engine checks them against the model's vocabulary)."""
+    if not values:
+        raise InvalidArgument(f"{field}: is empty; at least 1 token is required")
+    return np.asarray(values, dtype=np.int64)
+
+
+def check_start(start: int, n: int, field: str, rule: str) -> None:
+    if not 0 <= start <= n:
+        raise InvalidArgument(f"{field}: {start} is outside [0, {n}] ({rule})")
+
+
+def candidate_rows(values: Sequence[int] | Sequence[Sequence[int]], rows: int, field: str) -> np.ndarray:
+    """A request's candidate ids as ``[rows, Kc]`` int64: one list for every row, or one per row
+    (all of one length; the engine checks the ids and the width)."""
+    if values and not isinstance(values[0], int):
+        if len(values) != rows:
+            raise InvalidArgument(f"{field}: {len(values)} rows of candidate ids for {rows} scored positions")
+        widths = {len(row) for row in values}
+        if len(widths) > 1:
+            raise InvalidArgument(f"{field}: rows of {sorted(widths)} ids; every row needs the same number")
+        return np.asarray(values, dtype=np.int64).reshape(rows, -1)
+    if not values:
+        raise InvalidArgument(f"{field}: is empty; at least 1 candidate id is required")
+    return np.broadcast_to(np.asarray(values, dtype=np.int64), (rows, len(values)))
+
+
+@dataclass
+class Scored:
+    """A call's results: one ``SequenceScores`` per item (None: nothing of it to score)."""
+
+    result: ScoreResult
+    scores: list[SequenceScores | None]
+
+    @property
+    def model(self) -> str:
+        return self.result.model
+
+
+def _as_float32(value: float) -> float:
+    """``value`` as gRPC's float field carries it, so both edges score at the same temperature."""
+    with np.errstate(over="ignore"):  # too large: inf, which the engine refuses by name
+        return float(np.float32(value))
+
+
+async def _until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Once the body is read, only a disconnect comes on the ASGI ``receive`` channel."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def score_items(
+    call: Call,
+    items: Sequence[Item],
+    *,
+    model: str,
+    temperature: float,
+    batch_field: str,
+    temperature_field: str,
+    top_k: int = 0,
+    top_k_field: str = "top_k",
+) -> Scored:
+    """Score ``items`` as one job of ``call``'s client; ``InvalidArgument`` naming the request's
+    fields. A caller that disconnects first cancels its job (its queued work is dropped); the error
+    then goes nowhere."""
+    call.model = model  # the request's model, for its accounting whatever the outcome
+    scored = [item for item in items if item.scored]
+    if not scored:
+        raise InvalidArgument(f"{batch_field}: no position to score (every sequence is all prompt)")
+    job = ScoreJob(
+        request_id=call.request_id,
+        model=model,
+        sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :], item.candidates) for item in scored],
+        temperature=_as_float32(temperature),
+        deadline=call.deadline,
+        client=call.client,
+        top_k=top_k,
+    )
+    naming = Naming(
+        [(item.field, item.start, item.candidates_field, item.candidates_rows) for item in scored],
+        batch_field,
+        temperature_field,
+        top_k_field,
+    )
+    work = asyncio.ensure_future(call.engine.score(job))
+    gone = asyncio.ensure_future(_until_disconnect(call.request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    try:
+        result = work.result()
+    except InvalidArgument as err:
+        raise naming.renamed(err) from None
+    answers = iter(result.scores)
+    return Scored(result, [next(answers) if item.scored else None for item in items])

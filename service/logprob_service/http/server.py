@@ -1,0 +1,108 @@
+"""The HTTP edge as a uvicorn server in the engine's event loop: its routes, TLS from the same
+settings as gRPC, and a stop that lets answers in flight finish.
+
+uvicorn is run by its parts (``startup``, ``main_loop``, ``shutdown``), not ``Server.serve``,
+which would take over SIGTERM/SIGINT from the start-up module that drains both edges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from dataclasses import dataclass
+
+import uvicorn
+
+from logprob_service.config import Settings
+from logprob_service.engine.engine import LogprobEngine
+from logprob_service.http import sglang, trl, vllm
+from logprob_service.http.app import Edge
+from logprob_service.security.bearer_tokens import TokenTable
+from logprob_service.security.exposure import exposure_warnings
+from logprob_service.settings_sources import StartupError
+
+log = logging.getLogger(__name__)
+
+
+def routes(edge: Edge) -> list:
+    """Every route: the peers' paths, as their clients spell them (docs/http.md)."""
+    return [
+        edge.route("/v1/completions", vllm.completions),
+        edge.route("/inference/v1/generate", vllm.generate),
+        edge.route("/generate", sglang.generate),
+        edge.route("/get_sequence_logprobs/", trl.sequence_logprobs),
+        edge.route("/v1/models", vllm.models, methods=("GET",)),
+        edge.route("/get_model_info", sglang.model_info, methods=("GET",)),
+        edge.route("/health", vllm.health, methods=("GET",), scope=None),
+        edge.route("/health_generate", vllm.health, methods=("GET",), scope=None),
+    ]
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket. Made with ``proto=IPPROTO_TCP``, never 0 (``socket.create_server``'s):
+    asyncio turns Nagle's algorithm off only on connections of such a socket, and with it on, an
+    answer's body waited for the client's delayed ACK of its headers: 40 ms a request."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(socket.SOMAXCONN)
+        return sock
+    except OSError as err:
+        sock.close()
+        raise StartupError(f"cannot serve HTTP on {host}:{port} (--http-port; 0: off): {err.strerror}") from None
+
+
+@dataclass
+class HttpEdge:
+    server: uvicorn.Server
+    port: int
+    task: asyncio.Task
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        """Stop taking connections; requests in flight get ``grace_s`` to be answered."""
+        self.server.config.timeout_graceful_shutdown = max(grace_s, 0.1)  # uvicorn's wait times out at 0
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_http(
+    engine: LogprobEngine, settings: Settings, host: str, port: int, *, tokens: TokenTable | None
+) -> HttpEdge:
+    """Serve the HTTP edge over ``engine`` on ``host:port`` (0 picks a free port), with TLS when the
+    settings name a certificate (mutual when they name client CAs) and ``tokens``' authentication."""
+    edge = Edge(engine, tokens, settings.http_max_body_bytes)
+    tls: dict = {}
+    if settings.tls_cert_file is not None:
+        tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
+        if settings.tls_client_ca_file is not None:
+            tls |= {"ssl_ca_certs": str(settings.tls_client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    config = uvicorn.Config(
+        edge.app(routes(edge)),
+        lifespan="off",
+        log_config=None,
+        access_log=False,  # every request is logged once, by the edge (app._account)
+        server_header=False,
+        **tls,
+    )
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)
+    sock = _bind(host, port)
+    try:
+        await server.startup(sockets=[sock])
+    except BaseException:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    for warning in exposure_warnings(host, tls=bool(tls), auth=tokens is not None, edge="HTTP"):
+        log.warning("%s", warning)
+
+    async def run() -> None:
+        await server.main_loop()
+        await server.shutdown(sockets=[sock])
+
+    return HttpEdge(server, bound, asyncio.create_task(run(), name="http-edge"))

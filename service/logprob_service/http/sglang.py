@@ -1,0 +1,167 @@
+"""SGLang's ``/generate`` for log-probs only (slime's on-policy distillation calls it with
+``input_ids``, ``return_logprob``, ``logprob_start_len: 0`` and ``max_new_tokens: 0``), and the
+``/get_model_info`` and ``/health_generate`` that slime's scripts poll.
+
+The answer is SGLang's (docs/http.md quotes it): per input, ``{"text": "", "output_ids": [],
+"meta_info": {..., "input_token_logprobs": [[logprob, token_id, null], ...]}}``, the first entry's
+log-prob ``null`` when ``logprob_start_len`` is 0 (no context); a batch (``input_ids`` a list of
+lists) gets a list of them. ``/generate`` names no model: it scores with the first one served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import TypeVar
+
+import numpy as np
+
+from logprob_service.errors import InvalidArgument
+from logprob_service.http import encoding
+from logprob_service.http.app import Answer, Call
+from logprob_service.http.bodies import Strict, generates_none, no_streaming, parse, served_model, text_refused
+from logprob_service.http.scoring import Item, candidate_rows, check_start, ids_of, score_items
+
+T = TypeVar("T")
+
+
+class SamplingParams(Strict):
+    max_new_tokens: int | None = 128
+    temperature: float | None = None
+
+
+class GenerateRequest(Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool | None = False
+
+
+def _each(value: T | list[T] | None, i: int, batch: int, field: str, single: bool) -> T | None:
+    """A per-input field: one value for all inputs, or (a batch) one per input."""
+    if single or not isinstance(value, list):
+        return value  # type: ignore[return-value]
+    if len(value) != batch:
+        raise InvalidArgument(f"{field}: {len(value)} values for {batch} inputs; give one, or one per input")
+    return value[i]
+
+
+async def generate(call: Call) -> Answer:
+    request = parse(call.body, GenerateRequest)
+    if request.text is not None:
+        raise text_refused("text")
+    if request.input_ids is None:
+        raise InvalidArgument("input_ids: absent; this server scores token ids")
+    no_streaming(request.stream)
+    single = bool(request.input_ids) and isinstance(request.input_ids[0], int)
+    batch: list[list[int]] = [request.input_ids] if single else request.input_ids  # type: ignore[list-item]
+    if not batch:
+        raise InvalidArgument("input_ids: is empty; at least 1 input is required")
+    items, starts, rids, temperatures, tops = [], [], [], set(), set()
+    for i in range(len(batch)):
+        where = "" if single else f"[{i}]"
+        field = f"input_ids{where}"
+        ids = ids_of(batch[i], field)
+        params = _each(request.sampling_params, i, len(batch), "sampling_params", single) or SamplingParams()
+        generates_none(params, "max_new_tokens", f"sampling_params{where}.max_new_tokens", (0,))
+        temperatures.add(params.temperature or 0.0)
+        if not _each(request.return_logprob, i, len(batch), "return_logprob", single):
+            raise InvalidArgument(f"return_logprob{where}: not true; this server answers log-probs only (send true)")
+        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len", single)
+        start = -1 if start is None else start
+        check_start(start, len(ids) - 1, f"logprob_start_len{where}", "the first input position answered")
+        tops.add(_each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single) or 0)
+        item = Item(ids, max(start, 1), field)
+        wanted = request.token_ids_logprob
+        if wanted is not None:
+            shared = single or (bool(wanted) and isinstance(wanted[0], int))
+            name = "token_ids_logprob" if shared else f"token_ids_logprob[{i}]"
+            mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob", single)
+            candidates = candidate_rows(mine, len(ids) - item.start, name)  # type: ignore[arg-type]
+            item = dataclasses.replace(item, candidates=candidates, candidates_field=name)
+        items.append(item)
+        starts.append(start)
+        rids.append(_each(request.rid, i, len(batch), "rid", single) or uuid.uuid4().hex)
+    if len(temperatures) > 1:
+        raise InvalidArgument("sampling_params: inputs of one request must share a temperature; send them apart")
+    if len(tops) > 1:
+        raise InvalidArgument("top_logprobs_num: inputs of one request must share it; send them apart")
+    k = tops.pop()
+    begun = time.perf_counter()
+    scored = await score_items(
+        call,
+        items,
+        model=served_model(call.engine, None),
+        temperature=temperatures.pop(),  # 0 or absent: 1.0 (greedy's log-probs are unscaled)
+        batch_field="input_ids",
+        temperature_field="sampling_params.temperature",
+        top_k=k,
+        top_k_field="top_logprobs_num",
+    )
+    latency = time.perf_counter() - begun
+    answers = []
+    for item, start, rid, scores in zip(items, starts, rids, scored.scores):
+        logprobs = [b"[null,%d,null]" % item.ids[0]] if start == 0 else []
+        raw = {}
+        if scores is None:  # a one-token input: its first position, which has no log-prob
+            raw["input_token_logprobs"] = encoding.array(logprobs)
+            raw |= {"input_top_logprobs": b"[null]"} if k else {}
+            raw |= {"input_token_ids_logprobs": b"[null]"} if item.candidates is not None else {}
+        else:
+            ids, lps = encoding.numbers(item.ids[item.start :].tolist()), encoding.numbers(scores.logprobs.tolist())
+            logprobs += [b"[%b,%b,null]" % (lp, t) for lp, t in zip(lps, ids)]
+            raw["input_token_logprobs"] = encoding.array(logprobs)
+            if k:
+                raw["input_top_logprobs"] = _positions(start, scores.top_ids, scores.top_logprobs)
+            if item.candidates is not None:
+                raw["input_token_ids_logprobs"] = _positions(start, item.candidates, scores.candidate_logprobs)
+        meta = {
+            **dict.fromkeys(raw),
+            "id": rid,
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(item.ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "e2e_latency": latency,
+            "output_token_logprobs": [],
+            **({"output_top_logprobs": []} if k else {}),
+            **({"output_token_ids_logprobs": []} if item.candidates is not None else {}),
+        }
+        meta_info = encoding.with_raw(meta, **raw)
+        answers.append(b'{"text":"","output_ids":[],"meta_info":%b}' % meta_info)
+    return Answer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
+
+
+def _positions(start: int, ids: np.ndarray, logprobs: np.ndarray) -> bytes:
+    """SGLang's per-position lists of ``[logprob, token_id, null]`` (``input_top_logprobs``,
+    ``input_token_ids_logprobs``): null for the first token when ``logprob_start_len`` is 0."""
+    width = ids.shape[1]
+    names, values = encoding.numbers(ids.ravel().tolist()), encoding.numbers(logprobs.ravel().tolist())
+    rows = [b"null"] if start == 0 else []
+    rows += [
+        encoding.array([b"[%b,%b,null]" % (values[j], names[j]) for j in range(p, p + width)])
+        for p in range(0, len(names), width)
+    ]
+    return encoding.array(rows)
+
+
+async def model_info(call: Call) -> Answer:
+    """SGLang's ``/get_model_info`` of the model ``/generate`` scores with."""
+    info = next(m for m in await call.engine.list_models() if m.name == served_model(call.engine, None))
+    return Answer(
+        {
+            "model_path": info.source,
+            "tokenizer_path": info.source,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(info.version),
+            "model_type": info.architecture,
+            "architectures": [info.architecture],
+        }
+    )

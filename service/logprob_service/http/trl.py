@@ -1,0 +1,112 @@
+"""``/get_sequence_logprobs/`` of ``trl vllm-serve`` (TRL 1.4-1.9, whose ``VLLMClient.get_sequence_logprobs``
+and server-distillation trainers call it; TRL 1.16's client asks ``/v1/completions`` instead,
+``vllm.completions``).
+
+The request: full sequences, each with its prompt length; log-probs of the completion positions
+``prompt_lengths[i]..n-1``. Sequences with the same prompt run it once. The answer is TRL's
+server's (docs/http.md quotes both): ``response_format: "json"``, per position the entries sorted
+by rank (the top ``top_logprobs`` and the token's own); ``"binary"``, base64 float32/int32 arrays
+``[batch, max completion, top_logprobs]`` padded with -inf / 0, the token's own as ``actual_*``
+``[batch, max completion, 1]``. A prompt length 0 answers its first position empty (-inf / 0),
+as TRL's server does for the token without context.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+import numpy as np
+
+from logprob_service.domain import SequenceScores
+from logprob_service.errors import InvalidArgument
+from logprob_service.http.app import Answer, Call
+from logprob_service.http.bodies import Strict, parse, served_model
+from logprob_service.http.scoring import Item, check_start, ids_of, score_items
+
+
+class SequenceLogprobsRequest(Strict):
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    top_logprobs: int = 100
+    temperature: float = 1.0
+    response_format: Literal["json", "binary"] = "json"
+
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+
+
+def _by_rank(item: Item, scores: SequenceScores | None, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Per completion position, TRL's server's JSON lists: the entries of vLLM's position dict
+    sorted by rank, i.e. the top ``k``, then the token's own where it is not among them."""
+    if scores is None:
+        return [], []
+    own, own_lps = item.ids[item.start :].tolist(), scores.logprobs.tolist()
+    if not k:
+        return [[lp] for lp in own_lps], [[t] for t in own]
+    lps, ids = scores.top_logprobs.tolist(), scores.top_ids.tolist()
+    for row_lps, row_ids, t, lp in zip(lps, ids, own, own_lps):
+        if t not in row_ids:
+            row_lps.append(lp)
+            row_ids.append(t)
+    return lps, ids
+
+
+async def sequence_logprobs(call: Call) -> Answer:
+    request = parse(call.body, SequenceLogprobsRequest)
+    if len(request.sequences) != len(request.prompt_lengths):
+        raise InvalidArgument(
+            f"prompt_lengths: {len(request.prompt_lengths)} lengths for {len(request.sequences)} sequences; "
+            "give one per sequence"
+        )
+    if request.top_logprobs < 0:
+        raise InvalidArgument(f"top_logprobs: {request.top_logprobs} must be >= 0")
+    k = request.top_logprobs
+    items = []
+    for i, (sequence, prompt_length) in enumerate(zip(request.sequences, request.prompt_lengths)):
+        ids = ids_of(sequence, f"sequences[{i}]")
+        check_start(prompt_length, len(ids), f"prompt_lengths[{i}]", f"the length of sequences[{i}]")
+        items.append(Item(ids, max(prompt_length, 1), f"sequences[{i}]"))
+    scored = await score_items(
+        call,
+        items,
+        model=served_model(call.engine, None),
+        temperature=request.temperature,
+        batch_field="sequences",
+        temperature_field="temperature",
+        top_k=k,
+        top_k_field="top_logprobs",
+    )
+    # A prompt length 0 adds the first position, which has no log-prob (vLLM's None).
+    lengths = [len(item.ids) - p for item, p in zip(items, request.prompt_lengths)]
+    if request.response_format == "json":
+        logprobs, token_ids = [], []
+        for item, p, scores in zip(items, request.prompt_lengths, scored.scores):
+            empty = [[]] if p == 0 else []
+            lps, ids = _by_rank(item, scores, k)
+            logprobs.append(empty + lps)
+            token_ids.append(empty + ids)
+        return Answer({"logprobs": logprobs, "logprob_token_ids": token_ids}, scored.model, scored.result)
+    longest = max(lengths, default=0)
+    actual = np.full((len(items), longest, 1), -np.inf, dtype=np.float32)
+    actual_ids = np.zeros((len(items), longest, 1), dtype=np.int32)
+    top = np.full((len(items), longest, k), -np.inf, dtype=np.float32)
+    top_ids = np.zeros((len(items), longest, k), dtype=np.int32)
+    for i, (item, length, scores) in enumerate(zip(items, lengths, scored.scores)):
+        if scores is not None:
+            first = length - len(scores.logprobs)  # 1 where the first position (no log-prob) is answered
+            actual[i, first:length, 0] = scores.logprobs
+            actual_ids[i, first:length, 0] = item.ids[item.start :]
+            if k:
+                top[i, first:length] = scores.top_logprobs
+                top_ids[i, first:length] = scores.top_ids
+    payload = {
+        "logprobs_b64": _b64(top),
+        "token_ids_b64": _b64(top_ids),
+        "actual_logprobs_b64": _b64(actual),
+        "actual_token_ids_b64": _b64(actual_ids),
+        "shape": [len(items), longest, k],
+        "completion_lengths": lengths,
+    }
+    return Answer(payload, scored.model, scored.result)

@@ -1,0 +1,291 @@
+"""vLLM's calls: ``/v1/completions`` with token-id prompts and ``prompt_logprobs`` (TRL 1.16's
+``VLLMClient.get_sequence_logprobs``, the ``openai`` package), ``/inference/v1/generate`` with
+``prompt_logprobs`` (prime-rl's ``prefill_logprobs``) or ``prompt_logprob_token_ids`` (vLLM's
+teacher-scoring path), and ``/v1/models`` and ``/health`` as vLLM answers them.
+
+Answers carry vLLM's shapes (docs/http.md quotes them): ``prompt_logprobs`` is one entry per
+prompt token, ``None`` for the first (no context), else ``{"<id>": {"logprob", "rank",
+"decoded_token"}}`` with the token's own entry first. This server has no tokenizer: a token's
+``decoded_token`` is ``"token_id:<id>"``, what vLLM answers with ``--return-tokens-as-token-ids``
+(which TRL's ``vllm-serve`` sets). ``rank`` is where the engine does not count the tokens above it
+a lower bound: ``k + 1`` for a token outside the top ``k``.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import time
+import uuid
+
+import numpy as np
+
+from logprob_service.domain import MAX_TOP_K, SequenceScores
+from logprob_service.engine.engine import Phase
+from logprob_service.errors import InvalidArgument, Unavailable
+from logprob_service.http import encoding
+from logprob_service.http.app import Answer, Call
+from logprob_service.http.bodies import (
+    Strict,
+    generates_none,
+    no_streaming,
+    parse,
+    served_model,
+    text_refused,
+)
+from logprob_service.http.scoring import Item, Scored, candidate_rows, check_start, ids_of, score_items
+
+OWNER = "logprob-service"
+
+
+ENTRY = b'"%b":{"logprob":%b,"rank":%d,"decoded_token":"token_id:%b"}'
+
+
+def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int, first: int = 0) -> bytes:
+    """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
+    for each scored token (from its ``first``) its own entry and the top ``k``'s (the own entry
+    once, first, as vLLM's dict has it)."""
+    entries = [b"null"] * item.start
+    if scores is None:
+        return encoding.array(entries)
+    own = item.ids[item.start :]
+    ids, lps = encoding.numbers(own.tolist()), encoding.numbers(scores.logprobs.tolist())
+    if not k:
+        entries += [b"{" + ENTRY % (t, lp, 1, t) + b"}" for t, lp in zip(ids, lps)]
+        return encoding.array(entries)
+    assert scores.top_ids is not None and scores.top_logprobs is not None
+    among = scores.top_ids == own[:, None]
+    ranks = np.where(among.any(axis=1), among.argmax(axis=1) + 1, k + 1).tolist()
+    top_ids = encoding.numbers(scores.top_ids.ravel().tolist())
+    top_lps = encoding.numbers(scores.top_logprobs.ravel().tolist())
+    for p in range(len(own)):
+        row = [ENTRY % (ids[p], lps[p], ranks[p], ids[p])]
+        row += [
+            ENTRY % (top_ids[j], top_lps[j], j - p * k + 1, top_ids[j])
+            for j in range(p * k, (p + 1) * k)
+            if j - p * k + 1 != ranks[p]
+        ]
+        entries.append(b"{" + b",".join(row) + b"}")
+    return encoding.array(entries)
+
+
+def check_prompt_logprobs(k: int | None, field: str) -> int:
+    if k is None:
+        raise InvalidArgument(
+            f"{field}: absent; this server answers prompt log-probs only: send 0 (the tokens' own) or k (the top k too)"
+        )
+    if k == -1:
+        raise InvalidArgument(f"{field}: -1 asks for the whole vocabulary; at most {MAX_TOP_K} are answered")
+    if k < 0:
+        raise InvalidArgument(f"{field}: {k} must be >= 0")
+    return k
+
+
+def usage(tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+
+
+# --------------------------------------------------------------------------- /v1/completions
+
+
+class CompletionRequest(Strict):
+    model: str | None = None
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    prompt_logprobs: int | None = None
+    logprobs: int | None = None
+    n: int = 1
+    stream: bool | None = False
+
+
+async def completions(call: Call) -> Answer:
+    request = parse(call.body, CompletionRequest)
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        raise text_refused("prompt")
+    no_streaming(request.stream)
+    generates_none(request, "max_tokens", "max_tokens", (0, 1))
+    if request.logprobs is not None:
+        raise InvalidArgument("logprobs: asks for generated tokens' log-probs; this server generates none")
+    if request.n != 1:
+        raise InvalidArgument(f"n: {request.n}; this server answers one choice per prompt (send 1)")
+    k = check_prompt_logprobs(request.prompt_logprobs, "prompt_logprobs")
+    if not prompt:
+        raise InvalidArgument("prompt: is empty; at least 1 token is required")
+    single = isinstance(prompt[0], int)
+    batch = [prompt] if single else prompt
+    names = ["prompt"] if single else [f"prompt[{i}]" for i in range(len(batch))]
+    items = [Item(ids_of(ids, name), 1, name) for ids, name in zip(batch, names)]
+    scored = await _score(
+        call, items, request.model, request.temperature, "prompt", "temperature", k, "prompt_logprobs"
+    )
+    choices = [
+        b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":%b}'
+        % (i, prompt_logprobs(item, scores, k))
+        for i, (item, scores) in enumerate(zip(items, scored.scores))
+    ]
+    payload = {
+        "choices": None,
+        "id": f"cmpl-{call.request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": scored.model,
+        "usage": usage(sum(len(item.ids) for item in items)),
+    }
+    return Answer(encoding.with_raw(payload, choices=encoding.array(choices)), scored.model, scored.result)
+
+
+async def _score(
+    call: Call,
+    items: list[Item],
+    model: str | None,
+    temperature: float | None,
+    batch: str,
+    temperature_field: str,
+    top_k: int,
+    top_k_field: str,
+) -> Scored:
+    return await score_items(
+        call,
+        items,
+        model=served_model(call.engine, model),
+        temperature=temperature or 0.0,  # absent or 0 (vLLM's greedy, whose log-probs are unscaled): 1.0
+        batch_field=batch,
+        temperature_field=temperature_field,
+        top_k=top_k,
+        top_k_field=top_k_field,
+    )
+
+
+# --------------------------------------------------------------------------- /inference/v1/generate
+
+
+def npy_base64(array: np.ndarray) -> str:
+    """A base64 ``.npy`` file, as vLLM answers ``prompt_token_id_logprobs``."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class SamplingParams(Strict):
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprob_token_ids: list[int] | list[list[int]] | None = None
+    prompt_logprob_start: int | None = None
+    logprobs: int | None = None
+    n: int = 1
+
+
+class GenerateRequest(Strict):
+    model: str | None = None
+    request_id: str | None = None
+    token_ids: list[int]
+    sampling_params: SamplingParams = SamplingParams()
+    stream: bool | None = False
+
+
+async def generate(call: Call) -> Answer:
+    request = parse(call.body, GenerateRequest)
+    params = request.sampling_params
+    no_streaming(request.stream)
+    generates_none(params, "max_tokens", "sampling_params.max_tokens", (0, 1))
+    if params.logprobs is not None:
+        raise InvalidArgument(
+            "sampling_params.logprobs: log-probs of generated tokens; this server generates none "
+            "(use prompt_logprobs or prompt_logprob_token_ids)"
+        )
+    if params.n != 1:
+        raise InvalidArgument(f"sampling_params.n: {params.n}; this server answers one choice (send 1)")
+    if params.prompt_logprobs is None and params.prompt_logprob_token_ids is None:
+        raise InvalidArgument(
+            "sampling_params: neither prompt_logprobs nor prompt_logprob_token_ids; this server answers prompt "
+            "log-probs only"
+        )
+    ids = ids_of(request.token_ids, "token_ids")
+    k = params.prompt_logprobs
+    if k is not None:
+        k = check_prompt_logprobs(k, "sampling_params.prompt_logprobs")
+    start = params.prompt_logprob_start or 0
+    check_start(start, len(ids) - 1, "sampling_params.prompt_logprob_start", "the first prompt row scored")
+    # With prompt_logprobs every position is scored, the matrix's rows (from start) among them.
+    first_row = start if k is not None else 0
+    item = Item(ids, 1 if k is not None else start + 1, "token_ids")
+    wanted = params.prompt_logprob_token_ids
+    if wanted is not None:
+        field = "sampling_params.prompt_logprob_token_ids"
+        rows = candidate_rows(wanted, len(ids) - 1 - start, field)
+        per_row = not isinstance(wanted[0], int)
+        padded = np.concatenate([np.repeat(rows[:1], first_row, axis=0), rows]) if first_row and len(rows) else rows
+        rows_at = first_row if per_row else None
+        item = dataclasses.replace(item, candidates=padded, candidates_field=field, candidates_rows=rows_at)
+    scored = await _score(
+        call, [item], request.model, params.temperature, "token_ids", "sampling_params.temperature",
+        k or 0, "sampling_params.prompt_logprobs",
+    )  # fmt: skip
+    scores = scored.scores[0]
+    matrix = None
+    if wanted is not None and scores is not None and scores.candidate_logprobs is not None:
+        matrix = npy_base64(scores.candidate_logprobs[first_row:].astype(np.float32))
+    payload = {
+        "prompt_logprobs": None,
+        "request_id": request.request_id or call.request_id or str(uuid.uuid4()),
+        "model": scored.model,
+        "created": int(time.time()),
+        "usage": usage(len(ids)),
+        "prompt_token_id_logprobs": matrix,
+        "prompt_token_ids": None,
+        "mm_placeholders": None,
+        "metrics": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "output_mode": "tokens",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "token_ids": [],
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": None,
+                "logprobs": None,
+            }
+        ],
+    }
+    if k is not None:
+        answered = encoding.with_raw(payload, prompt_logprobs=prompt_logprobs(item, scores, k))
+        return Answer(answered, scored.model, scored.result)
+    return Answer(payload, scored.model, scored.result)
+
+
+# --------------------------------------------------------------------------- /v1/models, /health
+
+
+async def models(call: Call) -> Answer:
+    """vLLM's model list (TRL's ``VLLMClient`` takes ``data[0]["id"]``), once the weight updates
+    committed before have settled (the engine's ``list_models``)."""
+    created = int(time.time())
+    data = [
+        {
+            "id": info.name,
+            "object": "model",
+            "created": created,
+            "owned_by": OWNER,
+            "root": info.source,
+            "parent": info.base_model or None,
+            "max_model_len": info.max_positions,
+            "permission": [],
+        }
+        for info in await call.engine.list_models()
+    ]
+    return Answer({"object": "list", "data": data})
+
+
+async def health(call: Call) -> Answer:
+    """200 with an empty body while the engine serves (vLLM's and SGLang's answer); 503 while it
+    loads, warms up or drains (readiness probes and TRL's ``check_server`` wait on it)."""
+    if call.engine.phase is not Phase.SERVING:
+        raise Unavailable(f"server is {call.engine.phase.value}")
+    return Answer(None)
