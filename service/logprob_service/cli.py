@@ -106,8 +106,11 @@ def build_parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
-        help="serve models over gRPC",
-        description="Serve models over gRPC. Precedence: flags > LOGPROB_* environment > --config file > defaults.",
+        help="serve models over gRPC, and over HTTP with --http-port",
+        description=(
+            "Serve models over gRPC (--port), and over HTTP (the vLLM / SGLang / TRL routes, docs/http.md) when "
+            "--http-port is set (default 0: off). Precedence: flags > LOGPROB_* environment > --config file > defaults."
+        ),
         argument_default=argparse.SUPPRESS,  # only flags given on the command line override
         # No prefixes: `--auth-tokens SECRET` must not pass as `--auth-tokens-file` (and echo the secret).
         allow_abbrev=False,
