@@ -4,6 +4,7 @@ is one a running server exports."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import urllib.request
 
@@ -32,6 +33,34 @@ def promtool(*args: str) -> str:
     done = subprocess.run([PROMTOOL, *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+def scoring_calls() -> set[str]:
+    """The ``rpc`` label values of scoring requests, as the server records them: gRPC's methods
+    that take a ScoreRequest, and the HTTP edge's POST routes (every one scores), by path."""
+    from logprob_proto import logprob_pb2
+    from logprob_service.http.app import Edge
+    from logprob_service.http.server import routes
+
+    service = logprob_pb2.DESCRIPTOR.services_by_name["LogprobService"]
+    grpc_methods = {m.name for m in service.methods if m.input_type.name == "ScoreRequest"}
+    http_paths = {r.path for r in routes(Edge(None, None, 1)) if "POST" in r.methods}  # type: ignore[arg-type]
+    return grpc_methods | http_paths
+
+
+def test_the_scoring_filters_name_every_scoring_rpc_and_route():
+    """The overview's scoring panels, the error ratio and its alert select scoring requests by
+    ``rpc``: gRPC's and the HTTP edge's alike (an HTTP request's ``rpc`` is its route's path)."""
+    filters = [
+        match
+        for expr in dashboard_queries(dashboard()) + alert_queries()
+        for match in re.findall(r'rpc=~"([^"]*)"', expr)
+    ]
+    expected = scoring_calls()
+    assert {"ScoreTokens", "/v1/completions", "/generate"} <= expected
+    assert len(filters) == 7  # the dashboard's scoring requests (1) and error ratios (2 x 2), the alert's (2)
+    for alternatives in filters:
+        assert set(alternatives.split("|")) == expected, alternatives
 
 
 @needs_promtool
