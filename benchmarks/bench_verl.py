@@ -24,7 +24,8 @@ log-probs (both bf16).
 Ray and datasets (and pyarrow under it) are imported by verl's modules but unused on this path, and their
 wheels (79 and 55 MiB) cannot travel to the GPU machine: where they are missing, empty
 stand-ins are registered for them (``stand_in``). Wheels the GPU machine needs besides the project's:
-verl-0.9.1, tensordict-0.10.0, omegaconf, hydra-core, antlr4-python3-runtime==4.9.3, codetiming
+verl-0.9.1, tensordict-0.10.0 (with pyvers<0.2, orjson, cloudpickle, importlib_metadata, zipp),
+omegaconf, hydra-core, antlr4-python3-runtime==4.9.3, codetiming
 (about 3 MiB in all; docs/verl.md has the commands).
 
 Run (2 GPUs): PYTHONPATH=service:client python benchmarks/bench_verl.py [--shapes 1.5b 7b]

@@ -24,13 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from logprob_service.config import (
-    DEFAULT_MAX_BATCH_SEQUENCES,
-    DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_GROUP_TIMEOUT_S,
-    DEFAULT_UPDATE_IDLE_TIMEOUT_S,
-    Settings,
-)
+from logprob_service.config import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import (
     GroupSpec,
     ModelInfo,
@@ -51,6 +45,7 @@ from logprob_service.engine.validation import RequestLimits, validate_job
 from logprob_service.engine.weights.updater import WeightUpdater
 from logprob_service.errors import Unavailable
 from logprob_service.stats import NO_STATS, MemorySnapshot, StatsSink
+from logprob_service.weight_settings import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from logprob_service.config import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 from logprob_service.domain import (
     Commit,
     GroupSpec,
@@ -38,6 +37,7 @@ from logprob_service.engine.weights.session import Session, StreamIdle
 from logprob_service.engine.weights.update import Stream, Update, one_digest_per_weight
 from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument, LogprobError, Overloaded
 from logprob_service.stats import NO_STATS, StatsSink, WeightsUpdated
+from logprob_service.weight_settings import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
