@@ -53,7 +53,9 @@ class Settings(WeightUpdateSettings):
     config_file_values: ClassVar[dict[str, Any]] = {}
 
     # Where to listen.
-    host: str = Field("127.0.0.1", description="Address the gRPC server binds to (0.0.0.0 for all).")
+    host: str = Field(
+        "127.0.0.1", description="Address the gRPC, HTTP (http_port) and metrics ports bind to (0.0.0.0 for all)."
+    )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     metrics_port: int = Field(
         9481, ge=0, le=65535, description="Port of the Prometheus /metrics HTTP endpoint (0 disables it)."

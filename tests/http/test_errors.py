@@ -353,3 +353,12 @@ async def test_x_request_timeout_is_the_deadline_and_passing_it_is_504(served, r
         gate.restore()
     assert answered.status_code == 200
     refusal(expired, 504, None, "deadline passed while queued")
+
+
+def test_every_error_code_has_an_http_status():
+    """A new ErrorCode without a status would raise KeyError while its error answer is built."""
+    from logprob_service.errors import ErrorCode
+    from logprob_service.http.errors import HTTP_STATUS
+
+    assert set(HTTP_STATUS) == set(ErrorCode)
+    assert all(400 <= status < 600 for status in HTTP_STATUS.values())
