@@ -181,7 +181,9 @@ class Launched:
         if self.candidate_widths is not None:  # each sequence's own columns; None where it asked none
             candidates = [c[:, :w] if w else None for c, w in zip(candidates, self.candidate_widths)]
         return [
-            SequenceScores(logprobs=lp, entropies=e, top_ids=ti, top_logprobs=tl, candidate_logprobs=c, routed_experts=r)
+            SequenceScores(
+                logprobs=lp, entropies=e, top_ids=ti, top_logprobs=tl, candidate_logprobs=c, routed_experts=r
+            )
             for lp, e, ti, tl, c, r in zip(
                 per_sequence(self.logprobs),
                 per_sequence(self.entropies),
