@@ -15,13 +15,13 @@ import torch
 from logprob_service.domain import TokenSequence
 from logprob_service.models.compiled import fusable_modules
 from logprob_service.models.loading import expert_modules, load_causal_lm, use_experts_implementation
-from logprob_service.models.routing import RoutedExperts, RoutingUnsupported
+from logprob_service.models.routing import RoutedExperts, RoutingUnsupported, expert_count, routers
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.worker.packing import pack
 
 from tests.helpers.models import VOCAB, ScoreReference, make_model, random_sequences
-from tests.helpers.moe import TOP_K, hf_router_choices, make_moe_model
+from tests.helpers.moe import EXPERTS, MOE_ARCHITECTURES, TOP_K, hf_router_choices, make_moe_model
 
 pytestmark = pytest.mark.numerical
 
@@ -162,3 +162,18 @@ def test_routed_experts_of_a_dense_model_or_of_a_launch_without_them_are_refused
     moe = scorer_for(make_moe_model("qwen3_moe", seed=seed))
     with pytest.raises(ValueError, match="launched without return_routed_experts"):
         moe.launch(pack(seqs)).fetch_routed_experts()
+
+
+@pytest.mark.parametrize(
+    ("arch", "experts"), [("qwen3_moe", EXPERTS), ("gpt_oss", EXPERTS), ("llama", 0), ("llama4", 0)]
+)
+def test_listmodels_num_experts_says_whose_routing_can_be_returned(arch, experts, seed):
+    """A model whose routers return their top-k ids counts its experts; a dense model, and Llama 4
+    (its router returns scores and logits, no ids), 0: the engine then refuses return_routed_experts
+    by name instead of failing in the launch."""
+    model = make_moe_model(arch, seed=seed) if arch in MOE_ARCHITECTURES else make_model(arch, tied=False, seed=seed)
+    assert expert_count(model) == experts
+    if arch == "llama4":  # its body records its routers (the model above does not): their output tells
+        assert routers(model.model) and expert_count(model.model) == 0
+    scorer = CausalLMScorer(model, options=EAGER)
+    assert scorer.num_experts == experts and serve_model("m", "test", scorer).info.num_experts == experts

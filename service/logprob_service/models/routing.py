@@ -41,6 +41,26 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _ids(output: Any) -> torch.Tensor | None:
+    """A router call's top-k expert ids (``IDS_INDEX`` of its output), or None when it returns none."""
+    ids = output[IDS_INDEX] if isinstance(output, tuple) and len(output) > IDS_INDEX else None
+    return None if ids is None or ids.is_floating_point() else ids
+
+
+def expert_count(model: nn.Module) -> int:
+    """Experts per MoE layer whose choices ``RoutedExperts`` can capture (a router's weight is
+    [experts, hidden]); 0 for a model without routers, or whose router returns no ids (Llama 4's
+    returns scores and logits): one router, called once on a zero row, tells."""
+    try:
+        found = routers(model)
+    except RoutingUnsupported:
+        return 0
+    weight = found[0].weight
+    with torch.inference_mode():
+        output = found[0](torch.zeros(1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
+    return max(int(router.weight.shape[0]) for router in found) if _ids(output) is not None else 0
+
+
 class RoutedExperts:
     """Within ``with``, every router call's top-k expert ids are kept; ``ids(rows)`` gives them at
     rows of the packed row, [len(rows), layers, top_k]."""
@@ -66,8 +86,8 @@ class RoutedExperts:
     @staticmethod
     def _keeper(calls: list[torch.Tensor], router: nn.Module) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            ids = output[IDS_INDEX] if isinstance(output, tuple) and len(output) > IDS_INDEX else None
-            if ids is None or ids.is_floating_point():
+            ids = _ids(output)
+            if ids is None:
                 raise RoutingUnsupported(
                     f"{type(router).__name__} does not return its top-k expert ids (logits, weights, ids)"
                 )

@@ -27,7 +27,7 @@ from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
 from logprob_service.models.loading import use_experts_implementation
-from logprob_service.models.routing import RoutedExperts, RoutingUnsupported, routers
+from logprob_service.models.routing import RoutedExperts, expert_count
 from logprob_service.models.tensor_parallel import TensorParallel, VocabParallelOp, head_shard
 from logprob_service.ops.attention import (
     AttentionBackend,
@@ -140,15 +140,6 @@ class PackedBatch:
 INT16_EXPERTS = 2**15
 """Routed expert ids of a model with at most this many experts per layer are int16 (the wire's
 ``RoutedExperts.ids``), else int32."""
-
-
-def expert_count(model: torch.nn.Module) -> int:
-    """Experts per mixture-of-experts layer (the most of any router: a router's weight is [experts,
-    hidden], whole on every tensor-parallel rank); 0 for a model without routers."""
-    try:
-        return max(int(router.weight.shape[0]) for router in routers(model))
-    except RoutingUnsupported:
-        return 0
 
 
 @dataclass
