@@ -15,11 +15,14 @@ selected; only [N, layers, top_k] go to the host.
 
 from __future__ import annotations
 
+import logging
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 ROUTER_OUTPUT = "router_logits"
 """The key of ``_can_record_outputs`` whose recorder names the model's router class."""
@@ -56,8 +59,12 @@ def expert_count(model: nn.Module) -> int:
     except RoutingUnsupported:
         return 0
     weight = found[0].weight
-    with torch.inference_mode():
-        output = found[0](torch.zeros(1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
+    try:
+        with torch.inference_mode():
+            output = found[0](torch.zeros(1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
+    except Exception as err:  # a router this probe cannot call: serve the model, without routed experts
+        log.warning("%s: routed experts unavailable, its router failed a probe: %r", type(found[0]).__name__, err)
+        return 0
     return max(int(router.weight.shape[0]) for router in found) if _ids(output) is not None else 0
 
 
