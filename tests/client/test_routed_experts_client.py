@@ -18,8 +18,11 @@ import pytest
 import pytest_asyncio
 import torch
 from logprob_client import AsyncLogprobClient, LogprobClient, ScoreInput, TeacherScores
+from logprob_client.inputs import prepare
+from logprob_client.wire import result
 from logprob_proto import logprob_pb2 as pb
-from logprob_service.domain import TokenSequence
+from logprob_service.api.wire import response_from_result
+from logprob_service.domain import ScoreResult, SequenceScores, TokenSequence
 
 from tests.helpers.calls import call, expect, trl_layout
 from tests.helpers.models import VOCAB, stock_copy
@@ -166,3 +169,17 @@ async def test_a_dense_model_refuses_the_flag_by_name_and_others_are_answered(mo
 def test_legacy_wire_refuses_the_flag(moe_server):
     with LogprobClient(moe_server.target, legacy_wire=True) as client, pytest.raises(ValueError, match="legacy_wire"):
         client.score([[1]], [[2]], model="moe", return_routed_experts=True)
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32])
+def test_ids_cross_the_wire_as_int16_or_int32_as_the_scorer_holds_them(rng, dtype):
+    """int32 for a model of more than 32,768 experts (none of the tests' models): the client tells
+    the element size from the length, so both decode to the same ids."""
+    experts = 40_000 if dtype == np.int32 else EXPERTS
+    routed = [rng.integers(0, experts, (c, 3, 4)).astype(dtype) for c in (2, 5)]
+    scores = [SequenceScores(np.zeros(len(r), np.float32), routed_experts=r) for r in routed]
+    response = response_from_result(ScoreResult("r", "m", 0, scores, tokens=9), scores_f32=True)
+    assert [len(s.routed_experts.ids) for s in response.scores] == [r.nbytes for r in routed]
+    answer = result(prepare([[1], [2]], [[3, 4], [5, 6, 7, 8, 9]]), [response], False, return_routed_experts=True)
+    for got, want in zip(answer.routed_experts, routed, strict=True):
+        np.testing.assert_array_equal(got, want)
