@@ -44,7 +44,10 @@ class ScoreKeywords(TypedDict, total=False):
     come, naming it and the live version); ``timeout``: this call's deadline in
     seconds (the client's). ``top_k`` (0-256): also return, at each completion position, the K
     most likely ids and their log-probs; ``candidate_ids``: ids whose log-probs to return at each
-    completion position (``inputs.prepare``); with either, the answer is a ``wire.TeacherScores``.
+    completion position (``inputs.prepare``); ``return_routed_experts``: also return, at each
+    completion position, the experts each mixture-of-experts layer routed it to (a model with
+    routers only: ``ModelInfo.num_experts``); with any of these, the answer is a
+    ``wire.TeacherScores``.
     ``score`` and ``score_async`` also take ``prompt_mask``, ``completion_mask`` (dense inputs,
     ``logprob_client.inputs``) and ``candidate_ids``; ``score_many`` takes ``return_exceptions`` (a
     failed batch's error takes its place instead of being raised), its ``ScoreInput``s their own
@@ -61,6 +64,7 @@ class ScoreKeywords(TypedDict, total=False):
     return_exceptions: bool
     top_k: int
     candidate_ids: Any
+    return_routed_experts: bool
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Scoring:
     timeout: float
     return_exceptions: bool
     top_k: int = 0
+    return_routed_experts: bool = False
 
     @property
     def requests(self) -> list[pb.ScoreRequest]:
@@ -80,7 +85,7 @@ class Scoring:
     def result(self, responses: Sequence[pb.ScoreResponse]) -> Any:
         """The one batch's answer from its responses, in part order."""
         ((prepared, _),) = self.calls
-        return result(prepared, responses, self.return_entropy, self.top_k)
+        return result(prepared, responses, self.return_entropy, self.top_k, self.return_routed_experts)
 
     def error(self, part: int, code: grpc.StatusCode, message: str) -> LogprobError:
         """The one batch's error for the failure of its RPC ``part``, in the caller's terms
@@ -89,7 +94,9 @@ class Scoring:
         return caller_error(prepared, requests, part, code, message)
 
     def collected(self, responses: dict[str, pb.ScoreResponse]) -> list[Any]:
-        return collect(self.calls, responses, self.return_entropy, self.return_exceptions, self.top_k)
+        return collect(
+            self.calls, responses, self.return_entropy, self.return_exceptions, self.top_k, self.return_routed_experts
+        )
 
 
 class ClientBase:
@@ -259,6 +266,7 @@ class ClientBase:
         timeout: float | None = None,
         return_exceptions: bool = False,
         top_k: int = 0,
+        return_routed_experts: bool = False,
     ) -> Scoring:
         """Check the options and build every batch's requests, one per part (none when every
         completion is masked out: that answer is all zeros, made locally, as the server would
@@ -269,7 +277,8 @@ class ClientBase:
             raise ValueError(f"min_version must be >= 0 (0: any version), got {min_version}")
         if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: none; the server allows up to 256), got {top_k!r}")
-        options = Options(model or self.model, temperature, return_entropy, min_version, int(top_k))
+        routed = bool(return_routed_experts)
+        options = Options(model or self.model, temperature, return_entropy, min_version, int(top_k), routed)
         calls = []
         for inp in inputs:
             prepared = (
@@ -283,8 +292,10 @@ class ClientBase:
                     candidate_ids=inp.candidate_ids,
                 )
             )
-            if self.legacy_wire and (top_k or prepared.candidates is not None):
-                raise ValueError("top_k and candidate_ids need the current wire: not with legacy_wire=True")
+            if self.legacy_wire and (top_k or prepared.candidates is not None or routed):
+                raise ValueError(
+                    "top_k, candidate_ids and return_routed_experts need the current wire: not with legacy_wire=True"
+                )
             if not prepared.sequences and prepared.dense_shape is not None:
                 calls.append((prepared, []))
                 continue
@@ -303,7 +314,7 @@ class ClientBase:
                 for part in parts
             ]
             calls.append((prepared, requests))
-        return Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions, int(top_k))
+        return Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions, int(top_k), routed)
 
     def prepare_one(
         self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords, group_sizes: Sequence[int] | None = None

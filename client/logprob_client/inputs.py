@@ -248,14 +248,18 @@ def _prepare_dense(prompt_ids: Any, completion_ids: Any, prompt_mask: Any, compl
 
 
 def assemble(
-    prepared: Prepared, per_sequence: Sequence[np.ndarray | None], width: int = 0, dtype: Any = np.float32
+    prepared: Prepared,
+    per_sequence: Sequence[np.ndarray | None],
+    width: int | tuple[int, ...] = 0,
+    dtype: Any = np.float32,
 ) -> Any:
     """Scores in the caller's layout: a list of arrays, or a dense (B, C) array/tensor; with
     ``width``, per-position rows of that many ([C, width] arrays, or (B, C, width), 0 where
-    nothing was sent)."""
+    nothing was sent), or of that shape (a tuple: [C, *width], or (B, C, *width))."""
     if prepared.dense_shape is None:
         return list(per_sequence)
-    out = np.zeros(prepared.dense_shape + ((width,) if width else ()), dtype=dtype)
+    trailing = width if isinstance(width, tuple) else ((width,) if width else ())
+    out = np.zeros(prepared.dense_shape + trailing, dtype=dtype)
     for row, cols, values in zip(prepared.rows, prepared.columns, per_sequence):
         out[row, cols] = values
     if prepared.like is None:

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 from logprob_proto import logprob_pb2 as pb
 
-from .errors import InvalidRequest, LogprobError, MixedVersionsError, error_for_status
+from .errors import InvalidRequest, LogprobError, MixedVersionsError, ServerError, error_for_status
 from .inputs import Prepared, assemble
 
 
@@ -40,6 +40,7 @@ class ModelInfo:
     base_model: str = ""  # a LoRA model's base, whose weights it shares
     attention: str = ""  # which attention backend serves which kind of row
     determinism: str = ""  # what the server's --deterministic guarantees for this model
+    num_experts: int = 0  # experts per MoE layer, whose choices return_routed_experts returns; 0: none
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def model_info(m: pb.ModelInfo) -> ModelInfo:
         base_model=m.base_model,
         attention=m.attention,
         determinism=m.determinism,
+        num_experts=m.num_experts,
     )
 
 
@@ -84,6 +86,7 @@ class Options:
     return_entropy: bool
     min_version: int
     top_k: int = 0
+    return_routed_experts: bool = False
 
 
 def repeats_prompt(sequences: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[bool]:
@@ -122,6 +125,7 @@ def score_request(
         min_version=options.min_version,
         scores_f32=not legacy,
         top_k=options.top_k,
+        return_routed_experts=options.return_routed_experts,
     )
     extra = [_candidates(ids) for ids in candidates] if candidates is not None else [{}] * len(sequences)
     if legacy:
@@ -147,15 +151,17 @@ def _values(scores: pb.SequenceScores, field: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TeacherScores:
-    """A call's answer when it asked for ``top_k`` or sent ``candidate_ids``: each field in the
-    caller's layout (lists: one array per sequence; 2-D inputs: (B, C) and (B, C, K) arrays or
-    tensors, 0 where ``completion_mask`` is 0)."""
+    """A call's answer when it asked for ``top_k`` or ``return_routed_experts``, or sent
+    ``candidate_ids``: each field in the caller's layout (lists: one array per sequence; 2-D inputs:
+    (B, C), (B, C, K) and (B, C, layers, top_k) arrays or tensors, 0 where ``completion_mask`` is 0)."""
 
     logprobs: Any  # [C] float32 per sequence
     entropies: Any = None  # [C] float32 per sequence, with return_entropy
     top_ids: Any = None  # [C, K] int32: the K most likely ids at each position, descending, ties by id
     top_logprobs: Any = None  # [C, K] float32: their log-probs
     candidate_logprobs: Any = None  # [C, Kc] float32: log-probs of candidate_ids (None where none were sent)
+    # [C, MoE layers, top_k] int64: the experts each MoE layer routed the row predicting token t to
+    routed_experts: Any = None
 
 
 def _rows_of(scores: pb.SequenceScores, field: str, dtype: str, columns: int) -> np.ndarray:
@@ -163,9 +169,29 @@ def _rows_of(scores: pb.SequenceScores, field: str, dtype: str, columns: int) ->
     return np.frombuffer(getattr(scores, field), dtype=dtype).reshape(-1, columns)
 
 
-def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_entropy: bool, top_k: int = 0) -> Any:
+def _routed_experts(scores: pb.SequenceScores, completion: int) -> np.ndarray:
+    """A sequence's ``RoutedExperts`` as [C, layers, top_k] (int16 or int32 ids on the wire, told
+    apart by their length)."""
+    if not scores.HasField("routed_experts"):
+        raise ServerError(
+            "the server answered no routed_experts: it predates return_routed_experts",
+            grpc.StatusCode.UNIMPLEMENTED,
+        )
+    routed = scores.routed_experts
+    shape = (completion, routed.layers, routed.top_k)
+    size = len(routed.ids) // max(1, int(np.prod(shape)))
+    return np.frombuffer(routed.ids, dtype=f"<i{size}").reshape(shape).astype(np.int64)
+
+
+def result(
+    prepared: Prepared,
+    responses: Sequence[pb.ScoreResponse],
+    return_entropy: bool,
+    top_k: int = 0,
+    return_routed_experts: bool = False,
+) -> Any:
     """The caller's layout from the responses of a call's parts, in part order: log-probs (and
-    entropies, as a pair); with ``top_k`` or candidates, a ``TeacherScores``."""
+    entropies, as a pair); with ``top_k``, candidates or ``return_routed_experts``, a ``TeacherScores``."""
     versions = sorted({response.model_version for response in responses})
     if len(versions) > 1:
         # The model's weights were updated while the call's parts were being scored.
@@ -174,9 +200,10 @@ def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_ent
             f"retry with min_version={versions[-1]}"
         )
     scores = [s for response in responses for s in response.scores]
-    logprobs = assemble(prepared, [_values(s, "logprobs") for s in scores])
+    per_sequence = [_values(s, "logprobs") for s in scores]
+    logprobs = assemble(prepared, per_sequence)
     entropies = assemble(prepared, [_values(s, "entropies") for s in scores]) if return_entropy else None
-    if not top_k and prepared.candidates is None:
+    if not top_k and prepared.candidates is None and not return_routed_experts:
         return logprobs if entropies is None else (logprobs, entropies)
     answer = TeacherScores(logprobs, entropies)
     if top_k:
@@ -189,6 +216,10 @@ def result(prepared: Prepared, responses: Sequence[pb.ScoreResponse], return_ent
         widths = [0 if ids is None else ids.shape[1] for ids in prepared.candidates]
         cands = [_rows_of(s, "candidate_logprobs_f32", "<f4", w) if w else None for s, w in zip(scores, widths)]
         answer = dataclasses.replace(answer, candidate_logprobs=assemble(prepared, cands, max(widths)))
+    if return_routed_experts:
+        routed = [_routed_experts(s, len(lp)) for s, lp in zip(scores, per_sequence, strict=True)]
+        trailing = routed[0].shape[1:] if routed else ()
+        answer = dataclasses.replace(answer, routed_experts=assemble(prepared, routed, trailing, np.int64))
     return answer
 
 
@@ -241,13 +272,15 @@ def collect(
     return_entropy: bool,
     return_exceptions: bool,
     top_k: int = 0,
+    return_routed_experts: bool = False,
 ) -> list[Any]:
     results: list[Any] = []
     for prepared, requests in calls:
         errors = (_stream_error(prepared, requests, part, responses) for part in range(len(requests)))
         error = next(filter(None, errors), None)
         if error is None:
-            results.append(result(prepared, [responses[r.request_id] for r in requests], return_entropy, top_k))
+            answers = [responses[r.request_id] for r in requests]
+            results.append(result(prepared, answers, return_entropy, top_k, return_routed_experts))
         elif return_exceptions:
             results.append(error)
         else:

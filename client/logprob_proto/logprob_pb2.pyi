@@ -45,7 +45,7 @@ class Completion(_message.Message):
     def __init__(self, completion_ids: _Optional[_Iterable[int]] = ..., completion_ids_i32: _Optional[bytes] = ..., candidate_ids_i32: _Optional[bytes] = ..., num_candidates: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "model", "sequences", "groups", "temperature", "return_entropy", "min_version", "scores_f32", "top_k")
+    __slots__ = ("request_id", "model", "sequences", "groups", "temperature", "return_entropy", "min_version", "scores_f32", "top_k", "return_routed_experts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ScoreRequest(_message.Message):
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCORES_F32_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
@@ -64,10 +65,11 @@ class ScoreRequest(_message.Message):
     min_version: int
     scores_f32: bool
     top_k: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[SequenceGroup, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ..., min_version: _Optional[int] = ..., scores_f32: _Optional[bool] = ..., top_k: _Optional[int] = ...) -> None: ...
+    return_routed_experts: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[SequenceGroup, _Mapping]]] = ..., temperature: _Optional[float] = ..., return_entropy: _Optional[bool] = ..., min_version: _Optional[int] = ..., scores_f32: _Optional[bool] = ..., top_k: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
 
 class SequenceScores(_message.Message):
-    __slots__ = ("logprobs", "entropies", "logprobs_f32", "entropies_f32", "top_ids_i32", "top_logprobs_f32", "candidate_logprobs_f32")
+    __slots__ = ("logprobs", "entropies", "logprobs_f32", "entropies_f32", "top_ids_i32", "top_logprobs_f32", "candidate_logprobs_f32", "routed_experts")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class SequenceScores(_message.Message):
     TOP_IDS_I32_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     entropies: _containers.RepeatedScalarFieldContainer[float]
     logprobs_f32: bytes
@@ -82,7 +85,18 @@ class SequenceScores(_message.Message):
     top_ids_i32: bytes
     top_logprobs_f32: bytes
     candidate_logprobs_f32: bytes
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropies: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., entropies_f32: _Optional[bytes] = ..., top_ids_i32: _Optional[bytes] = ..., top_logprobs_f32: _Optional[bytes] = ..., candidate_logprobs_f32: _Optional[bytes] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., entropies: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., entropies_f32: _Optional[bytes] = ..., top_ids_i32: _Optional[bytes] = ..., top_logprobs_f32: _Optional[bytes] = ..., candidate_logprobs_f32: _Optional[bytes] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("layers", "top_k", "ids")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    top_k: int
+    ids: bytes
+    def __init__(self, layers: _Optional[int] = ..., top_k: _Optional[int] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class Metadata(_message.Message):
     __slots__ = ("tokens", "queue_ns", "compute_ns", "total_ns")
@@ -135,7 +149,7 @@ class ModelLimits(_message.Message):
     def __init__(self, max_sequence_tokens: _Optional[int] = ..., max_sequences_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device", "base_model", "attention", "determinism")
+    __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device", "base_model", "attention", "determinism", "num_experts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +163,7 @@ class ModelInfo(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -162,7 +177,8 @@ class ModelInfo(_message.Message):
     base_model: str
     attention: str
     determinism: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ..., attention: _Optional[str] = ..., determinism: _Optional[str] = ...) -> None: ...
+    num_experts: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ..., attention: _Optional[str] = ..., determinism: _Optional[str] = ..., num_experts: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "weight_receiver_ports")

@@ -140,6 +140,7 @@ class ScoreJob:
     client: str = ""  # who asked (api/security/caller.py): the fair share counts queued token-equivalents per client
     group_sizes: tuple[int, ...] = ()
     top_k: int = 0  # 0-MAX_TOP_K: each completion position's K most likely ids and their log-probs
+    return_routed_experts: bool = False  # each completion position's MoE router choices (SequenceScores)
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +163,9 @@ class SequenceScores:
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     candidate_logprobs: np.ndarray | None = None  # [C, Kc] float32: of TokenSequence.candidate_ids
+    # With ScoreJob.return_routed_experts: [C, MoE layers, top_k] expert ids (int16 for a model of at
+    # most 32,768 experts, else int32), the routing of the row predicting each completion token.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ class ModelInfo:
     base_model: str = ""  # a LoRA model's base, whose weights it shares
     attention: str = ""  # which attention backend serves which kind of row (ops.attention)
     determinism: str = ""  # what --deterministic guarantees here (models.scorer.determinism)
+    num_experts: int = 0  # experts per MoE layer whose router choices can be returned; 0: no routers
 
 
 @dataclass(frozen=True)

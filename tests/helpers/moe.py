@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
+from logprob_service.domain import TokenSequence
 from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tests.helpers.models import COMMON
@@ -76,3 +78,15 @@ def make_moe_model(
                 module.weight.mul_(ROUTER_SPREAD)
         model.get_output_embeddings().weight.mul_(2.0)  # logits std ~2, like a trained LM's
     return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def hf_router_choices(model: torch.nn.Module, seq: TokenSequence) -> np.ndarray:
+    """[C, MoE layers, top_k]: the experts transformers' own forward of the sequence alone routes
+    the row predicting each completion token to (``output_router_logits``: each router's logits;
+    both routers take the top-k of the logits, Qwen3-MoE after a softmax, which keeps the order)."""
+    ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None]
+    logits = model(input_ids=ids, output_router_logits=True).router_logits  # per layer [L, experts]
+    chosen = torch.stack([layer.topk(TOP_K, dim=-1).indices for layer in logits], dim=1)  # [L, layers, k]
+    p, c = len(seq.prompt_ids), len(seq.completion_ids)
+    return chosen[p - 1 : p - 1 + c].numpy()

@@ -15,13 +15,13 @@ import torch
 from logprob_service.domain import TokenSequence
 from logprob_service.models.compiled import fusable_modules
 from logprob_service.models.loading import expert_modules, load_causal_lm, use_experts_implementation
-from logprob_service.models.routing import RoutedExperts, RoutingUnsupported
+from logprob_service.models.routing import RoutedExperts, RoutingUnsupported, expert_count, routers
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.worker.packing import pack
 
 from tests.helpers.models import VOCAB, ScoreReference, make_model, random_sequences
-from tests.helpers.moe import TOP_K, make_moe_model
+from tests.helpers.moe import EXPERTS, MOE_ARCHITECTURES, TOP_K, hf_router_choices, make_moe_model
 
 pytestmark = pytest.mark.numerical
 
@@ -35,18 +35,6 @@ def grouped_sequences(rng: np.random.Generator) -> list[TokenSequence]:
     prompt = rng.integers(0, VOCAB, 17)
     seqs += [TokenSequence(prompt.copy(), rng.integers(0, VOCAB, int(rng.integers(1, 20)))) for _ in range(3)]
     return seqs
-
-
-@torch.no_grad()
-def hf_router_choices(model: torch.nn.Module, seq: TokenSequence) -> np.ndarray:
-    """[C, MoE layers, top_k]: the experts transformers' own forward of the sequence alone routes
-    the row predicting each completion token to (``output_router_logits``: each router's logits;
-    both routers take the top-k of the logits, Qwen3-MoE after a softmax, which keeps the order)."""
-    ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None]
-    logits = model(input_ids=ids, output_router_logits=True).router_logits  # per layer [L, experts]
-    chosen = torch.stack([layer.topk(TOP_K, dim=-1).indices for layer in logits], dim=1)  # [L, layers, k]
-    p, c = len(seq.prompt_ids), len(seq.completion_ids)
-    return chosen[p - 1 : p - 1 + c].numpy()
 
 
 def scorer_for(model: torch.nn.Module, **options: object) -> CausalLMScorer:
@@ -128,7 +116,7 @@ def test_routed_experts_are_the_models_own_router_choices(arch, rng, seed):
     routed += scorer.launch(pack([long]), return_routed_experts=True).fetch_routed_experts()
     for i, (got, seq) in enumerate(zip(routed, [*seqs, long], strict=True)):
         want = hf_router_choices(model, seq)
-        assert got.dtype == np.int32 and got.shape == (len(seq.completion_ids), 2, TOP_K), (i, got.shape)
+        assert got.dtype == np.int16 and got.shape == (len(seq.completion_ids), 2, TOP_K), (i, got.shape)
         np.testing.assert_array_equal(got, want, err_msg=f"sequence {i}")
 
 
@@ -174,3 +162,18 @@ def test_routed_experts_of_a_dense_model_or_of_a_launch_without_them_are_refused
     moe = scorer_for(make_moe_model("qwen3_moe", seed=seed))
     with pytest.raises(ValueError, match="launched without return_routed_experts"):
         moe.launch(pack(seqs)).fetch_routed_experts()
+
+
+@pytest.mark.parametrize(
+    ("arch", "experts"), [("qwen3_moe", EXPERTS), ("gpt_oss", EXPERTS), ("llama", 0), ("llama4", 0)]
+)
+def test_listmodels_num_experts_says_whose_routing_can_be_returned(arch, experts, seed):
+    """A model whose routers return their top-k ids counts its experts; a dense model, and Llama 4
+    (its router returns scores and logits, no ids), 0: the engine then refuses return_routed_experts
+    by name instead of failing in the launch."""
+    model = make_moe_model(arch, seed=seed) if arch in MOE_ARCHITECTURES else make_model(arch, tied=False, seed=seed)
+    assert expert_count(model) == experts
+    if arch == "llama4":  # its body records its routers (the model above does not): their output tells
+        assert routers(model.model) and expert_count(model.model) == 0
+    scorer = CausalLMScorer(model, options=EAGER)
+    assert scorer.num_experts == experts and serve_model("m", "test", scorer).info.num_experts == experts

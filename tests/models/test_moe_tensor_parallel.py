@@ -27,8 +27,8 @@ from logprob_service.worker.packing import pack
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests.helpers.models import VOCAB, reference_scores
-from tests.helpers.moe import EXPERTS, make_moe_model
-from tests.models.test_moe import grouped_sequences, hf_router_choices
+from tests.helpers.moe import EXPERTS, hf_router_choices, make_moe_model
+from tests.models.test_moe import grouped_sequences
 
 pytestmark = pytest.mark.numerical
 
@@ -43,6 +43,7 @@ def _rank(rank: int, directory: str, dtype: torch.dtype, sequences: list[list[To
         print_ = fingerprint(model_digests(model))  # a collective: every rank calls it
         options = ScoringOptions(compile_layers="off", long_sequence_tokens=64, chunk_tokens=23)
         scorer = CausalLMScorer(model, options=options, tensor_parallel=tp)
+        assert scorer.num_experts == EXPERTS  # the router's choices are capturable on every rank (ListModels)
         results = []
         for batch in sequences:
             launched = scorer.launch(pack(batch), return_routed_experts=True)

@@ -125,13 +125,14 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: s
         client=client,
         group_sizes=tuple(len(group.completions) for group in request.groups),
         top_k=request.top_k,
+        return_routed_experts=request.return_routed_experts,
     )
 
 
 def _scores(scores: SequenceScores, as_f32: bool) -> pb.SequenceScores:
     entropies = scores.entropies if scores.entropies is not None else np.zeros(0, np.float32)
     # top-k and candidates: always packed bytes ([C, K] row after row), whatever ``as_f32``
-    extra = {
+    extra: dict[str, object] = {
         field: array.astype(dtype).tobytes()
         for field, array, dtype in (
             ("top_ids_i32", scores.top_ids, "<i4"),
@@ -140,6 +141,10 @@ def _scores(scores: SequenceScores, as_f32: bool) -> pb.SequenceScores:
         )
         if array is not None
     }
+    if (routed := scores.routed_experts) is not None:  # [C, layers, top_k], int16 or int32 by the model
+        _, layers, top_k = routed.shape
+        ids = routed.astype(routed.dtype.newbyteorder("<")).tobytes()
+        extra["routed_experts"] = pb.RoutedExperts(layers=layers, top_k=top_k, ids=ids)
     if as_f32:
         return pb.SequenceScores(
             logprobs_f32=scores.logprobs.astype("<f4").tobytes(),
@@ -189,6 +194,7 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
         base_model=info.base_model,
         attention=info.attention,
         determinism=info.determinism,
+        num_experts=info.num_experts,
         limits=pb.ModelLimits(
             max_sequence_tokens=info.max_positions or 0,
             max_sequences_per_request=limits.max_sequences_per_request,

@@ -53,6 +53,7 @@ class BatchKey:
     temperature: float
     return_entropy: bool
     top_k: int = 0
+    return_routed_experts: bool = False
 
 
 @dataclass(eq=False)
@@ -80,7 +81,8 @@ class Request:
 
     @property
     def key(self) -> BatchKey:
-        return BatchKey(self.job.model, self.job.temperature, self.job.return_entropy, self.job.top_k)
+        job = self.job
+        return BatchKey(job.model, job.temperature, job.return_entropy, job.top_k, job.return_routed_experts)
 
     @property
     def started(self) -> bool:

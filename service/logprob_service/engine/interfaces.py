@@ -66,6 +66,7 @@ class Executor(Protocol):
         temperature: float,
         return_entropy: bool,
         top_k: int = 0,
+        return_routed_experts: bool = False,
     ) -> list[Launch]:
         """Enqueue a micro-batch's scoring on the device; returns once it is enqueued."""
 

@@ -359,6 +359,7 @@ class Scheduler:
                 temperature=key.temperature,
                 return_entropy=key.return_entropy,
                 top_k=key.top_k,
+                return_routed_experts=key.return_routed_experts,
             )
         except Exception as err:
             batch.error = err

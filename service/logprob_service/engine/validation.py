@@ -92,6 +92,11 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> Score
     validate_version("min_version", job.min_version)
     if not 0 <= job.top_k <= min(MAX_TOP_K, info.vocab_size):
         raise InvalidArgument(f"top_k: {job.top_k} must lie in [0, {min(MAX_TOP_K, info.vocab_size)}] (0: none)")
+    if job.return_routed_experts and not info.num_experts:
+        raise InvalidArgument(
+            f"return_routed_experts: model {info.name!r} ({info.architecture}) has no mixture-of-experts "
+            "routers whose choices could be returned"
+        )
     for g, size in enumerate(job.group_sizes):
         if size == 0:
             raise InvalidArgument(f"groups[{g}].completions: the group has none; at least 1 completion is required")

@@ -15,11 +15,14 @@ selected; only [N, layers, top_k] go to the host.
 
 from __future__ import annotations
 
+import logging
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 ROUTER_OUTPUT = "router_logits"
 """The key of ``_can_record_outputs`` whose recorder names the model's router class."""
@@ -39,6 +42,30 @@ def routers(model: nn.Module) -> list[nn.Module]:
     if not found:
         raise RoutingUnsupported(f"{type(model).__name__} has no mixture-of-experts router to report routed experts of")
     return found
+
+
+def _ids(output: Any) -> torch.Tensor | None:
+    """A router call's top-k expert ids (``IDS_INDEX`` of its output), or None when it returns none."""
+    ids = output[IDS_INDEX] if isinstance(output, tuple) and len(output) > IDS_INDEX else None
+    return None if ids is None or ids.is_floating_point() else ids
+
+
+def expert_count(model: nn.Module) -> int:
+    """Experts per MoE layer whose choices ``RoutedExperts`` can capture (a router's weight is
+    [experts, hidden]); 0 for a model without routers, or whose router returns no ids (Llama 4's
+    returns scores and logits): one router, called once on a zero row, tells."""
+    try:
+        found = routers(model)
+    except RoutingUnsupported:
+        return 0
+    weight = found[0].weight
+    try:
+        with torch.inference_mode():
+            output = found[0](torch.zeros(1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
+    except Exception as err:  # a router this probe cannot call: serve the model, without routed experts
+        log.warning("%s: routed experts unavailable, its router failed a probe: %r", type(found[0]).__name__, err)
+        return 0
+    return max(int(router.weight.shape[0]) for router in found) if _ids(output) is not None else 0
 
 
 class RoutedExperts:
@@ -66,8 +93,8 @@ class RoutedExperts:
     @staticmethod
     def _keeper(calls: list[torch.Tensor], router: nn.Module) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            ids = output[IDS_INDEX] if isinstance(output, tuple) and len(output) > IDS_INDEX else None
-            if ids is None or ids.is_floating_point():
+            ids = _ids(output)
+            if ids is None:
                 raise RoutingUnsupported(
                     f"{type(router).__name__} does not return its top-k expert ids (logits, weights, ids)"
                 )

@@ -27,7 +27,7 @@ from logprob_service.domain import SequenceScores
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
 from logprob_service.models.loading import use_experts_implementation
-from logprob_service.models.routing import RoutedExperts
+from logprob_service.models.routing import RoutedExperts, expert_count
 from logprob_service.models.tensor_parallel import TensorParallel, VocabParallelOp, head_shard
 from logprob_service.ops.attention import (
     AttentionBackend,
@@ -137,6 +137,11 @@ class PackedBatch:
         return len(self.input_ids)
 
 
+INT16_EXPERTS = 2**15
+"""Routed expert ids of a model with at most this many experts per layer are int16 (the wire's
+``RoutedExperts.ids``), else int32."""
+
+
 @dataclass
 class Launched:
     """Scores of one micro-batch, copying to host memory; ``fetch`` waits for them."""
@@ -149,7 +154,8 @@ class Launched:
     top_logprobs: torch.Tensor | None = None  # [N, K] float32
     candidate_logprobs: torch.Tensor | None = None  # [N, Kc] float32, padded (PackedBatch.candidates)
     candidate_widths: list[int] | None = None
-    # [N, MoE layers, top_k] int32, host: each completion token's routed experts (models.routing)
+    # [N, MoE layers, top_k] int16 (int32 past INT16_EXPERTS experts), host: each completion
+    # token's routed experts (models.routing)
     routed_experts: torch.Tensor | None = None
 
     def fetch(self) -> list[SequenceScores]:
@@ -166,24 +172,26 @@ class Launched:
         if self.candidate_widths is not None:  # each sequence's own columns; None where it asked none
             candidates = [c[:, :w] if w else None for c, w in zip(candidates, self.candidate_widths)]
         return [
-            SequenceScores(logprobs=lp, entropies=e, top_ids=ti, top_logprobs=tl, candidate_logprobs=c)
-            for lp, e, ti, tl, c in zip(
+            SequenceScores(
+                logprobs=lp, entropies=e, top_ids=ti, top_logprobs=tl, candidate_logprobs=c, routed_experts=r
+            )
+            for lp, e, ti, tl, c, r in zip(
                 per_sequence(self.logprobs),
                 per_sequence(self.entropies),
                 per_sequence(self.top_ids),
                 per_sequence(self.top_logprobs),
                 candidates,
+                per_sequence(self.routed_experts),
             )
         ]
 
     def fetch_routed_experts(self) -> list[np.ndarray]:
         """Per sequence, [C, MoE layers, top_k]: the experts each MoE layer routed the row that
-        predicts completion token t to (the row of the token before it), as the model chose them."""
+        predicts completion token t to (the row of the token before it), as the model chose them
+        (``fetch``'s ``SequenceScores.routed_experts``)."""
         if self.routed_experts is None:
             raise ValueError("this micro-batch was launched without return_routed_experts")
-        if self.ready is not None:
-            self.ready.synchronize()
-        return np.split(self.routed_experts.numpy(), np.cumsum(self.completion_lengths)[:-1])
+        return [scores.routed_experts for scores in self.fetch()]  # type: ignore[misc]  # all set
 
 
 class CausalLMScorer:
@@ -219,6 +227,7 @@ class CausalLMScorer:
         self.transform = config_logit_transform(model.config)
         # A mixture-of-experts model's experts: grouped GEMMs on CUDA, the exact loop on the CPU.
         self.experts: str | None = use_experts_implementation(model, self.device)
+        self.num_experts: int = expert_count(model)  # 0: no routers, no routed experts to return
         if self.experts is not None:
             log.info("mixture-of-experts layers: experts_implementation=%s", self.experts)
         op = logprob_op or select_logprob_op("auto", self.head_weight.device, invariant=options.deterministic)
@@ -372,6 +381,8 @@ class CausalLMScorer:
         contiguous = bool((np.diff(batch.rows) == 1).all())
         row_index = self._to_device(batch.rows) if routing is not None or not contiguous else None
         routed = routing.ids(row_index) if routing is not None else None  # [N, layers, top_k]
+        if routed is not None and self.num_experts <= INT16_EXPERTS:
+            routed = routed.to(torch.int16)  # the wire's type for them: half the copy to the host
         if contiguous:  # one sequence's rows, back to back: a view, no [N, H] copy
             rows = hidden.narrow(0, int(batch.rows[0]), len(batch.rows))  # [N, H]
         else:

@@ -97,6 +97,7 @@ def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
         fingerprint=fingerprint(digests),
         attention=scorer.attention_plan(),
         determinism=scorer.determinism(),
+        num_experts=scorer.num_experts,
     )
     return ServedModel(info=info, scorer=scorer, digests=digests)
 

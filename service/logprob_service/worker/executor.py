@@ -54,6 +54,7 @@ def launch_splitting_on_oom(
     temperature: float,
     return_entropy: bool,
     top_k: int = 0,
+    return_routed_experts: bool = False,
 ) -> list[Part]:
     """Launch ``sequences[indices]`` as one packed batch, halving it on out-of-memory."""
     try:
@@ -61,7 +62,13 @@ def launch_splitting_on_oom(
         return [
             Part(
                 indices,
-                launched=scorer.launch(batch, temperature=temperature, return_entropy=return_entropy, top_k=top_k),
+                launched=scorer.launch(
+                    batch,
+                    temperature=temperature,
+                    return_entropy=return_entropy,
+                    top_k=top_k,
+                    return_routed_experts=return_routed_experts,
+                ),
             )
         ]
     except torch.OutOfMemoryError:
@@ -86,7 +93,12 @@ def launch_splitting_on_oom(
         ]
     half = len(indices) // 2
     log.warning("out of device memory on %d sequences: retrying as two halves", len(indices))
-    kwargs = {"temperature": temperature, "return_entropy": return_entropy, "top_k": top_k}
+    kwargs = {
+        "temperature": temperature,
+        "return_entropy": return_entropy,
+        "top_k": top_k,
+        "return_routed_experts": return_routed_experts,
+    }
     return launch_splitting_on_oom(scorer, sequences, indices[:half], **kwargs) + launch_splitting_on_oom(
         scorer, sequences, indices[half:], **kwargs
     )
@@ -99,6 +111,7 @@ def launch_measured(
     temperature: float,
     return_entropy: bool,
     top_k: int = 0,
+    return_routed_experts: bool = False,
     stats: StatsSink = NO_STATS,
 ) -> list[Part]:
     """``launch_splitting_on_oom`` over all of ``sequences``, observing its peak device memory."""
@@ -110,6 +123,7 @@ def launch_measured(
             temperature=temperature,
             return_entropy=return_entropy,
             top_k=top_k,
+            return_routed_experts=return_routed_experts,
         )
     if peak.bytes is not None:
         stats.record(BatchMemory(str(scorer.device), peak.bytes))
@@ -136,6 +150,7 @@ class DeviceExecutor:
         temperature: float,
         return_entropy: bool,
         top_k: int = 0,
+        return_routed_experts: bool = False,
     ) -> list[Part]:
         def launch() -> list[Part]:
             served.activate()  # a LoRA model and its base share one model: select which one scores
@@ -145,6 +160,7 @@ class DeviceExecutor:
                 temperature=temperature,
                 return_entropy=return_entropy,
                 top_k=top_k,
+                return_routed_experts=return_routed_experts,
                 stats=self._stats,
             )
 
