@@ -8,7 +8,7 @@ carries rank 0's commands. Every rank then calls the same ``build`` (load the co
 in the same order: loading runs collectives too).
 
 Only rank 0 serves gRPC and schedules. Each micro-batch it launches is first broadcast to the
-followers (``("launch", model, batch, temperature, return_entropy)``), which launch the same
+followers (``("launch", model, batch, options)``: launch's keyword options), which launch the same
 packed batch on their shards, so that every rank issues the same collectives in the same order.
 The followers return nothing: the vocab-parallel lm_head leaves the combined scores on every rank.
 
@@ -107,24 +107,13 @@ class Leader:
         launch = scorer.launch
 
         @functools.wraps(launch)
-        def announced(
-            batch: PackedBatch,
-            *,
-            temperature: float = 1.0,
-            return_entropy: bool = False,
-            return_routed_experts: bool = False,
-            top_k: int = 0,
-        ) -> Launched:
-            self._announce(("launch", name, batch, temperature, return_entropy, top_k))
+        def announced(batch: PackedBatch, **options: Any) -> Launched:
+            # The followers launch with the same options (whatever ``launch`` takes), but routed
+            # experts are rank 0's to keep: the router is replicated, its choices the same on every rank.
+            shared = {key: value for key, value in options.items() if key != "return_routed_experts"}
+            self._announce(("launch", name, batch, shared))
             try:
-                # Routed experts are rank 0's to keep: the router is replicated, its choices the same on every rank.
-                return launch(
-                    batch,
-                    temperature=temperature,
-                    return_entropy=return_entropy,
-                    return_routed_experts=return_routed_experts,
-                    top_k=top_k,
-                )
+                return launch(batch, **options)
             except Exception as err:
                 on_failure(f"rank 0 failed in a launch of {name!r}, the ranks are out of step: {err!r}")
                 raise
@@ -177,10 +166,10 @@ def _follow(rank: int, devices: list[torch.device], port: int, build: Build, log
         command = box[0]
         if command[0] == "stop":
             break
-        _, name, batch, temperature, return_entropy, top_k = command
+        _, name, batch, options = command
         # Two in flight, as on rank 0: the next launch is queued before this one's end is awaited.
         previous = launched
-        launched = scorers[name].launch(batch, temperature=temperature, return_entropy=return_entropy, top_k=top_k)
+        launched = scorers[name].launch(batch, **options)
         if previous is not None:
             previous.fetch()
     if launched is not None:
