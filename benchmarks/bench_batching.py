@@ -828,6 +828,24 @@ def int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def fill_workload_defaults(args: argparse.Namespace, smoke: bool, **more: Any) -> None:
+    """Set each workload option the command line left None: the GRPO-like workload, or with
+    ``smoke`` a tiny one on the CPU; ``more``: the calling benchmark's own (e.g. ``repeats``).
+    The benchmarks that run this workload (bench_moe, bench_http) take these defaults too."""
+    defaults = {
+        "device": "cpu" if smoke else "cuda",
+        "sequences": 16 if smoke else 256,
+        "prompt_range": (4, 16) if smoke else (256, 1024),
+        "completion_range": (2, 24) if smoke else (64, 4096),
+        "clients": 2 if smoke else 8,
+        "max_batch_tokens": 128 if smoke else DEFAULT_MAX_BATCH_TOKENS,
+        **more,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -857,18 +875,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     smoke = args.smoke
-    defaults = {
-        "device": "cpu" if smoke else "cuda",
-        "sequences": 16 if smoke else 256,
-        "prompt_range": (4, 16) if smoke else (256, 1024),
-        "completion_range": (2, 24) if smoke else (64, 4096),
-        "clients": 2 if smoke else 8,
-        "max_batch_tokens": 128 if smoke else DEFAULT_MAX_BATCH_TOKENS,
-        "repeats": 2 if smoke else 3,
-    }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_workload_defaults(args, smoke, repeats=2 if smoke else 3)
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     args.shape_list = [TINY] if smoke else [SHAPES[s.strip()] for s in args.shapes.split(",") if s.strip()]

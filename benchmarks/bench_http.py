@@ -59,6 +59,7 @@ from bench_batching import (
     MODEL_NAME,
     PassResult,
     Workload,
+    fill_workload_defaults,
     grpc_pass,
     make_workload,
     open_clients,
@@ -385,18 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_scoring_arguments(parser)
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    defaults = {
-        "device": "cpu" if args.smoke else "cuda",
-        "sequences": 16 if args.smoke else 256,
-        "prompt_range": (4, 16) if args.smoke else (256, 1024),
-        "completion_range": (2, 24) if args.smoke else (64, 4096),
-        "clients": 2 if args.smoke else 8,
-        "max_batch_tokens": 128 if args.smoke else 65536,
-        "repeats": 2 if args.smoke else 5,
-    }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_workload_defaults(args, args.smoke, repeats=2 if args.smoke else 5)
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     args.routes = [r.strip() for r in args.routes.split(",") if r.strip()]

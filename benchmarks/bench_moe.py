@@ -56,6 +56,7 @@ from bench_batching import (
     PassResult,
     Workload,
     baseline_pass,
+    fill_workload_defaults,
     format_table,
     int_pair,
     log,
@@ -67,7 +68,6 @@ from bench_batching import (
 )
 from common import add_scoring_arguments, scoring_options
 from harness import publish, release, run_environment
-from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS
 from logprob_service.models.compiled import eager_layers
 from logprob_service.models.loading import expert_modules
 from logprob_service.offline import OfflineScorer
@@ -313,19 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_scoring_arguments(parser)
     args = parser.parse_args(argv)
     smoke = args.smoke
-    defaults = {
-        "device": "cpu" if smoke else "cuda",
-        "sequences": 16 if smoke else 256,
-        "prompt_range": (4, 16) if smoke else (256, 1024),
-        "completion_range": (2, 24) if smoke else (64, 4096),
-        "clients": 2 if smoke else 8,
-        "max_batch_tokens": 128 if smoke else DEFAULT_MAX_BATCH_TOKENS,
-        "repeats": 1 if smoke else 3,
-        "warmup": 0 if smoke else 1,
-    }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_workload_defaults(args, smoke, repeats=1 if smoke else 3, warmup=0 if smoke else 1)
     on_cuda = torch.device(args.device).type == "cuda"
     args.experts = [e for e in (args.experts or ("grouped_mm,eager" if on_cuda else "eager")).split(",") if e]
     args.shape_keys = [s.strip() for s in args.shapes.split(",") if s.strip()]
