@@ -6,6 +6,7 @@ skips, saying why, where its framework is not importable."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -160,3 +161,14 @@ def use_cpu_platform() -> None:
             return None
 
     set_platform(CpuPlatform())
+
+
+@pytest.fixture(scope="module")
+def process_group() -> Iterator[None]:
+    """verl's workers expect torch.distributed: one CPU process, gloo (per test module)."""
+    use_cpu_platform()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()

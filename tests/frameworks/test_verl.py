@@ -22,7 +22,6 @@ Checked against verl 0.9.1.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +43,8 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.utils.padding import response_from_nested
 
-from tests.frameworks.conftest import use_cpu_platform
 from tests.helpers import tolerances
 from tests.helpers.models import VOCAB
-from tests.helpers.processes import free_port
 
 pytestmark = pytest.mark.frameworks
 
@@ -56,17 +53,6 @@ TEMPERATURE = 0.7
 
 def test_the_installed_verl_is_the_checked_version():
     assert verl.__version__ == CHECKED_VERL_VERSION
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """verl's workers expect torch.distributed: one CPU process, gloo."""
-    use_cpu_platform()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
 
 
 def verl_config(model_dir: Path, address: str, model: str = "ref", dtype: str = "float32"):

@@ -23,7 +23,6 @@ Checked against verl 0.9.1.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from contextlib import nullcontext
 from pathlib import Path
@@ -42,7 +41,7 @@ from logprob_client import LogprobClient
 from logprob_client.errors import FailedPrecondition
 from logprob_client.integrations import verl as served_verl
 from logprob_client.integrations import verl_checkpoint
-from logprob_client.integrations.verl import CHECKED_VERL_VERSION, ServiceConfigError, padded_batch
+from logprob_client.integrations.verl import ServiceConfigError, padded_batch
 from logprob_client.integrations.verl_actor import OLD_POLICY
 from transformers import AutoModelForCausalLM
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -52,7 +51,6 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.utils.padding import response_from_nested
 
-from tests.frameworks.conftest import use_cpu_platform
 from tests.frameworks.test_verl import VerlReference, padding_free, rollout
 from tests.helpers.processes import free_port
 
@@ -120,20 +118,6 @@ def documented_lines() -> list[str]:
     section = text.split("## Old-policy log-probs and weight pushes", 1)[1]
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "checkpoint_engine" in b]
     return [line.strip().rstrip("\\").strip() for line in block.splitlines() if line.strip()]
-
-
-def test_the_installed_verl_is_the_checked_version():
-    assert verl.__version__ == CHECKED_VERL_VERSION
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    use_cpu_platform()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture
