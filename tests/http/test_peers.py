@@ -142,17 +142,22 @@ async def test_sglang_batch_and_logprob_start_len(served, rng):
         bitwise([e[0] for e in entries], want)
 
 
+def prime_rl_prefill_body(token_ids: list[int]) -> dict:
+    """The body prime-rl's ``prefill_logprobs`` posts to ``/inference/v1/generate``, verbatim."""
+    return {
+        "model": "default",
+        "token_ids": token_ids,
+        "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1},
+    }
+
+
 async def test_prime_rl_prefill_logprobs_request(served, rng):
     """prime-rl's ``prefill_logprobs`` (src/prime_rl/utils/client.py): its body as it sends it
     (``prompt_logprobs: 1``: the token's own and the top 1), and its flattening of the answer
     (the first entry of each position's dict: the token's own), verbatim."""
     token_ids = random_sequences(rng, 1, low=5)[0]
     base = served.base
-    body = {
-        "model": "default",
-        "token_ids": token_ids,
-        "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1},
-    }
+    body = prime_rl_prefill_body(token_ids)
     async with httpx.AsyncClient() as http:
         http_response = await http.post(f"{base}/inference/v1/generate", json=body)
     response = http_response.json()

@@ -19,7 +19,7 @@ from transformers import HfArgumentParser, training_args
 from trl.generation import vllm_client
 
 from tests.helpers.processes import ROOT
-from tests.http.test_peers import bitwise, prompt_logprobs_by_grpc, random_sequences
+from tests.http.test_peers import bitwise, prime_rl_prefill_body, prompt_logprobs_by_grpc, random_sequences
 
 PLACEHOLDER = "teacher-host:8000"
 
@@ -110,11 +110,7 @@ async def test_prime_rls_teacher_base_url_reaches_its_prefill_route(served, rng)
     base_url = here(algo["teacher"]["base_url"], served)
     base = base_url.rstrip("/").removesuffix("/v1")
     token_ids = random_sequences(rng, 1, low=4)[0]
-    body = {
-        "model": "default",
-        "token_ids": token_ids,
-        "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1},
-    }
+    body = prime_rl_prefill_body(token_ids)
     async with httpx.AsyncClient() as http:
         answer = await http.post(f"{base}/inference/v1/generate", json=body)
         models = await http.get(f"{base_url}/models")
