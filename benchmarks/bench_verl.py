@@ -7,7 +7,8 @@ trainer, ``RayPPOTrainer._compute_ref_log_prob`` (``left_right_2_no_padding``, t
 ``no_padding_2_padding``), on the same ``DataProto`` batches.
 
   1. verl: the stock ref (``FSDPActorConfig``, verl's FSDP engine, bf16, remove-padding on with
-     flash-attn; without flash-attn installed, remove-padding off and SDPA, said in the table);
+     flash-attn; without flash-attn installed, the same packed rows through FlashAttention-2's varlen
+     kernel as torch ships it, ``register_varlen_attention``; said in the table);
   2. service: the three override lines of docs/verl.md; ``logprob-service serve`` on GPU 1 in bf16.
 
 Workload: ``--prompts`` prompts x ``--n`` responses (GRPO groups), prompt lengths uniform in
@@ -116,6 +117,39 @@ def stand_in(*packages: str) -> list[str]:
     return missing
 
 
+VARLEN_FA2 = "varlen_fa2"
+
+
+def register_varlen_attention() -> None:
+    """transformers attention ``varlen_fa2``: FlashAttention-2's varlen kernel as torch ships it
+    (``torch.nn.attention.varlen.varlen_attn``), for verl's remove-padding path where the
+    flash-attn package is not installed. verl then runs as its docs recommend (packed rows, one
+    varlen kernel), not padded: the same kernel flash-attn's ``flash_attn_varlen_func`` runs.
+
+    Packed rows come as one [1, heads, T, D] batch whose position ids restart at 0 at each
+    sequence (verl's ``position_ids_rmpad``); the sequence starts are where they are 0."""
+    from torch.nn.attention.varlen import varlen_attn
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    def varlen_fa2(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
+        position_ids = kwargs.get("position_ids")
+        if query.shape[0] != 1 or position_ids is None or sliding_window is not None:
+            raise ValueError("varlen_fa2 takes verl's packed rows: batch 1, position ids, no sliding window")
+        total = query.shape[2]
+        starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
+        cu = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+        groups = q.shape[1] // k.shape[1]  # torch's varlen_attn takes as many K/V heads as query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0))  # causal
+        return out.unsqueeze(0), None  # [1, T, heads, D], as flash_attention_2 returns
+
+    AttentionInterface.register(VARLEN_FA2, varlen_fa2)
+    AttentionMaskInterface.register(VARLEN_FA2, flash_attention_mask)
+
+
 def rollout(rng: np.random.Generator, prompts: int, n: int, prompt_len: int, response_len: int, vocab: int):
     rows = []
     for _ in range(prompts):
@@ -202,14 +236,13 @@ def main() -> None:
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     flash = importlib.util.find_spec("flash_attn") is not None
-    verl_attention = (
-        ["+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"]
-        if flash
-        else [
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "actor_rollout_ref.model.use_remove_padding=False",
-        ]
-    )
+    if not flash:
+        register_varlen_attention()
+    attention = "flash_attention_2" if flash else VARLEN_FA2
+    verl_attention = [
+        f"+actor_rollout_ref.model.override_config.attn_implementation={attention}",
+        "actor_rollout_ref.model.use_remove_padding=True",
+    ]
     batching = [
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
         f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={args.max_token_len}",
@@ -237,7 +270,8 @@ def main() -> None:
             times, verl_out, peak = time_ref_steps(
                 worker, [padded_batch(r, args.temperature) for r in batches_rows], device, args.warmup
             )
-            label = "verl (FSDP, remove-padding, flash-attn)" if flash else "verl (FSDP, padded, SDPA: no flash-attn)"
+            kernel = "flash-attn" if flash else "torch's FA2 varlen kernel"
+            label = f"verl (FSDP, remove-padding, {kernel})"
             median = statistics.median(times)
             lines.append(f"| {shape.name} | {label} | {median:.3f} | {tokens / median:,.0f} | {peak / 2**30:.2f} | 0 |")
             del worker
