@@ -102,6 +102,7 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
+        module.__file__ = f"<stand-in for {spec.name}>"  # inspect.getmodule takes a module without one for built-in
         module.__getattr__ = lambda name: _Anything(f"{spec.name}.{name}")  # PEP 562
         return module
 
