@@ -19,8 +19,9 @@ depend on shapes only), saved once as an HF checkpoint that both load.
 Reported per shape and run: the time the trainer waits for the ref log-probs (median over
 ``--steps`` after ``--warmup``, device synchronized), tokens/s per GPU used (prompt + response
 tokens of the batch; verl uses GPU 0, the service GPU 1 and nothing of GPU 0), the trainer GPU's
-peak allocated memory during the step, and the largest difference between the two runs' ref
-log-probs (both bf16).
+peak allocated memory during the step, the largest difference of each run's ref log-probs from an
+fp32 forward of the model (``--check-rows`` rows, float64 log-softmax), and between the two runs
+(both bf16; response tokens only). ``--profile`` writes the op table of verl's first timed step.
 
 Ray and datasets (and pyarrow under it) are imported by verl's modules but unused on this path, and their
 wheels (79 and 55 MiB) cannot travel to the GPU machine: where they are missing, empty
@@ -35,6 +36,7 @@ Run (2 GPUs): PYTHONPATH=service:client python benchmarks/bench_verl.py [--shape
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -161,6 +163,32 @@ def rollout(rng: np.random.Generator, prompts: int, n: int, prompt_len: int, res
     return [rows[i] for i in rng.permutation(len(rows))]
 
 
+def reference_log_probs(model_dir: Path, rows, device: torch.device, temperature: float) -> list[torch.Tensor]:
+    """Each row's response log-probs from an fp32 copy of the model, one unpadded row at a time,
+    log-softmax in float64: what both runs' bf16 answers are held to."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    out = []
+    with torch.no_grad():
+        for prompt, response in rows:
+            ids = torch.as_tensor(np.concatenate([prompt, response]), device=device)[None]
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].double() / temperature
+            out.append(logits.log_softmax(-1).gather(1, ids[0, len(prompt) :, None]).squeeze(1).cpu())
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def response_diff(a: torch.Tensor, b: torch.Tensor, rows) -> float:
+    """Largest |a - b| over the response tokens of ``rows`` ([B, R] right-padded log-probs: what
+    the padding holds is nobody's answer)."""
+    return max(
+        float((a[i, : len(r)].double().cpu() - b[i, : len(r)].double().cpu()).abs().max())
+        for i, (_, r) in enumerate(rows)
+    )
+
+
 def compose_config(model_dir: Path, extra: list[str]):
     import verl
     from hydra import compose, initialize_config_dir
@@ -182,7 +210,9 @@ class _Trainer:
         self.ref_in_actor, self.ref_policy_wg = False, worker
 
 
-def time_ref_steps(worker, batches, device: torch.device, warmup: int):
+def time_ref_steps(worker, batches, device: torch.device, warmup: int, profile: Path | None = None):
+    """Time verl's ref step on each batch after ``warmup``; with ``profile``, the first timed step
+    runs under torch's profiler and its op table (by CPU and by CUDA time) is written there."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     times, outputs = [], []
@@ -190,9 +220,18 @@ def time_ref_steps(worker, batches, device: torch.device, warmup: int):
         torch.cuda.synchronize(device)
         if i == warmup:
             torch.cuda.reset_peak_memory_stats(device)
+        profiler = torch.profiler.profile() if profile and i == warmup else contextlib.nullcontext()
         start = time.perf_counter()
-        out = RayPPOTrainer._compute_ref_log_prob(_Trainer(worker), batch)
-        torch.cuda.synchronize(device)
+        with profiler:
+            out = RayPPOTrainer._compute_ref_log_prob(_Trainer(worker), batch)
+            torch.cuda.synchronize(device)
+        if isinstance(profiler, torch.profiler.profile):
+            table = profiler.key_averages()
+            profile.write_text(
+                "\n\n".join(
+                    table.table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", "self_cuda_time_total")
+                )
+            )
         if i >= warmup:
             times.append(time.perf_counter() - start)
             outputs.append(out.batch["ref_log_prob"])
@@ -226,6 +265,8 @@ def main() -> None:
     parser.add_argument("--trainer-gpu", type=int, default=0)
     parser.add_argument("--service-gpu", type=int, default=1)
     parser.add_argument("--port", type=int, default=50571)
+    parser.add_argument("--check-rows", type=int, default=4, help="rows held to an fp32 forward (0: none)")
+    parser.add_argument("--profile", action="store_true", help="write verl's first timed step's op table to $OUT")
     args = parser.parse_args()
 
     stood_in = stand_in("ray", "datasets", "uvicorn", "fastapi", "torchdata", "cachetools", "pylatexenc")
@@ -249,8 +290,9 @@ def main() -> None:
         f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={args.max_token_len}",
     ]
     lines = [
-        "| shape | run | ref wait (s, median) | tokens/s/GPU | trainer GPU peak (GiB) | max abs diff vs verl |",
-        "|---|---|---|---|---|---|",
+        "| shape | run | ref wait (s, median) | tokens/s/GPU | trainer GPU peak (GiB) | max abs diff vs fp32 forward"
+        " | max abs diff vs verl |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key in args.shapes:
         shape = SHAPES[key]
@@ -264,17 +306,25 @@ def main() -> None:
             model_dir = Path(tmp) / key
             build_model(shape, device, torch.bfloat16, seed=1234).save_pretrained(model_dir)
             torch.cuda.empty_cache()
+            checked = batches_rows[args.warmup][: args.check_rows]  # the first timed batch's first rows
+            reference = reference_log_probs(model_dir, checked, device, args.temperature)
+            padded_reference = torch.nn.utils.rnn.pad_sequence(reference, batch_first=True)
 
             config = compose_config(model_dir, [*verl_attention, *batching])
             worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="ref")
             worker.init_model()
+            profile = Path(os.environ.get("OUT", ".")) / f"bench_verl_profile_{key}.txt" if args.profile else None
             times, verl_out, peak = time_ref_steps(
-                worker, [padded_batch(r, args.temperature) for r in batches_rows], device, args.warmup
+                worker, [padded_batch(r, args.temperature) for r in batches_rows], device, args.warmup, profile
             )
+            verl_error = response_diff(verl_out[0].cpu(), padded_reference, checked)
             kernel = "flash-attn" if flash else "torch's FA2 varlen kernel"
             label = f"verl (FSDP, remove-padding, {kernel})"
             median = statistics.median(times)
-            lines.append(f"| {shape.name} | {label} | {median:.3f} | {tokens / median:,.0f} | {peak / 2**30:.2f} | 0 |")
+            lines.append(
+                f"| {shape.name} | {label} | {median:.3f} | {tokens / median:,.0f} | {peak / 2**30:.2f} | "
+                f"{verl_error:.3g} | 0 |"
+            )
             del worker
             torch.cuda.empty_cache()
 
@@ -307,11 +357,15 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
-            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(verl_out, served_out))
+            diff = max(
+                response_diff(a.cpu(), b.cpu(), rows)
+                for a, b, rows in zip(verl_out, served_out, batches_rows[args.warmup :])
+            )
             median = statistics.median(times)
+            served_error = response_diff(served_out[0].cpu(), padded_reference, checked)
             lines.append(
                 f"| {shape.name} | service (GPU {args.service_gpu}) | {median:.3f} | {tokens / median:,.0f} | "
-                f"{peak / 2**30:.2f} | {diff:.3g} |"
+                f"{peak / 2**30:.2f} | {served_error:.3g} | {diff:.3g} |"
             )
     workload = (
         f"{args.prompts} prompts x {args.n} responses, prompts <= {args.prompt_len}, responses <= {args.response_len} "
