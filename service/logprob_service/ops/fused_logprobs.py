@@ -31,6 +31,10 @@ Stage 2 (``_combine_kernel``), grid (row blocks): merges the splits,
 computes the target logit as one fp32 dot h_i . W_{y_i} (a gathered row; N*H work, not N*V*H),
 applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse2 - T / S).
 
+With ``top_k`` (``fused_topk``), stage 1 also appends each row's keys (logit and id in one
+int64) at or above a threshold taken from a strided sample of the vocabulary to a [N, CAP]
+buffer, the combine kernel writes lse2 as well, and ``torch.topk`` of the buffer gives the top-k.
+
 Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
 partials, 12 bytes per row per split. Offsets are int64 and the grid is 1-D (up to 2^31 - 1
 programs), so N has no practical limit. Measured on an H200 (benchmarks/RESULTS.md): 1.02-1.08x
@@ -49,6 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logprob_service.ops.fused_topk import (
+    MIN_KEY,
     _candidates_kernel,
     capacity,
     compact_survivors,
@@ -456,7 +461,7 @@ def fused_token_logprobs(
 
     def survivors_of(rows: torch.Tensor, thresholds: torch.Tensor, cap: int):
         counts = torch.zeros(rows.shape[0], dtype=torch.int32, device=rows.device)
-        slots = torch.full((rows.shape[0], cap), -(2**63), dtype=torch.int64, device=rows.device)
+        slots = torch.full((rows.shape[0], cap), MIN_KEY, dtype=torch.int64, device=rows.device)
         return thresholds, counts, slots
 
     found = None
@@ -477,8 +482,9 @@ def fused_token_logprobs(
     top_ids = top_lps = None
     if found is not None and lse2 is not None:
         _, counts, slots = found
-        # Rows whose survivors passed their slots (or, with NaN logits, fell short of K) run again
-        # alone with a higher threshold (fused_topk, 4.) until every row's fit.
+        # Rows whose survivors passed their slots run again alone with a higher threshold, rows with
+        # fewer than K with none (fused_topk, 4.), until every row's fit. (Reading the counts waits
+        # for the kernel: one synchronization per call.)
         redo = ((counts > cap) | (counts < top_k)).nonzero().squeeze(1)
         while len(redo):
             rows = hidden[redo]  # a gathered copy: contiguous

@@ -94,11 +94,11 @@ import triton.language as tl
 
 from logprob_service.ops.logprobs import _logits_fp32, key_ids
 
-# A key below every logit's (the smallest int64): empty slots, and "no threshold". (Kernels read
-# only constexpr globals: the interpreter reads any, so only a compiled kernel tells.)
-MIN_KEY = tl.constexpr(-(2**63))
+# A key below every logit's (the smallest int64): empty slots, and "no threshold".
+MIN_KEY = -(2**63)
 LN2 = 0.6931471805599453
 # Below every ``ordered_bits`` of a float but -NaN's: an element already taken (``compact_survivors``).
+# (Kernels read only constexpr globals: the interpreter reads any, so only a compiled kernel tells.)
 TAKEN = tl.constexpr(-(2**31))
 
 
@@ -251,7 +251,7 @@ def thresholds_from_kept(kept: torch.Tensor, counts: torch.Tensor, k: int) -> to
     """New threshold keys for rows that overflowed their slots (module doc, 4.): the K-th largest
     of the [r, CAP] keys each kept; no threshold (MIN_KEY) for a row with fewer than K survivors."""
     kth = torch.topk(kept, k, dim=1, sorted=False).values.amin(dim=1)
-    return torch.where(counts >= k, kth, torch.full_like(kth, -(2**63)))
+    return torch.where(counts >= k, kth, torch.full_like(kth, MIN_KEY))
 
 
 def select_top_k(keys: torch.Tensor, lse2: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
