@@ -223,10 +223,7 @@ def sample_thresholds(
     if not hidden.is_cuda:
         sampled = sampled.float()  # the CPU has no 16-bit matmul with an fp32 output
     x = _logits_fp32(hidden, sampled, bias[::stride] if bias is not None else None)  # [n, S] fp32
-    if softcap:
-        z = torch.tanh(x.mul_(pre)).mul_(post)
-    else:
-        z = x.mul_(pre)
+    z = x.mul_(pre).tanh_().mul_(post) if softcap else x.mul_(pre)  # in place: one [n, S] slab
     s = torch.topk(z, k, dim=1, sorted=False).values.amin(dim=1).double()  # the sample's K-th largest
     t = (s - threshold_margin(hidden, sampled, s, pre, post, weight.dtype == torch.float32)).float()
     bits = t.view(torch.int32)
