@@ -109,3 +109,22 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
     out = fused_token_logprobs(hidden, weight, targets, top_k=20)
     assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
+
+
+def test_the_compiled_compaction_keeps_distinct_keys(seed, monkeypatch):
+    # The slots a row's survivors went to come from an atomic add whose old value every thread of the
+    # row needs (Triton broadcasts it since triton-lang/triton#7460): a wrong base would overwrite or
+    # repeat slots. Every row's written slots hold distinct keys, at least K, and their top K is the
+    # eager chunks' top-k.
+    hidden, weight, targets, _ = cuda_case(1025, 3584, 152064, seed=seed)
+    seen = []
+    real = fused_logprobs.select_top_k
+    monkeypatch.setattr(fused_logprobs, "select_top_k", lambda keys, *a: seen.append(keys.clone()) or real(keys, *a))
+    out = fused_token_logprobs(hidden, weight, targets, top_k=20)
+    (slots,) = seen
+    written = slots != fused_logprobs.MIN_KEY
+    assert (written.sum(1) >= 20).all()
+    ordered = slots.sort(dim=1).values
+    assert not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != fused_logprobs.MIN_KEY)).any()
+    eager = chunked_token_logprobs(hidden, weight, targets, top_k=20)
+    assert (out.top_logprobs - eager.top_logprobs).abs().max().item() < TOL

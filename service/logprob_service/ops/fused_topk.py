@@ -64,13 +64,19 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
 Survivors per row: the sample's K-th largest is about the (K stride)-th largest of the row (for
 top values spread over the vocabulary independently of the stride), give or take about sqrt(K)
 stride, plus the few within the margin. ``capacity`` gives room for that and 8 standard
-deviations more: CAP = K stride + 8 ceil(sqrt K) stride + 256 slots. The stride is V / (64 K), at most 32
-(``sample_stride``): the sample costs 1/stride of the matmul (3% for K 20, 11% for K 256 at a
-152K vocabulary), and a [BLOCK_N, 256] tile has about 256 K stride / V <= 4 survivors per row.
-Memory per row: CAP int64 slots (8 CAP <= 8 (32 K + 256 sqrt K + 256) bytes) and, while the
-threshold is taken, S = V / stride <= 64 K + V / 32 fp32 sample logits: O(K) bytes for a given
-vocabulary, O(N K) in all; ``fused_logprobs`` runs top-k in row chunks whose buffers stay under
-``TOPK_CHUNK_BYTES``.
+deviations more: CAP = K stride + 8 ceil(sqrt K) stride + 256 slots (at most V). The stride is
+V / (64 K), within [1, 32] (``sample_stride``): the sample costs 1/stride of the matmul (3% for
+K 20, 11% for K 256 at a 152K vocabulary), and a [BLOCK_N, 256] tile has about 256 K stride / V
+<= 4 survivors per row, so the compaction's rounds (the most survivors of a row of the block) are
+few. Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 2048 bytes) and,
+while the threshold is taken, S = V / stride <= max(128 K, V / 32) + 1 fp32 sample logits: O(K)
+bytes for a given vocabulary, O(N K) in all; ``fused_logprobs`` runs top-k in row chunks whose
+slots and sample stay under ``TOPK_CHUNK_BYTES``.
+
+The reserved base comes back from a tensor atomic add to every thread that holds the row (a
+[BLOCK_N] vector is replicated across the threads of a row); Triton broadcasts it from the thread
+that did the add since triton-lang/triton#7460 (Triton 3.5). tests/gpu/test_topk_cuda.py checks
+the compiled kernel's slots (distinct keys, at least K a row).
 
 **Batch invariance.** The returned keys come only from the kernel's z values (and the lse from
 the invariant plan), and the top K of a row's survivors are its top K whatever the threshold
