@@ -23,9 +23,10 @@ On a GPU (the run that counts; liger-kernel installed):
 ``--sweep`` also times a grid of kernel tile configurations at every shape (how the defaults in
 ``ops/fused_logprobs.py`` were picked). ``--top-k`` also times the teacher outputs (issue 43) at
 every shape and at 8,192 x 3,584 x 152,064: the fused kernel with ``top_k`` 20, 128 and 256 and
-with 256 candidate ids per row, against the plain fused kernel, the matmul limit, and full logits
-+ ``torch.topk`` (what vLLM's ``prompt_logprobs`` does); error: max |top-k log-prob - float64
-top-k's| over the reference rows.
+with 256 candidate ids per row, against the plain fused kernel, the matmul limit, the eager 256 MiB
+chunks with the same ``top_k`` (what served top-k on CUDA while ``ops.dispatch.FUSED_TOP_K`` was
+off), and full logits + ``torch.topk`` (what vLLM's ``prompt_logprobs`` does); error: max |top-k
+log-prob - float64 top-k's| over the reference rows.
 
     PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py --top-k
 
@@ -191,6 +192,14 @@ def run_top_k_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Re
             measure(
                 f"fused Triton kernel, top_k={k}",
                 lambda k=k: fused_token_logprobs(hidden, weight, targets, top_k=k).top_logprobs,
+                ref,
+                **timing,
+            )
+        )
+        results.append(
+            measure(
+                f"eager 256 MiB chunks, top_k={k}",
+                lambda k=k: chunked_token_logprobs(hidden, weight, targets, top_k=k).top_logprobs,
                 ref,
                 **timing,
             )

@@ -53,21 +53,26 @@ def test_both_implementations_answer_the_same(kernel, monkeypatch):
     torch.testing.assert_close(out.entropies.double(), ref_ent, atol=tolerances.OP_FP32, rtol=0)
 
 
-def test_top_k_runs_in_the_eager_chunks_while_the_fused_top_k_is_off(monkeypatch, rng):
-    """The fused kernel's top-k missed its goals on the GPU (``dispatch.FUSED_TOP_K``): a top-k call
-    of the triton op runs the eager chunks; candidates alone and plain calls stay fused."""
+@pytest.mark.parametrize("fused_top_k", [True, False], ids=["fused-top-k", "eager-top-k"])
+def test_top_k_follows_the_fused_top_k_switch(fused_top_k, monkeypatch, rng):
+    """``dispatch.FUSED_TOP_K`` on: a top-k call of the triton op runs the fused kernel; off, the
+    eager chunks. Candidates alone and plain calls stay fused either way."""
     from logprob_service.ops import dispatch, fused_logprobs
 
     calls = []
     monkeypatch.setattr(fused_logprobs, "fused_token_logprobs", lambda *a, **kw: calls.append(kw) or "fused")
+    monkeypatch.setattr(dispatch, "FUSED_TOP_K", fused_top_k)
     hidden = torch.from_numpy(rng.standard_normal((5, 8)).astype(np.float32))
     weight = torch.from_numpy(rng.standard_normal((11, 8)).astype(np.float32))
     targets = torch.from_numpy(rng.integers(0, 11, 5))
     op = LogprobOp("triton")
-    assert not dispatch.FUSED_TOP_K
     out = op(hidden, weight, targets, top_k=3)
-    assert not calls and out.top_ids.shape == (5, 3)  # the eager chunks answered
-    assert torch.equal(out.top_ids[:, 0], (hidden @ weight.T).argmax(-1).to(out.top_ids.dtype))
+    if fused_top_k:
+        assert out == "fused" and calls[-1]["top_k"] == 3
+    else:
+        assert not calls and out.top_ids.shape == (5, 3)  # the eager chunks answered
+        assert torch.equal(out.top_ids[:, 0], (hidden @ weight.T).argmax(-1).to(out.top_ids.dtype))
+    calls.clear()
     assert op(hidden, weight, targets) == "fused"
     assert op(hidden, weight, targets, candidates=targets[:, None]) == "fused"
     assert len(calls) == 2

@@ -11,6 +11,8 @@ further apart than twice that (closer ones may swap in float32, as any float32 c
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, key_ids, topk_keys
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.numerical
 
 triton = pytest.importorskip("triton")
 
+from logprob_service.ops import fused_logprobs, fused_topk  # noqa: E402
 from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +64,7 @@ def assert_topk_matches(out, hidden, weight, bias, transform, k, atol=tolerances
     assert (ids.long().sort(-1).values.diff(dim=-1) > 0).all()  # distinct
 
 
-CASES = [  # (dtype, k, transform): k 100 takes lists of 128, wider than SMALL's tiles
+CASES = [  # (dtype, k, transform): k 100 is wider than SMALL's tiles
     (torch.float32, 1, "plain"),
     (torch.float32, 5, "scale+softcap+temperature"),
     (torch.float16, 32, "plain"),
@@ -83,7 +86,7 @@ def test_top_k_matches_float64(op, dtype, k, transform):
 
 @pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
 def test_top_k_of_the_whole_vocabulary_and_a_ragged_one(op):
-    # V = 70 < the list's 128 in the fused kernel: the padding never shows
+    # K = V: every column survives; K = 3: some
     hidden, weight, targets, _ = random_case(9, 16, 70, device=DEVICE)
     for k in (70, 3):
         assert_topk_matches(OPS[op](hidden, weight, targets, top_k=k), hidden, weight, None, LogitTransform(), k)
@@ -155,3 +158,139 @@ def test_keys_order_by_value_then_id():
     x = torch.tensor([[1.0, -2.0, 1.0, float("-inf"), 0.0, -0.5, 3.0, -2.0]])
     order = key_ids(torch.sort(topk_keys(x), descending=True).values)
     assert order.tolist() == [[6, 0, 2, 4, 5, 1, 7, 3]]
+
+
+# The fused top-k by threshold and compaction (ops.fused_topk): the sampled threshold, the overflow
+# reruns, row chunks. New features: none of these paths existed in the kernel of running lists.
+
+
+def sampled_case(n, k, *, stride=32, h=16, dtype=torch.float32):
+    """A vocabulary wide enough that the threshold samples one column in ``stride``."""
+    v = 64 * k * stride + 37
+    assert fused_topk.sample_stride(v, k) == stride
+    return random_case(n, h, v, dtype=dtype, device=DEVICE)
+
+
+def no_threshold(hidden, weight, bias, k, pre, post, softcap):
+    """Every key survives (the exact top-k of the kernel's own values, the slow way)."""
+    return torch.full((hidden.shape[0],), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device)
+
+
+def counting(monkeypatch, name):
+    """Count the calls of ``fused_logprobs.<name>`` (still calling it)."""
+    calls = []
+    real = getattr(fused_logprobs, name)
+    monkeypatch.setattr(fused_logprobs, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_sampled_threshold_keeps_the_whole_top_k(k, monkeypatch):
+    # one column in 32 sampled; the rows never overflow their slots, and the answer is bit for bit
+    # the one without any threshold (every key a survivor, all V slots)
+    hidden, weight, targets, _ = sampled_case(9, k)
+    reruns = counting(monkeypatch, "thresholds_from_kept")
+    out = fused(hidden, weight, targets, top_k=k)
+    assert_topk_matches(out, hidden, weight, None, LogitTransform(), k)
+    assert not reruns
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", no_threshold)
+    monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: v)
+    exact = fused(hidden, weight, targets, top_k=k)
+    assert torch.equal(out.top_ids, exact.top_ids) and torch.equal(out.top_logprobs, exact.top_logprobs)
+
+
+def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
+    # The row's top values on sampled columns, a few ulps of the logit apart: W rows equal but for
+    # their first element, fp16 steps apart (larger on the sampled columns), which a small first
+    # hidden component scales to about an ulp of the logit. The threshold is then torch's value of
+    # the very column that is the kernel's K-th: without the margin, the kernel's value, rounded
+    # otherwise, falls below it in some rows, fewer than K keys survive and the row runs again.
+    hidden, weight, targets, _ = random_case(16, 64, 64 * 3 * 32 + 5, dtype=torch.float16, device=DEVICE)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    stride = fused_topk.sample_stride(weight.shape[0], 3)
+    weight[:] = weight[0].clone()
+    steps = torch.randint(-300, 0, (weight.shape[0],), generator=g, dtype=torch.int16)
+    steps[::stride] = torch.randint(100, 200, steps[::stride].shape, generator=g, dtype=torch.int16)
+    half = torch.tensor(0.5, dtype=torch.float16).view(torch.int16)  # steps of 2^-11 from 0.5 up to 0.6
+    weight[:, 0] = (half + steps.to(DEVICE)).view(torch.float16)
+    hidden[:, 0] = 2.0**-5
+    pre, post = fused_logprobs.transform_constants(LogitTransform())
+    thr = fused_topk.sample_thresholds(hidden, weight, None, 3, pre, post, False)
+    z = (hidden.double() @ weight.double().T) * pre  # float64 z
+    kth = z.topk(3, dim=1).values[:, -1]
+    t_hi = (thr >> 32).to(torch.int32)
+    t = torch.where(t_hi < 0, t_hi ^ 0x7FFFFFFF, t_hi).view(torch.float32).double()
+    assert (t < kth).all() and ((kth - t) < 1e-3 * (kth.abs() + 1)).all()  # below, by a few rounding errors
+    reruns = counting(monkeypatch, "thresholds_from_kept")
+    out = fused(hidden, weight, targets, top_k=3)
+    assert not reruns
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", no_threshold)
+    monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: v)
+    exact = fused(hidden, weight, targets, top_k=3)
+    assert torch.equal(out.top_ids, exact.top_ids) and torch.equal(out.top_logprobs, exact.top_logprobs)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_rows_that_overflow_their_slots_run_again(k, monkeypatch):
+    # 2 K + 1 slots a row for about 8 K survivors: rows overflow and run again
+    hidden, weight, targets, _ = sampled_case(13, k, stride=8)
+    want = fused(hidden, weight, targets, top_k=k, return_entropy=True)
+    monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
+    reruns = counting(monkeypatch, "thresholds_from_kept")
+    out = fused(hidden, weight, targets, top_k=k, return_entropy=True)
+    assert reruns
+    assert_topk_matches(out, hidden, weight, None, LogitTransform(), k)
+    for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
+        assert torch.equal(getattr(out, field), getattr(want, field)), field
+
+
+@pytest.mark.parametrize("cap", [None, 9], ids=["slots", "overflow"])
+def test_rows_of_equal_values_give_the_smallest_ids(cap, monkeypatch):
+    # a zero hidden state: every logit 0, the top-k is ids 0..K-1 at -log V; with 9 slots, the
+    # reruns still end (each raises the threshold key past kept ids)
+    hidden, weight, targets, _ = random_case(6, 16, 200, device=DEVICE)
+    hidden[2] = 0
+    hidden[4] = 0
+    if cap is not None:
+        monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: cap)
+    out = fused(hidden, weight, targets, top_k=7)
+    for row in (2, 4):
+        assert out.top_ids[row].tolist() == list(range(7))
+        torch.testing.assert_close(
+            out.top_logprobs[row].double(), torch.full((7,), -math.log(200), dtype=torch.float64)
+        )
+    rest = [0, 1, 3, 5]  # the other rows: as alone
+    alone = fused(hidden[rest], weight, targets[rest], top_k=7)
+    assert torch.equal(out.top_ids[rest], alone.top_ids)
+    assert_topk_matches(alone, hidden[rest], weight, None, LogitTransform(), 7)
+
+
+def test_row_chunks_give_the_same_answer(monkeypatch):
+    # a budget of a few rows' slots: 5-row chunks, each its own launches; bit for bit the one launch's
+    hidden, weight, targets, bias = random_case(23, 16, 301, bias=True, device=DEVICE)
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    candidates = torch.randint(0, 301, (23, 4), generator=g).to(DEVICE)
+    kw = {"bias": bias, "top_k": 6, "candidates": candidates, "return_entropy": True, "return_lse": True}
+    whole = fused(hidden, weight, targets, **kw)
+    per_row = fused_logprobs.TOPK_CHUNK_BYTES // fused_logprobs.topk_chunk_rows(301, 6)
+    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * per_row)
+    assert fused_logprobs.topk_chunk_rows(301, 6) == 5
+    launches = counting(monkeypatch, "sample_thresholds")
+    chunked = fused(hidden, weight, targets, **kw)
+    assert len(launches) == 5  # 23 rows in chunks of 5
+    for field in ("logprobs", "entropies", "lse", "top_ids", "top_logprobs", "candidate_logprobs"):
+        assert torch.equal(getattr(chunked, field), getattr(whole, field)), field
+
+
+def test_slots_and_sample_sizes():
+    # the module doc's bounds: stride V / (64 K) in [1, 32], the sample >= K columns, slots above
+    # the expected K stride survivors, at most V, and O(K) per row at a given vocabulary
+    for v in (70, 301, 4096, 151936, 262144):
+        for k in (1, 20, 70, 128, 256):
+            if k > v:
+                continue
+            stride = fused_topk.sample_stride(v, k)
+            assert 1 <= stride <= 32 and -(-v // stride) >= k
+            cap = fused_topk.capacity(v, k)
+            assert cap == v or k * stride + 256 < cap <= k * stride * 9 + 256 + 8 * stride
+            assert cap >= k

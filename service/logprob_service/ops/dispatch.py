@@ -38,14 +38,14 @@ class OpOptions(TypedDict, total=False):
     candidates: torch.Tensor | None  # [N, Kc] ids whose log-probs to return (TokenScores.candidate_logprobs)
 
 
-# Whether top-k (``top_k`` > 0) runs in the fused kernel. Not yet: on the GPU image's Triton
-# (torch 2.11.0+cu130; H200, 2026-11-26) the kernel's top-k did not compile for K 20
-# (TritonGPURemoveLayoutConversions failed), and for K 128 and 256 it took 3.99-4.24x and
-# 9.69-22.6x the plain kernel's time, more than full logits + torch.topk (2.48-2.71x of the bf16
-# matmul): the eager chunks (``logprobs``, the same maths, [chunk, V] fp32 slabs under
-# ``chunk_bytes``) serve top-k on CUDA too, until the kernel is fixed and measured within its goals
-# (issue 43). Candidate ids stay fused (1.22-1.31x the plain kernel).
-FUSED_TOP_K = False
+# Whether top-k (``top_k`` > 0) runs in the fused kernel. Its first kernel (running lists of K keys
+# per row in registers) missed its goals on an H200 (2026-11-26: K 20 did not compile, K 128-256 took
+# 4-22x the plain kernel); its second (``fused_topk``: a threshold from a strided sample of the
+# vocabulary, survivors compacted to [N, CAP] slots, then ``torch.topk``) is on, pending the GPU
+# measurement against issue 43's goals (K 20 <= 1.25x, K 256 <= 2.0x the plain kernel). Off, the
+# eager chunks (``logprobs``, [chunk, V] fp32 slabs under ``chunk_bytes``) serve top-k on CUDA too.
+# Candidate ids stay fused either way (1.22-1.31x the plain kernel).
+FUSED_TOP_K = True
 
 
 @dataclass(frozen=True)

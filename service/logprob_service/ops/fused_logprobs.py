@@ -31,6 +31,10 @@ Stage 2 (``_combine_kernel``), grid (row blocks): merges the splits,
 computes the target logit as one fp32 dot h_i . W_{y_i} (a gathered row; N*H work, not N*V*H),
 applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse2 - T / S).
 
+With ``top_k`` (``fused_topk``), stage 1 also appends each row's keys (logit and id in one
+int64) at or above a threshold taken from a strided sample of the vocabulary to a [N, CAP]
+buffer, the combine kernel writes lse2 as well, and ``torch.topk`` of the buffer gives the top-k.
+
 Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
 partials, 12 bytes per row per split. Offsets are int64 and the grid is 1-D (up to 2^31 - 1
 programs), so N has no practical limit. Measured on an H200 (benchmarks/RESULTS.md): 1.02-1.08x
@@ -51,11 +55,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from logprob_service.ops.fused_topk import (
     MIN_KEY,
     _candidates_kernel,
-    key_ids,
-    key_values,
-    merge_topk,
-    padded_k,
-    tile_into_topk,
+    capacity,
+    compact_survivors,
+    sample_stride,
+    sample_thresholds,
+    select_top_k,
+    thresholds_from_kept,
     to_log2_units,
 )
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores, check_topk_arguments
@@ -87,25 +92,6 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     return HOPPER_FP32 if dtype == torch.float32 else HOPPER_16BIT
 
 
-# Of Hopper's 256 KiB of registers per SM, what a top-k program's tiles may take (the rest: the
-# dot's operands, pointers, the merge's temporaries). Untuned: sized, not measured on a GPU.
-TOPK_REGISTER_BYTES = 160 * 1024
-
-
-def topk_config(config: KernelConfig, kp: int) -> KernelConfig:
-    """``config`` for a launch with top-``kp`` lists (``fused_topk``): tiles ``max(128, kp)`` wide
-    (``tl.topk`` takes at most a tile's width), and as many rows (a power of two, at most
-    ``config``'s) as fit ``TOPK_REGISTER_BYTES`` with, per row, the tile's fp32 logits and int64
-    keys (12 bytes a column) and the int64 list (8 ``kp``): 64 rows up to K = 128, 32 at 256."""
-    if kp == 0:
-        return config
-    block_v = max(min(config.block_v, 128), kp)
-    block_n = config.block_n
-    while block_n > 16 and block_n * (12 * block_v + 8 * kp) > TOPK_REGISTER_BYTES:
-        block_n //= 2
-    return dataclasses.replace(config, block_n=block_n, block_v=block_v)
-
-
 @triton.jit
 def _partials_kernel(
     h_in,  # [N, H]: a TMA descriptor with [BLOCK_N, BLOCK_K] blocks when USE_TMA, else the tensor
@@ -114,7 +100,9 @@ def _partials_kernel(
     m_ptr,  # [S, N] fp32 out: max of z over the split
     s_ptr,  # [S, N] fp32 out: sum 2^(z - m)
     t_ptr,  # [S, N] fp32 out: sum 2^(z - m) z (only when ENTROPY)
-    k_ptr,  # [S, N, KP] int64 out: the split's top KP keys per row, descending (only when KP > 0)
+    thr_ptr,  # [N] int64: each row's threshold key (only when TOPK; fused_topk)
+    cnt_ptr,  # [N] int32 in/out: each row's survivors so far (only when TOPK)
+    buf_ptr,  # [N, CAP] int64 out: the survivors' keys, in any order (only when TOPK)
     N,
     V,
     H,
@@ -125,6 +113,7 @@ def _partials_kernel(
     group_rows,  # row blocks per group: their hidden states stay in L2 while the group runs
     pre,
     post,
+    CAP,  # slots per row of buf_ptr
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr,
@@ -133,7 +122,7 @@ def _partials_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    KP: tl.constexpr,  # top-k list length (fused_topk), 0: no top-k
+    TOPK: tl.constexpr,  # also keep the keys at or above each row's threshold (fused_topk)
 ):
     # Program order: a group of `group_rows` row blocks x every split. Programs that run at the
     # same time then share a few W tiles and a few row blocks, both of which fit in L2, instead
@@ -158,8 +147,6 @@ def _partials_kernel(
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
-    if KP > 0:
-        top = tl.full([BLOCK_N, KP], MIN_KEY, tl.int64)
     # Two nested loops (tiles, then k). Flattening them into one (tile, k) loop, so the pipeline
     # would prefetch across the softmax update, measured 25-30% slower on an H200.
     for v0 in range(v_begin, v_begin + n_tiles * BLOCK_V, BLOCK_V):
@@ -194,16 +181,14 @@ def _partials_kernel(
         if ENTROPY:
             t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
         m = m_new
-        if KP > 0:
-            top = tile_into_topk(top, z, cols, KP)
+        if TOPK:
+            compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP)
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     if ENTROPY:
         tl.store(t_ptr + out, t, mask=row_ok)
-    if KP > 0:
-        tl.store(k_ptr + out[:, None] * KP + tl.arange(0, KP)[None, :], top, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -218,9 +203,7 @@ def _combine_kernel(
     logp_ptr,  # [N] fp32 out
     ent_ptr,  # [N] fp32 out (only when ENTROPY)
     lse_ptr,  # [N] fp32 out (only when LSE)
-    k_ptr,  # [S, N, KP] int64: stage 1's top-k keys (only when KP > 0)
-    top_ids_ptr,  # [N, K] int32 out
-    top_lp_ptr,  # [N, K] fp32 out
+    lse2_ptr,  # [N] fp32 out: the log-sum-exp in log2 units, for the top-k (only when LSE2)
     N,
     H,
     stride_h,
@@ -228,14 +211,13 @@ def _combine_kernel(
     n_splits,
     pre,
     post,
-    K,  # top-k (a run-time value: one compiled kernel per list length KP, not per K)
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr,
     LSE: tl.constexpr,
+    LSE2: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    KP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
@@ -279,18 +261,8 @@ def _combine_kernel(
         tl.store(ent_ptr + rows, (lse2 - big_t / big_s) * 0.6931471805599453, mask=row_ok)
     if LSE:
         tl.store(lse_ptr + rows, lse2 * 0.6931471805599453, mask=row_ok)
-    if KP > 0:
-        # Merge the splits' lists (exact: distinct keys), then the first K are the row's top-k.
-        kk = tl.arange(0, KP)
-        at = k_ptr + rows.to(tl.int64)[:, None] * KP + kk[None, :]
-        top = tl.load(at, mask=row_ok[:, None], other=MIN_KEY)
-        for _ in range(1, n_splits):
-            at += tl.cast(N, tl.int64) * KP
-            top = merge_topk(top, tl.load(at, mask=row_ok[:, None], other=MIN_KEY))
-        out = rows.to(tl.int64)[:, None] * K + kk[None, :]  # int64: N K may pass 2^31
-        keep = row_ok[:, None] & (kk < K)[None, :]
-        tl.store(top_ids_ptr + out, key_ids(top), mask=keep)
-        tl.store(top_lp_ptr + out, (key_values(top) - lse2[:, None]) * 0.6931471805599453, mask=keep)
+    if LSE2:
+        tl.store(lse2_ptr + rows, lse2, mask=row_ok)
 
 
 def transform_constants(transform: LogitTransform) -> tuple[float, float]:
@@ -367,6 +339,17 @@ def invariant_plan(
     )
 
 
+# Top-k runs in row chunks whose survivor slots and threshold sample stay under this many bytes.
+TOPK_CHUNK_BYTES = 256 * 1024**2
+
+
+def topk_chunk_rows(vocab: int, k: int) -> int:
+    """Rows per top-k chunk: each takes ``capacity`` int64 slots, the threshold's fp32 sample
+    logits (V / stride), its threshold key and counter; at least 1."""
+    per_row = 8 * capacity(vocab, k) + 4 * triton.cdiv(vocab, sample_stride(vocab, k)) + 16
+    return max(1, TOPK_CHUNK_BYTES // per_row)
+
+
 def fused_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -402,66 +385,119 @@ def fused_token_logprobs(
     n, hdim = hidden.shape
     vocab = weight.shape[0]
     check_topk_arguments(n, vocab, top_k, candidates)
+    if top_k and n > (step := topk_chunk_rows(vocab, top_k)):
+        # Row chunks (a row's results do not depend on its chunk): memory O(chunk x K), not O(N x K) slots.
+        parts = [
+            fused_token_logprobs(
+                hidden[a : a + step],
+                weight,
+                targets[a : a + step],
+                bias=bias,
+                transform=transform,
+                return_entropy=return_entropy,
+                return_lse=return_lse,
+                top_k=top_k,
+                candidates=candidates[a : a + step] if candidates is not None else None,
+                config=config,
+                plan=plan,
+                invariant=invariant,
+            )
+            for a in range(0, n, step)
+        ]
+        columns = [[getattr(part, f.name) for part in parts] for f in dataclasses.fields(TokenScores)]
+        return TokenScores(*(None if col[0] is None else torch.cat(col) for col in columns))
     hidden = hidden.to(weight.dtype).contiguous()
     weight = weight.contiguous()
     targets = targets.to(torch.int64).contiguous()
-    kp = padded_k(top_k) if top_k else 0
-    config = topk_config(config or default_config(weight.dtype), kp)
+    config = config or default_config(weight.dtype)
     logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropies = torch.empty_like(logprobs) if return_entropy else None
     # The candidates' log-probs subtract the row's log-sum-exp: asked for internally.
     lses = torch.empty_like(logprobs) if return_lse or candidates is not None else None
-    top_ids = torch.empty((n, top_k), dtype=torch.int32, device=hidden.device) if top_k else None
-    top_lps = torch.empty((n, top_k), dtype=torch.float32, device=hidden.device) if top_k else None
+    lse2 = torch.empty_like(logprobs) if top_k else None  # the top-k's, in log2 units
     cand_lps = None
     if candidates is not None:
         candidates = candidates.to(device=hidden.device, dtype=torch.int64).contiguous()
         cand_lps = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
-    scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps)
     if n == 0:
-        return scores
-    planner = invariant_plan if invariant else plan_launch
-    plan = plan or planner(n, hdim, vocab, weight.element_size(), config, device_info(hidden.device))
-    v_tiles = triton.cdiv(vocab, config.block_v)
-    tiles_per_split = triton.cdiv(v_tiles, plan.splits)
-    splits = triton.cdiv(v_tiles, tiles_per_split)  # none left empty
-    partial_m = torch.empty((splits, n), dtype=torch.float32, device=hidden.device)
-    partial_s = torch.empty_like(partial_m)
-    partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
-    partial_k = torch.empty((splits, n, kp), dtype=torch.int64, device=hidden.device) if kp else partial_m
-    bias32 = bias.float().contiguous() if bias is not None else partial_m  # dummy pointer when absent
+        top_ids = torch.empty((0, top_k), dtype=torch.int32, device=hidden.device) if top_k else None
+        top_lps = torch.empty((0, top_k), dtype=torch.float32, device=hidden.device) if top_k else None
+        return TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps)
+    bias32 = bias.float().contiguous() if bias is not None else None
     pre, post = transform_constants(transform)
     flags = {"HAS_BIAS": bias is not None, "SOFTCAP": transform.softcap is not None, "ENTROPY": return_entropy}
+    planner = invariant_plan if invariant else plan_launch
 
-    # TMA needs 16-byte aligned rows (H a multiple of 8 in 16 bits); every real model has them.
-    use_tma = (hdim * weight.element_size()) % 16 == 0 and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-    h_in, w_in = hidden, weight
-    if use_tma:
-        h_in = TensorDescriptor.from_tensor(hidden, [config.block_n, config.block_k])
-        w_in = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_k])
-    row_blocks = triton.cdiv(n, config.block_n)
-    _partials_kernel[(row_blocks * splits,)](
-        h_in, w_in, bias32, partial_m, partial_s, partial_t, partial_k,
-        n, vocab, hdim, hidden.stride(0), weight.stride(0),
-        splits, tiles_per_split, min(plan.group_rows, row_blocks), pre, post,
-        IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k, KP=kp,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        **flags,
-    )  # fmt: skip
-    block_r = 16 if kp >= 128 else 32  # the [BLOCK_R, KP] int64 lists of the merge share the registers
+    def partials(rows: torch.Tensor, survivors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
+        """Stage 1 over ``rows`` ([r, H]); with ``survivors`` (thresholds, counters, slots), their
+        top-k survivors too. Returns the [splits, r] partials (m, s, t)."""
+        r = rows.shape[0]
+        launch = plan or planner(r, hdim, vocab, weight.element_size(), config, device_info(rows.device))
+        v_tiles = triton.cdiv(vocab, config.block_v)
+        tiles_per_split = triton.cdiv(v_tiles, launch.splits)
+        splits = triton.cdiv(v_tiles, tiles_per_split)  # none left empty
+        partial_m = torch.empty((splits, r), dtype=torch.float32, device=rows.device)
+        partial_s = torch.empty_like(partial_m)
+        partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
+        thr, cnt, buf = survivors or (partial_m, partial_m, partial_m)  # dummy pointers without top-k
+        # TMA needs 16-byte aligned rows (H a multiple of 8 in 16 bits); every real model has them.
+        use_tma = (hdim * weight.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+        h_in, w_in = rows, weight
+        if use_tma:
+            h_in = TensorDescriptor.from_tensor(rows, [config.block_n, config.block_k])
+            w_in = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_k])
+        row_blocks = triton.cdiv(r, config.block_n)
+        _partials_kernel[(row_blocks * splits,)](
+            h_in, w_in, bias32 if bias32 is not None else partial_m, partial_m, partial_s, partial_t, thr, cnt, buf,
+            r, vocab, hdim, rows.stride(0), weight.stride(0),
+            splits, tiles_per_split, min(launch.group_rows, row_blocks), pre, post,
+            buf.shape[1] if survivors else 0,
+            IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
+            BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k, TOPK=survivors is not None,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+            **flags,
+        )  # fmt: skip
+        return partial_m, partial_s, partial_t
+
+    def survivors_of(rows: torch.Tensor, thresholds: torch.Tensor, cap: int):
+        counts = torch.zeros(rows.shape[0], dtype=torch.int32, device=rows.device)
+        slots = torch.full((rows.shape[0], cap), MIN_KEY, dtype=torch.int64, device=rows.device)
+        return thresholds, counts, slots
+
+    found = None
+    if top_k:
+        cap = capacity(vocab, top_k)
+        thresholds = sample_thresholds(hidden, weight, bias32, top_k, pre, post, transform.softcap is not None)
+        found = survivors_of(hidden, thresholds, cap)
+    partial_m, partial_s, partial_t = partials(hidden, found)
+    block_r = 32
     _combine_kernel[(triton.cdiv(n, block_r),)](
-        hidden, weight, bias32, targets, partial_m, partial_s, partial_t,
+        hidden, weight, bias32 if bias32 is not None else partial_m, targets, partial_m, partial_s, partial_t,
         logprobs, entropies if entropies is not None else logprobs, lses if lses is not None else logprobs,
-        partial_k, top_ids if top_ids is not None else logprobs, top_lps if top_lps is not None else logprobs,
-        n, hdim, hidden.stride(0), weight.stride(0), splits, pre, post, top_k,
-        LSE=lses is not None, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)), KP=kp,
+        lse2 if lse2 is not None else logprobs,
+        n, hdim, hidden.stride(0), weight.stride(0), partial_m.shape[0], pre, post,
+        LSE=lses is not None, LSE2=lse2 is not None, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)),
         num_warps=4, **flags,
     )  # fmt: skip
+    top_ids = top_lps = None
+    if found is not None and lse2 is not None:
+        _, counts, slots = found
+        # Rows whose survivors passed their slots run again alone with a higher threshold, rows with
+        # fewer than K with none (fused_topk, 4.), until every row's fit. (Reading the counts waits
+        # for the kernel: one synchronization per call.)
+        redo = ((counts > cap) | (counts < top_k)).nonzero().squeeze(1)
+        while len(redo):
+            rows = hidden[redo]  # a gathered copy: contiguous
+            again = survivors_of(rows, thresholds_from_kept(slots[redo], counts[redo], top_k), cap)
+            partials(rows, again)  # the partials (m, s, t) of these rows are known already: unused
+            counts[redo], slots[redo] = again[1], again[2]
+            redo = redo[(again[1] > cap) | (again[1] < top_k)]
+        top_ids, top_lps = select_top_k(slots, lse2, top_k)
+    scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps)
     if candidates is not None and candidates.shape[1]:
         block_c = 16
         _candidates_kernel[(n, triton.cdiv(candidates.shape[1], block_c))](
-            hidden, weight, bias32, candidates, lses, cand_lps,
+            hidden, weight, bias32 if bias32 is not None else logprobs, candidates, lses, cand_lps,
             candidates.shape[1], hdim, hidden.stride(0), weight.stride(0), pre, post,
             HAS_BIAS=bias is not None, SOFTCAP=transform.softcap is not None,
             BLOCK_C=block_c, BLOCK_K=min(128, triton.next_power_of_2(hdim)), num_warps=4,

@@ -1,4 +1,4 @@
-"""The fused lm_head pass's top-k and candidate log-probs (Triton pieces of ``fused_logprobs``).
+"""The fused lm_head pass's top-k and candidate log-probs (pieces of ``fused_logprobs``).
 
 **Keys.** A logit and its token id are packed into one int64 whose signed order is "larger logit
 first, then smaller id first": with b the float32 bits of z (the logit in the kernel's base-2
@@ -9,28 +9,79 @@ transformed units, the same z the log-sum-exp sums),
     key = o << 32 | (2^31 - 1 - id)     (ids < 2^31; the smaller id has the larger low word)
 
 so every key is distinct, and "the K largest keys" is the top-k with ties broken by id: a
-deterministic selection whatever order the candidates are merged in. (``logprobs.topk_keys``
-builds the same keys in torch for the eager path; -0.0 sorts just below +0.0.)
+deterministic selection whatever order the candidates come in. (``logprobs.topk_keys`` builds the
+same keys in torch for the eager path; -0.0 sorts just below +0.0.)
 
-**Stage 1, per program** (a row block x one vocabulary split, ``_partials_kernel``): a running
-list R of the KP largest keys per row (KP: K rounded up to a power of two), sorted descending,
-starts at the smallest int64. Each [BLOCK_N, BLOCK_V] tile of z, once its log-sum-exp update is
-done, gives its keys; when some row of the block has a key above its list's smallest (the
-running K-th value), the tile's own top KP T (``tl.topk``: a bitonic top-k network) merge into R:
+**Top-k by a threshold and compaction.** No running list is kept in registers (lists of K keys per
+row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per row i:
 
-    R' = bitonic_merge(max(R, flip(T)))
+1. *Threshold* (``sample_thresholds``, torch, before the kernel). Take the S columns j * stride
+   (stride ``sample_stride(V, K)``, fixed by V and K, not by the batch), their logits by an fp32
+   matmul, transformed into z units as the kernel does, and s_i = the K-th largest of them. The
+   K-th largest of a subset is at most the K-th largest of the whole row, so s_i would be a lower
+   bound on the row's K-th largest z, if both computations rounded alike. They do not (another
+   summation order), so t_i = s_i - margin_i, with margin_i above the difference for any sampled
+   column:
 
-(R descending, flip(T) ascending: the element-wise max is the KP largest of the 2 KP, as a
-bitonic sequence, which log2(KP) compare-exchange steps sort). Once R holds large keys, few of a
-tile's beat its K-th: a row block where no row has one skips the tile; where every row has at
-most ``FEW``, T is built from those few alone, one tile max each, instead of the network (log2(KP)
-(log2(KP) + 1) / 2 compare-exchange steps over the tile); both give the same R'. The program
-writes its R: [splits, N, KP] int64 partials, 8 KP bytes per row per split. The list lives in
-registers, with the tile's int64 keys where the network runs: ``topk_config`` sizes the tiles.
+       |z_kernel - z_torch| <= |pre post| |x_kernel - x_torch| + 2^-16 (|z| + |post|)
 
-**Stage 2** (``_combine_kernel``): the splits' lists merge the same way, in split order (the
-result does not depend on the order: keys are distinct and the merge exact); the first K keys
-decode to ids and to log-probs ln2 (z - lse2) with the final log-sum-exp.
+   where x is the dot h_i . W_c (+ b_c). Products of 16-bit operands are exact in fp32, and an
+   fp32 sum of H terms, rounded or truncated at each add, errs by at most H 2^-23 sum_h |h W_c|;
+   two such sums differ by at most H 2^-22 sum |h W_c| <= H 2^-22 ||h_i|| max_c ||W_c||
+   (Cauchy-Schwarz; c over the sampled columns). fp32 operands may go through TF32 in torch
+   (each operand rounded to 11 bits: 2^-10 relative per product): 2^-9 more. The transform's
+   derivative is at most |pre post| (tanh' <= 1), and the second term covers the transform's
+   own few roundings (a handful of ulps of |z| or of the softcap's scale, far below 2^-16). The
+   K sampled columns above s_i then have kernel values >= t_i, so every true top-K element has
+   z >= t_i. (t_i is stepped one float down in key order, which also covers its own rounding to
+   fp32 and -0.0 below +0.0.) As a key, t_i is (ordered(t_i) << 32): every key of z >= t_i is
+   above it.
+
+   Exactness does not rest on that bound: the survivors, the keys >= a threshold key, are always
+   the row's largest keys, so a row with at least K survivors has its exact top K among them. A
+   row with fewer (a margin too small, or NaN logits) runs again (4.). The margin makes that the
+   exception; tests check both.
+
+2. *Stage 1* (``_partials_kernel`` with TOPK): after a tile's z is computed (the same z the
+   log-sum-exp sums), the elements whose key is >= the row's threshold key survive. When some
+   survive in the row block, each row reserves as many slots as it has survivors with one
+   atomic add on its int32 counter, and its survivors, taken largest first (a max over the tile
+   each, ``compact_survivors``), go to its [CAP] int64 slots from the reserved base on. Slots
+   past CAP are counted, not written. The buffer's order does not matter: keys are distinct.
+
+3. *Stage 2*: ``torch.topk`` of each row's CAP keys (slots never written hold MIN_KEY), decoded
+   to ids and z; log-probs ln2 (z - lse2) with the row's log-sum-exp in log2 units from the
+   combine kernel (``select_top_k``).
+
+4. *Overflow*: a row with more than CAP survivors (its threshold was low: a row whose top values
+   avoid the sampled columns, or many equal values) is run again alone with the K-th largest of
+   the CAP keys it kept as its threshold: those keys are kernel keys of the row, so that is a
+   lower bound on its K-th key, strictly above the old threshold (CAP > K distinct keys), and the
+   survivors shrink each round until they fit (the kept keys are about a random CAP of the
+   survivors, so a round leaves about K / CAP of them). A row with fewer than K survivors runs
+   again with no threshold (MIN_KEY), then as an overflow.
+
+Survivors per row: the sample's K-th largest is about the (K stride)-th largest of the row (for
+top values spread over the vocabulary independently of the stride), give or take about sqrt(K)
+stride, plus the few within the margin. ``capacity`` gives room for that and 8 standard
+deviations more: CAP = K stride + 8 ceil(sqrt K) stride + 256 slots (at most V). The stride is
+V / (64 K), within [1, 32] (``sample_stride``): the sample costs 1/stride of the matmul (3% for
+K 20, 11% for K 256 at a 152K vocabulary), and a [BLOCK_N, 256] tile has about 256 K stride / V
+<= 4 survivors per row, so the compaction's rounds (the most survivors of a row of the block) are
+few. Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 2048 bytes) and,
+while the threshold is taken, S = V / stride <= max(128 K, V / 32) + 1 fp32 sample logits: O(K)
+bytes for a given vocabulary, O(N K) in all; ``fused_logprobs`` runs top-k in row chunks whose
+slots and sample stay under ``TOPK_CHUNK_BYTES``.
+
+The reserved base comes back from a tensor atomic add to every thread that holds the row (a
+[BLOCK_N] vector is replicated across the threads of a row); Triton broadcasts it from the thread
+that did the add since triton-lang/triton#7460 (Triton 3.5). tests/gpu/test_topk_cuda.py checks
+the compiled kernel's slots (distinct keys, at least K a row).
+
+**Batch invariance.** The returned keys come only from the kernel's z values (and the lse from
+the invariant plan), and the top K of a row's survivors are its top K whatever the threshold
+was: the threshold may change with the batch (the sample's matmul may pick other kernels for
+other row counts), the answer does not.
 
 **Candidates** (``_candidates_kernel``, after stage 2): the logit of candidate id c of row i is
 one fp32 dot h_i . W_c (+ b_c), as the target logit in stage 2 (N Kc H work, W rows gathered;
@@ -41,12 +92,20 @@ candidates and rows, so the results are batch-invariant bit for bit.
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
-# A key below every logit's (the smallest int64): the empty running list. (Kernels read only
-# constexpr globals: the interpreter reads any, so only a compiled kernel tells.)
-MIN_KEY = tl.constexpr(-(2**63))
+from logprob_service.ops.logprobs import _logits_fp32, key_ids
+
+# A key below every logit's (the smallest int64): empty slots, and "no threshold".
+MIN_KEY = -(2**63)
+LN2 = 0.6931471805599453
+# Below every ``ordered_bits`` of a float but -NaN's: an element already taken (``compact_survivors``).
+# (Kernels read only constexpr globals: the interpreter reads any, so only a compiled kernel tells.)
+TAKEN = tl.constexpr(-(2**31))
 
 
 @triton.jit
@@ -64,7 +123,7 @@ def to_log2_units(x, pre, post, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def ordered_bits(z):
-    """The high word of ``pack_keys``: float32 ``z``'s bits as an int32 of the same order."""
+    """The high word of a key: float32 ``z``'s bits as an int32 of the same order."""
     b = z.to(tl.int32, bitcast=True)
     return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
 
@@ -76,62 +135,30 @@ def keys_of(ordered, ids):
 
 
 @triton.jit
-def pack_keys(z, ids):
-    """int64 keys of float32 ``z`` (any shape) and int ``ids`` (broadcastable); see the module doc."""
-    return keys_of(ordered_bits(z), ids)
-
-
-@triton.jit
-def key_values(keys):
-    """The float32 z of ``pack_keys``'s keys."""
-    hi = (keys >> 32).to(tl.int32)
-    return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def key_ids(keys):
-    """The token ids of ``pack_keys``'s keys, as int32."""
-    return (0x7FFFFFFF - (keys & 0x7FFFFFFF)).to(tl.int32)
-
-
-@triton.jit
-def merge_topk(run, other):
-    """The KP largest of two [R, KP] key lists, each sorted descending; sorted descending."""
-    return tl.bitonic_merge(tl.maximum(run, tl.flip(other, 1)), descending=True)
-
-
-# At most this many keys of a tile above a row's running K-th are extracted one by one instead of
-# through the tile's whole top-k network (``tile_into_topk``).
-FEW = tl.constexpr(8)
-
-
-@triton.jit
-def tile_into_topk(run, z, cols, KP: tl.constexpr):
-    """Merge a [R, BLOCK_V] tile of z (masked columns -inf) at token ids ``cols`` into the running
-    list ``run`` ([R, KP], descending). Only the tile's keys above a row's running K-th can enter:
-    none in any row, nothing to do; at most FEW (or KP) in every row, they are taken one by one,
-    largest first (a max over the tile each), into an otherwise empty list that merges into
-    ``run``; more, the tile's own top KP (``tl.topk``) merges. Until that last case, the tile is
-    compared as int32 ``ordered_bits`` and ids, the key order without an int64 tile in registers."""
-    o = ordered_bits(z)  # [R, BLOCK_V] int32
+def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP):
+    """Append the keys of a [R, BLOCK_V] tile of z (token ids ``cols``) that are >= their row's
+    threshold key to the row's slots (see the module doc). The tile is compared as int32
+    ``ordered_bits`` and ids (the key order without an int64 tile in registers); a row's
+    survivors are taken largest first, one max over the tile each, as many rounds as the row of
+    the block with the most survivors has."""
+    thr = tl.load(thr_ptr + rows, mask=row_ok, other=0x7FFFFFFFFFFFFFFF)  # no row: nothing survives
+    t_o = (thr >> 32).to(tl.int32)[:, None]  # the threshold's high word, and its id
+    t_id = (0x7FFFFFFF - (thr & 0x7FFFFFFF)).to(tl.int32)[:, None]
+    o = ordered_bits(z)
     ids = cols[None, :]
-    kth = tl.min(run, axis=1)
-    k_o = (kth >> 32).to(tl.int32)[:, None]  # the K-th key's high word, and its id
-    k_id = (0x7FFFFFFF - (kth & 0x7FFFFFFF)).to(tl.int32)[:, None]
-    above = (o > k_o) | ((o == k_o) & (ids < k_id))
-    most = tl.max(tl.sum(above.to(tl.int32), axis=1), axis=0)
-    if most > min(FEW, KP):
-        run = merge_topk(run, tl.topk(keys_of(o, ids), KP))
-    elif most > 0:
-        slots = tl.arange(0, KP)[None, :]
-        few = tl.full(run.shape, MIN_KEY, tl.int64)
+    keep = ((o > t_o) | ((o == t_o) & (ids <= t_id))) & col_ok[None, :]
+    count = tl.sum(keep.to(tl.int32), axis=1)
+    most = tl.max(count, axis=0)
+    if most > 0:
+        base = tl.atomic_add(cnt_ptr + rows, count, mask=row_ok & (count > 0), sem="relaxed")
+        o = tl.where(keep, o, TAKEN)
+        at_row = buf_ptr + rows.to(tl.int64) * CAP
         for j in range(0, most):
-            best = tl.max(o, axis=1)[:, None]  # the largest high word, then its smallest id
-            at = tl.min(tl.where(o == best, ids, 0x7FFFFFFF), axis=1)[:, None]
-            few = tl.where(slots == j, keys_of(best, at), few)
-            o = tl.where(ids == at, -2147483648, o)  # taken: below every float's bits
-        run = merge_topk(run, few)
-    return run
+            best = tl.max(o, axis=1)  # the largest high word, then its smallest id
+            at = tl.min(tl.where(o == best[:, None], ids, 0x7FFFFFFF), axis=1)
+            pos = base + j
+            tl.store(at_row + pos, keys_of(best, at), mask=row_ok & (j < count) & (pos < CAP))
+            o = tl.where(ids == at[:, None], TAKEN, o)
 
 
 @triton.jit
@@ -172,6 +199,68 @@ def _candidates_kernel(
     tl.store(out_ptr + row * Kc + cs, z * 0.6931471805599453 - lse, mask=c_ok)
 
 
-def padded_k(k: int) -> int:
-    """The running lists' length for a top-``k``: the power of two at or above it (at least 2)."""
-    return max(2, triton.next_power_of_2(k))
+def sample_stride(vocab: int, k: int) -> int:
+    """Every how many columns the threshold's sample takes one: V / (64 K), within [1, 32]."""
+    return min(32, max(1, vocab // (64 * k)))
+
+
+def capacity(vocab: int, k: int) -> int:
+    """Slots per row for the survivors of a top-``k`` (module doc): about K stride expected, room
+    for 8 standard deviations (sqrt(K) stride each) and 256 more; never more than ``vocab``."""
+    stride = sample_stride(vocab, k)
+    return min(vocab, k * stride + 8 * math.isqrt(k - 1) * stride + 8 * stride + 256)
+
+
+def sample_thresholds(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    pre: float,
+    post: float,
+    softcap: bool,
+) -> torch.Tensor:
+    """[n] int64 threshold keys, each below its row's K-th largest key in the kernel (module doc).
+
+    hidden [n, H] and weight [V, H] as the kernel gets them; bias fp32 or None; (pre, post,
+    softcap): ``to_log2_units``' constants."""
+    stride = sample_stride(weight.shape[0], k)
+    sampled = weight[::stride]  # a strided view: no copy
+    if not hidden.is_cuda:
+        sampled = sampled.float()  # the CPU has no 16-bit matmul with an fp32 output
+    x = _logits_fp32(hidden, sampled, bias[::stride] if bias is not None else None)  # [n, S] fp32
+    z = x.mul_(pre).tanh_().mul_(post) if softcap else x.mul_(pre)  # in place: one [n, S] slab
+    s = torch.topk(z, k, dim=1, sorted=False).values.amin(dim=1).double()  # the sample's K-th largest
+    t = (s - threshold_margin(hidden, sampled, s, pre, post, weight.dtype == torch.float32)).float()
+    bits = t.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64) - 1  # one float down
+    return ordered << 32  # low word 0: every id of a z >= t is above
+
+
+def threshold_margin(
+    hidden: torch.Tensor, sampled: torch.Tensor, s: torch.Tensor, pre: float, post: float, fp32: bool
+) -> torch.Tensor:
+    """[n] float64: how far the kernel's z of a sampled column may lie below torch's (module doc):
+    H 2^-22 ||h|| max ||W_c|| bounds the two dots' difference (2^-9 more for TF32 with fp32
+    operands), times |pre post|; plus 2^-16 (|z| + |post|) for the transform's own roundings."""
+    eps = hidden.shape[1] * 2.0**-22 + (2.0**-9 if fp32 else 0.0)
+    h_norm = torch.linalg.vector_norm(hidden, dim=1, dtype=torch.float32).double()
+    w_norm = torch.linalg.vector_norm(sampled, dim=1, dtype=torch.float32).max().double()
+    # (1 + 2^-8): the norms' own fp32 rounding
+    return eps * abs(pre * post) * h_norm * w_norm * (1 + 2.0**-8) + 2.0**-16 * (s.abs() + abs(post))
+
+
+def thresholds_from_kept(kept: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """New threshold keys for rows that overflowed their slots (module doc, 4.): the K-th largest
+    of the [r, CAP] keys each kept; no threshold (MIN_KEY) for a row with fewer than K survivors."""
+    kth = torch.topk(kept, k, dim=1, sorted=False).values.amin(dim=1)
+    return torch.where(counts >= k, kth, torch.full_like(kth, MIN_KEY))
+
+
+def select_top_k(keys: torch.Tensor, lse2: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 2: the K largest of each row's [n, CAP] keys, descending, as ([n, K] int32 ids,
+    [n, K] float32 log-probs ln2 (z - lse2)) with ``lse2`` [n] the rows' log-sum-exps in log2 units."""
+    top = torch.topk(keys, k, dim=1).values  # distinct keys: one answer, whatever the slots' order
+    hi = (top >> 32).to(torch.int32)
+    z = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi).view(torch.float32)
+    return key_ids(top).to(torch.int32), (z - lse2[:, None]) * LN2
