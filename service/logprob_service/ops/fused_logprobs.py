@@ -52,7 +52,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from logprob_service.ops import fused_topk
 from logprob_service.ops.fused_topk import (
     MIN_KEY,
     _candidates_kernel,
@@ -124,7 +123,6 @@ def _partials_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TOPK: tl.constexpr,  # also keep the keys at or above each row's threshold (fused_topk)
-    SCAN: tl.constexpr,  # fused_topk.SCAN_COMPACTION
 ):
     # Program order: a group of `group_rows` row blocks x every split. Programs that run at the
     # same time then share a few W tiles and a few row blocks, both of which fit in L2, instead
@@ -184,7 +182,7 @@ def _partials_kernel(
             t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
         m = m_new
         if TOPK:
-            compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP, SCAN)
+            compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP)
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(m_ptr + out, m, mask=row_ok)
@@ -456,7 +454,6 @@ def fused_token_logprobs(
             buf.shape[1] if survivors else 0,
             IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
             BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k, TOPK=survivors is not None,
-            SCAN=fused_topk.SCAN_COMPACTION,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **flags,
         )  # fmt: skip

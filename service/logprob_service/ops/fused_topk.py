@@ -106,8 +106,6 @@ LN2 = 0.6931471805599453
 # Below every ``ordered_bits`` of a float but -NaN's: an element already taken (``compact_survivors``).
 # (Kernels read only constexpr globals: the interpreter reads any, so only a compiled kernel tells.)
 TAKEN = tl.constexpr(-(2**31))
-# Which compaction the kernel runs (``compact_survivors``): a prefix sum (True) or rounds of maxima.
-SCAN_COMPACTION = True
 
 
 @triton.jit
@@ -137,13 +135,12 @@ def keys_of(ordered, ids):
 
 
 @triton.jit
-def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP, SCAN: tl.constexpr):
+def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP):
     """Append the keys of a [R, BLOCK_V] tile of z (token ids ``cols``) that are >= their row's
     threshold key to the row's slots (see the module doc). The tile is compared as int32
-    ``ordered_bits`` and ids (the key order without an int64 tile in registers). With SCAN, each
-    survivor's slot is the row's base plus the survivors before it in the tile (a prefix sum of
-    the mask), and all go out in one masked store; else they are taken largest first, one max
-    over the tile each, as many rounds as the row of the block with the most survivors has."""
+    ``ordered_bits`` and ids (the key order without an int64 tile in registers); a row's
+    survivors are taken largest first, one max over the tile each, as many rounds as the row of
+    the block with the most survivors has."""
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0x7FFFFFFFFFFFFFFF)  # no row: nothing survives
     t_o = (thr >> 32).to(tl.int32)[:, None]  # the threshold's high word, and its id
     t_id = (0x7FFFFFFF - (thr & 0x7FFFFFFF)).to(tl.int32)[:, None]
@@ -154,18 +151,14 @@ def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, 
     most = tl.max(count, axis=0)
     if most > 0:
         base = tl.atomic_add(cnt_ptr + rows, count, mask=row_ok & (count > 0), sem="relaxed")
+        o = tl.where(keep, o, TAKEN)
         at_row = buf_ptr + rows.to(tl.int64) * CAP
-        if SCAN:
-            pos = base[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
-            tl.store(at_row[:, None] + pos, keys_of(o, ids), mask=keep & row_ok[:, None] & (pos < CAP))
-        else:
-            o = tl.where(keep, o, TAKEN)
-            for j in range(0, most):
-                best = tl.max(o, axis=1)  # the largest high word, then its smallest id
-                at = tl.min(tl.where(o == best[:, None], ids, 0x7FFFFFFF), axis=1)
-                pos = base + j
-                tl.store(at_row + pos, keys_of(best, at), mask=row_ok & (j < count) & (pos < CAP))
-                o = tl.where(ids == at[:, None], TAKEN, o)
+        for j in range(0, most):
+            best = tl.max(o, axis=1)  # the largest high word, then its smallest id
+            at = tl.min(tl.where(o == best[:, None], ids, 0x7FFFFFFF), axis=1)
+            pos = base + j
+            tl.store(at_row + pos, keys_of(best, at), mask=row_ok & (j < count) & (pos < CAP))
+            o = tl.where(ids == at[:, None], TAKEN, o)
 
 
 @triton.jit
