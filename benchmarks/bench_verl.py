@@ -21,7 +21,8 @@ Reported per shape and run: the time the trainer waits for the ref log-probs (me
 tokens of the batch; verl uses GPU 0, the service GPU 1 and nothing of GPU 0), the trainer GPU's
 peak allocated memory during the step, the largest difference of each run's ref log-probs from an
 fp32 forward of the model (``--check-rows`` rows, float64 log-softmax), and between the two runs
-(both bf16; response tokens only). ``--profile`` writes the op table of verl's first timed step.
+(both bf16; response tokens only). ``--profile`` writes the op table of verl's first timed step
+(torch's profiler: minutes for a 20 s step).
 
 Ray and datasets (and pyarrow under it) are imported by verl's modules but unused on this path, and their
 wheels (79 and 55 MiB) cannot travel to the GPU machine: where they are missing, empty

@@ -38,13 +38,13 @@ class OpOptions(TypedDict, total=False):
     candidates: torch.Tensor | None  # [N, Kc] ids whose log-probs to return (TokenScores.candidate_logprobs)
 
 
-# Whether top-k (``top_k`` > 0) runs in the fused kernel. Its first kernel (running lists of K keys
-# per row in registers) missed its goals on an H200 (2026-11-26: K 20 did not compile, K 128-256 took
-# 4-22x the plain kernel); its second (``fused_topk``: a threshold from a strided sample of the
-# vocabulary, survivors compacted to [N, CAP] slots, then ``torch.topk``) is on, pending the GPU
-# measurement against issue 43's goals (K 20 <= 1.25x, K 256 <= 2.0x the plain kernel). Off, the
-# eager chunks (``logprobs``, [chunk, V] fp32 slabs under ``chunk_bytes``) serve top-k on CUDA too.
-# Candidate ids stay fused either way (1.22-1.31x the plain kernel).
+# Whether top-k (``top_k`` > 0) runs in the fused kernel (``fused_topk``: a threshold from a strided
+# sample of the vocabulary, survivors compacted to [N, CAP] slots, then ``torch.topk``). On an H200
+# (2026-11-26, benchmarks/RESULTS.md) it took 1.5-1.6x the plain kernel at K 20 and 1.9-2.7x at
+# K 256 for H 3,584-4,096 (2.8x and 4.6x at H 896), against 5.8-23x for the eager chunks
+# (``logprobs``, [chunk, V] fp32 slabs), which it replaces on CUDA: 2.3-8.1x faster, less memory.
+# Issue 43's goals (K 20 <= 1.25x, K 256 <= 2.0x) are not all met yet. Off, the eager chunks serve
+# top-k on CUDA too. Candidate ids are fused either way (1.22-1.31x the plain kernel).
 FUSED_TOP_K = True
 
 
