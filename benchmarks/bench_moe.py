@@ -30,6 +30,7 @@ layers/48 for a rough whole-model figure (it leaves out the embedding and lm_hea
 On a GPU (Qwen3-30B-A3B at 16 layers and gpt-oss-20b at 12 fit an H100's 80 GB beside the baseline):
 
     PYTHONPATH=service:client python3 benchmarks/bench_moe.py
+    PYTHONPATH=service:client python3 benchmarks/bench_moe.py --shapes gpt-oss-20b --no-baseline --experts grouped_mm
 
 Smoke test on a CPU (tiny shapes, float32, 16 short sequences, under a minute):
 
@@ -244,7 +245,9 @@ def run_shape(key: str, args: argparse.Namespace, harness: Harness, dtype: torch
     model = build(shape, layers, args.smoke, harness.device, dtype, args.seed)
     assert expert_modules(model), "an MoE shape without experts"
     workload = workload_for(args, model.config.vocab_size)
-    rows = [run_baseline(harness, model, workload)]
+    # (a) is the slowest method by far (gpt-oss: its flex_attention compiles for 2 minutes first)
+    skipped = Measured(method="(a) trainer baseline", note="not run (--no-baseline)")
+    rows = [run_baseline(harness, model, workload) if args.baseline else skipped]
     service = ""
     with OfflineScorer(
         model,
@@ -309,6 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--repeats", type=int, default=None)
     add("--sample-ms", type=float, default=100.0)
     add("--deterministic", action="store_true", help="the service's deterministic setting (default off)")
+    add("--baseline", action=argparse.BooleanOptionalAction, default=True, help="run (a), the padded trainer pass")
     add("--seed", type=int, default=0)
     add_scoring_arguments(parser)
     args = parser.parse_args(argv)
