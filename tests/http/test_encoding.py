@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pydantic_core
 import pytest
-from logprob_service.http import encoding
+from logprob_service.domain import SequenceScores
+from logprob_service.http import encoding, vllm
+from logprob_service.http.scoring import Item
 
 # log-probs a writer must keep as they are: non-finite, signed zero, the float32 extremes
 SPECIAL = np.array(
@@ -29,6 +31,31 @@ def triples_before(logprobs: np.ndarray, ids: np.ndarray) -> bytes:
     width = ids.shape[1]
     rows = [b"[" + b",".join(entries[p : p + width]) + b"]" for p in range(0, len(entries), width)]
     return b"[" + b",".join(rows) + b"]"
+
+
+def prompt_logprobs_before(item: Item, scores: SequenceScores | None, k: int) -> bytes:
+    """vLLM's ``prompt_logprobs`` as the edge wrote them before ``encoding.interleave``."""
+    entry = b'"%b":{"logprob":%b,"rank":%d,"decoded_token":"token_id:%b"}'
+    entries = [b"null"] * item.start
+    if scores is None:
+        return b"[" + b",".join(entries) + b"]"
+    own = item.ids[item.start :]
+    ids, lps = numbers(own), numbers(scores.logprobs)
+    if not k:
+        entries += [b"{" + entry % (t, lp, 1, t) + b"}" for t, lp in zip(ids, lps)]
+        return b"[" + b",".join(entries) + b"]"
+    among = scores.top_ids == own[:, None]
+    ranks = np.where(among.any(axis=1), among.argmax(axis=1) + 1, k + 1).tolist()
+    top_ids, top_lps = numbers(scores.top_ids), numbers(scores.top_logprobs)
+    for p in range(len(own)):
+        row = [entry % (ids[p], lps[p], ranks[p], ids[p])]
+        row += [
+            entry % (top_ids[j], top_lps[j], j - p * k + 1, top_ids[j])
+            for j in range(p * k, (p + 1) * k)
+            if j - p * k + 1 != ranks[p]
+        ]
+        entries.append(b"{" + b",".join(row) + b"}")
+    return b"[" + b",".join(entries) + b"]"
 
 
 def random_logprobs(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -66,3 +93,42 @@ def test_triples_of_nothing():
 def test_prepend():
     assert encoding.prepend(b"null", b"[[1,2,null]]") == b"[null,[1,2,null]]"
     assert encoding.prepend(b"[null,7,null]", b"[]") == b"[[null,7,null]]"
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+@pytest.mark.parametrize("length,start", [(2, 1), (3, 2), (700, 1), (700, 350)])
+def test_prompt_logprobs_equal_the_writing_before(rng, length, start, k):
+    ids = rng.integers(0, 151_936, length)
+    rows = length - start
+    top_ids = np.stack([rng.choice(151_936, k, replace=False) for _ in range(rows)]).astype(np.int32).reshape(rows, k)
+    if k:  # the token itself among the top k at a third of the positions, at every rank
+        hits = np.flatnonzero(rng.random(rows) < 1 / 3)
+        top_ids[hits, rng.integers(0, k, len(hits))] = ids[start:][hits]
+        top_ids[0, k - 1] = ids[start]  # and at rank k
+    scores = SequenceScores(
+        logprobs=random_logprobs(rng, (rows,)),
+        top_ids=top_ids if k else None,
+        top_logprobs=random_logprobs(rng, (rows, k)) if k else None,
+    )
+    item = Item(ids, start, "prompt")
+    written = vllm.prompt_logprobs(item, scores, k)
+    assert written == prompt_logprobs_before(item, scores, k)
+    assert pydantic_core.from_json(written, allow_inf_nan=True)[start:][0] is not None
+
+
+@pytest.mark.parametrize("start", [0, 1, 3])
+def test_prompt_logprobs_of_nothing_scored(start):
+    item = Item(np.arange(max(start, 1)), start, "prompt")
+    assert (
+        vllm.prompt_logprobs(item, None, 0)
+        == prompt_logprobs_before(item, None, 0)
+        == pydantic_core.to_json([None] * start)
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 5000])
+def test_interleave(rows):
+    """Rows past one ``block`` of the join come out in order."""
+    numbers = [b"%d" % i for i in range(rows)]
+    written = encoding.interleave(numbers, b"-", numbers[::-1], b";", block=7)
+    assert written == b"".join(b"%d-%d;" % (i, rows - 1 - i) for i in range(rows))

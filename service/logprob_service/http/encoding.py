@@ -18,6 +18,24 @@ def numbers(values: Sequence[float] | Sequence[int]) -> list[bytes]:
     return pydantic_core.to_json(list(values))[1:-1].split(b",") if len(values) else []
 
 
+def interleave(*columns: Sequence[bytes] | bytes, block: int = 1024) -> bytes:
+    """The columns' items joined in turn (the first of each column, then the second of each, and
+    so on), with a lone ``bytes`` standing for a column of it: ``bytes.join`` of lists filled by
+    slices, so no Python object per row. ``block`` rows a join: ``bytes.join`` allocates an 80-byte
+    buffer record per part, and past 32 MiB (400,000 parts) glibc maps fresh pages each call,
+    which cost 4x the join itself (a vLLM top-20 answer of 2,700 tokens, 2-core CPU machine)."""
+    rows = max(len(column) for column in columns if not isinstance(column, bytes))
+    width = len(columns)
+    joined = []
+    for begin in range(0, rows, block):
+        count = min(block, rows - begin)
+        parts = [b""] * (count * width)
+        for i, column in enumerate(columns):
+            parts[i::width] = [column] * count if isinstance(column, bytes) else column[begin : begin + count]
+        joined.append(b"".join(parts))
+    return b"".join(joined)
+
+
 def array(items: Sequence[bytes]) -> bytes:
     return b"[" + b",".join(items) + b"]"
 
