@@ -88,6 +88,7 @@ def test_triples_of_every_special_value(rng):
 def test_triples_of_nothing():
     assert encoding.triples(np.zeros(0, np.float32), np.zeros(0, np.int64)) == b"[]"
     assert encoding.triples(np.zeros((2, 0), np.float32), np.zeros((2, 0), np.int64)) == b"[[],[]]"
+    assert encoding.triples(np.zeros((0, 5), np.float32), np.zeros((0, 5), np.int64)) == b"[]"
 
 
 def test_prepend():
