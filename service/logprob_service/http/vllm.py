@@ -52,7 +52,7 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
         return b"[" + nulls[:-1] + b"]"
     own = item.ids[item.start :]
     if not k:  # one entry a position, of rank 1
-        ids, lps, ranks, ends = own, scores.logprobs, _RANKS[1], b'"}},{"'
+        ids, lps, ranks, ends = own, scores.logprobs, _RANKS[1], [b'"}},{"'] * len(own)
     else:
         assert scores.top_ids is not None and scores.top_logprobs is not None
         among = scores.top_ids == own[:, None]
@@ -69,16 +69,10 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
         ends_array = np.full(len(ids), b'"},"', dtype=object)
         ends_array[np.cumsum(kept.sum(axis=1)) - 1] = b'"}},{"'
         ends = ends_array.tolist()
+    ends[-1] = b'"}}'  # the last position's
     id_texts = encoding.numbers(ids.tolist())
-    text = encoding.interleave(
-        id_texts,
-        b'":{"logprob":',
-        encoding.numbers(lps.tolist()),
-        ranks,
-        id_texts,
-        ends,
-    )
-    return b"[" + nulls + b'{"' + text[: -len(b',{"')] + b"]"
+    columns = (id_texts, b'":{"logprob":', encoding.numbers(lps.tolist()), ranks, id_texts, ends)
+    return encoding.interleave(*columns, head=b"[" + nulls + b'{"', tail=b"]")
 
 
 # the text between an entry's log-prob and its decoded token's id, for each rank: one object that
