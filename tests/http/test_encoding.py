@@ -133,3 +133,9 @@ def test_interleave(rows):
     numbers = [b"%d" % i for i in range(rows)]
     written = encoding.interleave(numbers, b"-", numbers[::-1], b";", block=7)
     assert written == b"".join(b"%d-%d;" % (i, rows - 1 - i) for i in range(rows))
+
+
+def test_with_raw():
+    value = {"a": None, "b": None, "c": '"a":null', "d": [1.5, None]}
+    written = encoding.with_raw(value, a=b"[1,-Infinity]", b=b"{}")
+    assert written == b'{"a":[1,-Infinity],"b":{},"c":"\\"a\\":null","d":[1.5,null]}'

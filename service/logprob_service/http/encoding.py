@@ -47,18 +47,21 @@ def array(items: Sequence[bytes]) -> bytes:
 def with_raw(value: dict, **raw: bytes) -> bytes:
     """``value`` as JSON with each of ``raw``'s values (JSON text already written) as the value of
     its key, which ``value`` must hold as None among its first keys (so no string value before
-    them can hold the text replaced)."""
+    them can hold the text replaced). One join, so the raw texts are copied once."""
     assert list(value)[: len(raw)] == list(raw) and all(value[key] is None for key in raw)
-    text = pydantic_core.to_json(value)
+    rest = pydantic_core.to_json(value)
+    parts = []
     for key, written in raw.items():
-        name = pydantic_core.to_json(key)
-        text = text.replace(name + b":null", name + b":" + written, 1)
-    return text
+        before, name, rest = rest.partition(pydantic_core.to_json(key) + b":null")
+        parts += [before, name[: -len(b"null")], written]
+    return b"".join([*parts, rest])
 
 
 def prepend(item: bytes, array: bytes) -> bytes:
-    """The JSON list ``array`` with ``item`` (JSON text) put first."""
-    return b"[" + item + (b"]" if array == b"[]" else b"," + array[1:])
+    """The JSON list ``array`` with ``item`` (JSON text) put first (``array`` copied once)."""
+    if array == b"[]":
+        return b"[" + item + b"]"
+    return b"".join([b"[", item, b",", memoryview(array)[1:]])
 
 
 def triples(logprobs: np.ndarray, ids: np.ndarray) -> bytes:
