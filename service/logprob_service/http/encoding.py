@@ -1,9 +1,13 @@
 """JSON written in pieces, for answers with an object per token (vLLM's ``prompt_logprobs``,
-SGLang's ``input_token_logprobs``): built as Python dicts and lists they cost 4 us a token on the
-2-core CPU machine, formatted as bytes 0.5 us (numbers written by pydantic-core, as every other
-answer's are: the shortest text that reads back as the same float, ``-Infinity`` / ``NaN`` for
-the non-finite). The edge writes them on the event loop's thread, holding the GIL that the device
-thread needs to launch kernels, so a token's cost counts (``benchmarks/bench_http.py --encode``)."""
+SGLang's ``input_token_logprobs``), numbers written by pydantic-core as every other answer's are:
+the shortest text that reads back as the same float, ``-Infinity`` / ``NaN`` for the non-finite.
+
+The edge writes these on the event loop's thread, holding the GIL that the device thread needs to
+launch kernels (handing them to another thread would not free it: this is Python and
+pydantic-core, neither lets go of the GIL), so what counts is the CPU time a token. Built as Python
+dicts and lists they cost 4 us a token on the 2-core CPU machine, as a formatted bytes object a
+token 0.27 (SGLang) and 0.39 us (vLLM); written as below, without a Python object per token,
+0.18 and 0.21 (``benchmarks/bench_http.py --encode``, docs/http.md has the top-20 figures)."""
 
 from __future__ import annotations
 
@@ -68,12 +72,13 @@ def triples(logprobs: np.ndarray, ids: np.ndarray) -> bytes:
     """SGLang's ``[logprob, token_id, null]`` of each element of ``logprobs`` and ``ids`` (one
     shape) as JSON: a list of them for 1-D arrays, a list of such lists (one a row) for 2-D.
 
-    Written without a Python object per triple (0.18 against 0.35 us a token): the numbers go into
-    one flat list a row, in C (a numpy object array's ``tolist``: Python floats and ints, as
-    ``tolist`` gives them), each row inside a list of its own, and pydantic-core writes them all
-    in one call: ``[[lp,id,null,lp,id,null]]`` a row. Every comma it writes separates two values
-    (numbers and null hold none), so each ``,null,`` is a triple's end followed by another's
-    start, where ``],[`` goes in: ``[[lp,id,null],[lp,id,null]]``."""
+    Written without a Python object per triple: the numbers go into one flat list a row, in C (a
+    numpy object array's ``tolist``: Python floats and ints, as ``tolist`` gives them), each row
+    inside a list of its own, and pydantic-core writes them all in one call:
+    ``[[lp,id,null,lp,id,null]]`` a row. Every comma it writes separates two values (numbers and
+    null hold none), so each ``,null,`` is a triple's end followed by another's start, where
+    ``],[`` goes in: ``[[lp,id,null],[lp,id,null]]``. A replace over the text costs less than a
+    Python list a triple (0.17 against 0.22 us a token)."""
     if not ids.size:
         return pydantic_core.to_json(np.empty(ids.shape).tolist())  # [] or [[], ...]
     table = np.empty((*ids.shape, 3), dtype=object)
