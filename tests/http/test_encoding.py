@@ -8,7 +8,7 @@ import numpy as np
 import pydantic_core
 import pytest
 from logprob_service.domain import SequenceScores
-from logprob_service.http import encoding, vllm
+from logprob_service.http import encoding, sglang, vllm
 from logprob_service.http.scoring import Item
 
 # log-probs a writer must keep as they are: non-finite, signed zero, the float32 extremes
@@ -139,3 +139,52 @@ def test_with_raw():
     value = {"a": None, "b": None, "c": '"a":null', "d": [1.5, None]}
     written = encoding.with_raw(value, a=b"[1,-Infinity]", b=b"{}")
     assert written == b'{"a":[1,-Infinity],"b":{},"c":"\\"a\\":null","d":[1.5,null]}'
+
+
+def sglang_answer_as_objects(item: Item, start: int, scores: SequenceScores | None, k: int) -> bytes:
+    """SGLang's answer to one input built as Python objects, all written by pydantic-core."""
+
+    def triples(lps: np.ndarray, ids: np.ndarray) -> list:
+        return [[lp, t, None] for lp, t in zip(lps.tolist(), ids.tolist())]
+
+    head = [None] if start == 0 else []
+    tokens = [[None, int(item.ids[0]), None]] if start == 0 else []
+    meta = {"input_token_logprobs": tokens + (triples(scores.logprobs, item.ids[item.start :]) if scores else [])}
+    if k:
+        rows = [triples(*row) for row in zip(scores.top_logprobs, scores.top_ids)] if scores else []
+        meta["input_top_logprobs"] = head + rows if scores else [None]
+    if item.candidates is not None:
+        rows = [triples(*row) for row in zip(scores.candidate_logprobs, item.candidates)] if scores else []
+        meta["input_token_ids_logprobs"] = head + rows if scores else [None]
+    meta |= {
+        "id": "rid",
+        "finish_reason": {"type": "length", "length": 0},
+        "prompt_tokens": len(item.ids),
+        "completion_tokens": 0,
+        "cached_tokens": 0,
+        "e2e_latency": 0.25,
+        "output_token_logprobs": [],
+        **({"output_top_logprobs": []} if k else {}),
+        **({"output_token_ids_logprobs": []} if item.candidates is not None else {}),
+    }
+    return pydantic_core.to_json({"text": "", "output_ids": [], "meta_info": meta})
+
+
+@pytest.mark.parametrize("k,candidates", [(0, False), (3, False), (0, True), (20, True)])
+@pytest.mark.parametrize("length,start", [(1, 0), (1, -1), (2, 0), (300, 0), (300, -1), (300, 17)])
+def test_sglang_answer_equals_it_built_as_objects(rng, length, start, k, candidates):
+    ids = rng.integers(0, 151_936, length)
+    item = Item(ids, max(start, 1), "input_ids")
+    rows = length - item.start
+    if candidates:
+        item = Item(ids, item.start, "input_ids", candidates=rng.integers(0, 151_936, (rows, 4)))
+    scores = None
+    if rows > 0:  # a one-token input has nothing scored
+        scores = SequenceScores(
+            logprobs=random_logprobs(rng, (rows,)),
+            top_ids=rng.integers(0, 151_936, (rows, k)).astype(np.int32),
+            top_logprobs=random_logprobs(rng, (rows, k)),
+            candidate_logprobs=random_logprobs(rng, (rows, 4)),
+        )
+    written = sglang.input_answer(item, start, "rid", scores, k, 0.25)
+    assert written == sglang_answer_as_objects(item, start, scores, k)
