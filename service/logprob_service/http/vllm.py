@@ -38,6 +38,10 @@ from logprob_service.http.scoring import Item, Scored, candidate_rows, check_sta
 
 OWNER = "logprob-service"
 
+# the text between a prompt_logprobs entry's log-prob and its decoded token's id, for each rank:
+# one object that the entries of a rank share
+_RANKS = np.array([b',"rank":%d,"decoded_token":"token_id:' % r for r in range(MAX_TOP_K + 2)], dtype=object)
+
 
 def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
@@ -72,11 +76,6 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     id_texts = encoding.numbers(ids.tolist())
     columns = (id_texts, b'":{"logprob":', encoding.numbers(lps.tolist()), ranks, id_texts, ends)
     return encoding.interleave(*columns, head=b"[" + nulls + b'{"', tail=b"]")
-
-
-# the text between an entry's log-prob and its decoded token's id, for each rank: one object that
-# the entries of a rank share
-_RANKS = np.array([b',"rank":%d,"decoded_token":"token_id:' % r for r in range(MAX_TOP_K + 2)], dtype=object)
 
 
 def check_prompt_logprobs(k: int | None, field: str) -> int:
