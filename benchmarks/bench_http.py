@@ -27,6 +27,10 @@ first request's log-probs equal gRPC's bit for bit.
 called in-process (no sockets), Starlette (what the edge runs) against FastAPI with a pydantic
 request model, microseconds per call.
 
+``--encode`` measures the writing of the JSON answers alone: SGLang's ``/generate`` answer and
+vLLM's ``prompt_logprobs`` for 8 inputs of ~2,700 tokens, without and with top-20, microseconds per
+token (the edge writes them on the event loop's thread, holding the GIL the device thread needs).
+
 On a GPU:
 
     PYTHONPATH=service:client python3 benchmarks/bench_http.py
@@ -35,6 +39,7 @@ Smoke test on a CPU (tiny Qwen2, float32, 16 short sequences, 2 clients):
 
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_http.py --smoke
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_http.py --asgi
+    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_http.py --encode
 
 The table is printed last, and also written to ``$OUT/bench_http.md`` when ``OUT`` is set.
 """
@@ -360,6 +365,66 @@ def asgi_overhead(calls: int) -> str:
     )
 
 
+# ----------------------------------------------------------------------------- --encode
+
+
+def encode_cost(sequences: int, tokens: int, k: int, runs: int = 5) -> str:
+    """Microseconds per token of writing the answers' JSON alone (no scoring, no HTTP): SGLang's
+    ``/generate`` (``logprob_start_len`` 0: a triple per token) and vLLM's ``prompt_logprobs`` of
+    ``sequences`` inputs of about ``tokens`` ids each, float32 log-probs from a seeded RNG, without
+    and with top-``k``. Best of ``runs`` runs, in the process's CPU time (what the event loop's
+    thread spends; on a shared machine wall time counts the other processes' turns too)."""
+    from logprob_service.domain import SequenceScores
+    from logprob_service.http import sglang, vllm
+    from logprob_service.http.scoring import Item
+
+    rng = np.random.default_rng(0)
+    vocab = 151_936  # Qwen2's
+    inputs = []
+    for _ in range(sequences):
+        ids = rng.integers(0, vocab, int(rng.integers(tokens * 9 // 10, tokens * 11 // 10 + 1)))
+        rows = len(ids) - 1
+        top_ids = rng.integers(0, vocab, (rows, k)).astype(np.int32)
+        # the token itself among the top-k at half the positions, as a trained model's often are
+        hits = np.flatnonzero(rng.random(rows) < 0.5)
+        top_ids[hits, rng.integers(0, k, len(hits))] = ids[1:][hits]
+        scores = SequenceScores(
+            logprobs=-rng.exponential(2.0, rows).astype(np.float32),
+            top_ids=top_ids,
+            top_logprobs=-np.sort(rng.exponential(2.0, (rows, k)), axis=1).astype(np.float32),
+        )
+        inputs.append((Item(ids, 1, "input_ids"), scores))
+    total = sum(len(item.ids) for item, _ in inputs)
+    writers = {
+        "SGLang /generate": lambda item, scores, top: sglang.input_answer(item, 0, "rid", scores, top, 0.25),
+        "vLLM prompt_logprobs": lambda item, scores, top: vllm.prompt_logprobs(item, scores, top),
+    }
+    rows = []
+    for name, write in writers.items():
+        for top in (0, k):
+            best, size = float("inf"), 0
+            for _ in range(runs):
+                begun = time.process_time()
+                size = sum(len(write(item, scores, top)) for item, scores in inputs)
+                best = min(best, time.process_time() - begun)
+            rows.append(f"| {name} | {top} | {best / total * 1e6:.3f} | {size / total:.0f} |")
+    return (
+        "\n".join(
+            [
+                f"# bench_http --encode: the JSON of {sequences} answers, {total:,} tokens, no scoring",
+                "",
+                *run_environment(torch.device("cpu")),
+                f"best of {runs} runs, CPU time",
+                "",
+                "| answer | top-k | us per token | bytes per token |",
+                "|---|---:|---:|---:|",
+                *rows,
+            ]
+        )
+        + "\n"
+    )
+
+
 def int_pair(text: str) -> tuple[int, int]:
     low, high = (int(x) for x in text.split(","))
     return low, high
@@ -371,6 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--smoke", action="store_true", help="tiny model, 16 short sequences, cpu, float32: checks the script runs")
     add("--asgi", action="store_true", help="only the ASGI stacks' overhead (CPU)")
     add("--asgi-calls", type=int, default=2000, help="calls per timed run of --asgi")
+    add("--encode", action="store_true", help="only the cost of writing the JSON answers (CPU)")
     add("--shape", default="0.5b", choices=sorted(SHAPES), help="the model shape (ignored with --smoke)")
     add("--routes", default="trl,sglang", help=f"HTTP routes to run, of: {', '.join(ROUTES)}")
     add("--device", default=None, help="torch device (default: cuda, or cpu with --smoke)")
@@ -399,6 +465,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.asgi:
         publish(asgi_overhead(args.asgi_calls), "bench_http_asgi.md")
+    elif args.encode:
+        publish(encode_cost(8, 2700, 20), "bench_http_encode.md")
     else:
         publish(run(args), "bench_http.md")
 

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from logprob_service.domain import SequenceScores
 from logprob_service.errors import InvalidArgument
 from logprob_service.http import encoding
 from logprob_service.http.app import Answer, Call
@@ -105,50 +106,49 @@ async def generate(call: Call) -> Answer:
         top_k_field="top_logprobs_num",
     )
     latency = time.perf_counter() - begun
-    answers = []
-    for item, start, rid, scores in zip(items, starts, rids, scored.scores):
-        logprobs = [b"[null,%d,null]" % item.ids[0]] if start == 0 else []
-        raw = {}
-        if scores is None:  # a one-token input: its first position, which has no log-prob
-            raw["input_token_logprobs"] = encoding.array(logprobs)
-            raw |= {"input_top_logprobs": b"[null]"} if k else {}
-            raw |= {"input_token_ids_logprobs": b"[null]"} if item.candidates is not None else {}
-        else:
-            ids, lps = encoding.numbers(item.ids[item.start :].tolist()), encoding.numbers(scores.logprobs.tolist())
-            logprobs += [b"[%b,%b,null]" % (lp, t) for lp, t in zip(lps, ids)]
-            raw["input_token_logprobs"] = encoding.array(logprobs)
-            if k:
-                raw["input_top_logprobs"] = _positions(start, scores.top_ids, scores.top_logprobs)
-            if item.candidates is not None:
-                raw["input_token_ids_logprobs"] = _positions(start, item.candidates, scores.candidate_logprobs)
-        meta = {
-            **dict.fromkeys(raw),
-            "id": rid,
-            "finish_reason": {"type": "length", "length": 0},
-            "prompt_tokens": len(item.ids),
-            "completion_tokens": 0,
-            "cached_tokens": 0,
-            "e2e_latency": latency,
-            "output_token_logprobs": [],
-            **({"output_top_logprobs": []} if k else {}),
-            **({"output_token_ids_logprobs": []} if item.candidates is not None else {}),
-        }
-        meta_info = encoding.with_raw(meta, **raw)
-        answers.append(b'{"text":"","output_ids":[],"meta_info":%b}' % meta_info)
+    answers = [
+        input_answer(item, start, rid, scores, k, latency)
+        for item, start, rid, scores in zip(items, starts, rids, scored.scores)
+    ]
     return Answer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
+
+
+def input_answer(item: Item, start: int, rid: str, scores: SequenceScores | None, k: int, latency: float) -> bytes:
+    """SGLang's answer to one input, as JSON (``start``: its ``logprob_start_len``, -1 if absent;
+    ``k``: its ``top_logprobs_num``)."""
+    first = b"[null,%d,null]" % item.ids[0] if start == 0 else None  # the first token has no context
+    raw = {}
+    if scores is None:  # a one-token input: its first position, which has no log-prob
+        raw["input_token_logprobs"] = encoding.array([first] if first else [])
+        raw |= {"input_top_logprobs": b"[null]"} if k else {}
+        raw |= {"input_token_ids_logprobs": b"[null]"} if item.candidates is not None else {}
+    else:
+        logprobs = encoding.triples(scores.logprobs, item.ids[item.start :])
+        raw["input_token_logprobs"] = encoding.prepend(first, logprobs) if first else logprobs
+        if k:
+            raw["input_top_logprobs"] = _positions(start, scores.top_ids, scores.top_logprobs)
+        if item.candidates is not None:
+            raw["input_token_ids_logprobs"] = _positions(start, item.candidates, scores.candidate_logprobs)
+    meta = {
+        **dict.fromkeys(raw),
+        "id": rid,
+        "finish_reason": {"type": "length", "length": 0},
+        "prompt_tokens": len(item.ids),
+        "completion_tokens": 0,
+        "cached_tokens": 0,
+        "e2e_latency": latency,
+        "output_token_logprobs": [],
+        **({"output_top_logprobs": []} if k else {}),
+        **({"output_token_ids_logprobs": []} if item.candidates is not None else {}),
+    }
+    return b'{"text":"","output_ids":[],"meta_info":%b}' % encoding.with_raw(meta, **raw)
 
 
 def _positions(start: int, ids: np.ndarray, logprobs: np.ndarray) -> bytes:
     """SGLang's per-position lists of ``[logprob, token_id, null]`` (``input_top_logprobs``,
     ``input_token_ids_logprobs``): null for the first token when ``logprob_start_len`` is 0."""
-    width = ids.shape[1]
-    names, values = encoding.numbers(ids.ravel().tolist()), encoding.numbers(logprobs.ravel().tolist())
-    rows = [b"null"] if start == 0 else []
-    rows += [
-        encoding.array([b"[%b,%b,null]" % (values[j], names[j]) for j in range(p, p + width)])
-        for p in range(0, len(names), width)
-    ]
-    return encoding.array(rows)
+    rows = encoding.triples(logprobs, ids)
+    return encoding.prepend(b"null", rows) if start == 0 else rows
 
 
 async def model_info(call: Call) -> Answer:

@@ -38,36 +38,44 @@ from logprob_service.http.scoring import Item, Scored, candidate_rows, check_sta
 
 OWNER = "logprob-service"
 
+# the text between a prompt_logprobs entry's log-prob and its decoded token's id, for each rank:
+# one object that the entries of a rank share
+_RANKS = np.array([b',"rank":%d,"decoded_token":"token_id:' % r for r in range(MAX_TOP_K + 2)], dtype=object)
 
-ENTRY = b'"%b":{"logprob":%b,"rank":%d,"decoded_token":"token_id:%b"}'
 
-
-def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int, first: int = 0) -> bytes:
+def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
-    for each scored token (from its ``first``) its own entry and the top ``k``'s (the own entry
-    once, first, as vLLM's dict has it)."""
-    entries = [b"null"] * item.start
+    for each scored token its own entry and the top ``k``'s (the own entry once, first, as vLLM's
+    dict has it): ``{"<id>":{"logprob":<lp>,"rank":<rank>,"decoded_token":"token_id:<id>"},...}``.
+
+    Written as one ``bytes.join`` of the entries' numbers (each list written by pydantic-core in
+    one call) between constant texts, not as a formatted bytes object per entry."""
+    nulls = b"null," * item.start
     if scores is None:
-        return encoding.array(entries)
+        return b"[" + nulls[:-1] + b"]"
     own = item.ids[item.start :]
-    ids, lps = encoding.numbers(own.tolist()), encoding.numbers(scores.logprobs.tolist())
-    if not k:
-        entries += [b"{" + ENTRY % (t, lp, 1, t) + b"}" for t, lp in zip(ids, lps)]
-        return encoding.array(entries)
-    assert scores.top_ids is not None and scores.top_logprobs is not None
-    among = scores.top_ids == own[:, None]
-    ranks = np.where(among.any(axis=1), among.argmax(axis=1) + 1, k + 1).tolist()
-    top_ids = encoding.numbers(scores.top_ids.ravel().tolist())
-    top_lps = encoding.numbers(scores.top_logprobs.ravel().tolist())
-    for p in range(len(own)):
-        row = [ENTRY % (ids[p], lps[p], ranks[p], ids[p])]
-        row += [
-            ENTRY % (top_ids[j], top_lps[j], j - p * k + 1, top_ids[j])
-            for j in range(p * k, (p + 1) * k)
-            if j - p * k + 1 != ranks[p]
-        ]
-        entries.append(b"{" + b",".join(row) + b"}")
-    return encoding.array(entries)
+    if not k:  # one entry a position, of rank 1
+        ids, lps, ranks, ends = own, scores.logprobs, _RANKS[1], [b'"}},{"'] * len(own)
+    else:
+        assert scores.top_ids is not None and scores.top_logprobs is not None
+        among = scores.top_ids == own[:, None]
+        rank = np.where(among.any(axis=1), among.argmax(axis=1) + 1, k + 1)
+        # [n, 1 + k] entries: the own token's, then the top k's, of which the own token's (if
+        # there) is left out, row by row
+        table_ranks = np.column_stack([rank, np.broadcast_to(np.arange(1, k + 1), (len(own), k))])
+        kept = np.ones(table_ranks.shape, dtype=bool)
+        kept[:, 1:] = table_ranks[:, 1:] != rank[:, None]
+        ids = np.column_stack([own, scores.top_ids])[kept]
+        lps = np.column_stack([scores.logprobs, scores.top_logprobs])[kept]
+        ranks = _RANKS[table_ranks[kept]].tolist()
+        # what follows each entry: the next entry of its position, or (after its last) the next position
+        ends_array = np.full(len(ids), b'"},"', dtype=object)
+        ends_array[np.cumsum(kept.sum(axis=1)) - 1] = b'"}},{"'
+        ends = ends_array.tolist()
+    ends[-1] = b'"}}'  # the last position's
+    id_texts = encoding.numbers(ids.tolist())
+    columns = (id_texts, b'":{"logprob":', encoding.numbers(lps.tolist()), ranks, id_texts, ends)
+    return encoding.interleave(*columns, head=b"[" + nulls + b'{"', tail=b"]")
 
 
 def check_prompt_logprobs(k: int | None, field: str) -> int:
