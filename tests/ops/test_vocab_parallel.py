@@ -74,10 +74,11 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     step = -(-VOCAB // world)
     start, stop = min(step * rank, VOCAB), min(step * (rank + 1), VOCAB)
-    results = []
-    for case in cases():
+
+    def shard_scores(case, **options):
+        """This rank's call of the op on its vocabulary shard of ``case``'s inputs."""
         hidden, weight, targets, bias = inputs(case)
-        scores = vocab_parallel_logprobs(
+        return vocab_parallel_logprobs(
             hidden,
             weight[start:stop],
             targets,
@@ -86,25 +87,17 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
             op=LogprobOp(case.kernel),
             bias_shard=bias[start:stop] if bias is not None else None,
             transform=case.transform,
-            return_entropy=True,
+            **options,
         )
+
+    results = []
+    for case in cases():
+        scores = shard_scores(case, return_entropy=True)
         results.append((scores.logprobs, scores.entropies))
-    topk = []  # eager only: the interpreter's top-k networks are slow (tests/ops/test_topk.py)
+    topk = []  # eager only: the fused top-k is slow in the interpreter (tests/ops/test_topk.py has it)
     for case in cases():
         if case.kernel == "eager":
-            hidden, weight, targets, bias = inputs(case)
-            scores = vocab_parallel_logprobs(
-                hidden,
-                weight[start:stop],
-                targets,
-                vocab_start=start,
-                group=dist.group.WORLD,
-                op=LogprobOp("eager"),
-                bias_shard=bias[start:stop] if bias is not None else None,
-                transform=case.transform,
-                top_k=TOP_K,
-                candidates=candidates(case),
-            )
+            scores = shard_scores(case, top_k=TOP_K, candidates=candidates(case))
             topk.append((scores.top_ids, scores.top_logprobs, scores.candidate_logprobs))
     torch.save((results, topk), Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
