@@ -251,6 +251,7 @@ def test_rows_that_overflow_their_slots_run_again(k, monkeypatch):
     hidden, weight, targets, _ = sampled_case(13, k, stride=8)
     want = fused(hidden, weight, targets, top_k=k, return_entropy=True)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
     needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, top_k=k, return_entropy=True)
     assert needs[0].any() and not out.top_k_incomplete
@@ -335,6 +336,7 @@ def test_repaired_rows_are_batch_invariant(monkeypatch):
     kw = {"top_k": 4, "invariant": True, "config": SMALL}
     want = fused_token_logprobs(hidden, weight, targets, **kw)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
     needs = stage_one_needs(monkeypatch)
     whole = fused_token_logprobs(hidden, weight, targets, **kw)
     part = fused_token_logprobs(hidden[5:8], weight, targets[5:8], **kw)

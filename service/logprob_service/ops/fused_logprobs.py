@@ -33,7 +33,9 @@ applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse
 
 With ``top_k`` (``fused_topk``), stage 1 also appends each row's keys (logit and id in one
 int64) at or above a threshold taken from a strided sample of the vocabulary to a [N, CAP]
-buffer, the combine kernel writes lse2 as well, and ``torch.topk`` of the buffer gives the top-k.
+buffer, the combine kernel writes lse2 as well, a fixed number of repair rounds (stage 1 again
+with REPAIR, for the rows whose survivors did not fit) run on the device without waiting for it,
+and ``torch.topk`` of the buffer gives the top-k.
 
 Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
 partials, 12 bytes per row per split. Offsets are int64 and the grid is 1-D (up to 2^31 - 1
