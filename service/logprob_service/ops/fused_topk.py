@@ -56,10 +56,11 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
 4. *Repair rounds* (``repair_survivors``, on the device, no host reads): a row "needs repair"
    when it has more than CAP survivors (its threshold was low: a row whose top values avoid the
    sampled columns, or many equal values) or fewer than K (a margin too small, NaN logits).
-   ``REPAIR_ROUNDS`` times, whatever the rows: ``_repair_kernel`` (one program a row; a row
-   that needs nothing stops at its counter) gives each row in need a new threshold, the K-th
-   largest of the CAP keys it kept (MIN_KEY, no threshold, when it kept fewer than K), and
-   empties its counter and slots; then stage 1 runs again with REPAIR, where a program whose
+   ``REPAIR_ROUNDS`` times, whatever the rows: ``_repair_kernel`` (one program a row: a row in
+   no need stops at its counter; one in need bisects the int64 keys, 64 passes over its CAP
+   slots) gives each row in need a new threshold, the K-th largest of the CAP keys it kept
+   (MIN_KEY, no threshold, when it kept fewer than K), and empties its counter and slots; then
+   stage 1 runs again with REPAIR, where a program whose
    rows need nothing loops over no tile, and the others compact only their rows in need (the
    rest keep their slots) and write no partials (the log-sum-exp is stage 1's). Nothing waits
    for the device: a round with no row in need costs two near-empty launches.
