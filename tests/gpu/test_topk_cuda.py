@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from logprob_service.ops import fused_logprobs
+from logprob_service.ops import fused_logprobs, fused_topk
 from logprob_service.ops.fused_logprobs import fused_token_logprobs
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, chunked_token_logprobs
 
@@ -107,8 +107,64 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
     want = fused_token_logprobs(hidden, weight, targets, top_k=20)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
+    # 41 slots for about 640 survivors: each round leaves about K / CAP of them, more rounds than the
+    # real capacity's (fused_topk, 4.)
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)
     out = fused_token_logprobs(hidden, weight, targets, top_k=20)
     assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
+    assert not out.top_k_incomplete and not want.top_k_incomplete
+
+
+@pytest.mark.parametrize("k", [20, 256])
+def test_rows_with_too_few_survivors_are_repaired_on_the_gpu(k, seed, monkeypatch):
+    # No key of some rows survives stage 1 (a threshold above every key): the compiled repair rounds
+    # run them with no threshold (all 151,936 keys survive), then twice at most with the K-th of their
+    # kept keys (fused_topk, 4.: 3 rounds cover it at stride >= 9); bit for bit the normal answer
+    hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
+    want = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
+    real = fused_logprobs.sample_thresholds
+    rows = [0, 1, 150, 299]  # row blocks with and without rows in need
+
+    def too_high(hidden, *args):
+        t = real(hidden, *args)
+        t[rows] = 2**63 - 1
+        return t
+
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high)
+    out = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
+    assert not out.top_k_incomplete
+    for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
+        assert torch.equal(getattr(out, field), getattr(want, field)), field
+
+
+def test_no_host_synchronization(seed, monkeypatch):
+    # The op queues its work and returns (models.scorer.CausalLMScorer.launch relies on it): no
+    # synchronizing CUDA call, also while rows overflow and the repair rounds have work. Slots for
+    # the expected K stride survivors only: about half the rows overflow, by a little, and one
+    # round repairs them (fused_topk, 4.); the answer is the normal slots'.
+    hidden, weight, targets, candidates = cuda_case(1025, 3584, 152064, seed=seed)
+    needs = []  # after stage 1, each launch's rows in need
+    real = fused_logprobs.repair_survivors
+
+    def spy(relaunch, thresholds, counts, slots, k):
+        needs.append(fused_topk.rows_in_need(counts, slots.shape[1], k))
+        return real(relaunch, thresholds, counts, slots, k)
+
+    for k in (20, 256):
+        kw = {"top_k": k, "candidates": candidates, "invariant": True}
+        want = fused_token_logprobs(hidden, weight, targets, **kw)
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_logprobs, "capacity", lambda v, k: k * fused_logprobs.sample_stride(v, k))
+            patch.setattr(fused_logprobs, "repair_survivors", spy)
+            fused_token_logprobs(hidden, weight, targets, **kw)  # compiled outside the check
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = fused_token_logprobs(hidden, weight, targets, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert needs[-1].any() and not out.top_k_incomplete
+        assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
 
 
 def test_the_compiled_compaction_keeps_distinct_keys(seed, monkeypatch):

@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from logprob_service.errors import ErrorCode, LogprobError
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 
@@ -69,3 +70,37 @@ def test_without_top_k_nothing_more_comes(rng):
     with OfflineScorer(model) as scorer:
         (out,) = scorer.score(random_sequences(rng, 1))
     assert out.top_ids is None and out.top_logprobs is None and out.candidate_logprobs is None
+
+
+@pytest.mark.skipif("triton" not in {kernel for _, kernel, _ in CASES}, reason="needs triton")
+def test_an_incomplete_fused_top_k_fails_its_requests(rng, monkeypatch):
+    # Every key survives stage 1 (no threshold), past 2 K slots a row, and no repair round runs: the
+    # fused op's flag is set, Launched.fetch raises, and the engine fails the request with that
+    # message (INTERNAL: no change to the request helps), not a wrong top-k and not a hang. The same
+    # scorer then answers it exactly with the rounds.
+    from logprob_service.ops import fused_logprobs, fused_topk
+
+    model = make_model("qwen2", tied=False, seed=int(rng.integers(1 << 30)))
+    sequences = random_sequences(rng, 3, max_len=12)
+    k = 9
+    served = model.cuda() if torch.cuda.is_available() else model  # the references copy it to the CPU
+    with OfflineScorer(served, logprob_op=OPS["triton"]) as scorer:
+        monkeypatch.setattr(
+            fused_logprobs,
+            "sample_thresholds",
+            lambda hidden, *args: torch.full(
+                (len(hidden),), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device
+            ),
+        )
+        monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k)
+        monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 0)
+        with pytest.raises(
+            LogprobError, match=r"top-9 did not finish some rows of this micro-batch of \d+ sequences"
+        ) as err:
+            scorer.score(sequences, top_k=k)
+        assert err.value.code is ErrorCode.INTERNAL
+        monkeypatch.undo()
+        out = scorer.score(sequences, top_k=k)
+    reference = ScoreReference(model, sequences, 1.0)
+    for seq, scores in zip(sequences, out):
+        assert_top_k(scores.top_ids, scores.top_logprobs, full_logp(model, seq, 1.0), k, reference.atol)

@@ -160,8 +160,8 @@ def test_keys_order_by_value_then_id():
     assert order.tolist() == [[6, 0, 2, 4, 5, 1, 7, 3]]
 
 
-# The fused top-k by threshold and compaction (ops.fused_topk): the sampled threshold, the overflow
-# reruns, row chunks. New features: none of these paths existed in the kernel of running lists.
+# The fused top-k by threshold and compaction (ops.fused_topk): the sampled threshold, the repair
+# rounds on the device, row chunks. New features: none of these paths existed in the kernel of running lists.
 
 
 def sampled_case(n, k, *, stride=32, h=16, dtype=torch.float32):
@@ -174,6 +174,20 @@ def sampled_case(n, k, *, stride=32, h=16, dtype=torch.float32):
 def no_threshold(hidden, weight, bias, k, pre, post, softcap):
     """Every key survives (the exact top-k of the kernel's own values, the slow way)."""
     return torch.full((hidden.shape[0],), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device)
+
+
+def stage_one_needs(monkeypatch):
+    """Per launch, the [n] bool rows that needed repair after stage 1 (recorded as
+    ``fused_logprobs.repair_survivors`` is called, before its rounds)."""
+    needs = []
+    real = fused_logprobs.repair_survivors
+
+    def spy(relaunch, thresholds, counts, slots, k):
+        needs.append(fused_topk.rows_in_need(counts, slots.shape[1], k))
+        return real(relaunch, thresholds, counts, slots, k)
+
+    monkeypatch.setattr(fused_logprobs, "repair_survivors", spy)
+    return needs
 
 
 def counting(monkeypatch, name):
@@ -189,10 +203,10 @@ def test_a_sampled_threshold_keeps_the_whole_top_k(k, monkeypatch):
     # one column in 32 sampled; the rows never overflow their slots, and the answer is bit for bit
     # the one without any threshold (every key a survivor, all V slots)
     hidden, weight, targets, _ = sampled_case(9, k)
-    reruns = counting(monkeypatch, "thresholds_from_kept")
+    needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, top_k=k)
     assert_topk_matches(out, hidden, weight, None, LogitTransform(), k)
-    assert not reruns
+    assert len(needs) == 1 and not needs[0].any() and not out.top_k_incomplete
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", no_threshold)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: v)
     exact = fused(hidden, weight, targets, top_k=k)
@@ -221,9 +235,9 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     t_hi = (thr >> 32).to(torch.int32)
     t = torch.where(t_hi < 0, t_hi ^ 0x7FFFFFFF, t_hi).view(torch.float32).double()
     assert (t < kth).all() and ((kth - t) < 1e-3 * (kth.abs() + 1)).all()  # below, by a few rounding errors
-    reruns = counting(monkeypatch, "thresholds_from_kept")
+    needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, top_k=3)
-    assert not reruns
+    assert len(needs) == 1 and not needs[0].any()
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", no_threshold)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: v)
     exact = fused(hidden, weight, targets, top_k=3)
@@ -232,13 +246,15 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_rows_that_overflow_their_slots_run_again(k, monkeypatch):
-    # 2 K + 1 slots a row for about 8 K survivors: rows overflow and run again
+    # 2 K + 1 slots a row for about 8 K survivors: rows overflow and run again in the device's
+    # repair rounds, which leave the partials (log-probs, entropies) of stage 1 as they were
     hidden, weight, targets, _ = sampled_case(13, k, stride=8)
     want = fused(hidden, weight, targets, top_k=k, return_entropy=True)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
-    reruns = counting(monkeypatch, "thresholds_from_kept")
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
+    needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, top_k=k, return_entropy=True)
-    assert reruns
+    assert needs[0].any() and not out.top_k_incomplete
     assert_topk_matches(out, hidden, weight, None, LogitTransform(), k)
     for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
         assert torch.equal(getattr(out, field), getattr(want, field)), field
@@ -263,6 +279,71 @@ def test_rows_of_equal_values_give_the_smallest_ids(cap, monkeypatch):
     alone = fused(hidden[rest], weight, targets[rest], top_k=7)
     assert torch.equal(out.top_ids[rest], alone.top_ids)
     assert_topk_matches(alone, hidden[rest], weight, None, LogitTransform(), 7)
+
+
+def too_high(rows):
+    """``sample_thresholds``, but a threshold above every key for ``rows`` (where a launch has them):
+    none of their keys survives stage 1."""
+    real = fused_logprobs.sample_thresholds
+
+    def thresholds(hidden, *args):
+        t = real(hidden, *args)
+        t[[r for r in rows if r < len(t)]] = 2**63 - 1
+        return t
+
+    return thresholds
+
+
+def test_rows_with_too_few_survivors_are_repaired_on_the_device(monkeypatch):
+    # No key of rows 1, 4 and 20 survives stage 1 (3 row blocks; the third has no row in need). The
+    # repair rounds run them with no threshold (all 301 keys survive, past their 286 slots), then
+    # with the K-th of the keys they kept: bit for bit the normal answer, the partials unchanged.
+    hidden, weight, targets, bias = random_case(37, 16, 301, bias=True, device=DEVICE)
+    kw = {"bias": bias, "top_k": 6, "return_entropy": True}
+    want = fused(hidden, weight, targets, **kw)
+    assert fused_topk.capacity(301, 6) == 286
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4, 20]))
+    needs = stage_one_needs(monkeypatch)
+    out = fused(hidden, weight, targets, **kw)
+    assert needs[0].nonzero().squeeze(1).tolist() == [1, 4, 20]
+    assert out.top_k_incomplete is not None and not out.top_k_incomplete
+    for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
+        assert torch.equal(getattr(out, field), getattr(want, field)), field
+
+
+@pytest.mark.parametrize("rounds", [0, 1])
+def test_rows_left_in_need_flag_the_scores(rounds, monkeypatch):
+    # Row 4 needs two rounds (above). With fewer the scores say their top-k is incomplete; in row
+    # chunks (5, 5 and 1 rows; row 4 of each chunk in need: the third has none) the flag is any
+    # chunk's. With two rounds, no flag.
+    hidden, weight, targets, _ = random_case(11, 16, 301, device=DEVICE)
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([4]))
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", rounds)
+    flag = fused(hidden, weight, targets, top_k=6).top_k_incomplete
+    assert flag.dtype == torch.bool and flag.shape == () and flag
+    per_row = fused_logprobs.TOPK_CHUNK_BYTES // fused_logprobs.topk_chunk_rows(301, 6)
+    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * per_row)
+    assert fused(hidden, weight, targets, top_k=6).top_k_incomplete
+    assert not fused(hidden[10:], weight, targets[10:], top_k=6).top_k_incomplete  # the third chunk alone
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 2)
+    assert not fused(hidden, weight, targets, top_k=6).top_k_incomplete
+
+
+def test_repaired_rows_are_batch_invariant(monkeypatch):
+    # 2 K + 1 slots: rows overflow and are repaired; a row's top-k bit for bit the same in a batch
+    # and alone (invariant plan), and as with the normal slots
+    hidden, weight, targets, _ = sampled_case(12, 4, stride=8)
+    kw = {"top_k": 4, "invariant": True, "config": SMALL}
+    want = fused_token_logprobs(hidden, weight, targets, **kw)
+    monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
+    needs = stage_one_needs(monkeypatch)
+    whole = fused_token_logprobs(hidden, weight, targets, **kw)
+    part = fused_token_logprobs(hidden[5:8], weight, targets[5:8], **kw)
+    assert needs[0][5:8].any() and not whole.top_k_incomplete and not part.top_k_incomplete
+    for field in ("top_ids", "top_logprobs"):
+        assert torch.equal(getattr(whole, field), getattr(want, field)), field
+        assert torch.equal(getattr(whole, field)[5:8], getattr(part, field)), field
 
 
 def test_row_chunks_give_the_same_answer(monkeypatch):

@@ -99,8 +99,35 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
         if case.kernel == "eager":
             scores = shard_scores(case, top_k=TOP_K, candidates=candidates(case))
             topk.append((scores.top_ids, scores.top_logprobs, scores.candidate_logprobs))
-    torch.save((results, topk), Path(out) / f"rank{rank}.pt")
+    torch.save((results, topk, unfinished_flags(rank, start, stop)), Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def unfinished_flags(rank: int, start: int, stop: int) -> list[bool]:
+    """The fused top-k's ``top_k_incomplete`` (ops.fused_topk, 4.) as this rank returns it: with no
+    repair round and, on rank 1 alone, no key of its shard surviving stage 1; then as normal."""
+    from logprob_service.ops import fused_logprobs, fused_topk
+
+    case = next(c for c in cases() if c.kernel == "triton" and c.n > 1)
+    hidden, weight, targets, _ = inputs(case)
+    real = fused_logprobs.sample_thresholds
+    flags = []
+    for unfinished in (True, False):
+        if unfinished and rank == 1:
+            fused_logprobs.sample_thresholds = lambda hidden, *args: torch.full((len(hidden),), 2**63 - 1)
+        fused_topk.REPAIR_ROUNDS = 0 if unfinished else 3
+        scores = vocab_parallel_logprobs(
+            hidden,
+            weight[start:stop],
+            targets,
+            vocab_start=start,
+            group=dist.group.WORLD,
+            op=LogprobOp("triton"),
+            top_k=5,
+        )
+        fused_logprobs.sample_thresholds = real
+        flags.append(bool(scores.top_k_incomplete))
+    return flags
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
@@ -150,3 +177,9 @@ def test_top_k_and_candidates_match_the_whole_vocabulary(ranks):
         assert (top_ids.long().sort(-1).values.diff(dim=-1) > 0).all()
         want_c = logp.gather(1, candidates(case))
         torch.testing.assert_close(cand_lps.double(), want_c, atol=tolerances.OP_FP32, rtol=0)
+
+
+def test_a_shard_left_unfinished_flags_every_rank(ranks):
+    # rank 1's fused top-k unfinished: every rank's scores say so (Launched.fetch then fails the
+    # micro-batch on rank 0; the followers go on, worker.tensor_parallel); no flag otherwise
+    assert [rank[2] for rank in ranks] == [[True, False]] * len(ranks)

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS, Settings
 from logprob_service.domain import SequenceScores
+from logprob_service.errors import LogprobError
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
 from logprob_service.models.loading import use_experts_implementation
@@ -157,10 +158,22 @@ class Launched:
     # [N, MoE layers, top_k] int16 (int32 past INT16_EXPERTS experts), host: each completion
     # token's routed experts (models.routing)
     routed_experts: torch.Tensor | None = None
+    top_k_incomplete: torch.Tensor | None = None  # 0-dim bool, host (TokenScores.top_k_incomplete)
 
     def fetch(self) -> list[SequenceScores]:
+        """Each sequence's scores, once the device has them. Raises ``LogprobError`` (INTERNAL) for a
+        micro-batch whose fused top-k is not exact (``ops.fused_topk``, 4.): its requests fail rather
+        than get a wrong top-k."""
         if self.ready is not None:
             self.ready.synchronize()
+        if self.top_k_incomplete is not None and bool(self.top_k_incomplete):
+            k = self.top_ids.shape[1] if self.top_ids is not None else 0
+            raise LogprobError(
+                f"the fused lm_head's top-{k} did not finish some rows of this micro-batch of "
+                f"{len(self.completion_lengths)} sequences within its repair rounds (rows of many "
+                "equal or NaN logits); its requests fail rather than get a wrong top-k "
+                "(logprob_kernel 'eager' computes it without rounds)"
+            )
         split_at = np.cumsum(self.completion_lengths)[:-1]
 
         def per_sequence(tensor: torch.Tensor | None) -> list[np.ndarray | None]:
@@ -409,6 +422,7 @@ class CausalLMScorer:
             top_logprobs=self._to_host(scores.top_logprobs),
             candidate_logprobs=self._to_host(scores.candidate_logprobs),
             candidate_widths=batch.candidate_widths,
+            top_k_incomplete=self._to_host(scores.top_k_incomplete),
         )
 
     @overload

@@ -33,7 +33,9 @@ applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse
 
 With ``top_k`` (``fused_topk``), stage 1 also appends each row's keys (logit and id in one
 int64) at or above a threshold taken from a strided sample of the vocabulary to a [N, CAP]
-buffer, the combine kernel writes lse2 as well, and ``torch.topk`` of the buffer gives the top-k.
+buffer, the combine kernel writes lse2 as well, a fixed number of repair rounds (stage 1 again
+with REPAIR, for the rows whose survivors did not fit) run on the device without waiting for it,
+and ``torch.topk`` of the buffer gives the top-k.
 
 Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
 partials, 12 bytes per row per split. Offsets are int64 and the grid is 1-D (up to 2^31 - 1
@@ -57,10 +59,10 @@ from logprob_service.ops.fused_topk import (
     _candidates_kernel,
     capacity,
     compact_survivors,
+    repair_survivors,
     sample_stride,
     sample_thresholds,
     select_top_k,
-    thresholds_from_kept,
     to_log2_units,
 )
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores, check_topk_arguments
@@ -103,6 +105,7 @@ def _partials_kernel(
     thr_ptr,  # [N] int64: each row's threshold key (only when TOPK; fused_topk)
     cnt_ptr,  # [N] int32 in/out: each row's survivors so far (only when TOPK)
     buf_ptr,  # [N, CAP] int64 out: the survivors' keys, in any order (only when TOPK)
+    need_ptr,  # [N] int8: the rows that need this repair round (only when REPAIR; fused_topk, 4.)
     N,
     V,
     H,
@@ -123,6 +126,7 @@ def _partials_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TOPK: tl.constexpr,  # also keep the keys at or above each row's threshold (fused_topk)
+    REPAIR: tl.constexpr,  # a repair round (TOPK): only the keys of the rows in need; no partials
 ):
     # Program order: a group of `group_rows` row blocks x every split. Programs that run at the
     # same time then share a few W tiles and a few row blocks, both of which fit in L2, instead
@@ -143,6 +147,10 @@ def _partials_kernel(
     v_begin = pid_s * tiles_per_split * BLOCK_V
     n_tiles = tl.cdiv(tl.minimum(v_begin + tiles_per_split * BLOCK_V, V) - v_begin, BLOCK_V)
     k_steps = tl.cdiv(H, BLOCK_K)
+    compact_ok = row_ok
+    if REPAIR:  # only the rows in need get keys; a program with none of them runs no tile
+        compact_ok = row_ok & (tl.load(need_ptr + rows, mask=row_ok, other=0) != 0)
+        n_tiles = tl.where(tl.max(compact_ok.to(tl.int32), axis=0) > 0, n_tiles, 0)
 
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
@@ -174,21 +182,23 @@ def _partials_kernel(
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
         z = to_log2_units(acc, pre, post, SOFTCAP)
         z = tl.where(col_ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
-        s = s * alpha + tl.sum(p, axis=1)
-        if ENTROPY:
-            t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
-        m = m_new
+        if not REPAIR:  # a repair round's partials are stage 1's: not computed again
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
+            s = s * alpha + tl.sum(p, axis=1)
+            if ENTROPY:
+                t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
+            m = m_new
         if TOPK:
-            compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP)
+            compact_survivors(z, cols, col_ok, rows, compact_ok, thr_ptr, cnt_ptr, buf_ptr, CAP)
 
-    out = pid_s.to(tl.int64) * N + rows
-    tl.store(m_ptr + out, m, mask=row_ok)
-    tl.store(s_ptr + out, s, mask=row_ok)
-    if ENTROPY:
-        tl.store(t_ptr + out, t, mask=row_ok)
+    if not REPAIR:
+        out = pid_s.to(tl.int64) * N + rows
+        tl.store(m_ptr + out, m, mask=row_ok)
+        tl.store(s_ptr + out, s, mask=row_ok)
+        if ENTROPY:
+            tl.store(t_ptr + out, t, mask=row_ok)
 
 
 @triton.jit
@@ -404,8 +414,12 @@ def fused_token_logprobs(
             )
             for a in range(0, n, step)
         ]
-        columns = [[getattr(part, f.name) for part in parts] for f in dataclasses.fields(TokenScores)]
-        return TokenScores(*(None if col[0] is None else torch.cat(col) for col in columns))
+        columns = {f.name: [getattr(part, f.name) for part in parts] for f in dataclasses.fields(TokenScores)}
+        incomplete = columns.pop("top_k_incomplete")  # 0-dim flags: any chunk's
+        return TokenScores(
+            *(None if col[0] is None else torch.cat(col) for col in columns.values()),
+            top_k_incomplete=torch.stack(incomplete).any(),
+        )
     hidden = hidden.to(weight.dtype).contiguous()
     weight = weight.contiguous()
     targets = targets.to(torch.int64).contiguous()
@@ -428,17 +442,25 @@ def fused_token_logprobs(
     flags = {"HAS_BIAS": bias is not None, "SOFTCAP": transform.softcap is not None, "ENTROPY": return_entropy}
     planner = invariant_plan if invariant else plan_launch
 
-    def partials(rows: torch.Tensor, survivors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
+    def partials(
+        rows: torch.Tensor,
+        survivors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        need: torch.Tensor | None = None,
+    ):
         """Stage 1 over ``rows`` ([r, H]); with ``survivors`` (thresholds, counters, slots), their
-        top-k survivors too. Returns the [splits, r] partials (m, s, t)."""
+        top-k survivors too. Returns the [splits, r] partials (m, s, t). With ``need`` ([r] int8),
+        a repair round (fused_topk, 4.): the survivors of the rows in need only, and no partials."""
         r = rows.shape[0]
         launch = plan or planner(r, hdim, vocab, weight.element_size(), config, device_info(rows.device))
         v_tiles = triton.cdiv(vocab, config.block_v)
         tiles_per_split = triton.cdiv(v_tiles, launch.splits)
         splits = triton.cdiv(v_tiles, tiles_per_split)  # none left empty
-        partial_m = torch.empty((splits, r), dtype=torch.float32, device=rows.device)
-        partial_s = torch.empty_like(partial_m)
-        partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
+        if need is None:
+            partial_m = torch.empty((splits, r), dtype=torch.float32, device=rows.device)
+            partial_s = torch.empty_like(partial_m)
+            partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
+        else:  # not written: dummy pointers
+            partial_m = partial_s = partial_t = rows
         thr, cnt, buf = survivors or (partial_m, partial_m, partial_m)  # dummy pointers without top-k
         # TMA needs 16-byte aligned rows (H a multiple of 8 in 16 bits); every real model has them.
         use_tma = (hdim * weight.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
@@ -449,26 +471,23 @@ def fused_token_logprobs(
         row_blocks = triton.cdiv(r, config.block_n)
         _partials_kernel[(row_blocks * splits,)](
             h_in, w_in, bias32 if bias32 is not None else partial_m, partial_m, partial_s, partial_t, thr, cnt, buf,
-            r, vocab, hdim, rows.stride(0), weight.stride(0),
+            need if need is not None else thr, r, vocab, hdim, rows.stride(0), weight.stride(0),
             splits, tiles_per_split, min(launch.group_rows, row_blocks), pre, post,
             buf.shape[1] if survivors else 0,
             IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
             BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k, TOPK=survivors is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            REPAIR=need is not None, num_warps=config.num_warps, num_stages=config.num_stages,
             **flags,
         )  # fmt: skip
         return partial_m, partial_s, partial_t
 
-    def survivors_of(rows: torch.Tensor, thresholds: torch.Tensor, cap: int):
-        counts = torch.zeros(rows.shape[0], dtype=torch.int32, device=rows.device)
-        slots = torch.full((rows.shape[0], cap), MIN_KEY, dtype=torch.int64, device=rows.device)
-        return thresholds, counts, slots
-
-    found = None
+    found = None  # (thresholds, counters, slots) of the top-k survivors
     if top_k:
-        cap = capacity(vocab, top_k)
-        thresholds = sample_thresholds(hidden, weight, bias32, top_k, pre, post, transform.softcap is not None)
-        found = survivors_of(hidden, thresholds, cap)
+        found = (
+            sample_thresholds(hidden, weight, bias32, top_k, pre, post, transform.softcap is not None),
+            torch.zeros(n, dtype=torch.int32, device=hidden.device),
+            torch.full((n, capacity(vocab, top_k)), MIN_KEY, dtype=torch.int64, device=hidden.device),
+        )
     partial_m, partial_s, partial_t = partials(hidden, found)
     block_r = 32
     _combine_kernel[(triton.cdiv(n, block_r),)](
@@ -479,21 +498,16 @@ def fused_token_logprobs(
         LSE=lses is not None, LSE2=lse2 is not None, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)),
         num_warps=4, **flags,
     )  # fmt: skip
-    top_ids = top_lps = None
+    top_ids = top_lps = incomplete = None
     if found is not None and lse2 is not None:
-        _, counts, slots = found
-        # Rows whose survivors passed their slots run again alone with a higher threshold, rows with
-        # fewer than K with none (fused_topk, 4.), until every row's fit. (Reading the counts waits
-        # for the kernel: one synchronization per call.)
-        redo = ((counts > cap) | (counts < top_k)).nonzero().squeeze(1)
-        while len(redo):
-            rows = hidden[redo]  # a gathered copy: contiguous
-            again = survivors_of(rows, thresholds_from_kept(slots[redo], counts[redo], top_k), cap)
-            partials(rows, again)  # the partials (m, s, t) of these rows are known already: unused
-            counts[redo], slots[redo] = again[1], again[2]
-            redo = redo[(again[1] > cap) | (again[1] < top_k)]
+        thresholds, counts, slots = found
+        # Rows with more than CAP survivors run again with a higher threshold, rows with fewer than
+        # K with none, in a fixed number of rounds queued on the device (fused_topk, 4.): nothing
+        # here waits for the GPU, so the caller can queue its next work while the lm_head runs.
+        # A row still in need after them sets ``incomplete``, which the caller checks with the results.
+        incomplete = repair_survivors(lambda need: partials(hidden, found, need), thresholds, counts, slots, top_k)
         top_ids, top_lps = select_top_k(slots, lse2, top_k)
-    scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps)
+    scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps, incomplete)
     if candidates is not None and candidates.shape[1]:
         block_c = 16
         _candidates_kernel[(n, triton.cdiv(candidates.shape[1], block_c))](

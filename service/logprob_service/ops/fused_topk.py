@@ -53,13 +53,34 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    to ids and z; log-probs ln2 (z - lse2) with the row's log-sum-exp in log2 units from the
    combine kernel (``select_top_k``).
 
-4. *Overflow*: a row with more than CAP survivors (its threshold was low: a row whose top values
-   avoid the sampled columns, or many equal values) is run again alone with the K-th largest of
-   the CAP keys it kept as its threshold: those keys are kernel keys of the row, so that is a
-   lower bound on its K-th key, strictly above the old threshold (CAP > K distinct keys), and the
-   survivors shrink each round until they fit (the kept keys are about a random CAP of the
-   survivors, so a round leaves about K / CAP of them). A row with fewer than K survivors runs
-   again with no threshold (MIN_KEY), then as an overflow.
+4. *Repair rounds* (``repair_survivors``, on the device, no host reads): a row "needs repair"
+   when it has more than CAP survivors (its threshold was low: a row whose top values avoid the
+   sampled columns, or many equal values) or fewer than K (a margin too small, NaN logits).
+   ``REPAIR_ROUNDS`` times, whatever the rows: ``_repair_kernel`` (one program a row: a row in
+   no need stops at its counter; one in need bisects the int64 keys, 64 passes over its CAP
+   slots) gives each row in need a new threshold, the K-th largest of the CAP keys it kept
+   (MIN_KEY, no threshold, when it kept fewer than K), and empties its counter and slots; then
+   stage 1 runs again with REPAIR, where a program whose
+   rows need nothing loops over no tile, and the others compact only their rows in need (the
+   rest keep their slots) and write no partials (the log-sum-exp is stage 1's). Nothing waits
+   for the device: a round with no row in need costs two near-empty launches.
+
+   The kept keys are kernel keys of the row, so their K-th largest is a lower bound on the
+   row's K-th key: at least K survivors, and strictly above the old threshold (CAP > K
+   distinct keys), so each round drops at least the CAP - K kept keys below it. For keys that
+   arrive in an order unrelated to their values (the kept ones about a random CAP of the c
+   survivors) a round leaves about K c / CAP of them: an overflow of stage 1 (c a little past
+   CAP, which has 8 standard deviations of room) fits after one round. A row with fewer than K
+   runs with MIN_KEY (all V survive), then needs about log(V / CAP) / log(CAP / K) more
+   rounds: one for K 20 and two for K 256 at a 152K vocabulary (152K -> 1.4K; 152K -> 10.5K
+   -> 0.7K survivors), five for K 256 of a 32K vocabulary (stride 1, CAP 640). Hence 3
+   rounds: an overflow with two to spare, a failed margin (which its bound rules out) at
+   stride >= 9. Rows that may need more: those whose keys arrive in an order that defeats the
+   rounds (many equal values, as NaN logits or a zero hidden state, where the kept keys are
+   the ids that arrived first), and the failed margin at small strides. Such a row is not
+   answered wrong: ``top_k_incomplete`` (TokenScores) is a device flag, set when a row still
+   needs repair after the rounds, that the scorer copies with the results and turns into an
+   error for the micro-batch (``models.scorer.Launched.fetch``).
 
 Survivors per row: the sample's K-th largest is about the (K stride)-th largest of the row (for
 top values spread over the vocabulary independently of the stride), give or take about sqrt(K)
@@ -93,6 +114,7 @@ candidates and rows, so the results are batch-invariant bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -106,6 +128,8 @@ LN2 = 0.6931471805599453
 # Below every ``ordered_bits`` of a float but -NaN's: an element already taken (``compact_survivors``).
 # (Kernels read only constexpr globals: the interpreter reads any, so only a compiled kernel tells.)
 TAKEN = tl.constexpr(-(2**31))
+KEY_MIN = tl.constexpr(MIN_KEY)
+KEY_MAX = tl.constexpr(2**63 - 1)
 
 
 @triton.jit
@@ -250,11 +274,76 @@ def threshold_margin(
     return eps * abs(pre * post) * h_norm * w_norm * (1 + 2.0**-8) + 2.0**-16 * (s.abs() + abs(post))
 
 
-def thresholds_from_kept(kept: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-    """New threshold keys for rows that overflowed their slots (module doc, 4.): the K-th largest
-    of the [r, CAP] keys each kept; no threshold (MIN_KEY) for a row with fewer than K survivors."""
-    kth = torch.topk(kept, k, dim=1, sorted=False).values.amin(dim=1)
-    return torch.where(counts >= k, kth, torch.full_like(kth, MIN_KEY))
+# Repair rounds after stage 1, each run whether or not a row needs it (module doc, 4.): enough for
+# an overflow of stage 1 with two to spare, and for a failed margin at strides >= 9; a row still
+# in need after them sets ``top_k_incomplete``. Each costs two near-empty launches when no row needs it.
+REPAIR_ROUNDS = 3
+
+
+@triton.jit
+def _repair_kernel(
+    cnt_ptr,  # [N] int32 in/out: each row's survivors; emptied for a row in need
+    buf_ptr,  # [N, CAP] int64 in/out: the survivors' keys; emptied (MIN_KEY) for a row in need
+    thr_ptr,  # [N] int64 out: the new threshold key of a row in need
+    need_ptr,  # [N] int8 out: whether the row needs this round (stage 1's REPAIR reads it)
+    CAP,
+    K,
+    BLOCK: tl.constexpr,
+):
+    """One row: whether it needs a repair round (more than CAP or fewer than K survivors); if so,
+    its new threshold (the K-th largest of its CAP slots: MIN_KEY where fewer than K were
+    written), an empty counter and empty slots. A row in no need reads its counter and stops."""
+    row = tl.program_id(0)
+    count = tl.load(cnt_ptr + row)
+    need = (count > CAP) | (count < K)
+    tl.store(need_ptr + row, need.to(tl.int8))
+    if need:
+        at = buf_ptr + row.to(tl.int64) * CAP
+        offs = tl.arange(0, BLOCK)
+        # The largest key t with at least K slots >= t, by bisection over the int64 keys: the
+        # K-th largest slot. (lo + hi) / 2 rounded up without overflow: both halves, plus one
+        # when either is odd.
+        lo = tl.full([], KEY_MIN, tl.int64)
+        hi = tl.full([], KEY_MAX, tl.int64)
+        for _ in range(64):
+            mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)
+            at_least = tl.zeros([], tl.int32)
+            for c0 in range(0, CAP, BLOCK):
+                inside = (c0 + offs) < CAP
+                keys = tl.load(at + c0 + offs, mask=inside, other=0)
+                at_least += tl.sum(((keys >= mid) & inside).to(tl.int32), axis=0)
+            ok = at_least >= K
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        tl.store(thr_ptr + row, lo)
+        tl.store(cnt_ptr + row, 0)
+        for c0 in range(0, CAP, BLOCK):
+            tl.store(at + c0 + offs, tl.full([BLOCK], KEY_MIN, tl.int64), mask=(c0 + offs) < CAP)
+
+
+def rows_in_need(counts: torch.Tensor, cap: int, k: int) -> torch.Tensor:
+    """[n] bool: rows whose slots do not hold their top-k (more than ``cap`` or fewer than ``k`` survivors)."""
+    return (counts > cap) | (counts < k)
+
+
+def repair_survivors(
+    relaunch: Callable[[torch.Tensor], object],
+    thresholds: torch.Tensor,
+    counts: torch.Tensor,
+    slots: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """``REPAIR_ROUNDS`` repair rounds (module doc, 4.), queued on the device without waiting for
+    it: ``relaunch(need)`` runs stage 1 with REPAIR for the rows whose [n] int8 ``need`` is set,
+    with ``thresholds`` [n] int64, ``counts`` [n] int32 and ``slots`` [n, CAP] int64 (updated in
+    place). Returns a 0-dim bool tensor: whether some row still needs repair (its slots may not
+    hold its top-k)."""
+    n, cap = slots.shape
+    need = torch.empty(n, dtype=torch.int8, device=slots.device)
+    for _ in range(REPAIR_ROUNDS):
+        _repair_kernel[(n,)](counts, slots, thresholds, need, cap, k, BLOCK=1024, num_warps=4)
+        relaunch(need)
+    return rows_in_need(counts, cap, k).any()
 
 
 def select_top_k(keys: torch.Tensor, lse2: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,9 @@ class TokenScores:
     top_ids: torch.Tensor | None = None  # [N, K] int32: each row's K most likely ids, descending, ties by id
     top_logprobs: torch.Tensor | None = None  # [N, K] float32: their log-probs
     candidate_logprobs: torch.Tensor | None = None  # [N, Kc] float32: log-probs of the asked candidate ids
+    # 0-dim bool, on the device: some row's top-k may be wrong, its repair rounds were not enough
+    # (ops.fused_topk, 4.; the caller must check it, models.scorer.Launched.fetch does); None: complete
+    top_k_incomplete: torch.Tensor | None = None
 
 
 def check_topk_arguments(n_rows: int, vocab: int, top_k: int, candidates: torch.Tensor | None) -> None:

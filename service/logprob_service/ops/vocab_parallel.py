@@ -77,11 +77,15 @@ def vocab_parallel_logprobs(
     assert lse_r is not None
     z_r = torch.where(mine, scores.logprobs + lse_r, 0.0)
     e_r = lse_r - scores.entropies if scores.entropies is not None else torch.zeros_like(lse_r)
-    stats = torch.stack([lse_r, z_r, e_r])  # [3, N]
+    parts = [lse_r, z_r, e_r]
+    if scores.top_k_incomplete is not None:  # a shard's fused top-k left unfinished: every rank's is
+        parts.append(scores.top_k_incomplete.float().expand_as(lse_r))
+    stats = torch.stack(parts)  # [3 or 4, N]
     world = dist.get_world_size(group)
-    gathered = torch.empty((world * 3, stats.shape[1]), dtype=stats.dtype, device=stats.device)
+    gathered = torch.empty((world * len(parts), stats.shape[1]), dtype=stats.dtype, device=stats.device)
     _all_gather(gathered, stats, group=group)
-    lse_all, z_all, e_all = gathered.view(world, 3, -1).unbind(1)  # each [world, N]
+    lse_all, z_all, e_all, *flags = gathered.view(world, len(parts), -1).unbind(1)  # each [world, N]
+    incomplete = (flags[0] > 0).any() if flags else None
     lse = torch.logsumexp(lse_all, dim=0)
     logprobs = z_all.sum(dim=0) - lse
     entropies = None
@@ -106,4 +110,4 @@ def vocab_parallel_logprobs(
         pieces = torch.empty((world * own_c.shape[0], own_c.shape[1]), dtype=own_c.dtype, device=own_c.device)
         _all_gather(pieces, own_c.contiguous(), group=group)
         cand_lps = pieces.view(world, *own_c.shape).sum(dim=0) - lse[:, None]
-    return TokenScores(logprobs, entropies, lse, top_ids, top_lps, cand_lps)
+    return TokenScores(logprobs, entropies, lse, top_ids, top_lps, cand_lps, incomplete)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from logprob_service.errors import LogprobError
 from logprob_service.logs import configure_logging
 from logprob_service.models.scorer import CausalLMScorer, Launched, PackedBatch
 from logprob_service.models.served import ServedModel
@@ -171,10 +172,19 @@ def _follow(rank: int, devices: list[torch.device], port: int, build: Build, log
         previous = launched
         launched = scorers[name].launch(batch, **options)
         if previous is not None:
-            previous.fetch()
+            _wait(previous)
     if launched is not None:
-        launched.fetch()
+        _wait(launched)
     dist.destroy_process_group()
+
+
+def _wait(launched: Launched) -> None:
+    """A follower waits for its launch's end; a micro-batch whose scores are not to be trusted
+    (``Launched.fetch``'s LogprobError: every rank sees it) is rank 0's to fail, and the rank goes on."""
+    try:
+        launched.fetch()
+    except LogprobError as err:
+        log.debug("micro-batch failed (rank 0 reports it): %s", err)
 
 
 def _exit_with_parent() -> None:
