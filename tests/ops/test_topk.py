@@ -164,7 +164,7 @@ def test_keys_order_by_value_then_id():
 # rounds on the device, row chunks. New features: none of these paths existed in the kernel of running lists.
 
 
-def sampled_case(n, k, *, stride=32, h=16, dtype=torch.float32):
+def sampled_case(n, k, *, stride=fused_topk.MAX_SAMPLE_STRIDE, h=16, dtype=torch.float32):
     """A vocabulary wide enough that the threshold samples one column in ``stride``."""
     v = 64 * k * stride + 37
     assert fused_topk.sample_stride(v, k) == stride
@@ -364,14 +364,14 @@ def test_row_chunks_give_the_same_answer(monkeypatch):
 
 
 def test_slots_and_sample_sizes():
-    # the module doc's bounds: stride V / (64 K) in [1, 32], the sample >= K columns, slots above
+    # the module doc's bounds: stride V / (64 K) in [1, MAX_SAMPLE_STRIDE], the sample >= K columns, slots above
     # the expected K stride survivors, at most V, and O(K) per row at a given vocabulary
     for v in (70, 301, 4096, 151936, 262144):
         for k in (1, 20, 70, 128, 256):
             if k > v:
                 continue
             stride = fused_topk.sample_stride(v, k)
-            assert 1 <= stride <= 32 and -(-v // stride) >= k
+            assert 1 <= stride <= fused_topk.MAX_SAMPLE_STRIDE and -(-v // stride) >= k
             cap = fused_topk.capacity(v, k)
             assert cap == v or k * stride + 256 < cap <= k * stride * 9 + 256 + 8 * stride
             assert cap >= k

@@ -94,7 +94,13 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     return HOPPER_FP32 if dtype == torch.float32 else HOPPER_16BIT
 
 
-@triton.jit
+# The batch's own sizes are not specialized on (Triton otherwise compiles a variant for each
+# combination of them that is 1 or a multiple of 16): each variant of the top-k kernel costs seconds
+# of compilation, which a server meets mid-traffic as its micro-batches' sizes vary.
+BATCH_SIZES = ["N", "n_splits", "tiles_per_split", "group_rows"]
+
+
+@triton.jit(do_not_specialize=BATCH_SIZES)
 def _partials_kernel(
     h_in,  # [N, H]: a TMA descriptor with [BLOCK_N, BLOCK_K] blocks when USE_TMA, else the tensor
     w_in,  # [V, H]: a TMA descriptor with [BLOCK_V, BLOCK_K] blocks when USE_TMA, else the tensor
@@ -201,7 +207,7 @@ def _partials_kernel(
             tl.store(t_ptr + out, t, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "n_splits"])
 def _combine_kernel(
     h_ptr,  # [N, H]
     w_ptr,  # [V, H]

@@ -86,11 +86,13 @@ Survivors per row: the sample's K-th largest is about the (K stride)-th largest 
 top values spread over the vocabulary independently of the stride), give or take about sqrt(K)
 stride, plus the few within the margin. ``capacity`` gives room for that and 8 standard
 deviations more: CAP = K stride + 8 ceil(sqrt K) stride + 256 slots (at most V). The stride is
-V / (64 K), within [1, 32] (``sample_stride``): the sample costs 1/stride of the matmul (3% for
-K 20, 11% for K 256 at a 152K vocabulary), and a [BLOCK_N, 256] tile has about 256 K stride / V
-<= 4 survivors per row, so the compaction's rounds (the most survivors of a row of the block) are
-few. Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 2048 bytes) and,
-while the threshold is taken, S = V / stride <= max(128 K, V / 32) + 1 fp32 sample logits: O(K)
+V / (64 K), within [1, MAX_SAMPLE_STRIDE = 16] (``sample_stride``): the sample costs 1/stride of
+the matmul (6% for K 20, 11% for K 256 at a 152K vocabulary), and a [BLOCK_N, 256] tile has about
+256 K stride / V <= 4 survivors per row, so the compaction's rounds (the most survivors of a row of
+the block) are few. (A stride of 16 rather than 32 at K 20 halves the survivors; it measured 1.57x
+against 1.67x the plain kernel at 8,192 x 3,584 and 2.61x against 2.77x at 24,576 x 896 on an
+H200; 8 and 4 were slower: benchmarks/RESULTS.md, session 19.) Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 2048 bytes) and,
+while the threshold is taken, S = V / stride <= max(128 K, V / 16) + 1 fp32 sample logits: O(K)
 bytes for a given vocabulary, O(N K) in all; ``fused_logprobs`` runs top-k in row chunks whose
 slots and sample stay under ``TOPK_CHUNK_BYTES``.
 
@@ -185,7 +187,7 @@ def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, 
             o = tl.where(ids == at[:, None], TAKEN, o)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Kc"])  # the batch's widest candidate row (fused_logprobs.BATCH_SIZES)
 def _candidates_kernel(
     h_ptr,  # [N, H]
     w_ptr,  # [V, H]
@@ -223,9 +225,12 @@ def _candidates_kernel(
     tl.store(out_ptr + row * Kc + cs, z * 0.6931471805599453 - lse, mask=c_ok)
 
 
+MAX_SAMPLE_STRIDE = 16
+
+
 def sample_stride(vocab: int, k: int) -> int:
-    """Every how many columns the threshold's sample takes one: V / (64 K), within [1, 32]."""
-    return min(32, max(1, vocab // (64 * k)))
+    """Every how many columns the threshold's sample takes one: V / (64 K), within [1, 16]."""
+    return min(MAX_SAMPLE_STRIDE, max(1, vocab // (64 * k)))
 
 
 def capacity(vocab: int, k: int) -> int:
