@@ -90,10 +90,11 @@ V / (64 K), within [1, MAX_SAMPLE_STRIDE = 16] (``sample_stride``): the sample c
 the matmul (6% for K 20, 11% for K 256 at a 152K vocabulary), and a [BLOCK_N, 256] tile has about
 256 K stride / V <= 4 survivors per row, so the compaction's rounds (the most survivors of a row of
 the block) are few. (A stride of 16 rather than 32 at K 20 halves the survivors; it measured 1.57x
-against 1.67x the plain kernel at 8,192 x 3,584 and 2.61x against 2.77x at 24,576 x 896 on an
-H200; 8 and 4 were slower: benchmarks/RESULTS.md, session 19.) Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 2048 bytes) and,
-while the threshold is taken, S = V / stride <= max(128 K, V / 16) + 1 fp32 sample logits: O(K)
-bytes for a given vocabulary, O(N K) in all; ``fused_logprobs`` runs top-k in row chunks whose
+against 1.67x the plain kernel at 8,192 x 3,584 and 2.61x against 2.77x at 24,576 x 896 on an H200;
+8 and 4 were slower: benchmarks/RESULTS.md, session 19.) Memory per row: CAP int64 slots (8 CAP <=
+256 K + 2048 ceil(sqrt K) + 2048 bytes) and, while the threshold is taken, S = V / stride <= max(128
+K, V / 16) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
+``fused_logprobs`` runs top-k in row chunks whose
 slots and sample stay under ``TOPK_CHUNK_BYTES``.
 
 The reserved base comes back from a tensor atomic add to every thread that holds the row (a
