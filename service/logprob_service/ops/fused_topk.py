@@ -94,8 +94,7 @@ against 1.67x the plain kernel at 8,192 x 3,584 and 2.61x against 2.77x at 24,57
 8 and 4 were slower: benchmarks/RESULTS.md, session 19.) Memory per row: CAP int64 slots (8 CAP <=
 256 K + 2048 ceil(sqrt K) + 2048 bytes) and, while the threshold is taken, S = V / stride <= max(128
 K, V / 16) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
-``fused_logprobs`` runs top-k in row chunks whose
-slots and sample stay under ``TOPK_CHUNK_BYTES``.
+``fused_logprobs`` runs top-k in row chunks whose slots and sample stay under ``TOPK_CHUNK_BYTES``.
 
 The reserved base comes back from a tensor atomic add to every thread that holds the row (a
 [BLOCK_N] vector is replicated across the threads of a row); Triton broadcasts it from the thread
