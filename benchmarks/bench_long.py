@@ -26,6 +26,7 @@ rounding).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 
 import numpy as np
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         args.lengths, args.long_sequence_tokens, args.chunk_tokens = "1200,2048", 1100, 300
     device = torch.device("cpu" if args.smoke else "cuda")
     lengths = [int(x) for x in args.lengths.split(",")]
-    shape = TINY if args.smoke else SHAPES["7b"]
+    # the smoke lengths (up to 2,048) exceed TINY's 256 positions: its rotary limit raised
+    shape = dataclasses.replace(TINY, max_positions=4096) if args.smoke else SHAPES["7b"]
     model = build_model(shape, device, torch.float32 if args.smoke else torch.bfloat16, args.seed)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     options = scoring_options(args, long_sequence_tokens=args.long_sequence_tokens, chunk_tokens=args.chunk_tokens)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
+from logprob_service.models.loading import to_serving_dtype
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.startup import Service
 from logprob_service.worker.tensor_parallel import Build
@@ -76,7 +77,7 @@ def build_model(shape: ModelShape, device: torch.device, dtype: torch.dtype, see
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
     model.set_attn_implementation("sdpa")
-    model = model.to(dtype).eval().requires_grad_(False)
+    model = to_serving_dtype(model, dtype).eval().requires_grad_(False)  # RoPE frequencies in fp32
     assert shape.tied == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
     assert getattr(model.get_output_embeddings(), "bias", None) is None, "the fp64 reference assumes no lm_head bias"
     return model

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from logprob_service.domain import TokenSequence
 from logprob_service.models.compiled import eager_layers
-from logprob_service.models.loading import attention_implementation
+from logprob_service.models.loading import attention_implementation, to_serving_dtype
 from logprob_service.models.scorer import model_body
 from transformers import (
     CohereConfig,
@@ -253,7 +253,7 @@ def make_model(
             if "router" in type(module).__name__.lower():
                 module.weight.mul_(ROUTER_SPREAD)
         model.get_output_embeddings().weight.mul_(2.0)  # logits std ~2, like a trained LM's
-    return model.to(dtype).eval()
+    return to_serving_dtype(model, dtype).eval()  # buffers (RoPE frequencies) as transformers keeps them
 
 
 def random_sequences(rng: np.random.Generator, n: int, vocab: int = VOCAB, max_len: int = 40) -> list[TokenSequence]:

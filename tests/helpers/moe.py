@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from logprob_service.domain import TokenSequence
+from logprob_service.models.loading import to_serving_dtype
 from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tests.helpers.models import COMMON
@@ -77,7 +78,7 @@ def make_moe_model(
             if type(module).__name__.endswith("TopKRouter"):
                 module.weight.mul_(ROUTER_SPREAD)
         model.get_output_embeddings().weight.mul_(2.0)  # logits std ~2, like a trained LM's
-    return model.to(dtype).eval()
+    return to_serving_dtype(model, dtype).eval()  # buffers (RoPE frequencies) as transformers keeps them
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from huggingface_hub import constants as hub_constants
 from logprob_service.models.loading import ModelLoadError, load_causal_lm
+from transformers import AutoModelForCausalLM
 
 from tests.helpers.models import ARCHITECTURES, make_model
 from tests.helpers.processes import free_port
@@ -97,3 +98,30 @@ def test_a_checkpoint_of_every_family_loads_with_an_attention_its_class_runs(arc
     assert loaded.config._attn_implementation == ("eager" if arch in ("gemma2", "gpt_oss") else "sdpa")
     for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_bf16_load_keeps_the_buffers_transformers_keeps(arch, tmp_path, seed):
+    """The rotary inv_freq stays float32 as in transformers' own bf16 model: ``model.to(bfloat16)``
+    rounded it, which moved log-probs by up to 0.96 at position 1,658 (Qwen2.5-1.5B shape, H200)."""
+    make_model(arch, tied=False, seed=seed).save_pretrained(tmp_path)
+    loaded = load_causal_lm(str(tmp_path), device=torch.device("cpu"), dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    want = dict(hf.named_buffers())
+    assert want.keys() == dict(loaded.named_buffers()).keys()
+    assert any(name.endswith("inv_freq") and b.dtype == torch.float32 for name, b in want.items())
+    for name, got in loaded.named_buffers():
+        assert got.dtype == want[name].dtype, name
+        torch.testing.assert_close(got, want[name], atol=0, rtol=0, msg=name)
+    for name, param in loaded.named_parameters():
+        assert param.dtype == torch.bfloat16, name
+
+
+def test_a_bf16_load_computes_what_transformers_bf16_model_computes(tmp_path, seed):
+    """Bitwise the same logits as ``from_pretrained(dtype=bfloat16)`` over 600 positions."""
+    make_model("llama", tied=False, seed=seed).save_pretrained(tmp_path)
+    loaded = load_causal_lm(str(tmp_path), device=torch.device("cpu"), dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    ids = torch.randint(0, hf.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, hf(ids).logits)

@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
-from logprob_service.models.loading import ModelLoadError, attention_implementation, expert_modules
+from logprob_service.models.loading import ModelLoadError, attention_implementation, expert_modules, to_serving_dtype
 from logprob_service.ops.dispatch import LogprobOp, OpOptions
 from logprob_service.ops.logprobs import TokenScores
 from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
@@ -220,11 +220,10 @@ def sharded_skeleton(
     model.tie_weights()  # ... and is tied to the embedding again
     for name, buffer in buffers.items():
         owner, _, attr = name.rpartition(".")
-        # In ``dtype``, as ``model.to(dtype)`` leaves a whole model's (models.loading): RoPE's
-        # frequencies in bfloat16 move every angle, and a rank must compute as one GPU would.
-        cast = buffer.to(dtype) if buffer.is_floating_point() else buffer
+        # As the model made them (RoPE's frequencies in float32), as a whole model keeps them
+        # (models.loading.to_serving_dtype): a rank computes as one GPU would.
         module = model.get_submodule(owner)
-        module.register_buffer(attr, cast.to(device), persistent=attr not in module._non_persistent_buffers_set)
+        module.register_buffer(attr, buffer.to(device), persistent=attr not in module._non_persistent_buffers_set)
     return model.eval()
 
 
@@ -350,7 +349,7 @@ def load_sharded_causal_lm(
     try:
         if source.startswith(BUILTIN_PREFIX):
             whole = build_builtin(source.removeprefix(BUILTIN_PREFIX))
-            config, weights = whole.config, StateDictSource(whole.to(dtype).state_dict())
+            config, weights = whole.config, StateDictSource(to_serving_dtype(whole, dtype).state_dict())
         else:
             directory = Path(source).expanduser()
             if not directory.is_dir():
