@@ -31,13 +31,15 @@ import pytest
 import torch
 from logprob_client import LogprobClient
 from logprob_service.models.loading import use_experts_implementation
+from logprob_service.models.routed_llama4 import routed_forward
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.weights import model_fingerprint
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.determinism import pin_matmul_reductions
 from logprob_service.worker.packing import pack
-from transformers import GptOssConfig, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import GptOssConfig, Llama4TextConfig, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from tests.gpu.test_batch_invariance_cuda import pool, restore_cublas_settings, same_bits  # noqa: F401 (a fixture)
@@ -101,6 +103,50 @@ def test_grouped_mm_experts_give_each_row_the_same_bits_whatever_the_batch(arch,
     block.experts.config._experts_implementation = "eager"
     eager = run_block(block, x[:512])
     torch.testing.assert_close(full[:512].float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+# Llama-4-Scout's MoE layer at a third of its width: 16 experts, 1 a token, a shared expert.
+LLAMA4 = dict(hidden_size=1664, intermediate_size=2816, intermediate_size_mlp=2816, num_local_experts=16)
+
+
+@torch.inference_mode()
+def test_llama4_routed_experts_are_the_block_s_arithmetic_batch_invariant_and_faster(seed):
+    """``models.routed_llama4`` (grouped GEMMs on the routed rows) against transformers' block (all
+    16 experts on every token): within bf16 rounding, each row's bits the same whatever the batch,
+    and the time of both at 8192 tokens (printed; the routed one must be faster)."""
+    assert pin_matmul_reductions() is None
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(**LLAMA4, num_experts_per_tok=1, num_attention_heads=8, num_key_value_heads=8)
+    block = Llama4TextMoe(config)
+    for w in (block.experts.gate_up_proj, block.experts.down_proj, block.router.weight):
+        torch.nn.init.normal_(w, std=config.hidden_size**-0.5)
+    block = block.cuda().bfloat16().eval()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(ROWS, config.hidden_size, device="cuda", generator=g).bfloat16()
+    full = routed_forward(block, True, x)[0]
+    transformers_out = Llama4TextMoe.forward(block, x)[0]
+    torch.testing.assert_close(full.float(), transformers_out.float(), rtol=2e-2, atol=2e-2)
+    for n in SUBSETS:
+        part = routed_forward(block, True, x[:n])[0]
+        assert torch.equal(part, full[:n]), f"{n} rows: differ by up to {(part - full[:n]).abs().max()}"
+    perm = torch.randperm(ROWS, device="cuda", generator=g)
+    assert torch.equal(routed_forward(block, True, x[perm])[0], full[perm]), "rows in another order"
+    runs = {"routed": lambda: routed_forward(block, True, x), "transformers": lambda: Llama4TextMoe.forward(block, x)}
+    times = {}
+    for name, forward in runs.items():
+        for _ in range(3):
+            forward()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            forward()
+        end.record()
+        end.synchronize()
+        times[name] = start.elapsed_time(end) / 10
+    print(
+        f"Llama 4 MoE layer, {ROWS} tokens: routed {times['routed']:.2f} ms, all experts {times['transformers']:.2f} ms"
+    )
+    assert times["routed"] < times["transformers"]
 
 
 def shape_model(seed: int, layers: int = 2) -> PreTrainedModel:

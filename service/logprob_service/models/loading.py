@@ -19,6 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from logprob_service.domain import DTYPE_BYTES
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
+from logprob_service.models.routed_llama4 import llama4_blocks, route_llama4_experts
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 # How long the hub may take to answer before a hub id is looked up in the local cache alone.
@@ -120,8 +121,13 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 def use_experts_implementation(model: PreTrainedModel, device: torch.device) -> str | None:
     """Run ``model``'s experts as ``EXPERTS_IMPLEMENTATIONS`` says for ``device`` and their dtype;
-    returns the choice, or None for a model without experts."""
+    returns the choice, or None for a model without experts. Llama 4's blocks, whose experts are
+    not of transformers' kind, run on their routed rows the same way (``routed_llama4``)."""
     experts = expert_modules(model)
+    if blocks := llama4_blocks(model):
+        grouped = device.type == "cuda" and blocks[0].experts.gate_up_proj.dtype in GROUPED_MM_DTYPES
+        route_llama4_experts(blocks, grouped)
+        return "grouped_mm (routed rows)" if grouped else "eager (routed rows)"
     if not experts:
         return None
     choice = EXPERTS_IMPLEMENTATIONS.get(device.type, "eager")
