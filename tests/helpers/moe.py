@@ -85,9 +85,10 @@ def make_moe_model(
 def hf_router_choices(model: torch.nn.Module, seq: TokenSequence) -> np.ndarray:
     """[C, MoE layers, top_k]: the experts transformers' own forward of the sequence alone routes
     the row predicting each completion token to (``output_router_logits``: each router's logits;
-    both routers take the top-k of the logits, Qwen3-MoE after a softmax, which keeps the order)."""
+    its routers take the top-k of the logits, Qwen3-MoE's after a softmax, which keeps the order)."""
     ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None]
     logits = model(input_ids=ids, output_router_logits=True).router_logits  # per layer [L, experts]
-    chosen = torch.stack([layer.topk(TOP_K, dim=-1).indices for layer in logits], dim=1)  # [L, layers, k]
+    k = model.config.num_experts_per_tok
+    chosen = torch.stack([layer.topk(k, dim=-1).indices for layer in logits], dim=1)  # [L, layers, k]
     p, c = len(seq.prompt_ids), len(seq.completion_ids)
     return chosen[p - 1 : p - 1 + c].numpy()

@@ -15,7 +15,7 @@ import torch
 from logprob_service.domain import TokenSequence
 from logprob_service.models.compiled import fusable_modules
 from logprob_service.models.loading import expert_modules, load_causal_lm, use_experts_implementation
-from logprob_service.models.routing import RoutedExperts, RoutingUnsupported, expert_count, routers
+from logprob_service.models.routing import RoutedExperts, RoutingUnsupported, expert_count
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import serve_model
 from logprob_service.worker.packing import pack
@@ -120,6 +120,20 @@ def test_routed_experts_are_the_models_own_router_choices(arch, rng, seed):
         np.testing.assert_array_equal(got, want, err_msg=f"sequence {i}")
 
 
+def test_llama4_routed_experts_are_its_routers_choices(rng, seed):
+    """Llama 4's router returns (scores, logits), no ids: the capture takes the top-k of the logits
+    as the router does. Its blocks run on the routed rows (models.routed_llama4); its causal LM
+    class names no routers (its text model does)."""
+    model = make_model("llama4", tied=False, seed=seed, dtype=torch.float64)
+    seqs = grouped_sequences(rng)
+    scorer = scorer_for(model)
+    assert scorer.num_experts == model.config.num_local_experts
+    routed = scorer.launch(pack(seqs), return_routed_experts=True).fetch_routed_experts()
+    for i, (got, seq) in enumerate(zip(routed, seqs, strict=True)):
+        assert got.shape == (len(seq.completion_ids), 1, 1), (i, got.shape)  # one MoE layer, top-1
+        np.testing.assert_array_equal(got, hf_router_choices(model, seq), err_msg=f"sequence {i}")
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_the_capture_reads_what_output_router_logits_reads(arch, rng, seed):
     """The hooks on the model's own (unpacked) forward, gpt-oss included while the scorer cannot run it."""
@@ -165,15 +179,13 @@ def test_routed_experts_of_a_dense_model_or_of_a_launch_without_them_are_refused
 
 
 @pytest.mark.parametrize(
-    ("arch", "experts"), [("qwen3_moe", EXPERTS), ("gpt_oss", EXPERTS), ("llama", 0), ("llama4", 0)]
+    ("arch", "experts"), [("qwen3_moe", EXPERTS), ("gpt_oss", EXPERTS), ("llama", 0), ("llama4", 4)]
 )
 def test_listmodels_num_experts_says_whose_routing_can_be_returned(arch, experts, seed):
-    """A model whose routers return their top-k ids counts its experts; a dense model, and Llama 4
-    (its router returns scores and logits, no ids), 0: the engine then refuses return_routed_experts
-    by name instead of failing in the launch."""
+    """A model whose routers give their top-k ids counts its experts (Llama 4's from its logits);
+    a dense model 0: the engine then refuses return_routed_experts by name instead of failing in
+    the launch."""
     model = make_moe_model(arch, seed=seed) if arch in MOE_ARCHITECTURES else make_model(arch, tied=False, seed=seed)
     assert expert_count(model) == experts
-    if arch == "llama4":  # its body records its routers (the model above does not): their output tells
-        assert routers(model.model) and expert_count(model.model) == 0
     scorer = CausalLMScorer(model, options=EAGER)
     assert scorer.num_experts == experts and serve_model("m", "test", scorer).info.num_experts == experts

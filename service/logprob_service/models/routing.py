@@ -4,7 +4,8 @@ Router replay (verl's ``routed_experts``) needs, for each completion token, the 
 layer routed to. transformers 5 gives every MoE family a router module of its own class, named in
 the model's ``_can_record_outputs["router_logits"]`` (that is how ``output_router_logits``
 collects its logits), and the families of the ``use_experts_implementation`` kind (Qwen3-MoE,
-gpt-oss, Mixtral, Qwen2-MoE, ...) have it return ``(logits, weights, top_k_ids)``. A forward hook
+gpt-oss, Mixtral, Qwen2-MoE, ...) have it return ``(logits, weights, top_k_ids)``; Llama 4's returns
+``(scores, logits)`` and its ids are the top-k of those logits, as its forward takes them. A forward hook
 on each router keeps its ``top_k_ids``: the choice the model itself made, on the packed row, not a
 recomputation from the logits. A chunked long sequence (``models.chunked``) calls each router once
 a chunk, in row order, so a router's calls concatenate to the whole row.
@@ -35,17 +36,30 @@ class RoutingUnsupported(ValueError):
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's MoE routers in layer order; ``RoutingUnsupported`` when it has none."""
-    recorder = getattr(model, "_can_record_outputs", None) or {}
-    target = getattr(recorder.get(ROUTER_OUTPUT), "target_class", None)
-    found = [m for m in model.modules() if target is not None and isinstance(m, target)]
+    """The model's MoE routers in layer order; ``RoutingUnsupported`` when it has none. The router
+    class is named by the model's ``_can_record_outputs``, or its body's (Llama 4's causal LM
+    class names none; its text model does)."""
+    targets = {
+        target
+        for module in model.modules()
+        if (
+            target := getattr(
+                (getattr(module, "_can_record_outputs", None) or {}).get(ROUTER_OUTPUT), "target_class", None
+            )
+        )
+    }
+    found = [m for m in model.modules() if isinstance(m, tuple(targets))]
     if not found:
         raise RoutingUnsupported(f"{type(model).__name__} has no mixture-of-experts router to report routed experts of")
     return found
 
 
-def _ids(output: Any) -> torch.Tensor | None:
-    """A router call's top-k expert ids (``IDS_INDEX`` of its output), or None when it returns none."""
+def _ids(router: nn.Module, output: Any) -> torch.Tensor | None:
+    """A router call's top-k expert ids (``IDS_INDEX`` of its output), or None when it returns none.
+    Llama 4's router returns (scores, logits): its ids are ``torch.topk`` of the logits, the very
+    call its forward makes on them (the same choice, highest first)."""
+    if type(router).__name__ == "Llama4Router" and isinstance(output, tuple) and len(output) == 2:
+        return torch.topk(output[1], router.top_k, dim=-1).indices
     ids = output[IDS_INDEX] if isinstance(output, tuple) and len(output) > IDS_INDEX else None
     return None if ids is None or ids.is_floating_point() else ids
 
@@ -65,7 +79,7 @@ def expert_count(model: nn.Module) -> int:
     except Exception as err:  # a router this probe cannot call: serve the model, without routed experts
         log.warning("%s: routed experts unavailable, its router failed a probe: %r", type(found[0]).__name__, err)
         return 0
-    return max(int(router.weight.shape[0]) for router in found) if _ids(output) is not None else 0
+    return max(int(router.weight.shape[0]) for router in found) if _ids(found[0], output) is not None else 0
 
 
 class RoutedExperts:
@@ -93,7 +107,7 @@ class RoutedExperts:
     @staticmethod
     def _keeper(calls: list[torch.Tensor], router: nn.Module) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            ids = _ids(output)
+            ids = _ids(module, output)
             if ids is None:
                 raise RoutingUnsupported(
                     f"{type(router).__name__} does not return its top-k expert ids (logits, weights, ids)"
