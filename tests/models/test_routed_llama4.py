@@ -40,6 +40,17 @@ def llama4_model(seed: int, *, experts: int, top_k: int, dtype: torch.dtype) -> 
     return model.to(dtype).eval()
 
 
+# The same products summed by other kernels and in another order: the difference is a few rounding
+# units of the largest intermediates. Bound: ULPS units of the output's largest magnitude (worst
+# measured over 450 seeded cases: 7 units in float64, 1.5 in float32).
+ULPS = 64
+
+
+def assert_within_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    bound = ULPS * torch.finfo(want.dtype).eps * float(want.abs().max())
+    assert float((got - want).abs().max()) <= bound, (float((got - want).abs().max()), bound)
+
+
 def block_outputs(block: torch.nn.Module, x: torch.Tensor, forward) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         return forward(x)
@@ -52,7 +63,7 @@ def test_the_routed_block_equals_transformers_block_in_float64(seed, experts, to
     want_out, want_logits = block_outputs(block, x, lambda t: type(block).forward(block, t))
     got_out, got_logits = block_outputs(block, x, lambda t: routed_forward(block, False, t))
     assert torch.equal(got_logits, want_logits)  # the router itself, unchanged
-    torch.testing.assert_close(got_out, want_out, rtol=1e-12, atol=1e-12)
+    assert_within_rounding(got_out, want_out)
 
 
 def test_an_expert_no_token_chose_gets_no_rows(seed):
@@ -63,7 +74,7 @@ def test_an_expert_no_token_chose_gets_no_rows(seed):
     assert len(chosen) < 16
     want, _ = block_outputs(block, x, lambda t: type(block).forward(block, t))
     got, _ = block_outputs(block, x, lambda t: routed_forward(block, False, t))
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_within_rounding(got, want)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -73,7 +84,7 @@ def test_the_grouped_gemm_path_equals_transformers_block_in_float32(seed, top_k)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(seed))
     want, _ = block_outputs(block, x, lambda t: type(block).forward(block, t))
     got, _ = block_outputs(block, x, lambda t: routed_forward(block, True, t))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_within_rounding(got, want)
 
 
 def test_the_service_routes_llama4_blocks_and_says_so(seed):
@@ -86,6 +97,6 @@ def test_the_service_routes_llama4_blocks_and_says_so(seed):
         routed = model(ids).logits
         for b in blocks:
             del b.forward
-        torch.testing.assert_close(routed, model(ids).logits, rtol=1e-12, atol=1e-12)
+        assert_within_rounding(routed, model(ids).logits)
         route_llama4_experts(blocks, grouped=False)
         assert torch.equal(model(ids).logits, routed)
