@@ -123,16 +123,16 @@ def use_experts_implementation(model: PreTrainedModel, device: torch.device) -> 
     """Run ``model``'s experts as ``EXPERTS_IMPLEMENTATIONS`` says for ``device`` and their dtype;
     returns the choice, or None for a model without experts. Llama 4's blocks, whose experts are
     not of transformers' kind, run on their routed rows the same way (``routed_llama4``)."""
-    experts = expert_modules(model)
-    if blocks := llama4_blocks(model):
-        grouped = device.type == "cuda" and blocks[0].experts.gate_up_proj.dtype in GROUPED_MM_DTYPES
-        route_llama4_experts(blocks, grouped)
-        return "grouped_mm (routed rows)" if grouped else "eager (routed rows)"
+    blocks = llama4_blocks(model)
+    experts = [block.experts for block in blocks] or expert_modules(model)
     if not experts:
         return None
     choice = EXPERTS_IMPLEMENTATIONS.get(device.type, "eager")
     if next(experts[0].parameters()).dtype not in GROUPED_MM_DTYPES:
         choice = "eager"
+    if blocks:
+        route_llama4_experts(blocks, grouped=choice == "grouped_mm")
+        return f"{choice} (routed rows)"
     model.set_experts_implementation(choice)
     return choice
 
