@@ -122,7 +122,7 @@ import torch
 import triton
 import triton.language as tl
 
-from logprob_service.ops.logprobs import _logits_fp32, key_ids
+from logprob_service.ops.logprobs import _logits_fp32, key_ids, key_values, ordered_words
 
 # A key below every logit's (the smallest int64): empty slots, and "no threshold".
 MIN_KEY = -(2**63)
@@ -261,8 +261,7 @@ def sample_thresholds(
     z = x.mul_(pre).tanh_().mul_(post) if softcap else x.mul_(pre)  # in place: one [n, S] slab
     s = torch.topk(z, k, dim=1, sorted=False).values.amin(dim=1).double()  # the sample's K-th largest
     t = (s - threshold_margin(hidden, sampled, s, pre, post, weight.dtype == torch.float32)).float()
-    bits = t.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64) - 1  # one float down
+    ordered = ordered_words(t).to(torch.int64) - 1  # one float down
     return ordered << 32  # low word 0: every id of a z >= t is above
 
 
@@ -355,6 +354,4 @@ def select_top_k(keys: torch.Tensor, lse2: torch.Tensor, k: int) -> tuple[torch.
     """Stage 2: the K largest of each row's [n, CAP] keys, descending, as ([n, K] int32 ids,
     [n, K] float32 log-probs ln2 (z - lse2)) with ``lse2`` [n] the rows' log-sum-exps in log2 units."""
     top = torch.topk(keys, k, dim=1).values  # distinct keys: one answer, whatever the slots' order
-    hi = (top >> 32).to(torch.int32)
-    z = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi).view(torch.float32)
-    return key_ids(top).to(torch.int32), (z - lse2[:, None]) * LN2
+    return key_ids(top).to(torch.int32), (key_values(top) - lse2[:, None]) * LN2

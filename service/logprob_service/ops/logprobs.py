@@ -77,17 +77,28 @@ def check_topk_arguments(n_rows: int, vocab: int, top_k: int, candidates: torch.
 def topk_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """int64 keys of float32 values ``x`` [n, V] at token ``ids`` (default: the column) whose order
     is (value descending, id ascending): the float's bits made monotonic as a signed int in the
-    high word, 2^31 - 1 - id in the low word (``fused_topk``'s ``pack_keys``)."""
-    bits = x.contiguous().view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    high word, 2^31 - 1 - id in the low word (``fused_topk``'s ``keys_of``)."""
+    ordered = ordered_words(x).to(torch.int64)
     if ids is None:
         ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
     return (ordered << 32) | (0x7FFFFFFF - ids)
 
 
+def ordered_words(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x``'s bits as int32s of the same order (a key's high word): negative floats'
+    magnitude bits reversed."""
+    bits = x.contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
 def key_ids(keys: torch.Tensor) -> torch.Tensor:
     """The token ids of ``topk_keys``' keys, as int64."""
     return 0x7FFFFFFF - (keys & 0x7FFFFFFF)
+
+
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 values of ``topk_keys``' keys (``ordered_words`` undone: it is its own inverse)."""
+    return ordered_words((keys >> 32).to(torch.int32).view(torch.float32)).view(torch.float32)
 
 
 def rows_per_chunk(vocab_size: int, chunk_bytes: int) -> int:
