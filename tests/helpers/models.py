@@ -11,6 +11,7 @@ import torch
 from logprob_service.domain import TokenSequence
 from logprob_service.models.compiled import eager_layers
 from logprob_service.models.loading import attention_implementation, to_serving_dtype
+from logprob_service.models.routed_llama4 import llama4_blocks
 from logprob_service.models.scorer import model_body
 from transformers import (
     CohereConfig,
@@ -287,6 +288,8 @@ def stock_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torc
     body = model_body(model) if isinstance(model, PreTrainedModel) else getattr(model, "base_model", model)
     with eager_layers(body):  # a deep copy keeps compiled forwards' binding
         reference = copy.deepcopy(model).to("cpu", dtype).eval()
+    for block in llama4_blocks(reference):  # transformers' all-experts forward, not the routed one
+        block.__dict__.pop("forward", None)
     config = getattr(reference, "config", None)
     if config is not None and hasattr(reference, "set_attn_implementation"):
         reference.set_attn_implementation(attention_implementation(config))

@@ -100,3 +100,18 @@ def test_the_service_routes_llama4_blocks_and_says_so(seed):
         assert_within_rounding(routed, model(ids).logits)
         route_llama4_experts(blocks, grouped=False)
         assert torch.equal(model(ids).logits, routed)
+
+
+def test_the_reference_copy_runs_transformers_block_whatever_the_service_routed(seed):
+    """tests.helpers.models.stock_copy (the float64 reference of every score test) must not keep the
+    routed forward: on CUDA bf16 it runs grouped GEMMs, which take no float64 (seen on an H100)."""
+    from tests.helpers.models import stock_copy
+
+    model = llama4_model(seed, experts=4, top_k=1, dtype=torch.float32)
+    route_llama4_experts(llama4_blocks(model), grouped=True)
+    reference = stock_copy(model, torch.float64)
+    assert not any("forward" in vars(b) for b in llama4_blocks(reference))
+    assert all("forward" in vars(b) for b in llama4_blocks(model))  # the served model keeps its routing
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert reference(ids).logits.dtype == torch.float64
