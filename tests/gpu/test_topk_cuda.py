@@ -117,18 +117,19 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
 
 @pytest.mark.parametrize("k", [20, 256])
 def test_rows_with_too_few_survivors_are_repaired_on_the_gpu(k, seed, monkeypatch):
-    # No key of some rows survives stage 1 (a threshold above every key): the compiled repair rounds
-    # run them with no threshold (all 151,936 keys survive), then twice at most with the K-th of their
-    # kept keys (fused_topk, 4.: 3 rounds cover it at stride >= 9); bit for bit the normal answer
+    # No key of some rows survives stage 1, nor with their fallbacks (thresholds above every key, a
+    # failed margin): the compiled repair rounds run them with no threshold (all 151,936 keys
+    # survive), then three times at most with the K-th of their kept keys (fused_topk, 4.: the 5
+    # rounds cover it); bit for bit the normal answer
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
     want = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
     real = fused_logprobs.sample_thresholds
     rows = [0, 1, 150, 299]  # row blocks with and without rows in need
 
     def too_high(hidden, *args):
-        t = real(hidden, *args)
-        t[rows] = 2**63 - 1
-        return t
+        t, fallback = real(hidden, *args)
+        t[rows] = fallback[rows] = 2**63 - 1
+        return t, fallback
 
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high)
     out = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
@@ -140,21 +141,23 @@ def test_rows_with_too_few_survivors_are_repaired_on_the_gpu(k, seed, monkeypatc
 def test_no_host_synchronization(seed, monkeypatch):
     # The op queues its work and returns (models.scorer.CausalLMScorer.launch relies on it): no
     # synchronizing CUDA call, also while rows overflow and the repair rounds have work. Slots for
-    # the expected K stride survivors only: about half the rows overflow, by a little, and one
-    # round repairs them (fused_topk, 4.); the answer is the normal slots'.
+    # the expected R stride survivors only (R the sample rank): about half the rows overflow, by a
+    # little, and one round repairs them (fused_topk, 4.); the answer is the normal slots'.
     hidden, weight, targets, candidates = cuda_case(1025, 3584, 152064, seed=seed)
     needs = []  # after stage 1, each launch's rows in need
     real = fused_logprobs.repair_survivors
 
-    def spy(relaunch, thresholds, counts, slots, k):
+    def spy(relaunch, thresholds, fallbacks, counts, slots, k):
         needs.append(fused_topk.rows_in_need(counts, slots.shape[1], k))
-        return real(relaunch, thresholds, counts, slots, k)
+        return real(relaunch, thresholds, fallbacks, counts, slots, k)
 
     for k in (20, 256):
         kw = {"top_k": k, "candidates": candidates, "invariant": True}
         want = fused_token_logprobs(hidden, weight, targets, **kw)
         with monkeypatch.context() as patch:
-            patch.setattr(fused_logprobs, "capacity", lambda v, k: k * fused_logprobs.sample_stride(v, k))
+            patch.setattr(
+                fused_logprobs, "capacity", lambda v, k: fused_topk.sample_rank(v, k) * fused_topk.sample_stride(v, k)
+            )
             patch.setattr(fused_logprobs, "repair_survivors", spy)
             fused_token_logprobs(hidden, weight, targets, **kw)  # compiled outside the check
             torch.cuda.synchronize()

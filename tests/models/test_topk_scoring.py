@@ -88,8 +88,8 @@ def test_an_incomplete_fused_top_k_fails_its_requests(rng, monkeypatch):
         monkeypatch.setattr(
             fused_logprobs,
             "sample_thresholds",
-            lambda hidden, *args: torch.full(
-                (len(hidden),), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device
+            lambda hidden, *args: (
+                (torch.full((len(hidden),), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device),) * 2
             ),
         )
         monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k)

@@ -173,7 +173,8 @@ def sampled_case(n, k, *, stride=fused_topk.MAX_SAMPLE_STRIDE, h=16, dtype=torch
 
 def no_threshold(hidden, weight, bias, k, pre, post, softcap):
     """Every key survives (the exact top-k of the kernel's own values, the slow way)."""
-    return torch.full((hidden.shape[0],), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device)
+    none = torch.full((hidden.shape[0],), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device)
+    return none, none.clone()
 
 
 def stage_one_needs(monkeypatch):
@@ -182,9 +183,9 @@ def stage_one_needs(monkeypatch):
     needs = []
     real = fused_logprobs.repair_survivors
 
-    def spy(relaunch, thresholds, counts, slots, k):
+    def spy(relaunch, thresholds, fallbacks, counts, slots, k):
         needs.append(fused_topk.rows_in_need(counts, slots.shape[1], k))
-        return real(relaunch, thresholds, counts, slots, k)
+        return real(relaunch, thresholds, fallbacks, counts, slots, k)
 
     monkeypatch.setattr(fused_logprobs, "repair_survivors", spy)
     return needs
@@ -229,7 +230,8 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     weight[:, 0] = (half + steps.to(DEVICE)).view(torch.float16)
     hidden[:, 0] = 2.0**-5
     pre, post = fused_logprobs.transform_constants(LogitTransform())
-    thr = fused_topk.sample_thresholds(hidden, weight, None, 3, pre, post, False)
+    thr, fallback = fused_topk.sample_thresholds(hidden, weight, None, 3, pre, post, False)
+    assert fused_topk.sample_rank(weight.shape[0], 3) == 3 and torch.equal(thr, fallback)  # stride 1
     z = (hidden.double() @ weight.double().T) * pre  # float64 z
     kth = z.topk(3, dim=1).values[:, -1]
     t_hi = (thr >> 32).to(torch.int32)
@@ -260,6 +262,47 @@ def test_rows_that_overflow_their_slots_run_again(k, monkeypatch):
         assert torch.equal(getattr(out, field), getattr(want, field)), field
 
 
+def test_the_sample_rank_is_the_smallest_whose_miss_chance_is_small_enough():
+    # R: the smallest rank with P(Binomial(K, 1 / stride) >= R) <= SAMPLE_MISS_RATE, in exact
+    # rational arithmetic, or K where none is; K at stride 1
+    from fractions import Fraction
+
+    rate = Fraction(fused_topk.SAMPLE_MISS_RATE)
+    for v in (70, 4096, 32000, 151936, 262144):
+        for k in (1, 2, 20, 128, 256):
+            if k > v:
+                continue
+            stride, rank = fused_topk.sample_stride(v, k), fused_topk.sample_rank(v, k)
+            if stride == 1:
+                assert rank == k
+                continue
+            p = Fraction(1, stride)
+
+            def tail(r, k=k, p=p):
+                return sum(math.comb(k, j) * p**j * (1 - p) ** (k - j) for j in range(r, k + 1))
+
+            # R = K never misses (a sample's K-th largest is at most its row's), whatever the tail
+            assert (rank == k or tail(rank) <= rate) and (rank == 1 or tail(rank - 1) > rate), (v, k, rank)
+    assert fused_topk.sample_rank(151936, 20) == 10 and fused_topk.sample_rank(151936, 256) == 56
+
+
+def test_rows_whose_top_k_the_sample_holds_are_repaired_by_their_fallback_in_one_round(monkeypatch):
+    # The columns left out of the sample scaled by 1/20: each row's top K lie on sampled columns,
+    # more than R of them, so stage 1's threshold (the sample's R-th largest) lets fewer than K
+    # keys survive in every row. One repair round with the fallbacks (the sample's K-th largest)
+    # gives the exact answer. (float16: fp32 operands' margin covers TF32, wider than some gaps
+    # between a row's 7th and 9th values.)
+    hidden, weight, targets, _ = sampled_case(4, 8, dtype=torch.float16)
+    stride = fused_topk.sample_stride(weight.shape[0], 8)
+    assert fused_topk.sample_rank(weight.shape[0], 8) == 7
+    weight[torch.arange(weight.shape[0], device=DEVICE) % stride != 0] /= 20
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
+    needs = stage_one_needs(monkeypatch)
+    out = fused(hidden, weight, targets, top_k=8)
+    assert needs[0].all() and not out.top_k_incomplete
+    assert_topk_matches(out, hidden, weight, None, LogitTransform(), 8)
+
+
 @pytest.mark.parametrize("cap", [None, 9], ids=["slots", "overflow"])
 def test_rows_of_equal_values_give_the_smallest_ids(cap, monkeypatch):
     # a zero hidden state: every logit 0, the top-k is ids 0..K-1 at -log V; with 9 slots, the
@@ -281,17 +324,35 @@ def test_rows_of_equal_values_give_the_smallest_ids(cap, monkeypatch):
     assert_topk_matches(alone, hidden[rest], weight, None, LogitTransform(), 7)
 
 
-def too_high(rows):
+def too_high(rows, fallbacks_too=True):
     """``sample_thresholds``, but a threshold above every key for ``rows`` (where a launch has them):
-    none of their keys survives stage 1."""
+    none of their keys survives stage 1; their fallbacks too (a failed margin), or as computed."""
     real = fused_logprobs.sample_thresholds
 
     def thresholds(hidden, *args):
-        t = real(hidden, *args)
-        t[[r for r in rows if r < len(t)]] = 2**63 - 1
-        return t
+        t, fallback = real(hidden, *args)
+        high = [r for r in rows if r < len(t)]
+        t[high] = 2**63 - 1
+        if fallbacks_too:
+            fallback[high] = 2**63 - 1
+        return t, fallback
 
     return thresholds
+
+
+def test_a_missed_row_takes_its_fallback_and_a_failed_fallback_no_threshold(monkeypatch):
+    # Rows 1 and 4: stage 1's threshold above every key. Their fallbacks as computed: one round
+    # ends it. Both too high (a failed margin): the round after runs them with no threshold, one
+    # round is not enough (the flag says so) and two are (as below).
+    hidden, weight, targets, _ = random_case(6, 16, 301, device=DEVICE)
+    want = fused(hidden, weight, targets, top_k=6)
+    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4], fallbacks_too=False))
+    out = fused(hidden, weight, targets, top_k=6)
+    assert not out.top_k_incomplete
+    assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4]))
+    assert fused(hidden, weight, targets, top_k=6).top_k_incomplete
 
 
 def test_rows_with_too_few_survivors_are_repaired_on_the_device(monkeypatch):
@@ -372,6 +433,6 @@ def test_slots_and_sample_sizes():
                 continue
             stride = fused_topk.sample_stride(v, k)
             assert 1 <= stride <= fused_topk.MAX_SAMPLE_STRIDE and -(-v // stride) >= k
-            cap = fused_topk.capacity(v, k)
-            assert cap == v or k * stride + 256 < cap <= k * stride * 9 + 256 + 8 * stride
+            rank, cap = fused_topk.sample_rank(v, k), fused_topk.capacity(v, k)
+            assert cap == v or rank * stride + 256 < cap <= rank * stride * 9 + 256 + 8 * stride or cap == k
             assert cap >= k

@@ -114,7 +114,7 @@ def unfinished_flags(rank: int, start: int, stop: int) -> list[bool]:
     flags = []
     for unfinished in (True, False):
         if unfinished and rank == 1:
-            fused_logprobs.sample_thresholds = lambda hidden, *args: torch.full((len(hidden),), 2**63 - 1)
+            fused_logprobs.sample_thresholds = lambda hidden, *args: (torch.full((len(hidden),), 2**63 - 1),) * 2
         fused_topk.REPAIR_ROUNDS = 0 if unfinished else 3
         scores = vocab_parallel_logprobs(
             hidden,

@@ -197,7 +197,7 @@ def _partials_kernel(
                 t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
             m = m_new
         if TOPK:
-            compact_survivors(z, cols, col_ok, rows, compact_ok, thr_ptr, cnt_ptr, buf_ptr, CAP)
+            compact_survivors(z, cols, col_ok, rows, compact_ok, thr_ptr, cnt_ptr, buf_ptr, CAP, ANY_LOW_WORD=REPAIR)
 
     if not REPAIR:
         out = pid_s.to(tl.int64) * N + rows
@@ -487,10 +487,12 @@ def fused_token_logprobs(
         )  # fmt: skip
         return partial_m, partial_s, partial_t
 
-    found = None  # (thresholds, counters, slots) of the top-k survivors
+    found = fallbacks = None  # (thresholds, counters, slots) of the top-k survivors
     if top_k:
+        softcap = transform.softcap is not None
+        thresholds, fallbacks = sample_thresholds(hidden, weight, bias32, top_k, pre, post, softcap)
         found = (
-            sample_thresholds(hidden, weight, bias32, top_k, pre, post, transform.softcap is not None),
+            thresholds,
             torch.zeros(n, dtype=torch.int32, device=hidden.device),
             torch.full((n, capacity(vocab, top_k)), MIN_KEY, dtype=torch.int64, device=hidden.device),
         )
@@ -505,13 +507,15 @@ def fused_token_logprobs(
         num_warps=4, **flags,
     )  # fmt: skip
     top_ids = top_lps = incomplete = None
-    if found is not None and lse2 is not None:
+    if found is not None and fallbacks is not None:
         thresholds, counts, slots = found
         # Rows with more than CAP survivors run again with a higher threshold, rows with fewer than
-        # K with none, in a fixed number of rounds queued on the device (fused_topk, 4.): nothing
+        # K with a lower one, in a fixed number of rounds queued on the device (fused_topk, 4.): nothing
         # here waits for the GPU, so the caller can queue its next work while the lm_head runs.
         # A row still in need after them sets ``incomplete``, which the caller checks with the results.
-        incomplete = repair_survivors(lambda need: partials(hidden, found, need), thresholds, counts, slots, top_k)
+        incomplete = repair_survivors(
+            lambda need: partials(hidden, found, need), thresholds, fallbacks, counts, slots, top_k
+        )
         top_ids, top_lps = select_top_k(slots, lse2, top_k)
     scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps, incomplete)
     if candidates is not None and candidates.shape[1]:

@@ -35,12 +35,24 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    K sampled columns above s_i then have kernel values >= t_i, so every true top-K element has
    z >= t_i. (t_i is stepped one float down in key order, which also covers its own rounding to
    fp32 and -0.0 below +0.0.) As a key, t_i is (ordered(t_i) << 32): every key of z >= t_i is
-   above it.
+   above it. That t_i is row i's *fallback*.
 
-   Exactness does not rest on that bound: the survivors, the keys >= a threshold key, are always
-   the row's largest keys, so a row with at least K survivors has its exact top K among them. A
-   row with fewer (a margin too small, or NaN logits) runs again (4.). The margin makes that the
-   exception; tests check both.
+   Stage 1 takes a higher threshold: the same from the sample's R-th largest, R =
+   ``sample_rank(V, K)`` <= K. It keeps the row's top K unless R of them lie on sampled columns
+   (then the R-th largest sampled value is one of the top K, and the top K below it may fall
+   under the threshold). For top values placed independently of the sample's columns, the
+   number of them that are sampled is Binomial(K, 1 / stride), and R is the smallest rank whose
+   tail P(X >= R) is at most ``SAMPLE_MISS_RATE`` (1e-6): R = 10 for K 20 at stride 16, 56 for
+   K 256 at stride 9, K at stride 1. The survivors drop from about K stride to about R stride
+   (320 -> 160 for K 20, 2,304 -> 504 for K 256 at a 152K vocabulary), and with them the
+   compaction's rounds (2.) and the slots. A row it misses gets its fallback in one repair
+   round (4.); a vocabulary whose top ids favour the sampled columns costs such rounds, not
+   exactness.
+
+   Exactness does not rest on either bound: the survivors, the keys >= a threshold key, are
+   always the row's largest keys, so a row with at least K survivors has its exact top K among
+   them. A row with fewer (the sample missed, a margin too small, or NaN logits) runs again (4.).
+   Tests check each.
 
 2. *Stage 1* (``_partials_kernel`` with TOPK): after a tile's z is computed (the same z the
    log-sum-exp sums), the elements whose key is >= the row's threshold key survive. When some
@@ -48,6 +60,8 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    atomic add on its int32 counter, and its survivors, taken largest first (a max over the tile
    each, ``compact_survivors``), go to its [CAP] int64 slots from the reserved base on. Slots
    past CAP are counted, not written. The buffer's order does not matter: keys are distinct.
+   (Stage 1's thresholds and the fallbacks have a low word of 0, so the survivors there are the
+   elements whose high word is >= the threshold's: one int32 compare an element.)
 
 3. *Stage 2*: ``torch.topk`` of each row's CAP keys (slots never written hold MIN_KEY), decoded
    to ids and z; log-probs ln2 (z - lse2) with the row's log-sum-exp in log2 units from the
@@ -55,11 +69,12 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
 
 4. *Repair rounds* (``repair_survivors``, on the device, no host reads): a row "needs repair"
    when it has more than CAP survivors (its threshold was low: a row whose top values avoid the
-   sampled columns, or many equal values) or fewer than K (a margin too small, NaN logits).
-   ``REPAIR_ROUNDS`` times, whatever the rows: ``_repair_kernel`` (one program a row: a row in
-   no need stops at its counter; one in need bisects the int64 keys, 64 passes over its CAP
-   slots) gives each row in need a new threshold, the K-th largest of the CAP keys it kept
-   (MIN_KEY, no threshold, when it kept fewer than K), and empties its counter and slots; then
+   sampled columns, or many equal values) or fewer than K (the sample missed, a margin too
+   small, NaN logits). ``REPAIR_ROUNDS`` times, whatever the rows: ``_repair_kernel`` (one
+   program a row: a row in no need stops at its counter; one in need bisects the int64 keys, 64
+   passes over its CAP slots) gives each row in need a new threshold, the K-th largest of the CAP
+   keys it kept (when it kept fewer than K: its fallback if that is below the threshold that
+   missed, else MIN_KEY, no threshold), and empties its counter and slots; then
    stage 1 runs again with REPAIR, where a program whose
    rows need nothing loops over no tile, and the others compact only their rows in need (the
    rest keep their slots) and write no partials (the log-sum-exp is stage 1's). Nothing waits
@@ -70,30 +85,34 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    distinct keys), so each round drops at least the CAP - K kept keys below it. For keys that
    arrive in an order unrelated to their values (the kept ones about a random CAP of the c
    survivors) a round leaves about K c / CAP of them: an overflow of stage 1 (c a little past
-   CAP, which has 8 standard deviations of room) fits after one round. A row with fewer than K
-   runs with MIN_KEY (all V survive), then needs about log(V / CAP) / log(CAP / K) more
-   rounds: one for K 20 and two for K 256 at a 152K vocabulary (152K -> 1.4K; 152K -> 10.5K
-   -> 0.7K survivors), five for K 256 of a 32K vocabulary (stride 1, CAP 640). Hence 3
-   rounds: an overflow with two to spare, a failed margin (which its bound rules out) at
-   stride >= 9. Rows that may need more: those whose keys arrive in an order that defeats the
+   CAP, which has 8 standard deviations of room) fits after one round. A row the sample missed
+   runs with its fallback: about K stride survivors, which fit K 20's 928 slots at a 152K
+   vocabulary, and fit K 256's 1,336 after one more round (2,304 -> 441). A row with fewer than
+   K after its fallback (a failed margin, which its bound rules out) runs with MIN_KEY (all V
+   survive), then needs about log(V / CAP) / log(CAP / K) more rounds: two for K 20 and three
+   for K 256 at a 152K vocabulary (152K -> 3.3K -> 71; 152K -> 29K -> 5.6K -> 1.1K survivors),
+   four for K 256 of a 32K vocabulary (stride 1, CAP 640, the fallback the threshold itself).
+   Hence 5 rounds: a missed sample or an overflow with three to spare, a failed margin at these
+   shapes. Rows that may need more: those whose keys arrive in an order that defeats the
    rounds (many equal values, as NaN logits or a zero hidden state, where the kept keys are
-   the ids that arrived first), and the failed margin at small strides. Such a row is not
+   the ids that arrived first). Such a row is not
    answered wrong: ``top_k_incomplete`` (TokenScores) is a device flag, set when a row still
    needs repair after the rounds, that the scorer copies with the results and turns into an
    error for the micro-batch (``models.scorer.Launched.fetch``).
 
-Survivors per row: the sample's K-th largest is about the (K stride)-th largest of the row (for
-top values spread over the vocabulary independently of the stride), give or take about sqrt(K)
+Survivors per row: the sample's R-th largest is about the (R stride)-th largest of the row (for
+top values spread over the vocabulary independently of the stride), give or take about sqrt(R)
 stride, plus the few within the margin. ``capacity`` gives room for that and 8 standard
-deviations more: CAP = K stride + 8 ceil(sqrt K) stride + 256 slots (at most V). The stride is
-V / (64 K), within [1, MAX_SAMPLE_STRIDE = 16] (``sample_stride``): the sample costs 1/stride of
-the matmul (6% for K 20, 11% for K 256 at a 152K vocabulary), and a [BLOCK_N, 256] tile has about
-256 K stride / V <= 4 survivors per row, so the compaction's rounds (the most survivors of a row of
-the block) are few. (A stride of 16 rather than 32 at K 20 halves the survivors; it measured 1.57x
-against 1.67x the plain kernel at 8,192 x 3,584 and 2.61x against 2.77x at 24,576 x 896 on an H200;
-8 and 4 were slower: benchmarks/RESULTS.md, session 19.) Memory per row: CAP int64 slots (8 CAP <=
-256 K + 2048 ceil(sqrt K) + 2048 bytes) and, while the threshold is taken, S = V / stride <= max(128
-K, V / 16) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
+deviations more: CAP = R stride + 8 floor(sqrt(R - 1)) stride + 8 stride + 256 slots (at least K,
+at most V). The stride is V / (64 K), within [1, MAX_SAMPLE_STRIDE = 16] (``sample_stride``): the
+sample costs 1/stride of the matmul (6% for K 20, 11% for K 256 at a 152K vocabulary), and a
+[BLOCK_N, 256] tile has about 256 R stride / V <= 4 survivors per row (0.27 for K 20 at 152K), so
+the compaction's rounds (the most survivors of a row of the block) are few. (A stride of 16
+rather than 32 at K 20 halves the survivors; it measured 1.57x against 1.67x the plain kernel at
+8,192 x 3,584 and 2.61x against 2.77x at 24,576 x 896 on an H200, with the K-th largest as stage
+1's threshold; 8 and 4 were slower: benchmarks/RESULTS.md, session 19.) Memory per row: CAP int64
+slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 2048 bytes) and, while the threshold is taken, S = V /
+stride <= max(128 K, V / 16) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
 ``fused_logprobs`` runs top-k in row chunks whose slots and sample stay under ``TOPK_CHUNK_BYTES``.
 
 The reserved base comes back from a tensor atomic add to every thread that holds the row (a
@@ -115,6 +134,7 @@ candidates and rows, so the results are batch-invariant bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -161,18 +181,23 @@ def keys_of(ordered, ids):
 
 
 @triton.jit
-def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP):
+def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP, ANY_LOW_WORD: tl.constexpr):
     """Append the keys of a [R, BLOCK_V] tile of z (token ids ``cols``) that are >= their row's
     threshold key to the row's slots (see the module doc). The tile is compared as int32
     ``ordered_bits`` and ids (the key order without an int64 tile in registers); a row's
     survivors are taken largest first, one max over the tile each, as many rounds as the row of
-    the block with the most survivors has."""
+    the block with the most survivors has. Without ``ANY_LOW_WORD`` every threshold's low word is
+    0 (stage 1's, the fallbacks): a key is >= it exactly when its high word is >= the threshold's,
+    whatever its id, so the ids are not compared."""
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0x7FFFFFFFFFFFFFFF)  # no row: nothing survives
-    t_o = (thr >> 32).to(tl.int32)[:, None]  # the threshold's high word, and its id
-    t_id = (0x7FFFFFFF - (thr & 0x7FFFFFFF)).to(tl.int32)[:, None]
+    t_o = (thr >> 32).to(tl.int32)[:, None]  # the threshold's high word
     o = ordered_bits(z)
     ids = cols[None, :]
-    keep = ((o > t_o) | ((o == t_o) & (ids <= t_id))) & col_ok[None, :]
+    if ANY_LOW_WORD:
+        t_id = (0x7FFFFFFF - (thr & 0x7FFFFFFF)).to(tl.int32)[:, None]  # the threshold's id
+        keep = ((o > t_o) | ((o == t_o) & (ids <= t_id))) & col_ok[None, :]
+    else:
+        keep = (o >= t_o) & col_ok[None, :]
     count = tl.sum(keep.to(tl.int32), axis=1)
     most = tl.max(count, axis=0)
     if most > 0:
@@ -233,11 +258,35 @@ def sample_stride(vocab: int, k: int) -> int:
     return min(MAX_SAMPLE_STRIDE, max(1, vocab // (64 * k)))
 
 
-def capacity(vocab: int, k: int) -> int:
-    """Slots per row for the survivors of a top-``k`` (module doc): about K stride expected, room
-    for 8 standard deviations (sqrt(K) stride each) and 256 more; never more than ``vocab``."""
+# How often stage 1's threshold may miss a row's top-k (module doc, 1.), at most, for top values
+# placed independently of the sample's columns: such a row costs one repair round of its row block.
+SAMPLE_MISS_RATE = 1e-6
+
+
+@functools.cache
+def sample_rank(vocab: int, k: int) -> int:
+    """R: stage 1's threshold is the sample's R-th largest value (module doc, 1.). The smallest R
+    with P(Binomial(K, 1 / stride) >= R) <= ``SAMPLE_MISS_RATE``: the chance that R of a row's
+    top K lie on sampled columns. K where no smaller R does (K never misses: a sample's K-th largest
+    is at most its row's), as at stride 1."""
     stride = sample_stride(vocab, k)
-    return min(vocab, k * stride + 8 * math.isqrt(k - 1) * stride + 8 * stride + 256)
+    if stride == 1:
+        return k
+    p = 1.0 / stride
+    tail = 1.0  # P(X >= r), from r = 0 up
+    for r in range(1, k + 1):
+        tail -= math.comb(k, r - 1) * p ** (r - 1) * (1 - p) ** (k - r + 1)
+        if tail <= SAMPLE_MISS_RATE:
+            return r
+    return k
+
+
+def capacity(vocab: int, k: int) -> int:
+    """Slots per row for the survivors of a top-``k`` (module doc): about R stride expected (R the
+    ``sample_rank``), room for 8 standard deviations (sqrt(R) stride each) and 256 more; at least
+    K, never more than ``vocab``."""
+    stride, rank = sample_stride(vocab, k), sample_rank(vocab, k)
+    return min(vocab, max(k, rank * stride + 8 * math.isqrt(rank - 1) * stride + 8 * stride + 256))
 
 
 def sample_thresholds(
@@ -248,21 +297,26 @@ def sample_thresholds(
     pre: float,
     post: float,
     softcap: bool,
-) -> torch.Tensor:
-    """[n] int64 threshold keys, each below its row's K-th largest key in the kernel (module doc).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's [n] int64 threshold keys (from the sample's R-th largest value, R the
+    ``sample_rank``) and the fallbacks of the rows they miss (from its K-th largest: each below
+    its row's K-th largest key in the kernel); module doc, 1.
 
     hidden [n, H] and weight [V, H] as the kernel gets them; bias fp32 or None; (pre, post,
     softcap): ``to_log2_units``' constants."""
-    stride = sample_stride(weight.shape[0], k)
+    vocab = weight.shape[0]
+    stride = sample_stride(vocab, k)
     sampled = weight[::stride]  # a strided view: no copy
     if not hidden.is_cuda:
         sampled = sampled.float()  # the CPU has no 16-bit matmul with an fp32 output
     x = _logits_fp32(hidden, sampled, bias[::stride] if bias is not None else None)  # [n, S] fp32
     z = x.mul_(pre).tanh_().mul_(post) if softcap else x.mul_(pre)  # in place: one [n, S] slab
-    s = torch.topk(z, k, dim=1, sorted=False).values.amin(dim=1).double()  # the sample's K-th largest
-    t = (s - threshold_margin(hidden, sampled, s, pre, post, weight.dtype == torch.float32)).float()
-    ordered = ordered_words(t).to(torch.int64) - 1  # one float down
-    return ordered << 32  # low word 0: every id of a z >= t is above
+    top = torch.topk(z, k, dim=1).values  # descending
+    s = top[:, [sample_rank(vocab, k) - 1, k - 1]].double()  # the sample's R-th and K-th largest
+    margin = threshold_margin(hidden, sampled, s.abs().amax(dim=1), pre, post, weight.dtype == torch.float32)
+    ordered = ordered_words((s - margin[:, None]).float()).to(torch.int64) - 1  # one float down
+    keys = ordered << 32  # low word 0: every id of a z >= t is above
+    return keys[:, 0].contiguous(), keys[:, 1].contiguous()
 
 
 def threshold_margin(
@@ -279,29 +333,34 @@ def threshold_margin(
 
 
 # Repair rounds after stage 1, each run whether or not a row needs it (module doc, 4.): enough for
-# an overflow of stage 1 with two to spare, and for a failed margin at strides >= 9; a row still
-# in need after them sets ``top_k_incomplete``. Each costs two near-empty launches when no row needs it.
-REPAIR_ROUNDS = 3
+# a missed sample or an overflow of stage 1 with three to spare, and for a failed margin; a row
+# still in need after them sets ``top_k_incomplete``. Each costs two near-empty launches when no
+# row needs it.
+REPAIR_ROUNDS = 5
 
 
 @triton.jit
 def _repair_kernel(
     cnt_ptr,  # [N] int32 in/out: each row's survivors; emptied for a row in need
     buf_ptr,  # [N, CAP] int64 in/out: the survivors' keys; emptied (MIN_KEY) for a row in need
-    thr_ptr,  # [N] int64 out: the new threshold key of a row in need
+    thr_ptr,  # [N] int64 in/out: the row's threshold key; the new one of a row in need
+    fallback_ptr,  # [N] int64: the threshold for a row that got fewer than K (sample_thresholds)
     need_ptr,  # [N] int8 out: whether the row needs this round (stage 1's REPAIR reads it)
     CAP,
     K,
     BLOCK: tl.constexpr,
 ):
     """One row: whether it needs a repair round (more than CAP or fewer than K survivors); if so,
-    its new threshold (the K-th largest of its CAP slots: MIN_KEY where fewer than K were
-    written), an empty counter and empty slots. A row in no need reads its counter and stops."""
+    its new threshold, an empty counter and empty slots. The new threshold: the K-th largest of
+    its CAP slots; where fewer than K were written, its fallback if that is lower than the
+    threshold that missed, else MIN_KEY (none). A row in no need reads its counter and stops."""
     row = tl.program_id(0)
     count = tl.load(cnt_ptr + row)
     need = (count > CAP) | (count < K)
     tl.store(need_ptr + row, need.to(tl.int8))
     if need:
+        fallback = tl.load(fallback_ptr + row)
+        missed = tl.load(thr_ptr + row)
         at = buf_ptr + row.to(tl.int64) * CAP
         offs = tl.arange(0, BLOCK)
         # The largest key t with at least K slots >= t, by bisection over the int64 keys: the
@@ -319,6 +378,7 @@ def _repair_kernel(
             ok = at_least >= K
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
+        lo = tl.where((count < K) & (fallback < missed), fallback, lo)  # lo is KEY_MIN when count < K
         tl.store(thr_ptr + row, lo)
         tl.store(cnt_ptr + row, 0)
         for c0 in range(0, CAP, BLOCK):
@@ -333,6 +393,7 @@ def rows_in_need(counts: torch.Tensor, cap: int, k: int) -> torch.Tensor:
 def repair_survivors(
     relaunch: Callable[[torch.Tensor], object],
     thresholds: torch.Tensor,
+    fallbacks: torch.Tensor,
     counts: torch.Tensor,
     slots: torch.Tensor,
     k: int,
@@ -340,12 +401,12 @@ def repair_survivors(
     """``REPAIR_ROUNDS`` repair rounds (module doc, 4.), queued on the device without waiting for
     it: ``relaunch(need)`` runs stage 1 with REPAIR for the rows whose [n] int8 ``need`` is set,
     with ``thresholds`` [n] int64, ``counts`` [n] int32 and ``slots`` [n, CAP] int64 (updated in
-    place). Returns a 0-dim bool tensor: whether some row still needs repair (its slots may not
-    hold its top-k)."""
+    place); ``fallbacks`` [n] int64 (``sample_thresholds``). Returns a 0-dim bool tensor: whether
+    some row still needs repair (its slots may not hold its top-k)."""
     n, cap = slots.shape
     need = torch.empty(n, dtype=torch.int8, device=slots.device)
     for _ in range(REPAIR_ROUNDS):
-        _repair_kernel[(n,)](counts, slots, thresholds, need, cap, k, BLOCK=1024, num_warps=4)
+        _repair_kernel[(n,)](counts, slots, thresholds, fallbacks, need, cap, k, BLOCK=1024, num_warps=4)
         relaunch(need)
     return rows_in_need(counts, cap, k).any()
 
