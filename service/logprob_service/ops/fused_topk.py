@@ -312,7 +312,8 @@ def sample_thresholds(
     x = _logits_fp32(hidden, sampled, bias[::stride] if bias is not None else None)  # [n, S] fp32
     z = x.mul_(pre).tanh_().mul_(post) if softcap else x.mul_(pre)  # in place: one [n, S] slab
     top = torch.topk(z, k, dim=1).values  # descending
-    s = top[:, [sample_rank(vocab, k) - 1, k - 1]].double()  # the sample's R-th and K-th largest
+    # the sample's R-th and K-th largest (columns by basic indexing: a list index is a host-to-device copy)
+    s = torch.stack((top[:, sample_rank(vocab, k) - 1], top[:, k - 1]), dim=1).double()
     margin = threshold_margin(hidden, sampled, s.abs().amax(dim=1), pre, post, weight.dtype == torch.float32)
     ordered = ordered_words((s - margin[:, None]).float()).to(torch.int64) - 1  # one float down
     keys = ordered << 32  # low word 0: every id of a z >= t is above
