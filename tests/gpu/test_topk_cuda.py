@@ -107,7 +107,7 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
     want = fused_token_logprobs(hidden, weight, targets, top_k=20)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
-    # 41 slots for about 640 survivors: each round leaves about K / CAP of them, more rounds than the
+    # 41 slots for about 256 survivors: each round leaves about K / CAP of them, more rounds than the
     # real capacity's (fused_topk, 4.)
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)
     out = fused_token_logprobs(hidden, weight, targets, top_k=20)
@@ -119,8 +119,8 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
 def test_rows_with_too_few_survivors_are_repaired_on_the_gpu(k, seed, monkeypatch):
     # No key of some rows survives stage 1, nor with their fallbacks (thresholds above every key, a
     # failed margin): the compiled repair rounds run them with no threshold (all 151,936 keys
-    # survive), then three times at most with the K-th of their kept keys (fused_topk, 4.: the 5
-    # rounds cover it); bit for bit the normal answer
+    # survive), then twice at most with the K-th of their kept keys (fused_topk, 4.: the 5 rounds
+    # cover it); bit for bit the normal answer
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
     want = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
     real = fused_logprobs.sample_thresholds

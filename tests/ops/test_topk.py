@@ -166,7 +166,7 @@ def test_keys_order_by_value_then_id():
 
 def sampled_case(n, k, *, stride=fused_topk.MAX_SAMPLE_STRIDE, h=16, dtype=torch.float32):
     """A vocabulary wide enough that the threshold samples one column in ``stride``."""
-    v = 64 * k * stride + 37
+    v = 16 * k * stride + 15  # v // (16 k) == stride
     assert fused_topk.sample_stride(v, k) == stride
     return random_case(n, h, v, dtype=dtype, device=DEVICE)
 
@@ -283,7 +283,7 @@ def test_the_sample_rank_is_the_smallest_whose_miss_chance_is_small_enough():
 
             # R = K never misses (a sample's K-th largest is at most its row's), whatever the tail
             assert (rank == k or tail(rank) <= rate) and (rank == 1 or tail(rank - 1) > rate), (v, k, rank)
-    assert fused_topk.sample_rank(151936, 20) == 10 and fused_topk.sample_rank(151936, 256) == 56
+    assert fused_topk.sample_rank(151936, 20) == 8 and fused_topk.sample_rank(151936, 256) == 25
 
 
 def test_rows_whose_top_k_the_sample_holds_are_repaired_by_their_fallback_in_one_round(monkeypatch):
@@ -294,7 +294,7 @@ def test_rows_whose_top_k_the_sample_holds_are_repaired_by_their_fallback_in_one
     # between a row's 7th and 9th values.)
     hidden, weight, targets, _ = sampled_case(4, 8, dtype=torch.float16)
     stride = fused_topk.sample_stride(weight.shape[0], 8)
-    assert fused_topk.sample_rank(weight.shape[0], 8) == 7
+    assert fused_topk.sample_rank(weight.shape[0], 8) == 6
     weight[torch.arange(weight.shape[0], device=DEVICE) % stride != 0] /= 20
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
     needs = stage_one_needs(monkeypatch)
@@ -343,26 +343,27 @@ def too_high(rows, fallbacks_too=True):
 def test_a_missed_row_takes_its_fallback_and_a_failed_fallback_no_threshold(monkeypatch):
     # Rows 1 and 4: stage 1's threshold above every key. Their fallbacks as computed: one round
     # ends it. Both too high (a failed margin): the round after runs them with no threshold, one
-    # round is not enough (the flag says so) and two are (as below).
+    # round is not enough (the flag says so) and two are (as below). (K 10 of 301: stride 1, and
+    # 298 slots, fewer than V.)
     hidden, weight, targets, _ = random_case(6, 16, 301, device=DEVICE)
-    want = fused(hidden, weight, targets, top_k=6)
+    want = fused(hidden, weight, targets, top_k=10)
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4], fallbacks_too=False))
-    out = fused(hidden, weight, targets, top_k=6)
+    out = fused(hidden, weight, targets, top_k=10)
     assert not out.top_k_incomplete
     assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4]))
-    assert fused(hidden, weight, targets, top_k=6).top_k_incomplete
+    assert fused(hidden, weight, targets, top_k=10).top_k_incomplete
 
 
 def test_rows_with_too_few_survivors_are_repaired_on_the_device(monkeypatch):
     # No key of rows 1, 4 and 20 survives stage 1 (3 row blocks; the third has no row in need). The
-    # repair rounds run them with no threshold (all 301 keys survive, past their 286 slots), then
+    # repair rounds run them with no threshold (all 301 keys survive, past their 298 slots), then
     # with the K-th of the keys they kept: bit for bit the normal answer, the partials unchanged.
     hidden, weight, targets, bias = random_case(37, 16, 301, bias=True, device=DEVICE)
-    kw = {"bias": bias, "top_k": 6, "return_entropy": True}
+    kw = {"bias": bias, "top_k": 10, "return_entropy": True}
     want = fused(hidden, weight, targets, **kw)
-    assert fused_topk.capacity(301, 6) == 286
+    assert fused_topk.sample_stride(301, 10) == 1 and fused_topk.capacity(301, 10) == 298
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4, 20]))
     needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, **kw)
@@ -380,14 +381,14 @@ def test_rows_left_in_need_flag_the_scores(rounds, monkeypatch):
     hidden, weight, targets, _ = random_case(11, 16, 301, device=DEVICE)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([4]))
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", rounds)
-    flag = fused(hidden, weight, targets, top_k=6).top_k_incomplete
+    flag = fused(hidden, weight, targets, top_k=10).top_k_incomplete
     assert flag.dtype == torch.bool and flag.shape == () and flag
-    per_row = fused_logprobs.TOPK_CHUNK_BYTES // fused_logprobs.topk_chunk_rows(301, 6)
+    per_row = fused_logprobs.TOPK_CHUNK_BYTES // fused_logprobs.topk_chunk_rows(301, 10)
     monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * per_row)
-    assert fused(hidden, weight, targets, top_k=6).top_k_incomplete
-    assert not fused(hidden[10:], weight, targets[10:], top_k=6).top_k_incomplete  # the third chunk alone
+    assert fused(hidden, weight, targets, top_k=10).top_k_incomplete
+    assert not fused(hidden[10:], weight, targets[10:], top_k=10).top_k_incomplete  # the third chunk alone
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 2)
-    assert not fused(hidden, weight, targets, top_k=6).top_k_incomplete
+    assert not fused(hidden, weight, targets, top_k=10).top_k_incomplete
 
 
 def test_repaired_rows_are_batch_invariant(monkeypatch):
@@ -425,7 +426,7 @@ def test_row_chunks_give_the_same_answer(monkeypatch):
 
 
 def test_slots_and_sample_sizes():
-    # the module doc's bounds: stride V / (64 K) in [1, MAX_SAMPLE_STRIDE], the sample >= K columns, slots above
+    # the module doc's bounds: stride V / (16 K) in [1, MAX_SAMPLE_STRIDE], the sample >= K columns, slots above
     # the expected K stride survivors, at most V, and O(K) per row at a given vocabulary
     for v in (70, 301, 4096, 151936, 262144):
         for k in (1, 20, 70, 128, 256):

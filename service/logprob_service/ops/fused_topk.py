@@ -42,10 +42,10 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    (then the R-th largest sampled value is one of the top K, and the top K below it may fall
    under the threshold). For top values placed independently of the sample's columns, the
    number of them that are sampled is Binomial(K, 1 / stride), and R is the smallest rank whose
-   tail P(X >= R) is at most ``SAMPLE_MISS_RATE`` (1e-6): R = 10 for K 20 at stride 16, 56 for
-   K 256 at stride 9, K at stride 1. The survivors drop from about K stride to about R stride
-   (320 -> 160 for K 20, 2,304 -> 504 for K 256 at a 152K vocabulary), and with them the
-   compaction's rounds (2.) and the slots. A row it misses gets its fallback in one repair
+   tail P(X >= R) is at most ``SAMPLE_MISS_RATE`` (1e-6): R = 8 for K 20 and 25 for K 256 at
+   stride 32, K at stride 1. The survivors drop from about K stride to about R stride (640 ->
+   256 for K 20, 8,192 -> 800 for K 256 at a 152K vocabulary), and with them the compaction's
+   rounds (2.) and the slots. A row it misses gets its fallback in one repair
    round (4.); a vocabulary whose top ids favour the sampled columns costs such rounds, not
    exactness.
 
@@ -86,13 +86,13 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    arrive in an order unrelated to their values (the kept ones about a random CAP of the c
    survivors) a round leaves about K c / CAP of them: an overflow of stage 1 (c a little past
    CAP, which has 8 standard deviations of room) fits after one round. A row the sample missed
-   runs with its fallback: about K stride survivors, which fit K 20's 928 slots at a 152K
-   vocabulary, and fit K 256's 1,336 after one more round (2,304 -> 441). A row with fewer than
-   K after its fallback (a failed margin, which its bound rules out) runs with MIN_KEY (all V
-   survive), then needs about log(V / CAP) / log(CAP / K) more rounds: two for K 20 and three
-   for K 256 at a 152K vocabulary (152K -> 3.3K -> 71; 152K -> 29K -> 5.6K -> 1.1K survivors),
-   four for K 256 of a 32K vocabulary (stride 1, CAP 640, the fallback the threshold itself).
-   Hence 5 rounds: a missed sample or an overflow with three to spare, a failed margin at these
+   runs with its fallback: about K stride survivors, which fit K 20's 1,280 slots at a 152K
+   vocabulary (640, 4.5 standard deviations below), and fit K 256's 2,336 after one more round
+   (8,192 -> 898). A row with fewer than K after its fallback (a failed margin, which its bound
+   rules out) runs with MIN_KEY (all V survive), then needs about log(V / CAP) / log(CAP / K)
+   more rounds: two for K 20 and for K 256 at a 152K vocabulary (152K -> 2.4K -> 37; 152K ->
+   16.7K -> 1.8K survivors), three for K 256 of a 32K vocabulary (stride 7, CAP 1,222: 32K ->
+   6.9K -> 1.4K -> 0.3K). Hence 5 rounds: a missed sample or an overflow with three to spare, a failed margin at these
    shapes. Rows that may need more: those whose keys arrive in an order that defeats the
    rounds (many equal values, as NaN logits or a zero hidden state, where the kept keys are
    the ids that arrived first). Such a row is not
@@ -104,15 +104,16 @@ Survivors per row: the sample's R-th largest is about the (R stride)-th largest 
 top values spread over the vocabulary independently of the stride), give or take about sqrt(R)
 stride, plus the few within the margin. ``capacity`` gives room for that and 8 standard
 deviations more: CAP = R stride + 8 floor(sqrt(R - 1)) stride + 8 stride + 256 slots (at least K,
-at most V). The stride is V / (64 K), within [1, MAX_SAMPLE_STRIDE = 16] (``sample_stride``): the
-sample costs 1/stride of the matmul (6% for K 20, 11% for K 256 at a 152K vocabulary), and a
-[BLOCK_N, 256] tile has about 256 R stride / V <= 4 survivors per row (0.27 for K 20 at 152K), so
-the compaction's rounds (the most survivors of a row of the block) are few. (A stride of 16
-rather than 32 at K 20 halves the survivors; it measured 1.57x against 1.67x the plain kernel at
-8,192 x 3,584 and 2.61x against 2.77x at 24,576 x 896 on an H200, with the K-th largest as stage
-1's threshold; 8 and 4 were slower: benchmarks/RESULTS.md, session 19.) Memory per row: CAP int64
-slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 2048 bytes) and, while the threshold is taken, S = V /
-stride <= max(128 K, V / 16) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
+at most V). The stride is V / (16 K), within [1, MAX_SAMPLE_STRIDE = 32] (``sample_stride``): the
+sample costs 1/stride of the matmul and of its top-k (3% for K 20 and K 256 at a 152K
+vocabulary), and a [BLOCK_N, 256] tile has about 256 R stride / V <= 16 survivors per row (0.43
+for K 20, 1.35 for K 256 at 152K), so the compaction's rounds (the most survivors of a row of the
+block) are few. (With stage 1 at the R-th largest, a stride of 32 rather than 16 measured 1.49x
+against 1.64x the plain kernel for K 20 at 8,192 x 3,584, and 32 rather than 9 or 7 for K 256
+1.70x against 1.81x there and 1.71x against 2.50x at 65,536 x 4,096, on an H100; 8 was slower:
+benchmarks/RESULTS.md, session 20.) Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048
+ceil(sqrt K) + 4096 bytes) and, while the threshold is taken, S = V / stride <= max(32 K, V / 32) +
+1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
 ``fused_logprobs`` runs top-k in row chunks whose slots and sample stay under ``TOPK_CHUNK_BYTES``.
 
 The reserved base comes back from a tensor atomic add to every thread that holds the row (a
@@ -250,12 +251,12 @@ def _candidates_kernel(
     tl.store(out_ptr + row * Kc + cs, z * 0.6931471805599453 - lse, mask=c_ok)
 
 
-MAX_SAMPLE_STRIDE = 16
+MAX_SAMPLE_STRIDE = 32
 
 
 def sample_stride(vocab: int, k: int) -> int:
-    """Every how many columns the threshold's sample takes one: V / (64 K), within [1, 16]."""
-    return min(MAX_SAMPLE_STRIDE, max(1, vocab // (64 * k)))
+    """Every how many columns the threshold's sample takes one: V / (16 K), within [1, 32]."""
+    return min(MAX_SAMPLE_STRIDE, max(1, vocab // (16 * k)))
 
 
 # How often stage 1's threshold may miss a row's top-k (module doc, 1.), at most, for top values
