@@ -487,7 +487,7 @@ def fused_token_logprobs(
         )  # fmt: skip
         return partial_m, partial_s, partial_t
 
-    found = fallbacks = None  # (thresholds, counters, slots) of the top-k survivors
+    found = fallbacks = None  # the top-k survivors' (thresholds, counters, slots); sample_thresholds' fallbacks
     if top_k:
         softcap = transform.softcap is not None
         thresholds, fallbacks = sample_thresholds(hidden, weight, bias32, top_k, pre, post, softcap)

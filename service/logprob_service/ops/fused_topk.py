@@ -45,8 +45,8 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    tail P(X >= R) is at most ``SAMPLE_MISS_RATE`` (1e-6): R = 8 for K 20 and 25 for K 256 at
    stride 32, K at stride 1. The survivors drop from about K stride to about R stride (640 ->
    256 for K 20, 8,192 -> 800 for K 256 at a 152K vocabulary), and with them the compaction's
-   rounds (2.) and the slots. A row it misses gets its fallback in one repair
-   round (4.); a vocabulary whose top ids favour the sampled columns costs such rounds, not
+   rounds (2.) and the slots. A row it misses runs again with its fallback (4.: one round, two
+   for K 256); a vocabulary whose top ids favour the sampled columns costs such rounds, not
    exactness.
 
    Exactness does not rest on either bound: the survivors, the keys >= a threshold key, are
@@ -92,13 +92,13 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    rules out) runs with MIN_KEY (all V survive), then needs about log(V / CAP) / log(CAP / K)
    more rounds: two for K 20 and for K 256 at a 152K vocabulary (152K -> 2.4K -> 37; 152K ->
    16.7K -> 1.8K survivors), three for K 256 of a 32K vocabulary (stride 7, CAP 1,222: 32K ->
-   6.9K -> 1.4K -> 0.3K). Hence 5 rounds: a missed sample or an overflow with three to spare, a failed margin at these
-   shapes. Rows that may need more: those whose keys arrive in an order that defeats the
-   rounds (many equal values, as NaN logits or a zero hidden state, where the kept keys are
-   the ids that arrived first). Such a row is not
-   answered wrong: ``top_k_incomplete`` (TokenScores) is a device flag, set when a row still
-   needs repair after the rounds, that the scorer copies with the results and turns into an
-   error for the micro-batch (``models.scorer.Launched.fetch``).
+   6.9K -> 1.4K -> 0.3K). Hence 5 rounds: a missed sample or an overflow with three to spare,
+   a failed margin at these shapes. Rows that may need more: those whose keys arrive in an
+   order that defeats the rounds (many equal values, as NaN logits or a zero hidden state, where
+   the kept keys are the ids that arrived first). Such a row is not answered wrong:
+   ``top_k_incomplete`` (TokenScores) is a device flag, set when a row still needs repair after
+   the rounds, that the scorer copies with the results and turns into an error for the
+   micro-batch (``models.scorer.Launched.fetch``).
 
 Survivors per row: the sample's R-th largest is about the (R stride)-th largest of the row (for
 top values spread over the vocabulary independently of the stride), give or take about sqrt(R)
