@@ -291,7 +291,7 @@ def test_rows_whose_top_k_the_sample_holds_are_repaired_by_their_fallback_in_one
     # more than R of them, so stage 1's threshold (the sample's R-th largest) lets fewer than K
     # keys survive in every row. One repair round with the fallbacks (the sample's K-th largest)
     # gives the exact answer. (float16: fp32 operands' margin covers TF32, wider than some gaps
-    # between a row's 7th and 9th values.)
+    # between a row's R-th and K-th values.)
     hidden, weight, targets, _ = sampled_case(4, 8, dtype=torch.float16)
     stride = fused_topk.sample_stride(weight.shape[0], 8)
     assert fused_topk.sample_rank(weight.shape[0], 8) == 6
