@@ -17,6 +17,7 @@ from logprob_service.ops.logprobs import IDENTITY, LogitTransform, chunked_token
 
 from tests.helpers.op_reference import transformed_logits
 from tests.helpers.topk import assert_top_k
+from tests.helpers.topk_rounds import stage_one_needs, too_high
 
 TOL = 1e-4
 
@@ -123,15 +124,8 @@ def test_rows_with_too_few_survivors_are_repaired_on_the_gpu(k, seed, monkeypatc
     # cover it); bit for bit the normal answer
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
     want = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
-    real = fused_logprobs.sample_thresholds
-    rows = [0, 1, 150, 299]  # row blocks with and without rows in need
-
-    def too_high(hidden, *args):
-        t, fallback = real(hidden, *args)
-        t[rows] = fallback[rows] = 2**63 - 1
-        return t, fallback
-
-    monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high)
+    # row blocks with and without rows in need
+    monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([0, 1, 150, 299]))
     out = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
     assert not out.top_k_incomplete
     for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
@@ -144,13 +138,6 @@ def test_no_host_synchronization(seed, monkeypatch):
     # the expected R stride survivors only (R the sample rank): about half the rows overflow, by a
     # little, and one round repairs them (fused_topk, 4.); the answer is the normal slots'.
     hidden, weight, targets, candidates = cuda_case(1025, 3584, 152064, seed=seed)
-    needs = []  # after stage 1, each launch's rows in need
-    real = fused_logprobs.repair_survivors
-
-    def spy(relaunch, thresholds, fallbacks, counts, slots, k):
-        needs.append(fused_topk.rows_in_need(counts, slots.shape[1], k))
-        return real(relaunch, thresholds, fallbacks, counts, slots, k)
-
     for k in (20, 256):
         kw = {"top_k": k, "candidates": candidates, "invariant": True}
         want = fused_token_logprobs(hidden, weight, targets, **kw)
@@ -158,7 +145,7 @@ def test_no_host_synchronization(seed, monkeypatch):
             patch.setattr(
                 fused_logprobs, "capacity", lambda v, k: fused_topk.sample_rank(v, k) * fused_topk.sample_stride(v, k)
             )
-            patch.setattr(fused_logprobs, "repair_survivors", spy)
+            needs = stage_one_needs(patch)  # after stage 1, each launch's rows in need
             fused_token_logprobs(hidden, weight, targets, **kw)  # compiled outside the check
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")

@@ -27,6 +27,8 @@ triton = pytest.importorskip("triton")
 from logprob_service.ops import fused_logprobs, fused_topk  # noqa: E402
 from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs  # noqa: E402
 
+from tests.helpers.topk_rounds import stage_one_needs, too_high  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = KernelConfig(block_n=16, block_v=32, block_k=16, num_warps=4, num_stages=2)
 TRANSFORMS = {
@@ -177,20 +179,6 @@ def no_threshold(hidden, weight, bias, k, pre, post, softcap):
     return none, none.clone()
 
 
-def stage_one_needs(monkeypatch):
-    """Per launch, the [n] bool rows that needed repair after stage 1 (recorded as
-    ``fused_logprobs.repair_survivors`` is called, before its rounds)."""
-    needs = []
-    real = fused_logprobs.repair_survivors
-
-    def spy(relaunch, thresholds, fallbacks, counts, slots, k):
-        needs.append(fused_topk.rows_in_need(counts, slots.shape[1], k))
-        return real(relaunch, thresholds, fallbacks, counts, slots, k)
-
-    monkeypatch.setattr(fused_logprobs, "repair_survivors", spy)
-    return needs
-
-
 def counting(monkeypatch, name):
     """Count the calls of ``fused_logprobs.<name>`` (still calling it)."""
     calls = []
@@ -322,22 +310,6 @@ def test_rows_of_equal_values_give_the_smallest_ids(cap, monkeypatch):
     alone = fused(hidden[rest], weight, targets[rest], top_k=7)
     assert torch.equal(out.top_ids[rest], alone.top_ids)
     assert_topk_matches(alone, hidden[rest], weight, None, LogitTransform(), 7)
-
-
-def too_high(rows, fallbacks_too=True):
-    """``sample_thresholds``, but a threshold above every key for ``rows`` (where a launch has them):
-    none of their keys survives stage 1; their fallbacks too (a failed margin), or as computed."""
-    real = fused_logprobs.sample_thresholds
-
-    def thresholds(hidden, *args):
-        t, fallback = real(hidden, *args)
-        high = [r for r in rows if r < len(t)]
-        t[high] = 2**63 - 1
-        if fallbacks_too:
-            fallback[high] = 2**63 - 1
-        return t, fallback
-
-    return thresholds
 
 
 def test_a_missed_row_takes_its_fallback_and_a_failed_fallback_no_threshold(monkeypatch):
