@@ -92,6 +92,25 @@ def test_extreme_logits_stay_finite():
     torch.testing.assert_close(out.entropies.double(), ref_ent, atol=atol, rtol=0)
 
 
+def test_a_bias_of_minus_inf_masks_tokens():
+    # -inf on all but 3 of 250 tokens: whole tiles and splits of -inf (no -inf - -inf in the running
+    # max, no 0 * -inf in the entropy): the scores of the 3 tokens' softmax
+    hidden, weight, targets, _ = random_case(20, 32, 250, device=DEVICE)
+    bias = torch.full((250,), float("-inf"), device=DEVICE)
+    kept = torch.tensor([3, 100, 249], device=DEVICE)
+    bias[kept] = torch.randn(3, device=DEVICE)
+    targets = kept[targets % 3]
+    out = fused_token_logprobs(
+        hidden, weight, targets, bias=bias, config=SMALL, plan=LaunchPlan(3, 2), **ALL_OUTPUTS
+    )
+    x = (hidden.double() @ weight.double().T + bias.double())[:, kept]  # [N, 3]
+    logp = x.log_softmax(-1)
+    want = logp.gather(1, (targets[:, None] == kept).double().argmax(1, keepdim=True)).squeeze(1)
+    torch.testing.assert_close(out.logprobs.double(), want, atol=tolerances.OP_FP32, rtol=0)
+    torch.testing.assert_close(out.entropies.double(), -(logp.exp() * logp).sum(-1), atol=tolerances.OP_FP32, rtol=0)
+    torch.testing.assert_close(out.lse.double(), x.logsumexp(-1), atol=tolerances.OP_FP32, rtol=0)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's limitation")
 def test_bfloat16_is_refused_by_the_interpreter():
     hidden, weight, targets, _ = random_case(4, 16, 40, dtype=torch.bfloat16)

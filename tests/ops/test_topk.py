@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, key_ids, topk_keys
+from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, key_ids, key_values, topk_keys
 
 from tests.helpers import tolerances
 from tests.helpers.op_reference import random_case, transformed_logits
@@ -206,8 +206,9 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     # The row's top values on sampled columns, a few ulps of the logit apart: W rows equal but for
     # their first element, fp16 steps apart (larger on the sampled columns), which a small first
     # hidden component scales to about an ulp of the logit. The threshold is then torch's value of
-    # the very column that is the kernel's K-th: without the margin, the kernel's value, rounded
-    # otherwise, falls below it in some rows, fewer than K keys survive and the row runs again.
+    # a column near the kernel's K-th (the K-th largest group maximum; most often the kernel's K-th
+    # itself): without the margin, the kernel's value, rounded otherwise, falls below it in some
+    # rows, fewer than K keys survive and the row runs again.
     hidden, weight, targets, _ = random_case(16, 64, 64 * 3 * 32 + 5, dtype=torch.float16, device=DEVICE)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     stride = fused_topk.sample_stride(weight.shape[0], 3)
@@ -221,7 +222,7 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     thr, fallback = fused_topk.sample_thresholds(hidden, weight, None, 3, pre, post, False)
     assert fused_topk.sample_rank(weight.shape[0], 3) == 3 and torch.equal(thr, fallback)  # stride 1
     z = (hidden.double() @ weight.double().T) * pre  # float64 z
-    kth = z.topk(3, dim=1).values[:, -1]
+    kth = fused_topk.sample_ranks(z.float(), 3, 3)[:, 1].to(DEVICE).double()  # the threshold's column's value
     t_hi = (thr >> 32).to(torch.int32)
     t = torch.where(t_hi < 0, t_hi ^ 0x7FFFFFFF, t_hi).view(torch.float32).double()
     assert (t < kth).all() and ((kth - t) < 1e-3 * (kth.abs() + 1)).all()  # below, by a few rounding errors
@@ -248,6 +249,26 @@ def test_rows_that_overflow_their_slots_run_again(k, monkeypatch):
     assert_topk_matches(out, hidden, weight, None, LogitTransform(), k)
     for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
         assert torch.equal(getattr(out, field), getattr(want, field)), field
+
+
+def test_rows_with_fewer_finite_logits_than_k_get_the_smallest_ids_at_minus_inf(monkeypatch):
+    # a bias of -inf on all but 3 tokens: stage 1's threshold stays above -inf (which also keeps the
+    # tiles' masked columns out), so 3 survive, and the rows run again with their fallback; the
+    # answer: the 3 finite tokens by value, then the smallest ids, at -inf
+    hidden, weight, targets, _ = sampled_case(7, 5, stride=8)
+    bias = torch.full((weight.shape[0],), float("-inf"), device=DEVICE)
+    finite = torch.tensor([3, 400, weight.shape[0] - 1], device=DEVICE)
+    bias[finite] = 0.0
+    needs = stage_one_needs(monkeypatch)
+    out = fused(hidden, weight, targets, bias=bias, top_k=5)
+    assert needs[0].all() and not out.top_k_incomplete
+    logits = (hidden.double() @ weight.double().T)[:, finite]
+    order = logits.argsort(dim=1, descending=True, stable=True)
+    assert out.top_ids[:, :3].long().tolist() == finite[order].tolist()
+    torch.testing.assert_close(out.top_logprobs[:, :3].double(), logits.log_softmax(1).gather(1, order), atol=tolerances.OP_FP32, rtol=0)
+    others = [i for i in range(5) if i not in finite.tolist()][:2]
+    assert out.top_ids[:, 3:].tolist() == [others] * 7
+    assert (out.top_logprobs[:, 3:] == float("-inf")).all()
 
 
 def test_the_sample_rank_is_the_smallest_whose_miss_chance_is_small_enough():
@@ -304,7 +325,7 @@ def test_rows_of_equal_values_give_the_smallest_ids(cap, monkeypatch):
     for row in (2, 4):
         assert out.top_ids[row].tolist() == list(range(7))
         torch.testing.assert_close(
-            out.top_logprobs[row].double(), torch.full((7,), -math.log(200), dtype=torch.float64)
+            out.top_logprobs[row].double(), torch.full((7,), -math.log(200), dtype=torch.float64, device=DEVICE)
         )
     rest = [0, 1, 3, 5]  # the other rows: as alone
     alone = fused(hidden[rest], weight, targets[rest], top_k=7)
@@ -409,3 +430,44 @@ def test_slots_and_sample_sizes():
             rank, cap = fused_topk.sample_rank(v, k), fused_topk.capacity(v, k)
             assert cap == v or rank * stride + 256 < cap <= rank * stride * 9 + 256 + 8 * stride or cap == k
             assert cap >= k
+
+
+@pytest.mark.parametrize("width,k", [(5000, 20), (5000, 256), (300, 7), (100, 60), (9, 3), (1000, 1)])
+def test_the_sample_ranks_are_those_of_group_maxima(width, k):
+    # G = sample_groups(S, K) interleaved groups (g, g + G, ...), each a column's value; the R-th
+    # and K-th largest of their maxima (repeats counted), at most the sample's own R-th and K-th
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    z = torch.randn(6, width, generator=g)
+    z[:2] = torch.randint(-3, 4, (2, width), generator=g).float()  # many equal values
+    z[2, ::3] = float("inf")
+    z[3] = float("-inf")
+    z[3, :k] = torch.randn(k, generator=g)  # as many finite values as K
+    groups = fused_topk.sample_groups(width, k)
+    assert groups == min(triton.next_power_of_2(max(256, 2 * k)), triton.next_power_of_2(width))
+    padded = torch.nn.functional.pad(z, (0, -width % groups), value=float("-inf"))
+    maxima = padded.view(6, -1, groups).amax(dim=1)  # [6, G]
+    for r in sorted({1, max(1, k // 3), k}):
+        want = maxima.topk(k, dim=1).values[:, [r - 1, k - 1]]
+        got = fused_topk.sample_ranks(z.to(DEVICE), r, k).cpu()
+        assert torch.equal(got, want), r
+        assert (got <= z.topk(k, dim=1).values[:, [r - 1, k - 1]]).all()
+
+
+@pytest.mark.parametrize("cap,k", [(1, 1), (50, 50), (300, 7), (300, 256), (3000, 20)])  # the kernel; torch.topk past K 64 or 2,048 slots
+def test_stage_two_gives_the_largest_keys_in_order(cap, k):
+    # distinct keys (any value, any id) in any order, empty slots among them
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    if k > cap:
+        pytest.skip("at least K slots")
+    values = torch.randn(9, cap, generator=g) * 30
+    values[:, ::5] = torch.randint(-2, 3, values[:, ::5].shape, generator=g).float()  # equal values, other ids
+    ids = torch.stack([torch.randperm(100_000, generator=g)[:cap] for _ in range(9)])
+    keys = topk_keys(values, ids)
+    keys[:, k:][torch.rand(9, cap - k, generator=g) < 0.3] = fused_topk.MIN_KEY  # empty slots past the K filled
+    keys = keys[:, torch.randperm(cap, generator=g)].to(DEVICE)
+    lse2 = (torch.randn(9, generator=g) * 10).to(DEVICE)
+    got_ids, got_lps = fused_topk.select_top_k(keys, lse2, k)
+    top = torch.topk(keys, k, dim=1).values
+    assert torch.equal(got_ids, key_ids(top).int())
+    want = (key_values(top) - lse2[:, None]) * math.log(2)
+    assert torch.equal(got_lps, want)

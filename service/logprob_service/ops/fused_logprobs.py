@@ -190,11 +190,13 @@ def _partials_kernel(
         z = tl.where(col_ok[None, :], z, float("-inf"))
         if not REPAIR:  # a repair round's partials are stage 1's: not computed again
             m_new = tl.maximum(m, tl.max(z, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(z - m_new[:, None])  # 0 at masked columns
+            # a row all -inf so far (a -inf bias masks tokens): no -inf - -inf, its s and t stay 0
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_ref)
+            p = tl.exp2(z - m_ref[:, None])  # 0 at masked columns and at z = -inf
             s = s * alpha + tl.sum(p, axis=1)
             if ENTROPY:
-                t = t * alpha + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf
+                t = t * alpha + tl.sum(tl.where(p > 0, p * z, 0.0), axis=1)  # no 0 * -inf
             m = m_new
         if TOPK:
             compact_survivors(z, cols, col_ok, rows, compact_ok, thr_ptr, cnt_ptr, buf_ptr, CAP, ANY_LOW_WORD=REPAIR)
