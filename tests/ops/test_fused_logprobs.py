@@ -100,9 +100,7 @@ def test_a_bias_of_minus_inf_masks_tokens():
     kept = torch.tensor([3, 100, 249], device=DEVICE)
     bias[kept] = torch.randn(3, device=DEVICE)
     targets = kept[targets % 3]
-    out = fused_token_logprobs(
-        hidden, weight, targets, bias=bias, config=SMALL, plan=LaunchPlan(3, 2), **ALL_OUTPUTS
-    )
+    out = fused_token_logprobs(hidden, weight, targets, bias=bias, config=SMALL, plan=LaunchPlan(3, 2), **ALL_OUTPUTS)
     x = (hidden.double() @ weight.double().T + bias.double())[:, kept]  # [N, 3]
     logp = x.log_softmax(-1)
     want = logp.gather(1, (targets[:, None] == kept).double().argmax(1, keepdim=True)).squeeze(1)

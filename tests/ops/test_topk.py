@@ -265,7 +265,9 @@ def test_rows_with_fewer_finite_logits_than_k_get_the_smallest_ids_at_minus_inf(
     logits = (hidden.double() @ weight.double().T)[:, finite]
     order = logits.argsort(dim=1, descending=True, stable=True)
     assert out.top_ids[:, :3].long().tolist() == finite[order].tolist()
-    torch.testing.assert_close(out.top_logprobs[:, :3].double(), logits.log_softmax(1).gather(1, order), atol=tolerances.OP_FP32, rtol=0)
+    torch.testing.assert_close(
+        out.top_logprobs[:, :3].double(), logits.log_softmax(1).gather(1, order), atol=tolerances.OP_FP32, rtol=0
+    )
     others = [i for i in range(5) if i not in finite.tolist()][:2]
     assert out.top_ids[:, 3:].tolist() == [others] * 7
     assert (out.top_logprobs[:, 3:] == float("-inf")).all()
@@ -453,7 +455,9 @@ def test_the_sample_ranks_are_those_of_group_maxima(width, k):
         assert (got <= z.topk(k, dim=1).values[:, [r - 1, k - 1]]).all()
 
 
-@pytest.mark.parametrize("cap,k", [(1, 1), (50, 50), (300, 7), (300, 256), (3000, 20)])  # the kernel; torch.topk past K 64 or 2,048 slots
+@pytest.mark.parametrize(
+    "cap,k", [(1, 1), (50, 50), (300, 7), (300, 256), (3000, 20)]
+)  # the kernel; torch.topk past K 64 or 2,048 slots
 def test_stage_two_gives_the_largest_keys_in_order(cap, k):
     # distinct keys (any value, any id) in any order, empty slots among them
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))

@@ -43,16 +43,16 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    Stage 1 takes a higher threshold: the same from the R-th largest group maximum, R =
    ``sample_rank(V, K)`` <= K, at most the sample's R-th largest value. It keeps the row's top K
    unless R of them lie on sampled columns (then the R-th largest sampled value is one of the top
-   K, and the top K below it may fall under the threshold). For top values placed independently of the sample's columns, the
-   number of them that are sampled is Binomial(K, 1 / stride), and R is the smallest rank whose
-   tail P(X >= R) is at most ``SAMPLE_MISS_RATE`` (1e-6): R = 8 for K 20 and 25 for K 256 at
-   stride 32, K at stride 1. The survivors drop from about K stride to about R stride (640 ->
-   256 for K 20, 8,192 -> 800 for K 256 at a 152K vocabulary; a few more where two of the
-   sample's R largest share a group), and with them the compaction's rounds (2.) and the slots.
-   Stage 1's threshold is also kept above -inf (``ABOVE_NEG_INF``): the tiles' masked columns
-   (z = -inf) never pass it, and a row with fewer than K finite logits runs again (4.). A row it misses runs again with its fallback (4.: one round, two
-   for K 256); a vocabulary whose top ids favour the sampled columns costs such rounds, not
-   exactness.
+   K, and the top K below it may fall under the threshold). For top values placed independently of
+   the sample's columns, the number of them that are sampled is Binomial(K, 1 / stride), and R is
+   the smallest rank whose tail P(X >= R) is at most ``SAMPLE_MISS_RATE`` (1e-6): R = 8 for K 20
+   and 25 for K 256 at stride 32, K at stride 1. The survivors drop from about K stride to about R
+   stride (640 -> 256 for K 20, 8,192 -> 800 for K 256 at a 152K vocabulary; a few more where two
+   of the sample's R largest share a group), and with them the compaction's rounds (2.) and the
+   slots. Stage 1's threshold is also kept above -inf (``ABOVE_NEG_INF``): the tiles' masked
+   columns (z = -inf) never pass it, and a row with fewer than K finite logits runs again (4.). A
+   row it misses runs again with its fallback (4.: one round, two for K 256); a vocabulary whose
+   top ids favour the sampled columns costs such rounds, not exactness.
 
    Exactness does not rest on either bound: the survivors, the keys >= a threshold key, are
    always the row's largest keys, so a row with at least K survivors has its exact top K among
@@ -107,23 +107,23 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    the rounds, that the scorer copies with the results and turns into an error for the
    micro-batch (``models.scorer.Launched.fetch``).
 
-Survivors per row: the sample's R-th largest is about the (R stride)-th largest of the row (for
-top values spread over the vocabulary independently of the stride), give or take about sqrt(R)
-stride, plus the few within the margin. ``capacity`` gives room for that and 8 standard
-deviations more: CAP = R stride + 8 floor(sqrt(R - 1)) stride + 8 stride + 256 slots (at least K,
-at most V). The stride is V / (16 K), within [1, MAX_SAMPLE_STRIDE = 32] (``sample_stride``): the
-sample costs 1/stride of the matmul and of its top-k (3% for K 20 and K 256 at a 152K
-vocabulary), and a [BLOCK_N, 256] tile has about 256 R stride / V <= 16 survivors per row (0.43
-for K 20, 1.35 for K 256 at 152K), a quarter of that in each of the compaction's parts, so its
-rounds (the most survivors of a row of the block in a part) are few: about 1.5 a part for K 20. (With stage 1 at the R-th largest, a stride of 32 rather than 16 measured 1.49x
-against 1.64x the plain kernel for K 20 at 8,192 x 3,584, and 32 rather than 9 or 7 for K 256
-1.70x against 1.81x there and 1.71x against 2.50x at 65,536 x 4,096, on an H100; 8 was slower:
-benchmarks/RESULTS.md, session 20. The rounds over quarters of the tile rather than the whole
-of it: 1.29x against 1.37x for K 20 there, 1.24x against 1.32x at 65,536 x 4,096, session 21.)
-Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048
-ceil(sqrt K) + 4096 bytes) and, while the threshold is taken, S = V / stride <= max(32 K, V / 32) +
-1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
-``fused_logprobs`` runs top-k in row chunks whose slots and sample stay under ``TOPK_CHUNK_BYTES``.
+Survivors per row: the sample's R-th largest is about the (R stride)-th largest of the row (for top
+values spread over the vocabulary independently of the stride), give or take about sqrt(R) stride,
+plus the few within the margin. ``capacity`` gives room for that and 8 standard deviations more:
+CAP = R stride + 8 floor(sqrt(R - 1)) stride + 8 stride + 256 slots (at least K, at most V). The
+stride is V / (16 K), within [1, MAX_SAMPLE_STRIDE = 32] (``sample_stride``): the sample costs
+1/stride of the matmul and of its top-k (3% for K 20 and K 256 at a 152K vocabulary), and a
+[BLOCK_N, 256] tile has about 256 R stride / V <= 16 survivors per row (0.43 for K 20, 1.35 for K
+256 at 152K), a quarter of that in each of the compaction's parts, so its rounds (the most
+survivors of a row of the block in a part) are few: about 1.5 a part for K 20. (With stage 1 at the
+R-th largest, a stride of 32 rather than 16 measured 1.49x against 1.64x the plain kernel for K 20
+at 8,192 x 3,584, and 32 rather than 9 or 7 for K 256 1.70x against 1.81x there and 1.71x against
+2.50x at 65,536 x 4,096, on an H100; 8 was slower: benchmarks/RESULTS.md, session 20. The rounds
+over quarters of the tile rather than the whole of it: 1.29x against 1.37x for K 20 there, 1.24x
+against 1.32x at 65,536 x 4,096, session 21.) Memory per row: CAP int64 slots (8 CAP <= 256 K +
+2048 ceil(sqrt K) + 4096 bytes) and, while the threshold is taken, S = V / stride <= max(32 K, V /
+32) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all; ``fused_logprobs``
+runs top-k in row chunks whose slots and sample stay under ``TOPK_CHUNK_BYTES``.
 
 The reserved base comes back from a tensor atomic add to every thread that holds the row (a
 [BLOCK_N] vector is replicated across the threads of a row); Triton broadcasts it from the thread
@@ -399,7 +399,9 @@ def _sample_ranks_kernel(
     maxima = tl.full([G], TAKEN, tl.int32)
     for c0 in range(0, S, G):
         inside = (c0 + offs) < S
-        maxima = tl.maximum(maxima, tl.where(inside, ordered_bits(tl.load(at + c0 + offs, mask=inside, other=0.0)), TAKEN))
+        maxima = tl.maximum(
+            maxima, tl.where(inside, ordered_bits(tl.load(at + c0 + offs, mask=inside, other=0.0)), TAKEN)
+        )
     lo_r = tl.full([], -(2**31), tl.int64)  # every value's bits are >= the smallest int32
     hi_r = tl.full([], 2**31 - 1, tl.int64)
     lo_k, hi_k = lo_r, hi_r
