@@ -222,7 +222,7 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     thr, fallback = fused_topk.sample_thresholds(hidden, weight, None, 3, pre, post, False)
     assert fused_topk.sample_rank(weight.shape[0], 3) == 3 and torch.equal(thr, fallback)  # stride 1
     z = (hidden.double() @ weight.double().T) * pre  # float64 z
-    kth = fused_topk.sample_ranks(z.float(), 3, 3)[:, 1].to(DEVICE).double()  # the threshold's column's value
+    kth = fused_topk.sample_ranks(z.float(), 3, 3, 1.0, 1.0, False)[:, 1].double()  # the threshold's column's
     t_hi = (thr >> 32).to(torch.int32)
     t = torch.where(t_hi < 0, t_hi ^ 0x7FFFFFFF, t_hi).view(torch.float32).double()
     assert (t < kth).all() and ((kth - t) < 1e-3 * (kth.abs() + 1)).all()  # below, by a few rounding errors
@@ -450,27 +450,39 @@ def test_the_sample_ranks_are_those_of_group_maxima(width, k):
     maxima = padded.view(6, -1, groups).amax(dim=1)  # [6, G]
     for r in sorted({1, max(1, k // 3), k}):
         want = maxima.topk(k, dim=1).values[:, [r - 1, k - 1]]
-        got = fused_topk.sample_ranks(z.to(DEVICE), r, k).cpu()
+        got = fused_topk.sample_ranks(z.to(DEVICE), r, k, 1.0, 1.0, False).cpu()  # z = x
         assert torch.equal(got, want), r
         assert (got <= z.topk(k, dim=1).values[:, [r - 1, k - 1]]).all()
+    # the kernel's transform on the way: a softcap (its own tanh, within a few ulps of torch's)
+    x = torch.randn(6, width, generator=g) * 20
+    scale, cap, temperature = 0.5, 4.0, 1.3
+    pre, post = scale / cap, cap * math.log2(math.e) / temperature
+    z = torch.tanh(x.double() * pre) * post
+    want = fused_topk.sample_ranks(z.float(), 1, k, 1.0, 1.0, False)
+    got = fused_topk.sample_ranks(x.to(DEVICE), 1, k, pre, post, True).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "cap,k", [(1, 1), (50, 50), (300, 7), (300, 256), (3000, 20)]
-)  # the kernel; torch.topk past K 64 or 2,048 slots
-def test_stage_two_gives_the_largest_keys_in_order(cap, k):
-    # distinct keys (any value, any id) in any order, empty slots among them
+# (slots, K, expected survivors): the kernel (its rows with at most 2 x expected survivors reading
+# only those, the others all their slots); torch.topk past K 64 or 2,048 slots
+STAGE_TWO = [(1, 1, 1), (50, 50, 40), (300, 7, 20), (300, 256, 100), (3000, 20, 500)]
+
+
+@pytest.mark.parametrize("cap,k,expected", STAGE_TWO)
+def test_stage_two_gives_the_largest_keys_in_order(cap, k, expected):
+    # distinct keys (any value, any id) filling each row's first slots (as the compaction does),
+    # from K up to all of them, equal values among them (other ids)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    if k > cap:
-        pytest.skip("at least K slots")
     values = torch.randn(9, cap, generator=g) * 30
-    values[:, ::5] = torch.randint(-2, 3, values[:, ::5].shape, generator=g).float()  # equal values, other ids
+    values[:, ::5] = torch.randint(-2, 3, values[:, ::5].shape, generator=g).float()
     ids = torch.stack([torch.randperm(100_000, generator=g)[:cap] for _ in range(9)])
     keys = topk_keys(values, ids)
-    keys[:, k:][torch.rand(9, cap - k, generator=g) < 0.3] = fused_topk.MIN_KEY  # empty slots past the K filled
-    keys = keys[:, torch.randperm(cap, generator=g)].to(DEVICE)
+    counts = torch.randint(k, cap + 1, (9,), generator=g, dtype=torch.int32)
+    counts[0], counts[-1] = k, cap
+    keys[torch.arange(cap) >= counts[:, None].long()] = fused_topk.MIN_KEY  # slots past the row's survivors
+    keys, counts = keys.to(DEVICE), counts.to(DEVICE)
     lse2 = (torch.randn(9, generator=g) * 10).to(DEVICE)
-    got_ids, got_lps = fused_topk.select_top_k(keys, lse2, k)
+    got_ids, got_lps = fused_topk.select_top_k(keys, counts, lse2, k, expected)
     top = torch.topk(keys, k, dim=1).values
     assert torch.equal(got_ids, key_ids(top).int())
     want = (key_values(top) - lse2[:, None]) * math.log(2)

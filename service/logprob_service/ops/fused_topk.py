@@ -358,8 +358,8 @@ def sample_thresholds(
     if not hidden.is_cuda:
         sampled = sampled.float()  # the CPU has no 16-bit matmul with an fp32 output
     x = _logits_fp32(hidden, sampled, bias[::stride] if bias is not None else None)  # [n, S] fp32
-    z = x.mul_(pre).tanh_().mul_(post) if softcap else x.mul_(pre)  # in place: one [n, S] slab
-    s = sample_ranks(z, sample_rank(vocab, k), k).double()  # the R-th and K-th largest group maxima
+    # the R-th and K-th largest group maxima of z, transformed as the kernel does
+    s = sample_ranks(x, sample_rank(vocab, k), k, pre, post, softcap).double()
     margin = threshold_margin(hidden, sampled, s.abs().amax(dim=1), pre, post, weight.dtype == torch.float32)
     ordered = ordered_words((s - margin[:, None]).float()).to(torch.int64) - 1  # one float down
     # Stage 1's at -FLT_MAX at least: no z = -inf passes it (the kernel's masked columns; a row with
@@ -381,27 +381,30 @@ def sample_groups(width: int, k: int) -> int:
 
 @triton.jit
 def _sample_ranks_kernel(
-    z_ptr,  # [n, S] fp32: the sample's z
-    out_ptr,  # [n, 2] fp32 out: the R-th and K-th largest of the row's G group maxima
+    x_ptr,  # [n, S] fp32: the sample's logits x
+    out_ptr,  # [n, 2] fp32 out: the R-th and K-th largest of the row's G group maxima of z
     S,
     R,
     K,
+    pre,
+    post,
+    SOFTCAP: tl.constexpr,
     G: tl.constexpr,
 ):
-    """One row: the maxima of its G interleaved groups of columns (group g: g, g + G, g + 2 G, ...;
-    a group past S is empty, below every value), then their R-th and K-th largest by bisection over
+    """One row: z = ``to_log2_units`` of its logits (the kernel's own transform), the maxima of its G
+    interleaved groups of columns (group g: g, g + G, g + 2 G, ...; a group past S is empty, below
+    every value), then their R-th and K-th largest by bisection over
     ``ordered_bits`` (the floats' order): the largest t such that at least R maxima have bits >= t
     is the R-th largest's bits. The row is read once (coalesced, G columns a step); the 32 passes of
     the bisection are over G values in registers."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, G)
-    at = z_ptr + row * S
+    at = x_ptr + row * S
     maxima = tl.full([G], TAKEN, tl.int32)
     for c0 in range(0, S, G):
         inside = (c0 + offs) < S
-        maxima = tl.maximum(
-            maxima, tl.where(inside, ordered_bits(tl.load(at + c0 + offs, mask=inside, other=0.0)), TAKEN)
-        )
+        z = to_log2_units(tl.load(at + c0 + offs, mask=inside, other=0.0), pre, post, SOFTCAP)
+        maxima = tl.maximum(maxima, tl.where(inside, ordered_bits(z), TAKEN))
     lo_r = tl.full([], -(2**31), tl.int64)  # every value's bits are >= the smallest int32
     hi_r = tl.full([], 2**31 - 1, tl.int64)
     lo_k, hi_k = lo_r, hi_r
@@ -417,13 +420,16 @@ def _sample_ranks_kernel(
     tl.store(out_ptr + row * 2 + 1, ordered_bits(lo_k.to(tl.int32)).to(tl.float32, bitcast=True))
 
 
-def sample_ranks(z: torch.Tensor, r: int, k: int) -> torch.Tensor:
-    """[n, 2] float32: the ``r``-th and ``k``-th largest (r <= k <= S) of each row's ``sample_groups``
-    group maxima of ``z`` [n, S] float32 (``_sample_ranks_kernel``): module doc, 1."""
-    n, width = z.shape
-    out = torch.empty((n, 2), dtype=torch.float32, device=z.device)
+def sample_ranks(x: torch.Tensor, r: int, k: int, pre: float, post: float, softcap: bool) -> torch.Tensor:
+    """[n, 2] float32: the ``r``-th and ``k``-th largest (r <= k <= S) of the ``sample_groups`` group
+    maxima of each row's z, ``to_log2_units`` of ``x`` [n, S] float32 logits (``_sample_ranks_kernel``):
+    module doc, 1."""
+    n, width = x.shape
+    out = torch.empty((n, 2), dtype=torch.float32, device=x.device)
     if n:
-        _sample_ranks_kernel[(n,)](z.contiguous(), out, width, r, k, G=sample_groups(width, k), num_warps=1)
+        _sample_ranks_kernel[(n,)](
+            x.contiguous(), out, width, r, k, pre, post, SOFTCAP=softcap, G=sample_groups(width, k), num_warps=1
+        )
     return out
 
 
@@ -527,36 +533,57 @@ SELECT_MAX_K = 64
 SELECT_MAX_BLOCK = 2048
 
 
+@triton.jit
+def _emit_largest(keys, lse2, ids_at, lps_at, K):
+    """The K largest of ``keys`` (distinct), largest first: a max each, then taken out; decoded to
+    ids and log-probs ln2 (z - lse2) at ``ids_at`` / ``lps_at`` + j."""
+    for j in range(0, K):
+        best = tl.max(keys, axis=0)
+        keys = tl.where(keys == best, KEY_MIN, keys)
+        z = ordered_bits((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+        tl.store(ids_at + j, (0x7FFFFFFF - (best & 0x7FFFFFFF)).to(tl.int32))
+        tl.store(lps_at + j, (z - lse2) * 0.6931471805599453)
+
+
 @triton.jit(do_not_specialize=["K"])
 def _select_kernel(
     buf_ptr,  # [n, CAP] int64: each row's survivors' keys (distinct; empty slots MIN_KEY)
+    cnt_ptr,  # [n] int32: each row's survivors (its slots past them are empty)
     lse2_ptr,  # [n] fp32: each row's log-sum-exp in log2 units
     ids_ptr,  # [n, K] int32 out
     lps_ptr,  # [n, K] fp32 out
     CAP,
     K,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # next_power_of_2(CAP)
+    FILLED: tl.constexpr,  # a power of 2 that most rows' survivors fit (twice the expected count)
 ):
-    """One row: its K largest keys, largest first (a max over the row's slots each, then taken out),
-    decoded to ids and log-probs ln2 (z - lse2). Keys are distinct, so the answer does not depend on
-    the slots' order."""
+    """One row: its K largest keys, largest first, decoded (``_emit_largest``). The compaction
+    fills a row's slots from the first on, so a row with at most FILLED survivors reads only those
+    slots (each max then covers FILLED keys, not BLOCK); a fuller one reads them all. Keys are
+    distinct: the answer does not depend on the slots' order."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    keys = tl.load(buf_ptr + row * CAP + offs, mask=offs < CAP, other=KEY_MIN)
+    count = tl.load(cnt_ptr + row)
     lse2 = tl.load(lse2_ptr + row)
-    for j in range(0, K):
-        best = tl.max(keys, axis=0)
-        keys = tl.where(keys == best, KEY_MIN, keys)
-        z = ordered_bits((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
-        tl.store(ids_ptr + row * K + j, (0x7FFFFFFF - (best & 0x7FFFFFFF)).to(tl.int32))
-        tl.store(lps_ptr + row * K + j, (z - lse2) * 0.6931471805599453)
+    at = buf_ptr + row * CAP
+    if count <= FILLED:
+        first = tl.arange(0, FILLED)
+        keys = tl.load(at + first, mask=first < count, other=KEY_MIN)
+        _emit_largest(keys, lse2, ids_ptr + row * K, lps_ptr + row * K, K)
+    else:
+        every = tl.arange(0, BLOCK)
+        _emit_largest(
+            tl.load(at + every, mask=every < CAP, other=KEY_MIN), lse2, ids_ptr + row * K, lps_ptr + row * K, K
+        )
 
 
-def select_top_k(keys: torch.Tensor, lse2: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_top_k(
+    keys: torch.Tensor, counts: torch.Tensor, lse2: torch.Tensor, k: int, expected: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2: the K largest of each row's [n, CAP] keys, descending, as ([n, K] int32 ids,
-    [n, K] float32 log-probs ln2 (z - lse2)) with ``lse2`` [n] the rows' log-sum-exps in log2 units.
-    ``_select_kernel`` for K <= ``SELECT_MAX_K`` where a row's slots fit one warp's registers,
-    else ``torch.topk``; both give the same answer."""
+    [n, K] float32 log-probs ln2 (z - lse2)) with ``counts`` [n] int32 the rows' survivors (their
+    slots from the first on), ``lse2`` [n] their log-sum-exps in log2 units and ``expected`` the
+    survivors a row is expected to have. ``_select_kernel`` for K <= ``SELECT_MAX_K`` where a row's
+    slots fit one warp's registers, else ``torch.topk``; both give the same answer."""
     n, cap = keys.shape
     block = triton.next_power_of_2(cap)
     if k > SELECT_MAX_K or block > SELECT_MAX_BLOCK:
@@ -565,5 +592,6 @@ def select_top_k(keys: torch.Tensor, lse2: torch.Tensor, k: int) -> tuple[torch.
     ids = torch.empty((n, k), dtype=torch.int32, device=keys.device)
     lps = torch.empty((n, k), dtype=torch.float32, device=keys.device)
     if n and k:
-        _select_kernel[(n,)](keys, lse2, ids, lps, cap, k, BLOCK=block, num_warps=1)
+        filled = min(block, triton.next_power_of_2(2 * expected))
+        _select_kernel[(n,)](keys, counts, lse2, ids, lps, cap, k, BLOCK=block, FILLED=filled, num_warps=1)
     return ids, lps
