@@ -458,7 +458,7 @@ def test_the_sample_ranks_are_those_of_group_maxima(width, k):
     scale, cap, temperature = 0.5, 4.0, 1.3
     pre, post = scale / cap, cap * math.log2(math.e) / temperature
     z = torch.tanh(x.double() * pre) * post
-    want = fused_topk.sample_ranks(z.float(), 1, k, 1.0, 1.0, False)
+    want = fused_topk.sample_ranks(z.float().to(DEVICE), 1, k, 1.0, 1.0, False).cpu()
     got = fused_topk.sample_ranks(x.to(DEVICE), 1, k, pre, post, True).cpu()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
 

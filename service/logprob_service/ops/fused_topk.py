@@ -183,7 +183,7 @@ def to_log2_units(x, pre, post, SOFTCAP: tl.constexpr):
 def ordered_bits(z):
     """The high word of a key: float32 ``z``'s bits as an int32 of the same order."""
     b = z.to(tl.int32, bitcast=True)
-    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)  # b ^ 0x7FFFFFFF where b < 0: a shift and one logic op
 
 
 @triton.jit
@@ -204,11 +204,10 @@ def split_columns(x, STEP: tl.constexpr):
 
 
 @triton.jit
-def _take_survivors(o, ids, count, base, at_row, row_ok, CAP):
+def _take_survivors(o, ids, count, most, base, at_row, row_ok, CAP):
     """Store each row's ``count`` survivors of a part of the tile (``ordered_bits`` o, TAKEN where
     none; token ``ids``) to its slots from ``base`` on, largest first: one max over the part each,
-    as many rounds as the part's fullest row needs (the last one takes nothing out)."""
-    most = tl.max(count, axis=0)
+    ``most`` rounds (the part's fullest row's count; the last one takes nothing out)."""
     for j in range(0, most):
         best = tl.max(o, axis=1)  # the largest high word, then its smallest id
         at = tl.min(tl.where(o == best[:, None], ids, 0x7FFFFFFF), axis=1)
@@ -251,13 +250,20 @@ def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, 
     n2 = tl.sum((o2 != TAKEN).to(tl.int32), axis=1)
     n3 = tl.sum((o3 != TAKEN).to(tl.int32), axis=1)
     count = n0 + n1 + n2 + n3
-    if tl.max(count, axis=0) > 0:
+    # each part's fullest row, in one reduction over the block (one exchange between warps, not 4)
+    parts = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), [n0.shape[0], 4])  # [R, 4]: n0 n1 n2 n3
+    most = tl.max(parts, axis=0)
+    which = tl.arange(0, 4)
+    if tl.max(most, axis=0) > 0:
         base = tl.atomic_add(cnt_ptr + rows, count, mask=row_ok & (count > 0), sem="relaxed")
         at_row = buf_ptr + rows.to(tl.int64) * CAP
-        _take_survivors(o0, ids0, n0, base, at_row, row_ok, CAP)
-        _take_survivors(o1, ids1, n1, base + n0, at_row, row_ok, CAP)
-        _take_survivors(o2, ids2, n2, base + n0 + n1, at_row, row_ok, CAP)
-        _take_survivors(o3, ids3, n3, base + n0 + n1 + n2, at_row, row_ok, CAP)
+        _take_survivors(o0, ids0, n0, tl.sum(tl.where(which == 0, most, 0)), base, at_row, row_ok, CAP)
+        base += n0
+        _take_survivors(o1, ids1, n1, tl.sum(tl.where(which == 1, most, 0)), base, at_row, row_ok, CAP)
+        base += n1
+        _take_survivors(o2, ids2, n2, tl.sum(tl.where(which == 2, most, 0)), base, at_row, row_ok, CAP)
+        base += n2
+        _take_survivors(o3, ids3, n3, tl.sum(tl.where(which == 3, most, 0)), base, at_row, row_ok, CAP)
 
 
 @triton.jit(do_not_specialize=["Kc"])  # the batch's widest candidate row (fused_logprobs.BATCH_SIZES)
