@@ -35,7 +35,7 @@ With ``top_k`` (``fused_topk``), stage 1 also appends each row's keys (logit and
 int64) at or above a threshold taken from a strided sample of the vocabulary to a [N, CAP]
 buffer, the combine kernel writes lse2 as well, a fixed number of repair rounds (stage 1 again
 with REPAIR, for the rows whose survivors did not fit) run on the device without waiting for it,
-and ``torch.topk`` of the buffer gives the top-k.
+and stage 2 (``fused_topk.select_top_k``) takes the K largest of each row's buffer.
 
 Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
 partials, 12 bytes per row per split. Offsets are int64 and the grid is 1-D (up to 2^31 - 1

@@ -107,23 +107,24 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    the rounds, that the scorer copies with the results and turns into an error for the
    micro-batch (``models.scorer.Launched.fetch``).
 
-Survivors per row: the sample's R-th largest is about the (R stride)-th largest of the row (for top
-values spread over the vocabulary independently of the stride), give or take about sqrt(R) stride,
-plus the few within the margin. ``capacity`` gives room for that and 8 standard deviations more:
-CAP = R stride + 8 floor(sqrt(R - 1)) stride + 8 stride + 256 slots (at least K, at most V). The
-stride is V / (16 K), within [1, MAX_SAMPLE_STRIDE = 32] (``sample_stride``): the sample costs
-1/stride of the matmul and of its top-k (3% for K 20 and K 256 at a 152K vocabulary), and a
-[BLOCK_N, 256] tile has about 256 R stride / V <= 16 survivors per row (0.43 for K 20, 1.35 for K
-256 at 152K), a quarter of that in each of the compaction's parts, so its rounds (the most
-survivors of a row of the block in a part) are few: about 1.5 a part for K 20. (With stage 1 at the
-R-th largest, a stride of 32 rather than 16 measured 1.49x against 1.64x the plain kernel for K 20
-at 8,192 x 3,584, and 32 rather than 9 or 7 for K 256 1.70x against 1.81x there and 1.71x against
-2.50x at 65,536 x 4,096, on an H100; 8 was slower: benchmarks/RESULTS.md, session 20. The rounds
-over quarters of the tile rather than the whole of it: 1.29x against 1.37x for K 20 there, 1.24x
-against 1.32x at 65,536 x 4,096, session 21.) Memory per row: CAP int64 slots (8 CAP <= 256 K +
-2048 ceil(sqrt K) + 4096 bytes) and, while the threshold is taken, S = V / stride <= max(32 K, V /
-32) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all; ``fused_logprobs``
-runs top-k in row chunks whose slots and sample stay under ``TOPK_CHUNK_BYTES``.
+Survivors per row: the R-th largest group maximum (most often the sample's R-th largest) is about
+the (R stride)-th largest of the row (for top values spread over the vocabulary independently of
+the stride), give or take about sqrt(R) stride, plus the few within the margin. ``capacity`` gives
+room for that and 8 standard deviations more: CAP = R stride + 8 floor(sqrt(R - 1)) stride + 8
+stride + 256 slots (at least K, at most V). The stride is V / (16 K), within [1, MAX_SAMPLE_STRIDE
+= 32] (``sample_stride``): the sample costs 1/stride of the matmul and of its top-k (3% for K 20
+and K 256 at a 152K vocabulary), and a [BLOCK_N, 256] tile has about 256 R stride / V <= 16
+survivors per row (0.43 for K 20, 1.35 for K 256 at 152K), a quarter of that in each of the
+compaction's parts, so its rounds (the most survivors of a row of the block in a part) are few:
+about 1.5 a part for K 20. (With stage 1 at the R-th largest, a stride of 32 rather than 16
+measured 1.49x against 1.64x the plain kernel for K 20 at 8,192 x 3,584, and 32 rather than 9 or 7
+for K 256 1.70x against 1.81x there and 1.71x against 2.50x at 65,536 x 4,096, on an H100; 8 was
+slower: benchmarks/RESULTS.md, session 20. The rounds over quarters of the tile rather than the
+whole of it: 1.29x against 1.37x for K 20 there, 1.24x against 1.32x at 65,536 x 4,096, session
+21.) Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 4096 bytes) and, while
+the threshold is taken, S = V / stride <= max(32 K, V / 32) + 1 fp32 sample logits: O(K) bytes for
+a given vocabulary, O(N K) in all; ``fused_logprobs`` runs top-k in row chunks whose slots and
+sample stay under ``TOPK_CHUNK_BYTES``.
 
 The reserved base comes back from a tensor atomic add to every thread that holds the row (a
 [BLOCK_N] vector is replicated across the threads of a row); Triton broadcasts it from the thread
@@ -319,10 +320,10 @@ SAMPLE_MISS_RATE = 1e-6
 
 @functools.cache
 def sample_rank(vocab: int, k: int) -> int:
-    """R: stage 1's threshold is the sample's R-th largest value (module doc, 1.). The smallest R
-    with P(Binomial(K, 1 / stride) >= R) <= ``SAMPLE_MISS_RATE``: the chance that R of a row's
-    top K lie on sampled columns. K where no smaller R does (K never misses: a sample's K-th largest
-    is at most its row's), as at stride 1."""
+    """R: stage 1's threshold is the R-th largest of the sample's group maxima (module doc, 1.), at
+    most its R-th largest value. The smallest R with P(Binomial(K, 1 / stride) >= R) <=
+    ``SAMPLE_MISS_RATE``: the chance that R of a row's top K lie on sampled columns. K where no
+    smaller R does (K never misses: a sample's K-th largest is at most its row's), as at stride 1."""
     stride = sample_stride(vocab, k)
     if stride == 1:
         return k
@@ -352,7 +353,7 @@ def sample_thresholds(
     post: float,
     softcap: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1's [n] int64 threshold keys (from the sample's R-th largest value, R the
+    """Stage 1's [n] int64 threshold keys (from the R-th largest of the sample's group maxima, R the
     ``sample_rank``) and the fallbacks of the rows they miss (from its K-th largest: each below
     its row's K-th largest key in the kernel); module doc, 1.
 
@@ -533,8 +534,9 @@ def repair_survivors(
 
 # Stage 2 in ``_select_kernel`` (one warp a row, its slots in registers) up to this K and this many
 # slots a row; beyond, torch.topk, which measured faster there (8,192 rows of 152K-vocabulary slots on
-# an H100: K 8 0.10 against 0.65 ms, K 20 0.25 against 0.66, K 64 0.76 against 0.86, K 100 1.19
-# against 0.88; the kernel's time grows as K x CAP, torch.topk's little with K).
+# an H100, before the kernel read only the filled slots: K 8 0.10 against 0.65 ms, K 20 0.25 against
+# 0.66, K 64 0.76 against 0.86, K 100 1.19 against 0.88; the kernel's time grows as K x slots read,
+# torch.topk's little with K).
 SELECT_MAX_K = 64
 SELECT_MAX_BLOCK = 2048
 
