@@ -174,9 +174,11 @@ def sampled_case(n, k, *, stride=fused_topk.MAX_SAMPLE_STRIDE, h=16, dtype=torch
 
 
 def no_threshold(hidden, weight, bias, k, pre, post, softcap):
-    """Every key survives (the exact top-k of the kernel's own values, the slow way)."""
-    none = torch.full((hidden.shape[0],), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device)
-    return none, none.clone()
+    """Every finite key survives stage 1 (its thresholds stay above -inf), every key a repair round
+    (the exact top-k of the kernel's own values, the slow way)."""
+    n = hidden.shape[0]
+    finite = torch.full((n,), fused_topk.ABOVE_NEG_INF << 32, dtype=torch.int64, device=hidden.device)
+    return finite, torch.full((n,), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device)
 
 
 def counting(monkeypatch, name):
@@ -464,8 +466,9 @@ def test_the_sample_ranks_are_those_of_group_maxima(width, k):
 
 
 # (slots, K, expected survivors): the kernel (its rows with at most 2 x expected survivors reading
-# only those, the others all their slots); torch.topk past K 64 or 2,048 slots
-STAGE_TWO = [(1, 1, 1), (50, 50, 40), (300, 7, 20), (300, 256, 100), (3000, 20, 500)]
+# only those, the others all their slots; (100, 60): twice the expected is past the slots);
+# torch.topk past K 64 or 2,048 slots
+STAGE_TWO = [(1, 1, 1), (50, 50, 40), (100, 60, 60), (300, 7, 20), (300, 256, 100), (3000, 20, 500)]
 
 
 @pytest.mark.parametrize("cap,k,expected", STAGE_TWO)
@@ -479,6 +482,8 @@ def test_stage_two_gives_the_largest_keys_in_order(cap, k, expected):
     keys = topk_keys(values, ids)
     counts = torch.randint(k, cap + 1, (9,), generator=g, dtype=torch.int32)
     counts[0], counts[-1] = k, cap
+    if k < cap:  # a row past its slots (the compaction counts what it cannot write): its CAP keys
+        counts[1] = cap + 5
     keys[torch.arange(cap) >= counts[:, None].long()] = fused_topk.MIN_KEY  # slots past the row's survivors
     keys, counts = keys.to(DEVICE), counts.to(DEVICE)
     lse2 = (torch.randn(9, generator=g) * 10).to(DEVICE)

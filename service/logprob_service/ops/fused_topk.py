@@ -575,7 +575,8 @@ def _select_kernel(
     at = buf_ptr + row * CAP
     if count <= FILLED:
         first = tl.arange(0, FILLED)
-        keys = tl.load(at + first, mask=first < count, other=KEY_MIN)
+        # (a row past its CAP slots, which the repair rounds flag, reads no further than them)
+        keys = tl.load(at + first, mask=(first < count) & (first < CAP), other=KEY_MIN)
         _emit_largest(keys, lse2, ids_ptr + row * K, lps_ptr + row * K, K)
     else:
         every = tl.arange(0, BLOCK)
