@@ -224,7 +224,7 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     thr, fallback = fused_topk.sample_thresholds(hidden, weight, None, 3, pre, post, False)
     assert fused_topk.sample_rank(weight.shape[0], 3) == 3 and torch.equal(thr, fallback)  # stride 1
     z = (hidden.double() @ weight.double().T) * pre  # float64 z
-    kth = fused_topk.sample_ranks(z.float(), 3, 3, 1.0, 1.0, False)[:, 1].double()  # the threshold's column's
+    kth = fused_topk.sample_ranks(z.float(), 3, 3, 1.0, 1.0, False)[:, 1].double()  # the threshold column's z
     t_hi = (thr >> 32).to(torch.int32)
     t = torch.where(t_hi < 0, t_hi ^ 0x7FFFFFFF, t_hi).view(torch.float32).double()
     assert (t < kth).all() and ((kth - t) < 1e-3 * (kth.abs() + 1)).all()  # below, by a few rounding errors
