@@ -59,8 +59,8 @@ from logprob_service.ops.fused_topk import (
     _candidates_kernel,
     capacity,
     compact_survivors,
+    expected_survivors,
     repair_survivors,
-    sample_rank,
     sample_stride,
     sample_thresholds,
     select_top_k,
@@ -519,8 +519,7 @@ def fused_token_logprobs(
         incomplete = repair_survivors(
             lambda need: partials(hidden, found, need), thresholds, fallbacks, counts, slots, top_k
         )
-        expected = sample_rank(vocab, top_k) * sample_stride(vocab, top_k)  # survivors a row (fused_topk)
-        top_ids, top_lps = select_top_k(slots, counts, lse2, top_k, expected)
+        top_ids, top_lps = select_top_k(slots, counts, lse2, top_k, expected_survivors(vocab, top_k))
     scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps, incomplete)
     if candidates is not None and candidates.shape[1]:
         block_c = 16

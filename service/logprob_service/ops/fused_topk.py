@@ -336,12 +336,18 @@ def sample_rank(vocab: int, k: int) -> int:
     return k
 
 
+def expected_survivors(vocab: int, k: int) -> int:
+    """About how many keys of a row pass stage 1's threshold: R stride (R the ``sample_rank``;
+    module doc, Survivors per row)."""
+    return sample_rank(vocab, k) * sample_stride(vocab, k)
+
+
 def capacity(vocab: int, k: int) -> int:
-    """Slots per row for the survivors of a top-``k`` (module doc): about R stride expected (R the
-    ``sample_rank``), room for 8 standard deviations (sqrt(R) stride each) and 256 more; at least
-    K, never more than ``vocab``."""
+    """Slots per row for the survivors of a top-``k`` (module doc): the ``expected_survivors``, room
+    for 8 standard deviations (sqrt(R) stride each) and 256 more; at least K, never more than
+    ``vocab``."""
     stride, rank = sample_stride(vocab, k), sample_rank(vocab, k)
-    return min(vocab, max(k, rank * stride + 8 * math.isqrt(rank - 1) * stride + 8 * stride + 256))
+    return min(vocab, max(k, expected_survivors(vocab, k) + 8 * math.isqrt(rank - 1) * stride + 8 * stride + 256))
 
 
 def sample_thresholds(
