@@ -31,6 +31,7 @@ from tests.helpers.topk_rounds import stage_one_needs, too_high  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = KernelConfig(block_n=16, block_v=32, block_k=16, num_warps=4, num_stages=2)
+CHUNK = fused_topk.chunk_width(SMALL.block_v)
 TRANSFORMS = {
     "plain": LogitTransform(),
     "scale+softcap+temperature": LogitTransform(scale=0.25, softcap=4.0, temperature=1.7),
@@ -380,8 +381,7 @@ def test_rows_left_in_need_flag_the_scores(rounds, monkeypatch):
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", rounds)
     flag = fused(hidden, weight, targets, top_k=10).top_k_incomplete
     assert flag.dtype == torch.bool and flag.shape == () and flag
-    per_row = fused_logprobs.TOPK_CHUNK_BYTES // fused_logprobs.topk_chunk_rows(301, 10)
-    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * per_row)
+    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 10, 3, CHUNK))
     assert fused(hidden, weight, targets, top_k=10).top_k_incomplete
     assert not fused(hidden[10:], weight, targets[10:], top_k=10).top_k_incomplete  # the third chunk alone
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 2)
@@ -412,9 +412,8 @@ def test_row_chunks_give_the_same_answer(monkeypatch):
     candidates = torch.randint(0, 301, (23, 4), generator=g).to(DEVICE)
     kw = {"bias": bias, "top_k": 6, "candidates": candidates, "return_entropy": True, "return_lse": True}
     whole = fused(hidden, weight, targets, **kw)
-    per_row = fused_logprobs.TOPK_CHUNK_BYTES // fused_logprobs.topk_chunk_rows(301, 6)
-    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * per_row)
-    assert fused_logprobs.topk_chunk_rows(301, 6) == 5
+    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 6, 3, CHUNK))
+    assert fused_logprobs.topk_chunk_rows(301, 6, 3, CHUNK) == 5
     launches = counting(monkeypatch, "sample_thresholds")
     chunked = fused(hidden, weight, targets, **kw)
     assert len(launches) == 5  # 23 rows in chunks of 5

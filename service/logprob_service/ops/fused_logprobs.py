@@ -55,11 +55,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logprob_service.ops.fused_topk import (
+    CHUNKS_MAX_K,
     MIN_KEY,
+    THREADS_A_ROW,
     _candidates_kernel,
     capacity,
+    chunk_width,
     compact_survivors,
     expected_survivors,
+    flag_chunks,
+    gather_survivors,
+    ordered_bits,
+    region_slots,
     repair_survivors,
     sample_stride,
     sample_thresholds,
@@ -98,7 +105,7 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
 # The batch's own sizes are not specialized on (Triton otherwise compiles a variant for each
 # combination of them that is 1 or a multiple of 16): each variant of the top-k kernel costs seconds
 # of compilation, which a server meets mid-traffic as its micro-batches' sizes vary.
-BATCH_SIZES = ["N", "n_splits", "tiles_per_split", "group_rows"]
+BATCH_SIZES = ["N", "n_splits", "group_rows"]
 
 
 @triton.jit(do_not_specialize=BATCH_SIZES)
@@ -112,6 +119,9 @@ def _partials_kernel(
     thr_ptr,  # [N] int64: each row's threshold key (only when TOPK; fused_topk)
     cnt_ptr,  # [N] int32 in/out: each row's survivors so far (only when TOPK)
     buf_ptr,  # [N, CAP] int64 out: the survivors' keys, in any order (only when TOPK)
+    reg_ptr,  # [N, S, 4, CAPQ, CHUNK] fp32 out: stage 1's chunks (only when TOPK and not REPAIR)
+    regcol_ptr,  # [N, S, 4, CAPQ] int32 out: each chunk's first column
+    regcnt_ptr,  # [N, S, 4] int32 out: chunks per region (past CAPQ: counted, not written)
     need_ptr,  # [N] int8: the rows that need this repair round (only when REPAIR; fused_topk, 4.)
     N,
     V,
@@ -119,11 +129,11 @@ def _partials_kernel(
     stride_h,
     stride_w,
     n_splits,
-    tiles_per_split,
     group_rows,  # row blocks per group: their hidden states stay in L2 while the group runs
     pre,
     post,
     CAP,  # slots per row of buf_ptr
+    CAPQ,  # chunk slots per region
     HAS_BIAS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr,
@@ -134,6 +144,9 @@ def _partials_kernel(
     BLOCK_K: tl.constexpr,
     TOPK: tl.constexpr,  # also keep the keys at or above each row's threshold (fused_topk)
     REPAIR: tl.constexpr,  # a repair round (TOPK): only the keys of the rows in need; no partials
+    CHUNKS: tl.constexpr,  # stage 1 (TOPK, not REPAIR) keeps chunks in regions, not keys (fused_topk, 2.)
+    CHUNK: tl.constexpr,  # values in a chunk (fused_topk.chunk_width)
+    PTX: tl.constexpr,  # compiled for the GPU (inline PTX allowed), not interpreted
 ):
     # Program order: a group of `group_rows` row blocks x every split. Programs that run at the
     # same time then share a few W tiles and a few row blocks, both of which fit in L2, instead
@@ -151,20 +164,30 @@ def _partials_kernel(
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ks = tl.arange(0, BLOCK_K)
-    v_begin = pid_s * tiles_per_split * BLOCK_V
-    n_tiles = tl.cdiv(tl.minimum(v_begin + tiles_per_split * BLOCK_V, V) - v_begin, BLOCK_V)
+    # The split's tiles: every n_splits-th from its own on. Interleaved, each split sees all of the
+    # vocabulary's ranges, so a row's largest logits (the top-k's survivors) spread over the splits
+    # evenly even where they gather in a range of ids (frequent tokens have small ids).
+    n_tiles = tl.cdiv(tl.cdiv(V, BLOCK_V) - pid_s, n_splits)
     k_steps = tl.cdiv(H, BLOCK_K)
     compact_ok = row_ok
     if REPAIR:  # only the rows in need get keys; a program with none of them runs no tile
         compact_ok = row_ok & (tl.load(need_ptr + rows, mask=row_ok, other=0) != 0)
         n_tiles = tl.where(tl.max(compact_ok.to(tl.int32), axis=0) > 0, n_tiles, 0)
 
+    if CHUNKS:  # stage 1's chunks go to the regions of (row, this split, thread)
+        t_o = (tl.load(thr_ptr + rows, mask=row_ok, other=0x7FFFFFFFFFFFFFFF) >> 32).to(tl.int32)
+        t_z = ordered_bits(t_o).to(tl.float32, bitcast=True)  # a NaN (nothing passes) past the last row
+        region = (rows.to(tl.int64)[:, None] * n_splits + pid_s) * 4 + tl.arange(0, 4)[None, :]
+        vals_at = reg_ptr + region * (CAPQ * CHUNK)
+        cols_at = regcol_ptr + region * CAPQ
+        cnt_q = tl.zeros([BLOCK_N, 4], tl.int32)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
     # Two nested loops (tiles, then k). Flattening them into one (tile, k) loop, so the pipeline
     # would prefetch across the softmax update, measured 25-30% slower on an H200.
-    for v0 in range(v_begin, v_begin + n_tiles * BLOCK_V, BLOCK_V):
+    for tile in range(0, n_tiles):
+        v0 = (tile * n_splits + pid_s) * BLOCK_V
         acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
         for ki in range(0, k_steps):
             k0 = ki * BLOCK_K
@@ -199,9 +222,13 @@ def _partials_kernel(
             if ENTROPY:
                 t = t * alpha + tl.sum(tl.where(p > 0, p * z, 0.0), axis=1)  # no 0 * -inf
             m = m_new
-        if TOPK:
+        if CHUNKS:
+            cnt_q = flag_chunks(z, t_z, v0, cnt_q, vals_at, cols_at, row_ok, CAPQ, ASM=PTX)
+        elif TOPK:
             compact_survivors(z, cols, col_ok, rows, compact_ok, thr_ptr, cnt_ptr, buf_ptr, CAP, ANY_LOW_WORD=REPAIR)
 
+    if CHUNKS:
+        tl.store(regcnt_ptr + region, cnt_q, mask=row_ok[:, None])
     if not REPAIR:
         out = pid_s.to(tl.int64) * N + rows
         tl.store(m_ptr + out, m, mask=row_ok)
@@ -358,15 +385,24 @@ def invariant_plan(
     )
 
 
-# Top-k runs in row chunks whose survivor slots and threshold sample stay under this many bytes.
-TOPK_CHUNK_BYTES = 256 * 1024**2
+# Top-k runs in row chunks whose survivor slots, stage 1's chunks and threshold sample stay under
+# this many bytes.
+TOPK_CHUNK_BYTES = 768 * 1024**2
 
 
-def topk_chunk_rows(vocab: int, k: int) -> int:
-    """Rows per top-k chunk: each takes ``capacity`` int64 slots, the threshold's fp32 sample
-    logits (V / stride), its threshold key and counter; at least 1."""
-    per_row = 8 * capacity(vocab, k) + 4 * triton.cdiv(vocab, sample_stride(vocab, k)) + 16
-    return max(1, TOPK_CHUNK_BYTES // per_row)
+def topk_row_bytes(vocab: int, k: int, splits: int, chunk: int) -> int:
+    """Bytes a row of a top-k takes: ``capacity`` int64 slots, the threshold's fp32 sample logits
+    (V / stride), its threshold, fallback and counter; up to ``CHUNKS_MAX_K``, stage 1's regions
+    (``region_slots`` chunks of ``chunk`` fp32 and a column each, and a counter, per region)."""
+    per_row = 8 * capacity(vocab, k) + 4 * triton.cdiv(vocab, sample_stride(vocab, k)) + 20
+    if k <= CHUNKS_MAX_K:
+        per_row += THREADS_A_ROW * splits * (region_slots(vocab, k, splits) * (4 * chunk + 4) + 4)
+    return per_row
+
+
+def topk_chunk_rows(vocab: int, k: int, splits: int, chunk: int) -> int:
+    """Rows per top-k chunk (``TOPK_CHUNK_BYTES``), at least 1; ``splits``: the plan's."""
+    return max(1, TOPK_CHUNK_BYTES // topk_row_bytes(vocab, k, splits, chunk))
 
 
 def fused_token_logprobs(
@@ -404,7 +440,15 @@ def fused_token_logprobs(
     n, hdim = hidden.shape
     vocab = weight.shape[0]
     check_topk_arguments(n, vocab, top_k, candidates)
-    if top_k and n > (step := topk_chunk_rows(vocab, top_k)):
+    config = config or default_config(weight.dtype)
+    planner = invariant_plan if invariant else plan_launch
+
+    def grid(rows: torch.Tensor) -> tuple[LaunchPlan, int]:
+        """The plan of the partials kernel over ``rows`` and its vocabulary splits (none left empty)."""
+        launch = plan or planner(rows.shape[0], hdim, vocab, weight.element_size(), config, device_info(rows.device))
+        return launch, min(launch.splits, triton.cdiv(vocab, config.block_v))
+
+    if top_k and n > (step := topk_chunk_rows(vocab, top_k, grid(hidden)[1], chunk_width(config.block_v))):
         # Row chunks (a row's results do not depend on its chunk): memory O(chunk x K), not O(N x K) slots.
         parts = [
             fused_token_logprobs(
@@ -432,7 +476,6 @@ def fused_token_logprobs(
     hidden = hidden.to(weight.dtype).contiguous()
     weight = weight.contiguous()
     targets = targets.to(torch.int64).contiguous()
-    config = config or default_config(weight.dtype)
     logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropies = torch.empty_like(logprobs) if return_entropy else None
     # The candidates' log-probs subtract the row's log-sum-exp: asked for internally.
@@ -449,21 +492,20 @@ def fused_token_logprobs(
     bias32 = bias.float().contiguous() if bias is not None else None
     pre, post = transform_constants(transform)
     flags = {"HAS_BIAS": bias is not None, "SOFTCAP": transform.softcap is not None, "ENTROPY": return_entropy}
-    planner = invariant_plan if invariant else plan_launch
 
     def partials(
         rows: torch.Tensor,
         survivors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         need: torch.Tensor | None = None,
+        chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ):
         """Stage 1 over ``rows`` ([r, H]); with ``survivors`` (thresholds, counters, slots), their
-        top-k survivors too. Returns the [splits, r] partials (m, s, t). With ``need`` ([r] int8),
-        a repair round (fused_topk, 4.): the survivors of the rows in need only, and no partials."""
+        top-k survivors too, as keys in the slots or, given stage 1's ``chunks`` (values, columns,
+        counts of ``flag_chunks``' regions), as chunks. Returns the [splits, r] partials (m, s, t).
+        With ``need`` ([r] int8), a repair round (fused_topk, 4.): the survivors of the rows in
+        need only, as keys, and no partials."""
         r = rows.shape[0]
-        launch = plan or planner(r, hdim, vocab, weight.element_size(), config, device_info(rows.device))
-        v_tiles = triton.cdiv(vocab, config.block_v)
-        tiles_per_split = triton.cdiv(v_tiles, launch.splits)
-        splits = triton.cdiv(v_tiles, tiles_per_split)  # none left empty
+        launch, splits = grid(rows)
         if need is None:
             partial_m = torch.empty((splits, r), dtype=torch.float32, device=rows.device)
             partial_s = torch.empty_like(partial_m)
@@ -471,6 +513,7 @@ def fused_token_logprobs(
         else:  # not written: dummy pointers
             partial_m = partial_s = partial_t = rows
         thr, cnt, buf = survivors or (partial_m, partial_m, partial_m)  # dummy pointers without top-k
+        values, columns, per_region = chunks or (partial_m, partial_m, partial_m)
         # TMA needs 16-byte aligned rows (H a multiple of 8 in 16 bits); every real model has them.
         use_tma = (hdim * weight.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
         h_in, w_in = rows, weight
@@ -480,17 +523,18 @@ def fused_token_logprobs(
         row_blocks = triton.cdiv(r, config.block_n)
         _partials_kernel[(row_blocks * splits,)](
             h_in, w_in, bias32 if bias32 is not None else partial_m, partial_m, partial_s, partial_t, thr, cnt, buf,
-            need if need is not None else thr, r, vocab, hdim, rows.stride(0), weight.stride(0),
-            splits, tiles_per_split, min(launch.group_rows, row_blocks), pre, post,
-            buf.shape[1] if survivors else 0,
+            values, columns, per_region, need if need is not None else thr, r, vocab, hdim, rows.stride(0),
+            weight.stride(0), splits, min(launch.group_rows, row_blocks), pre, post,
+            buf.shape[1] if survivors else 0, values.shape[2] if chunks else 0,
             IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
             BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k, TOPK=survivors is not None,
-            REPAIR=need is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-            **flags,
+            REPAIR=need is not None, CHUNKS=chunks is not None, CHUNK=chunk_width(config.block_v), PTX=rows.is_cuda,
+            num_warps=config.num_warps, num_stages=config.num_stages, **flags,
         )  # fmt: skip
         return partial_m, partial_s, partial_t
 
     found = fallbacks = None  # the top-k survivors' (thresholds, counters, slots); sample_thresholds' fallbacks
+    chunks = None  # stage 1's regions (fused_topk, 2.): chunks of z, their first columns, counts
     if top_k:
         softcap = transform.softcap is not None
         thresholds, fallbacks = sample_thresholds(hidden, weight, bias32, top_k, pre, post, softcap)
@@ -499,7 +543,15 @@ def fused_token_logprobs(
             torch.zeros(n, dtype=torch.int32, device=hidden.device),
             torch.full((n, capacity(vocab, top_k)), MIN_KEY, dtype=torch.int64, device=hidden.device),
         )
-    partial_m, partial_s, partial_t = partials(hidden, found)
+        if top_k <= CHUNKS_MAX_K:
+            splits = grid(hidden)[1]
+            regions, capq = THREADS_A_ROW * splits, region_slots(vocab, top_k, splits)
+            chunks = (
+                torch.empty((n, regions, capq, chunk_width(config.block_v)), dtype=torch.float32, device=hidden.device),
+                torch.empty((n, regions, capq), dtype=torch.int32, device=hidden.device),
+                torch.empty((n, regions), dtype=torch.int32, device=hidden.device),
+            )
+    partial_m, partial_s, partial_t = partials(hidden, found, chunks=chunks)
     block_r = 32
     _combine_kernel[(triton.cdiv(n, block_r),)](
         hidden, weight, bias32 if bias32 is not None else partial_m, targets, partial_m, partial_s, partial_t,
@@ -512,6 +564,8 @@ def fused_token_logprobs(
     top_ids = top_lps = incomplete = None
     if found is not None and fallbacks is not None:
         thresholds, counts, slots = found
+        if chunks is not None:
+            gather_survivors(chunks, thresholds, counts, slots, vocab)
         # Rows with more than CAP survivors run again with a higher threshold, rows with fewer than
         # K with a lower one, in a fixed number of rounds queued on the device (fused_topk, 4.): nothing
         # here waits for the GPU, so the caller can queue its next work while the lm_head runs.

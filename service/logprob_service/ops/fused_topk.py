@@ -267,6 +267,82 @@ def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, 
         _take_survivors(o3, ids3, n3, tl.sum(tl.where(which == 3, most, 0)), base, at_row, row_ok, CAP)
 
 
+@triton.jit
+def _store_where(at, value, put, ASM: tl.constexpr):
+    """``value`` (fp32 or int32) stored at the pointers ``at`` where ``put``. With ASM, one PTX
+    store an element, in the registers' own layout: ``tl.store`` would first move the tensor
+    through shared memory into the layout Triton picks for a store, a tensor-core tile's whole
+    chunk in every tile whether it is kept or not. (The interpreter runs no PTX.)"""
+    if ASM:
+        if value.dtype == tl.float32:
+            op: tl.constexpr = "st.global.f32 [$1], $2;"
+            kind: tl.constexpr = "f"
+        else:
+            op: tl.constexpr = "st.global.b32 [$1], $2;"
+            kind: tl.constexpr = "r"
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p " + op + " mov.b32 $0, 0; }",
+            "=r,l," + kind + ",r",
+            [at.to(tl.int64, bitcast=True), value, put.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.store(at, value, mask=put)
+
+
+@triton.jit
+def _flag_piece(z, t_z, col0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM: tl.constexpr):
+    """One [R, W] piece of a tile (its columns col0 + 8 j + 2 q + e, the thread-held layout of the
+    tensor-core accumulator: e and j in a thread's registers, q over the 4 threads of a row):
+    for each (row, q), the piece's W / 4 values whose q it is form a chunk; a chunk whose largest
+    z reaches its row's ``t_z`` goes whole to the (row, q) region's next slot, with its first
+    column in ``cols_at``. Returns the regions' counters, each chunk counted (past CAPQ too, not
+    written)."""
+    R: tl.constexpr = z.shape[0]
+    W: tl.constexpr = z.shape[1]
+    CH: tl.constexpr = W // 4
+    x = tl.reshape(tl.permute(tl.reshape(z, [R, W // 8, 4, 2]), (0, 2, 1, 3)), [R, 4, CH])
+    flag = (tl.max(x, axis=2) >= t_z[:, None]) & rows_ok[:, None]
+    put = flag & (cnt < CAPQ)
+    _store_where((vals_at + cnt * CH)[:, :, None] + tl.arange(0, CH)[None, None, :], x, put[:, :, None], ASM)
+    _store_where(cols_at + cnt, col0 + 2 * tl.arange(0, 4)[None, :], put, ASM)
+    return cnt + flag.to(tl.int32)
+
+
+@triton.jit
+def flag_chunks(z, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM: tl.constexpr):
+    """Stage 1's compaction (module doc, 2.): a [R, V] tile of z (columns v0 + [0, V)) in eight
+    pieces of V / 8 columns (``split_columns`` on the column's top three bits, register bits of
+    the accumulator: no data moves), each through ``_flag_piece``. Returns the counters."""
+    V: tl.constexpr = z.shape[1]
+    if V < 64:  # a narrow tile (the interpreter's tests): one piece
+        return _flag_piece(z, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    W: tl.constexpr = V // 8
+    lo, hi = split_columns(z, V // 2)
+    a, b = split_columns(lo, V // 4)
+    c, d = split_columns(hi, V // 4)
+    p0, p1 = split_columns(a, W)
+    p2, p3 = split_columns(b, W)
+    p4, p5 = split_columns(c, W)
+    p6, p7 = split_columns(d, W)
+    cnt = _flag_piece(p0, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    cnt = _flag_piece(p1, t_z, v0 + W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    cnt = _flag_piece(p2, t_z, v0 + 2 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    cnt = _flag_piece(p3, t_z, v0 + 3 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    cnt = _flag_piece(p4, t_z, v0 + 4 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    cnt = _flag_piece(p5, t_z, v0 + 5 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    cnt = _flag_piece(p6, t_z, v0 + 6 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    cnt = _flag_piece(p7, t_z, v0 + 7 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    return cnt
+
+
+def chunk_width(block_v: int) -> int:
+    """Values in one chunk of ``flag_chunks`` for tiles BLOCK_V wide."""
+    return block_v // 4 if block_v < 64 else block_v // 32
+
+
 @triton.jit(do_not_specialize=["Kc"])  # the batch's widest candidate row (fused_logprobs.BATCH_SIZES)
 def _candidates_kernel(
     h_ptr,  # [N, H]
@@ -348,6 +424,90 @@ def capacity(vocab: int, k: int) -> int:
     ``vocab``."""
     stride, rank = sample_stride(vocab, k), sample_rank(vocab, k)
     return min(vocab, max(k, expected_survivors(vocab, k) + 8 * math.isqrt(rank - 1) * stride + 8 * stride + 256))
+
+
+# Stage 1 keeps survivors as chunks (``flag_chunks``) up to this K; above it, as keys by rounds
+# (``compact_survivors``): a K 256 row's chunks would take several times its slots' memory.
+CHUNKS_MAX_K = 64
+# Regions a (row, split) has: one per thread of a row in the accumulator layout (``_flag_piece``).
+THREADS_A_ROW = 4
+
+
+def region_slots(vocab: int, k: int, splits: int) -> int:
+    """CAPQ, the chunks a region (row, split, thread) holds. A row's survivors number about R stride
+    (``expected_survivors``), spread like a Gamma(R) of scale stride (module doc, Survivors per row):
+    6 standard deviations more, sqrt(R) stride each, are room for all but one row in millions (at
+    most its ``capacity``, which its slots keep). Spread evenly over its 4 x splits regions (the
+    splits interleave the vocabulary's tiles), mu a region, each kept chunk holding at least one,
+    with 5 standard deviations (sqrt(mu)) more. A region that fills costs its row a repair round
+    (module doc, 4.)."""
+    stride, rank = sample_stride(vocab, k), sample_rank(vocab, k)
+    most = min(capacity(vocab, k), expected_survivors(vocab, k) + 6 * math.sqrt(rank) * stride)
+    mu = most / (THREADS_A_ROW * splits)
+    return math.ceil(mu + 5 * math.sqrt(mu) + 4)
+
+
+@triton.jit
+def _gather_kernel(
+    reg_ptr,  # [n, REGIONS, CAPQ, CH] fp32: stage 1's chunks of z
+    regcol_ptr,  # [n, REGIONS, CAPQ] int32: each chunk's first column
+    regcnt_ptr,  # [n, REGIONS] int32: chunks each region counted (those past CAPQ were not written)
+    thr_ptr,  # [n] int64: the row's stage 1 threshold key (low word 0)
+    cnt_ptr,  # [n] int32 out: the row's survivors; -1 where a region overflowed
+    buf_ptr,  # [n, CAP] int64 out: the survivors' keys (slots past them are left as they were)
+    V,
+    REGIONS,
+    CAPQ,
+    CAP,
+    CH: tl.constexpr,  # values a chunk (``chunk_width``)
+    RP: tl.constexpr,  # next_power_of_2(REGIONS)
+    J: tl.constexpr,  # chunk slots of every region taken a step
+):
+    """One row: the keys >= its threshold among its regions' chunks, to its slots (as
+    ``compact_survivors`` leaves them: the first CAP, counted all). A chunk's values are those of
+    columns col0 + 8 (i // 2) + i % 2 (``_flag_piece``)."""
+    row = tl.program_id(0).to(tl.int64)
+    t_o = (tl.load(thr_ptr + row) >> 32).to(tl.int32)
+    regions = tl.arange(0, RP)
+    n = tl.load(regcnt_ptr + row * REGIONS + regions, mask=regions < REGIONS, other=0)
+    overflow = tl.max(n, axis=0) > CAPQ
+    most = tl.minimum(tl.max(n, axis=0), CAPQ)
+    js = tl.arange(0, J)
+    i = tl.arange(0, CH)
+    offset = (i // 2) * 8 + i % 2
+    at = buf_ptr + row * CAP
+    count = tl.zeros([], tl.int32)
+    for j0 in range(0, most, J):
+        ok = (j0 + js)[None, :] < tl.minimum(n, CAPQ)[:, None]  # [RP, J]
+        chunk = (row * REGIONS + regions)[:, None] * CAPQ + (j0 + js)[None, :]
+        col0 = tl.load(regcol_ptr + chunk, mask=ok, other=0)
+        z = tl.load(reg_ptr + chunk[:, :, None] * CH + i[None, None, :], mask=ok[:, :, None], other=0.0)
+        cols = col0[:, :, None] + offset[None, None, :]
+        o = ordered_bits(z)
+        keep = tl.reshape((ok[:, :, None] & (o >= t_o) & (cols < V)).to(tl.int32), [RP * J * CH])
+        pos = count + tl.cumsum(keep, axis=0) - 1
+        keys = tl.reshape(keys_of(o, cols), [RP * J * CH])
+        tl.store(at + pos, keys, mask=(keep != 0) & (pos < CAP))
+        count += tl.sum(keep, axis=0)
+    tl.store(cnt_ptr + row, tl.where(overflow, -1, count))
+
+
+def gather_survivors(
+    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    thresholds: torch.Tensor,
+    counts: torch.Tensor,
+    slots: torch.Tensor,
+    vocab: int,
+) -> None:
+    """Stage 1's kept chunks (``flag_chunks``: values [n, R, CAPQ, CH], first columns [n, R, CAPQ],
+    counts [n, R]) to each row's ``counts`` and ``slots`` [n, CAP] (module doc, 2.)."""
+    values, columns, per_region = chunks
+    n, regions, capq, ch = values.shape
+    if n:
+        _gather_kernel[(n,)](
+            values, columns, per_region, thresholds, counts, slots, vocab, regions, capq, slots.shape[1],
+            CH=ch, RP=triton.next_power_of_2(regions), J=8, num_warps=4,
+        )  # fmt: skip
 
 
 def sample_thresholds(
@@ -506,6 +666,8 @@ def _repair_kernel(
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
         lo = tl.where((count < K) & (fallback < missed), fallback, lo)  # lo is KEY_MIN when count < K
+        # a region of stage 1's chunks overflowed (count -1): the same threshold, by keys this time
+        lo = tl.where(count < 0, missed, lo)
         tl.store(thr_ptr + row, lo)
         tl.store(cnt_ptr + row, 0)
         for c0 in range(0, CAP, BLOCK):
