@@ -318,23 +318,24 @@ def flag_chunks(z, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM: tl.conste
     the accumulator: no data moves), each through ``_flag_piece``. Returns the counters."""
     V: tl.constexpr = z.shape[1]
     if V < 64:  # a narrow tile (the interpreter's tests): one piece
-        return _flag_piece(z, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    W: tl.constexpr = V // 8
-    lo, hi = split_columns(z, V // 2)
-    a, b = split_columns(lo, V // 4)
-    c, d = split_columns(hi, V // 4)
-    p0, p1 = split_columns(a, W)
-    p2, p3 = split_columns(b, W)
-    p4, p5 = split_columns(c, W)
-    p6, p7 = split_columns(d, W)
-    cnt = _flag_piece(p0, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    cnt = _flag_piece(p1, t_z, v0 + W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    cnt = _flag_piece(p2, t_z, v0 + 2 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    cnt = _flag_piece(p3, t_z, v0 + 3 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    cnt = _flag_piece(p4, t_z, v0 + 4 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    cnt = _flag_piece(p5, t_z, v0 + 5 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    cnt = _flag_piece(p6, t_z, v0 + 6 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
-    cnt = _flag_piece(p7, t_z, v0 + 7 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(z, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+    else:
+        W: tl.constexpr = V // 8
+        lo, hi = split_columns(z, V // 2)
+        a, b = split_columns(lo, V // 4)
+        c, d = split_columns(hi, V // 4)
+        p0, p1 = split_columns(a, W)
+        p2, p3 = split_columns(b, W)
+        p4, p5 = split_columns(c, W)
+        p6, p7 = split_columns(d, W)
+        cnt = _flag_piece(p0, t_z, v0, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(p1, t_z, v0 + W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(p2, t_z, v0 + 2 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(p3, t_z, v0 + 3 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(p4, t_z, v0 + 4 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(p5, t_z, v0 + 5 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(p6, t_z, v0 + 6 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
+        cnt = _flag_piece(p7, t_z, v0 + 7 * W, cnt, vals_at, cols_at, rows_ok, CAPQ, ASM)
     return cnt
 
 
