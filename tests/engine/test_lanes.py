@@ -234,3 +234,42 @@ async def test_the_throughput_counts_each_micro_batchs_time_on_its_device(monkey
         assert scheduler.admission.throughput == pytest.approx(100, rel=0.01)
     finally:
         await scheduler.close()
+
+
+async def test_a_swap_asked_for_while_another_model_swaps_runs_and_frees_its_model():
+    """Model b's swap, and a request for b (held for it), come while model a's swap runs on the
+    device: both wakes came before the loop went back to sleep. Before the fix the loop cleared
+    them and slept, so b's swap never ran and b's request never launched (the soak test's wedge)."""
+    device = FakeDevice("dev0")
+    info = ModelInfo("a", "fake", "fake", 100, None, "float32", "", 0, "")
+    a, b = Replica(info, "dev0"), Replica(replace(info, name="b"), "dev0")
+    registry = ModelRegistry()
+    registry.add(a)
+    registry.add(b)
+    scheduler = scheduler_of(registry, [device])
+    gate = asyncio.Event()
+    swapped_once = device.run
+
+    async def run_a_then_the_rest(fn):  # a's swap waits for the gate, later ones do not
+        if not gate.is_set():
+            device.ran.append("a waits")
+            await gate.wait()
+        return await swapped_once(fn)
+
+    device.run = run_a_then_the_rest
+    scheduler.start()
+    try:
+        swap_a = asyncio.create_task(scheduler.swap("a", lambda lane: setattr(a, "info", replace(a.info, version=1))))
+        await until(lambda: device.ran == ["a waits"])
+        swap_b = asyncio.create_task(scheduler.swap("b", lambda lane: setattr(b, "info", replace(b.info, version=2))))
+        for_b = asyncio.create_task(scheduler.submit(replace(job(0, 10), model="b")))
+        await until(lambda: scheduler.pending_swaps == {"a", "b"} or scheduler.pending_swaps == {"b"})
+        await asyncio.sleep(0.01)
+        assert not device.launched  # b's request is held for b's swap
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(swap_a, swap_b), 5)
+        await until(lambda: len(device.launched) == 1)
+        device.finish_one()
+        assert (await asyncio.wait_for(for_b, 5)).model_version == 2
+    finally:
+        await scheduler.close()

@@ -374,9 +374,9 @@ def test_rows_with_too_few_survivors_are_repaired_on_the_device(monkeypatch):
 @pytest.mark.parametrize("rounds", [0, 1])
 def test_rows_left_in_need_flag_the_scores(rounds, monkeypatch):
     # Row 4 needs two rounds (above). With fewer the scores say their top-k is incomplete; in row
-    # chunks (5, 5 and 1 rows; row 4 of each chunk in need: the third has none) the flag is any
-    # chunk's. With two rounds, no flag.
-    hidden, weight, targets, _ = random_case(11, 16, 301, device=DEVICE)
+    # chunks (13 rows in equal chunks of at most 5: 5, 5 and 3; row 4 of each chunk in need: the
+    # third has none) the flag is any chunk's. With two rounds, no flag.
+    hidden, weight, targets, _ = random_case(13, 16, 301, device=DEVICE)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([4]))
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", rounds)
     flag = fused(hidden, weight, targets, top_k=10).top_k_incomplete

@@ -292,6 +292,11 @@ class Scheduler:
 
     async def _next_batch(self) -> list[Unit]:
         while True:
+            # Cleared before the state is looked at, not after: what comes meanwhile (a swap or a
+            # request while a swap runs on the device, below) sets it again and is seen at once.
+            # Cleared after, such a wake was lost, and a model held for a swap that nothing woke
+            # the loop to run waited for good (tests/engine/test_lanes.py).
+            self._wake.clear()
             self._drop_dead()
             await self._run_due_swaps()
             timeout = None
@@ -309,7 +314,6 @@ class Scheduler:
                 ):
                     return self.queue.take(self._swaps, spread=len(self._lanes))
                 timeout = min(self._max_wait_s - waited, self._quiet_s - quiet)
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -387,7 +388,7 @@ def invariant_plan(
 
 # Top-k runs in row chunks whose survivor slots, stage 1's chunks and threshold sample stay under
 # this many bytes.
-TOPK_CHUNK_BYTES = 768 * 1024**2
+TOPK_CHUNK_BYTES = 1024**3
 
 
 def topk_row_bytes(vocab: int, k: int, splits: int, chunk: int) -> int:
@@ -448,31 +449,55 @@ def fused_token_logprobs(
         launch = plan or planner(rows.shape[0], hdim, vocab, weight.element_size(), config, device_info(rows.device))
         return launch, min(launch.splits, triton.cdiv(vocab, config.block_v))
 
-    if top_k and n > (step := topk_chunk_rows(vocab, top_k, grid(hidden)[1], chunk_width(config.block_v))):
-        # Row chunks (a row's results do not depend on its chunk): memory O(chunk x K), not O(N x K) slots.
-        parts = [
-            fused_token_logprobs(
-                hidden[a : a + step],
-                weight,
-                targets[a : a + step],
-                bias=bias,
-                transform=transform,
-                return_entropy=return_entropy,
-                return_lse=return_lse,
-                top_k=top_k,
-                candidates=candidates[a : a + step] if candidates is not None else None,
-                config=config,
-                plan=plan,
-                invariant=invariant,
+    kw = {"bias": bias, "transform": transform, "return_entropy": return_entropy, "return_lse": return_lse}
+    if top_k:
+        # Row chunks (a row's results do not depend on its chunk): memory O(chunk x K), not O(N x K).
+        # A chunk's splits follow its rows, and its rows its regions, which the splits size.
+        step = n
+        for _ in range(2):
+            step = min(n, topk_chunk_rows(vocab, top_k, grid(hidden[:step])[1], chunk_width(config.block_v)))
+        if step < n:
+            step = triton.cdiv(n, triton.cdiv(n, step))  # equal chunks
+            parts = [
+                _fused_scores(
+                    hidden[a : a + step],
+                    weight,
+                    targets[a : a + step],
+                    top_k=top_k,
+                    candidates=candidates[a : a + step] if candidates is not None else None,
+                    config=config,
+                    grid=grid,
+                    **kw,
+                )
+                for a in range(0, n, step)
+            ]
+            columns = {f.name: [getattr(part, f.name) for part in parts] for f in dataclasses.fields(TokenScores)}
+            incomplete = columns.pop("top_k_incomplete")  # 0-dim flags: any chunk's
+            return TokenScores(
+                *(None if col[0] is None else torch.cat(col) for col in columns.values()),
+                top_k_incomplete=torch.stack(incomplete).any(),
             )
-            for a in range(0, n, step)
-        ]
-        columns = {f.name: [getattr(part, f.name) for part in parts] for f in dataclasses.fields(TokenScores)}
-        incomplete = columns.pop("top_k_incomplete")  # 0-dim flags: any chunk's
-        return TokenScores(
-            *(None if col[0] is None else torch.cat(col) for col in columns.values()),
-            top_k_incomplete=torch.stack(incomplete).any(),
-        )
+    return _fused_scores(hidden, weight, targets, top_k=top_k, candidates=candidates, config=config, grid=grid, **kw)
+
+
+def _fused_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+    return_entropy: bool,
+    return_lse: bool,
+    top_k: int,
+    candidates: torch.Tensor | None,
+    config: KernelConfig,
+    grid: Callable[[torch.Tensor], tuple[LaunchPlan, int]],
+) -> TokenScores:
+    """``fused_token_logprobs`` of one launch (no row chunks); ``grid(rows)``: the partials kernel's
+    plan over ``rows`` and its vocabulary splits."""
+    n, hdim = hidden.shape
+    vocab = weight.shape[0]
     hidden = hidden.to(weight.dtype).contiguous()
     weight = weight.contiguous()
     targets = targets.to(torch.int64).contiguous()

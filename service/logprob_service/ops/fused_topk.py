@@ -436,16 +436,17 @@ THREADS_A_ROW = 4
 
 def region_slots(vocab: int, k: int, splits: int) -> int:
     """CAPQ, the chunks a region (row, split, thread) holds. A row's survivors number about R stride
-    (``expected_survivors``), spread like a Gamma(R) of scale stride (module doc, Survivors per row):
-    6 standard deviations more, sqrt(R) stride each, are room for all but one row in millions (at
-    most its ``capacity``, which its slots keep). Spread evenly over its 4 x splits regions (the
-    splits interleave the vocabulary's tiles), mu a region, each kept chunk holding at least one,
-    with 5 standard deviations (sqrt(mu)) more. A region that fills costs its row a repair round
-    (module doc, 4.)."""
+    (``expected_survivors``), spread like stride times a Gamma(R) (module doc, Survivors per row);
+    regions are sized for 6 of its standard deviations (sqrt(R) stride) more, at most the row's
+    ``capacity``, spread evenly over its 4 x splits regions (the splits interleave the
+    vocabulary's tiles): mu a region, each kept chunk holding at least one, and 4.5 Poisson
+    standard deviations (sqrt(mu)) more. Over that Gamma, a row's regions overflow about once in
+    5 to 10 million rows (K 20 at a 152K vocabulary, 2 to 16 splits), each costing its row a
+    repair round (module doc, 4.)."""
     stride, rank = sample_stride(vocab, k), sample_rank(vocab, k)
     most = min(capacity(vocab, k), expected_survivors(vocab, k) + 6 * math.sqrt(rank) * stride)
     mu = most / (THREADS_A_ROW * splits)
-    return math.ceil(mu + 5 * math.sqrt(mu) + 4)
+    return math.ceil(mu + 4.5 * math.sqrt(mu))
 
 
 @triton.jit
