@@ -16,11 +16,14 @@ same keys in torch for the eager path; -0.0 sorts just below +0.0.)
 row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per row i:
 
 1. *Threshold* (``sample_thresholds``, before the kernel). Take the S columns j * stride (stride
-   ``sample_stride(V, K)``, fixed by V and K, not by the batch), their logits by an fp32 matmul,
+   ``sample_stride(V, K)``, fixed by V and K, not by the batch), their logits (fp32 dots)
    transformed into z units as the kernel does; put them in G = max(256, 2 K) interleaved groups
    (``sample_groups``) and let s_i = the K-th largest of the groups' maxima (``sample_ranks``: one
-   Triton kernel reads the row once and bisects the G maxima, at about a seventh of torch.topk's
-   time over the S values). The maxima are K distinct columns' values, so s_i is at most the K-th
+   Triton kernel bisects the G maxima). Up to G 256 (K <= 128) one Triton kernel takes the dots,
+   a tile of G columns at a time, and keeps each group's running maximum (``sample_maxima``: no
+   [n, S] logits in memory; at H 896 the cuBLAS fp32-output matmul alone ran at a third of the
+   tensor cores' rate); above, an fp32 matmul writes the [n, S] logits and ``sample_ranks`` reads
+   each row once. The maxima are K distinct columns' values, so s_i is at most the K-th
    largest of the sample, itself at most the K-th largest of the whole row: s_i would be a lower
    bound on the row's K-th largest z, if both computations rounded alike. They do not (another
    summation order), so t_i = s_i - margin_i, with margin_i above the difference for any sampled
@@ -60,14 +63,35 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    Tests check each.
 
 2. *Stage 1* (``_partials_kernel`` with TOPK): after a tile's z is computed (the same z the
-   log-sum-exp sums), the elements whose key is >= the row's threshold key survive. When some
-   survive in the row block, each row reserves as many slots as it has survivors with one
-   atomic add on its int32 counter, and its survivors go to its [CAP] int64 slots from the
-   reserved base on (``compact_survivors``): the tile's columns in four parts, whose bits a
-   thread holds (``split_columns``), each part's survivors taken largest first, a max over the
-   part each. Slots past CAP are counted, not written. The buffer's order does not matter: keys
-   are distinct. (Stage 1's thresholds and the fallbacks have a low word of 0, so the survivors
-   there are the elements whose high word is >= the threshold's: one int32 compare an element.)
+   log-sum-exp sums), the elements whose key is >= the row's threshold key survive.
+
+   *Up to K 64* (``CHUNKS_MAX_K``; ``flag_chunks``) survivors are kept as chunks. In the
+   tensor-core accumulator's layout one of a row's 4 threads holds two adjacent columns in every
+   eight; the tile is cut, along register bits only (``split_columns``: no data moves), into
+   eight pieces, and a thread's values of a piece for a row, CH = BLOCK_V / 32 of them, are a
+   chunk. A chunk whose largest z reaches the row's threshold (compared as floats: with the
+   threshold's low word 0, a superset of the keys >= it, -0.0 aside) goes whole, with its first
+   column, to the next slot of its region, one per (row, split, thread): each region's counter
+   lives in its thread's registers, so there is no atomic, no reduction across threads, no
+   rounds; the stores are inline PTX in the registers' own layout (``tl.store`` would first move
+   the chunk through shared memory into a layout of Triton's choosing, in every tile). A region
+   holds ``region_slots`` chunks; past them chunks are counted, not written. After the kernel,
+   ``gather_survivors`` (one program a row) takes the keys >= the threshold out of the row's
+   chunks into its [CAP] int64 slots, counted (all) and kept (the first CAP) as the rounds below
+   leave them; a row one of whose regions overflowed gets the count -1, and its repair round (4.)
+   runs it again with the same threshold, by keys.
+
+   *Above K 64*, and in the repair rounds, survivors are kept as keys: when some survive in the
+   row block, each row reserves as many slots as it has survivors with one atomic add on its
+   int32 counter, and its survivors go to its [CAP] int64 slots from the reserved base on
+   (``compact_survivors``): the tile's columns in four parts, whose bits a thread holds
+   (``split_columns``), each part's survivors taken largest first, a max over the part each.
+   Slots past CAP are counted, not written. A K 256 row's chunks would take several times its
+   slots' memory (1,000 chunk slots of 36 bytes and more), hence the split.
+
+   The buffer's order does not matter: keys are distinct. (Stage 1's thresholds and the fallbacks
+   have a low word of 0, so the survivors there are the elements whose high word is >= the
+   threshold's: one int32 compare an element.)
 
 3. *Stage 2* (``select_top_k``): the K largest of each row's CAP keys (slots never written hold
    MIN_KEY), by ``_select_kernel`` (K maxima over the slots, one warp a row) up to K 64, else
@@ -121,12 +145,14 @@ measured 1.49x against 1.64x the plain kernel for K 20 at 8,192 x 3,584, and 32 
 for K 256 1.70x against 1.81x there and 1.71x against 2.50x at 65,536 x 4,096, on an H100; 8 was
 slower: benchmarks/RESULTS.md, session 20. The rounds over quarters of the tile rather than the
 whole of it: 1.29x against 1.37x for K 20 there, 1.24x against 1.32x at 65,536 x 4,096, session
-21.) Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 4096 bytes) and, while
-the threshold is taken, S = V / stride <= max(32 K, V / 32) + 1 fp32 sample logits: O(K) bytes for
-a given vocabulary, O(N K) in all; ``fused_logprobs`` runs top-k in row chunks whose slots and
-sample stay under ``TOPK_CHUNK_BYTES``.
+21. Up to K 64 stage 1 keeps chunks instead, with no rounds: K 20 at 1.10x rather than 1.34x at
+8,192 x 3,584, session 22.) Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) +
+4096 bytes); up to K 64, 4 x splits regions of ``region_slots`` chunks (4 CH + 4 bytes each: about
+60 KB for K 20 at a 152K vocabulary); and, while the threshold is taken above K 128, S = V / stride
+<= max(32 K, V / 32) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
+``fused_logprobs`` runs top-k in row chunks that stay under ``TOPK_CHUNK_BYTES``.
 
-The reserved base comes back from a tensor atomic add to every thread that holds the row (a
+In the rounds, the reserved base comes back from a tensor atomic add to every thread that holds the row (a
 [BLOCK_N] vector is replicated across the threads of a row); Triton broadcasts it from the thread
 that did the add since triton-lang/triton#7460 (Triton 3.5). tests/gpu/test_topk_cuda.py checks
 the compiled kernel's slots (distinct keys, at least K a row).
@@ -152,6 +178,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logprob_service.ops.logprobs import _logits_fp32, key_ids, key_values, ordered_words
 
@@ -530,11 +557,17 @@ def sample_thresholds(
     vocab = weight.shape[0]
     stride = sample_stride(vocab, k)
     sampled = weight[::stride]  # a strided view: no copy
-    if not hidden.is_cuda:
-        sampled = sampled.float()  # the CPU has no 16-bit matmul with an fp32 output
-    x = _logits_fp32(hidden, sampled, bias[::stride] if bias is not None else None)  # [n, S] fp32
-    # the R-th and K-th largest group maxima of z, transformed as the kernel does
-    s = sample_ranks(x, sample_rank(vocab, k), k, pre, post, softcap).double()
+    groups = sample_groups(sampled.shape[0], k)
+    if groups <= SAMPLE_GROUPS:
+        # One kernel takes the sample's dots and their group maxima: no [n, S] logits in memory.
+        maxima = sample_maxima(hidden, weight, bias, stride, groups, pre, post, softcap)
+        s = sample_ranks(maxima, sample_rank(vocab, k), k, pre, post, softcap, maxima=True).double()
+    else:
+        if not hidden.is_cuda:
+            sampled = sampled.float()  # the CPU has no 16-bit matmul with an fp32 output
+        x = _logits_fp32(hidden, sampled, bias[::stride] if bias is not None else None)  # [n, S] fp32
+        # the R-th and K-th largest group maxima of z, transformed as the kernel does
+        s = sample_ranks(x, sample_rank(vocab, k), k, pre, post, softcap).double()
     margin = threshold_margin(hidden, sampled, s.abs().amax(dim=1), pre, post, weight.dtype == torch.float32)
     ordered = ordered_words((s - margin[:, None]).float()).to(torch.int64) - 1  # one float down
     # Stage 1's at -FLT_MAX at least: no z = -inf passes it (the kernel's masked columns; a row with
@@ -556,7 +589,7 @@ def sample_groups(width: int, k: int) -> int:
 
 @triton.jit
 def _sample_ranks_kernel(
-    x_ptr,  # [n, S] fp32: the sample's logits x
+    x_ptr,  # [n, S] fp32: the sample's logits x; with MAXIMA, [n, G] int32: its group maxima's ordered bits
     out_ptr,  # [n, 2] fp32 out: the R-th and K-th largest of the row's G group maxima of z
     S,
     R,
@@ -565,21 +598,26 @@ def _sample_ranks_kernel(
     post,
     SOFTCAP: tl.constexpr,
     G: tl.constexpr,
+    MAXIMA: tl.constexpr,
 ):
     """One row: z = ``to_log2_units`` of its logits (the kernel's own transform), the maxima of its G
     interleaved groups of columns (group g: g, g + G, g + 2 G, ...; a group past S is empty, below
     every value), then their R-th and K-th largest by bisection over
     ``ordered_bits`` (the floats' order): the largest t such that at least R maxima have bits >= t
     is the R-th largest's bits. The row is read once (coalesced, G columns a step); the 32 passes of
-    the bisection are over G values in registers."""
+    the bisection are over G values in registers. With MAXIMA, the row is the maxima already
+    (``_sample_maxima_kernel``)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, G)
-    at = x_ptr + row * S
-    maxima = tl.full([G], TAKEN, tl.int32)
-    for c0 in range(0, S, G):
-        inside = (c0 + offs) < S
-        z = to_log2_units(tl.load(at + c0 + offs, mask=inside, other=0.0), pre, post, SOFTCAP)
-        maxima = tl.maximum(maxima, tl.where(inside, ordered_bits(z), TAKEN))
+    if MAXIMA:
+        maxima = tl.load(x_ptr + row * G + offs)
+    else:
+        at = x_ptr + row * S
+        maxima = tl.full([G], TAKEN, tl.int32)
+        for c0 in range(0, S, G):
+            inside = (c0 + offs) < S
+            z = to_log2_units(tl.load(at + c0 + offs, mask=inside, other=0.0), pre, post, SOFTCAP)
+            maxima = tl.maximum(maxima, tl.where(inside, ordered_bits(z), TAKEN))
     lo_r = tl.full([], -(2**31), tl.int64)  # every value's bits are >= the smallest int32
     hi_r = tl.full([], 2**31 - 1, tl.int64)
     lo_k, hi_k = lo_r, hi_r
@@ -595,16 +633,115 @@ def _sample_ranks_kernel(
     tl.store(out_ptr + row * 2 + 1, ordered_bits(lo_k.to(tl.int32)).to(tl.float32, bitcast=True))
 
 
-def sample_ranks(x: torch.Tensor, r: int, k: int, pre: float, post: float, softcap: bool) -> torch.Tensor:
+def sample_ranks(
+    x: torch.Tensor, r: int, k: int, pre: float, post: float, softcap: bool, *, maxima: bool = False
+) -> torch.Tensor:
     """[n, 2] float32: the ``r``-th and ``k``-th largest (r <= k <= S) of the ``sample_groups`` group
     maxima of each row's z, ``to_log2_units`` of ``x`` [n, S] float32 logits (``_sample_ranks_kernel``):
-    module doc, 1."""
+    module doc, 1. With ``maxima``, ``x`` is [n, G] int32, the maxima's ``ordered_bits``
+    (``sample_maxima``)."""
     n, width = x.shape
     out = torch.empty((n, 2), dtype=torch.float32, device=x.device)
     if n:
+        groups = width if maxima else sample_groups(width, k)
         _sample_ranks_kernel[(n,)](
-            x.contiguous(), out, width, r, k, pre, post, SOFTCAP=softcap, G=sample_groups(width, k), num_warps=1
+            x.contiguous(), out, width, r, k, pre, post, SOFTCAP=softcap, G=groups, MAXIMA=maxima, num_warps=1
         )
+    return out
+
+
+@triton.jit
+def _sample_maxima_kernel(
+    h_in,  # [n, H]: a TMA descriptor with [BLOCK_M, BLOCK_K] blocks when USE_TMA, else the tensor
+    w_in,  # the sample's [S, H] rows of W (every stride-th): a TMA descriptor with [G, BLOCK_K] blocks, or W
+    b_ptr,  # [V] fp32, or a dummy when HAS_BIAS is false
+    out_ptr,  # [n, G] int32 out: each group's largest z, as ``ordered_bits``
+    N,
+    S,
+    H,
+    stride_h,
+    stride_w,  # W's row stride
+    stride,  # the sample's: column c of the sample is token c stride
+    pre,
+    post,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """BLOCK_M rows: the sample's logits a tile of G columns at a time (a K-loop of tensor-core dots,
+    as the partials kernel's), transformed to z, and the elementwise max over the tiles: column c
+    goes to group c mod G, the interleaved groups ``sample_ranks`` takes the maxima of."""
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    ks = tl.arange(0, BLOCK_K)
+    maxima = tl.full([BLOCK_M, G], TAKEN, tl.int32)
+    for c0 in range(0, S, G):
+        cols = c0 + tl.arange(0, G)
+        col_ok = cols < S
+        acc = tl.zeros([BLOCK_M, G], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if USE_TMA:  # out-of-bounds rows, columns and k are zero-filled by the TMA unit
+                a = h_in.load([row0, k0])
+                b = w_in.load([c0, k0]).T
+            else:
+                k_ok = (k0 + ks) < H
+                a = tl.load(
+                    h_in + rows.to(tl.int64)[:, None] * stride_h + (k0 + ks)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    w_in + (cols.to(tl.int64) * stride)[None, :] * stride_w + (k0 + ks)[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols.to(tl.int64) * stride, mask=col_ok, other=0.0)[None, :]
+        z = to_log2_units(acc, pre, post, SOFTCAP)
+        maxima = tl.maximum(maxima, tl.where(col_ok[None, :], ordered_bits(z), TAKEN))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :], maxima, mask=row_ok[:, None])
+
+
+def sample_maxima(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: int,
+    groups: int,
+    pre: float,
+    post: float,
+    softcap: bool,
+) -> torch.Tensor:
+    """[n, G] int32: the ``ordered_bits`` of the largest z of each of the G interleaved groups of the
+    sample's columns (token ids 0, stride, 2 stride, ...), by ``_sample_maxima_kernel``; hidden [n, H]
+    and weight [V, H] as the partials kernel gets them, bias fp32 or None."""
+    n, hdim = hidden.shape
+    width = triton.cdiv(weight.shape[0], stride)
+    out = torch.empty((n, groups), dtype=torch.int32, device=hidden.device)
+    if not n:
+        return out
+    fp32 = weight.dtype == torch.float32
+    block_m, block_k = 64, 32 if fp32 else 64
+    row_bytes = hdim * weight.element_size()
+    use_tma = row_bytes % 16 == 0 and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    h_in, w_in = hidden, weight
+    if use_tma:
+        h_in = TensorDescriptor.from_tensor(hidden, [block_m, block_k])
+        w_in = TensorDescriptor(weight, [width, hdim], [stride * weight.stride(0), 1], [groups, block_k])
+    _sample_maxima_kernel[(triton.cdiv(n, block_m),)](
+        h_in, w_in, bias if bias is not None else out, out, n, width, hdim, hidden.stride(0), weight.stride(0),
+        stride, pre, post, HAS_BIAS=bias is not None, SOFTCAP=softcap, IEEE=fp32, USE_TMA=use_tma,
+        BLOCK_M=block_m, G=groups, BLOCK_K=block_k, num_warps=8, num_stages=3,
+    )  # fmt: skip
     return out
 
 
