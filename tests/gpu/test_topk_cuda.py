@@ -87,14 +87,16 @@ def test_batch_invariant_bit_for_bit(k, seed):
         assert torch.equal(whole.logprobs[rows], part.logprobs)
 
 
-def test_memory_grows_as_n_times_k(seed):
+@pytest.mark.parametrize("k", [20, 256])
+def test_memory_grows_as_n_times_k(k, seed):
     # 8,192 x 152K: the full logits alone are 4.6 GiB in fp32; the top-256 survivor slots are N x CAP x 8
-    # bytes in row chunks of at most fused_logprobs.TOPK_CHUNK_BYTES (with the threshold's sample logits)
+    # bytes, top-20's also stage 1's chunk regions (about 60 KB a row), in row chunks of at most
+    # fused_logprobs.TOPK_CHUNK_BYTES (with the threshold's sample logits)
     hidden, weight, targets, _ = cuda_case(8192, 3584, 152064, seed=seed)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    fused_token_logprobs(hidden, weight, targets, top_k=256)
+    fused_token_logprobs(hidden, weight, targets, top_k=k)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     full_logits = 8192 * 152064 * (2 + 4)  # bf16 logits and their fp32 copy, as full logits + topk holds them

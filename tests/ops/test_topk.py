@@ -464,6 +464,27 @@ def test_the_sample_ranks_are_those_of_group_maxima(width, k):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_the_sample_kernel_keeps_each_groups_largest_z(transform):
+    # sample_maxima: the sampled columns' z (every stride-th token: 9 at V 3,001 and K 20), in
+    # G = 256 interleaved groups (a group past the sample empty), each group's largest as
+    # ordered_bits; against the float64 logits' (their fp32 dots differ in order: a few ulps)
+    transform = TRANSFORMS[transform]
+    hidden, weight, _, bias = random_case(70, 24, 3001, bias=True, device=DEVICE)
+    k, vocab = 20, 3001
+    stride = fused_topk.sample_stride(vocab, k)
+    width = -(-vocab // stride)
+    groups = fused_topk.sample_groups(width, k)
+    assert (stride, groups) == (9, 256) and width > groups  # two tiles of groups, the second partial
+    pre, post = fused_logprobs.transform_constants(transform)
+    got = fused_topk.sample_maxima(hidden, weight, bias, stride, groups, pre, post, transform.softcap is not None)
+    got = (got ^ ((got >> 31) & 0x7FFFFFFF)).view(torch.float32).double().cpu()  # ordered_bits is its own inverse
+    z = transformed_logits(hidden, weight, bias, transform)[:, ::stride].cpu() * math.log2(math.e)
+    padded = torch.nn.functional.pad(z, (0, -width % groups), value=float("-inf"))
+    want = padded.view(70, -1, groups).amax(dim=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # (slots, K, expected survivors): the kernel (its rows with at most 2 x expected survivors reading
 # only those, the others all their slots; (100, 60): twice the expected is past the slots);
 # torch.topk past K 64 or 2,048 slots

@@ -558,7 +558,7 @@ def sample_thresholds(
     stride = sample_stride(vocab, k)
     sampled = weight[::stride]  # a strided view: no copy
     groups = sample_groups(sampled.shape[0], k)
-    if groups <= SAMPLE_GROUPS:
+    if groups <= SAMPLE_GROUPS and (hidden.shape[1] <= SAMPLE_KERNEL_MAX_H or not hidden.is_cuda):
         # One kernel takes the sample's dots and their group maxima: no [n, S] logits in memory.
         maxima = sample_maxima(hidden, weight, bias, stride, groups, pre, post, softcap)
         s = sample_ranks(maxima, sample_rank(vocab, k), k, pre, post, softcap, maxima=True).double()
@@ -579,6 +579,11 @@ def sample_thresholds(
 
 # The sample's columns go in at least this many groups (and 2 K), whose maxima the thresholds come from.
 SAMPLE_GROUPS = 256
+# ``sample_maxima`` takes the sample up to this hidden size; above it, cuBLAS's fp32-output matmul
+# and ``sample_ranks`` (H100, K 20, stride 32: at H 896 0.61 against 1.17 ms for 24,576 rows; at
+# H 3,584 and 4,096 1.68 against 0.94 ms for 16,384 rows, and 1.34 against 0.64 for 10,923; the
+# crossover between was not measured). The interpreter always takes the kernel: the tests run it.
+SAMPLE_KERNEL_MAX_H = 2048
 
 
 def sample_groups(width: int, k: int) -> int:
