@@ -11,14 +11,16 @@ The kernel works in base 2, z = x' log2(e), because exp2/log2 are the GPU's nati
 instructions: logsumexp(x') = ln(2) log2(sum_v 2^z_v), and sum_v p_v x'_v = ln(2) sum_v p_v z_v.
 
 Stage 1 (``_partials_kernel``), a 1-D grid over (row block, vocabulary split). A program owns
-BLOCK_N rows and one contiguous range of the vocabulary, which it streams in [BLOCK_N, BLOCK_V]
-tiles: each tile is a K-loop of tensor-core dots (operands loaded by TMA where rows are 16-byte
-aligned) into fp32 registers, then the online softmax update
+BLOCK_N rows and one split's [BLOCK_N, BLOCK_V] tiles of the vocabulary (every split-th tile, so
+each split sees all of the vocabulary's id ranges: the top-k's survivors, which gather among the
+frequent, small ids, spread over the splits), which it streams in turn: each tile is a K-loop of
+tensor-core dots (operands loaded by TMA where rows are 16-byte aligned) into fp32 registers,
+then the online softmax update
 
     m' = max(m, max_v z_v)      s' = s 2^(m - m') + sum_v 2^(z_v - m')
     t' = t 2^(m - m') + sum_v 2^(z_v - m') z_v                       (entropy only)
 
-so after its range, s = sum 2^(z - m) and t = sum 2^(z - m) z over that range. It writes only
+so after its tiles, s = sum 2^(z - m) and t = sum 2^(z - m) z over that range. It writes only
 (m, s, t) per row: three floats. Splitting the vocabulary gives a small N enough programs to fill
 the GPU, and a last wave that is not mostly idle. Programs are ordered in groups of row blocks
 whose hidden states fit in L2, so the programs that run at once share those rows and a few W
@@ -31,11 +33,13 @@ Stage 2 (``_combine_kernel``), grid (row blocks): merges the splits,
 computes the target logit as one fp32 dot h_i . W_{y_i} (a gathered row; N*H work, not N*V*H),
 applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse2 - T / S).
 
-With ``top_k`` (``fused_topk``), stage 1 also appends each row's keys (logit and id in one
-int64) at or above a threshold taken from a strided sample of the vocabulary to a [N, CAP]
-buffer, the combine kernel writes lse2 as well, a fixed number of repair rounds (stage 1 again
-with REPAIR, for the rows whose survivors did not fit) run on the device without waiting for it,
-and stage 2 (``fused_topk.select_top_k``) takes the K largest of each row's buffer.
+With ``top_k`` (``fused_topk``), stage 1 also keeps each row's logits at or above a threshold
+taken from a strided sample of the vocabulary: up to K 64 as chunks of a thread's columns in
+regions of (row, split, thread), which ``fused_topk.gather_survivors`` turns into keys (logit and
+id in one int64) in a [N, CAP] buffer; above, as keys appended to that buffer. The combine kernel
+writes lse2 as well, a fixed number of repair rounds (stage 1 again with REPAIR, for the rows
+whose survivors did not fit) run on the device without waiting for it, and stage 2
+(``fused_topk.select_top_k``) takes the K largest of each row's buffer.
 
 Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
 partials, 12 bytes per row per split. Offsets are int64 and the grid is 1-D (up to 2^31 - 1
