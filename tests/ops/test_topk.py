@@ -486,9 +486,18 @@ def test_the_sample_kernel_keeps_each_groups_largest_z(transform):
 
 
 # (slots, K, expected survivors): the kernel (its rows with at most 2 x expected survivors reading
-# only those, the others all their slots; (100, 60): twice the expected is past the slots);
-# torch.topk past K 64 or 2,048 slots
-STAGE_TWO = [(1, 1, 1), (50, 50, 40), (100, 60, 60), (300, 7, 20), (300, 256, 100), (3000, 20, 500)]
+# only those, the others all their slots; (100, 60): twice the expected is past the slots); the
+# sorted kernel past K 64 or 2,048 slots; torch.topk past 4,096 slots
+STAGE_TWO = [
+    (1, 1, 1),
+    (50, 50, 40),
+    (100, 60, 60),
+    (300, 7, 20),
+    (300, 256, 100),  # the sorted kernel: past K 64
+    (2336, 256, 800),  # K 256's slots at a 152K vocabulary
+    (3000, 20, 500),  # past 2,048 slots
+    (5000, 100, 900),  # torch.topk: past 4,096 slots
+]
 
 
 @pytest.mark.parametrize("cap,k,expected", STAGE_TWO)

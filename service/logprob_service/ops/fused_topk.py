@@ -851,6 +851,9 @@ def repair_survivors(
 # torch.topk's little with K).
 SELECT_MAX_K = 64
 SELECT_MAX_BLOCK = 2048
+# Beyond them, ``_select_sorted_kernel`` up to this many slots a row (K 256 has 2,336 at a 152K
+# vocabulary); beyond, torch.topk.
+SORT_MAX_BLOCK = 4096
 
 
 @triton.jit
@@ -897,6 +900,46 @@ def _select_kernel(
         )
 
 
+@triton.jit(do_not_specialize=["K"])
+def _select_sorted_kernel(
+    buf_ptr,  # [n, CAP] int64: each row's survivors' keys (distinct; empty slots MIN_KEY)
+    lse2_ptr,  # [n] fp32: each row's log-sum-exp in log2 units
+    ids_ptr,  # [n, K] int32 out
+    lps_ptr,  # [n, K] fp32 out
+    tmp_ptr,  # [n, KB] int64: scratch, each row's K largest before their sort
+    CAP,
+    K,
+    BLOCK: tl.constexpr,  # next_power_of_2(CAP)
+    KB: tl.constexpr,  # next_power_of_2(K)
+):
+    """One row: the K-th largest of its slots, the largest t with at least K keys >= t, by
+    bisection over the int64 keys (64 passes over the slots, in registers); the keys at or above
+    it (K of them: keys are distinct) to the scratch, each at its place among them (a cumsum);
+    then those K sorted (bitonic, KB keys) and decoded, largest first. (A row with fewer than K
+    survivors, which the repair rounds flag, takes empty slots, as torch.topk would.)"""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    keys = tl.load(buf_ptr + row * CAP + offs, mask=offs < CAP, other=KEY_MIN)
+    lo = tl.full([], KEY_MIN, tl.int64)
+    hi = tl.full([], KEY_MAX, tl.int64)
+    for _ in range(64):
+        mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)  # (lo + hi) / 2 rounded up, without overflow
+        ok = tl.sum((keys >= mid).to(tl.int32), axis=0) >= K
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    take = keys >= lo
+    place = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    at = tmp_ptr + row * KB
+    tl.store(at + place, keys, mask=take & (place < K))
+    tl.debug_barrier()  # the scratch, written by every thread of the program, read back by others
+    ks = tl.arange(0, KB)
+    top = tl.sort(tl.load(at + ks, mask=ks < K, other=KEY_MIN), descending=True)
+    z = ordered_bits((top >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+    lse2 = tl.load(lse2_ptr + row)
+    tl.store(ids_ptr + row * K + ks, (0x7FFFFFFF - (top & 0x7FFFFFFF)).to(tl.int32), mask=ks < K)
+    tl.store(lps_ptr + row * K + ks, (z - lse2) * 0.6931471805599453, mask=ks < K)
+
+
 def select_top_k(
     keys: torch.Tensor, counts: torch.Tensor, lse2: torch.Tensor, k: int, expected: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -904,15 +947,23 @@ def select_top_k(
     [n, K] float32 log-probs ln2 (z - lse2)) with ``counts`` [n] int32 the rows' survivors (their
     slots from the first on), ``lse2`` [n] their log-sum-exps in log2 units and ``expected`` the
     survivors a row is expected to have. ``_select_kernel`` for K <= ``SELECT_MAX_K`` where a row's
-    slots fit one warp's registers, else ``torch.topk``; both give the same answer."""
+    slots fit one warp's registers, else ``_select_sorted_kernel`` up to ``SORT_MAX_BLOCK`` slots,
+    else ``torch.topk``; all give the same answer."""
     n, cap = keys.shape
     block = triton.next_power_of_2(cap)
-    if k > SELECT_MAX_K or block > SELECT_MAX_BLOCK:
+    if block > SORT_MAX_BLOCK:
         top = torch.topk(keys, k, dim=1).values  # distinct keys: one answer, whatever the slots' order
         return key_ids(top).to(torch.int32), (key_values(top) - lse2[:, None]) * LN2
     ids = torch.empty((n, k), dtype=torch.int32, device=keys.device)
     lps = torch.empty((n, k), dtype=torch.float32, device=keys.device)
-    if n and k:
+    if not (n and k):
+        return ids, lps
+    if k <= SELECT_MAX_K and block <= SELECT_MAX_BLOCK:
         filled = min(block, triton.next_power_of_2(2 * expected))
         _select_kernel[(n,)](keys, counts, lse2, ids, lps, cap, k, BLOCK=block, FILLED=filled, num_warps=1)
+    else:
+        scratch = torch.empty((n, triton.next_power_of_2(k)), dtype=torch.int64, device=keys.device)
+        _select_sorted_kernel[(n,)](
+            keys, lse2, ids, lps, scratch, cap, k, BLOCK=block, KB=scratch.shape[1], num_warps=4
+        )  # fmt: skip
     return ids, lps
