@@ -87,6 +87,19 @@ def test_top_k_matches_float64(op, dtype, k, transform):
     torch.testing.assert_close(out.logprobs, plain.logprobs, atol=tolerances.OP_FP32, rtol=0)
 
 
+@pytest.mark.parametrize("k", [5, 100])
+def test_stage_one_by_rounds_matches_float64(k, monkeypatch):
+    # These tests' H 16 takes stage 1's chunks at every K (fused_topk.uses_chunks); with neither
+    # limit met, the rounds over the tile's quarters (a 7B model's K 256) keep the keys instead
+    monkeypatch.setattr(fused_topk, "CHUNKS_MAX_K", 0)
+    monkeypatch.setattr(fused_topk, "CHUNKS_ANY_K_MAX_H", 0)
+    assert not fused_topk.uses_chunks(k, 16)
+    transform = TRANSFORMS["scale+softcap+temperature"]
+    hidden, weight, targets, bias = random_case(37, 16, 301, bias=True, device=DEVICE)
+    out = fused(hidden, weight, targets, bias=bias, transform=transform, top_k=k)
+    assert_topk_matches(out, hidden, weight, bias, transform, k)
+
+
 @pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
 def test_top_k_of_the_whole_vocabulary_and_a_ragged_one(op):
     # K = V: every column survives; K = 3: some
@@ -381,7 +394,7 @@ def test_rows_left_in_need_flag_the_scores(rounds, monkeypatch):
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", rounds)
     flag = fused(hidden, weight, targets, top_k=10).top_k_incomplete
     assert flag.dtype == torch.bool and flag.shape == () and flag
-    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 10, 3, CHUNK))
+    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 10, 3, CHUNK, True))
     assert fused(hidden, weight, targets, top_k=10).top_k_incomplete
     assert not fused(hidden[10:], weight, targets[10:], top_k=10).top_k_incomplete  # the third chunk alone
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 2)
@@ -412,8 +425,8 @@ def test_row_chunks_give_the_same_answer(monkeypatch):
     candidates = torch.randint(0, 301, (23, 4), generator=g).to(DEVICE)
     kw = {"bias": bias, "top_k": 6, "candidates": candidates, "return_entropy": True, "return_lse": True}
     whole = fused(hidden, weight, targets, **kw)
-    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 6, 3, CHUNK))
-    assert fused_logprobs.topk_chunk_rows(301, 6, 3, CHUNK) == 5
+    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 6, 3, CHUNK, True))
+    assert fused_logprobs.topk_chunk_rows(301, 6, 3, CHUNK, True) == 5
     launches = counting(monkeypatch, "sample_thresholds")
     chunked = fused(hidden, weight, targets, **kw)
     assert len(launches) == 5  # 23 rows in chunks of 5

@@ -60,7 +60,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logprob_service.ops.fused_topk import (
-    CHUNKS_MAX_K,
     MIN_KEY,
     THREADS_A_ROW,
     _candidates_kernel,
@@ -77,6 +76,7 @@ from logprob_service.ops.fused_topk import (
     sample_thresholds,
     select_top_k,
     to_log2_units,
+    uses_chunks,
 )
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores, check_topk_arguments
 
@@ -395,19 +395,20 @@ def invariant_plan(
 TOPK_CHUNK_BYTES = 1024**3
 
 
-def topk_row_bytes(vocab: int, k: int, splits: int, chunk: int) -> int:
+def topk_row_bytes(vocab: int, k: int, splits: int, chunk: int, chunked: bool) -> int:
     """Bytes a row of a top-k takes: ``capacity`` int64 slots, the threshold's fp32 sample logits
-    (V / stride), its threshold, fallback and counter; up to ``CHUNKS_MAX_K``, stage 1's regions
-    (``region_slots`` chunks of ``chunk`` fp32 and a column each, and a counter, per region)."""
+    (V / stride), its threshold, fallback and counter; with stage 1's chunks (``uses_chunks``),
+    its regions (``region_slots`` chunks of ``chunk`` fp32 and a column each, and a counter, per
+    region)."""
     per_row = 8 * capacity(vocab, k) + 4 * triton.cdiv(vocab, sample_stride(vocab, k)) + 20
-    if k <= CHUNKS_MAX_K:
+    if chunked:
         per_row += THREADS_A_ROW * splits * (region_slots(vocab, k, splits) * (4 * chunk + 4) + 4)
     return per_row
 
 
-def topk_chunk_rows(vocab: int, k: int, splits: int, chunk: int) -> int:
+def topk_chunk_rows(vocab: int, k: int, splits: int, chunk: int, chunked: bool) -> int:
     """Rows per top-k chunk (``TOPK_CHUNK_BYTES``), at least 1; ``splits``: the plan's."""
-    return max(1, TOPK_CHUNK_BYTES // topk_row_bytes(vocab, k, splits, chunk))
+    return max(1, TOPK_CHUNK_BYTES // topk_row_bytes(vocab, k, splits, chunk, chunked))
 
 
 def fused_token_logprobs(
@@ -459,7 +460,12 @@ def fused_token_logprobs(
         # A chunk's splits follow its rows, and its rows its regions, which the splits size.
         step = n
         for _ in range(2):
-            step = min(n, topk_chunk_rows(vocab, top_k, grid(hidden[:step])[1], chunk_width(config.block_v)))
+            step = min(
+                n,
+                topk_chunk_rows(
+                    vocab, top_k, grid(hidden[:step])[1], chunk_width(config.block_v), uses_chunks(top_k, hdim)
+                ),
+            )
         if step < n:
             step = triton.cdiv(n, triton.cdiv(n, step))  # equal chunks
             parts = [
@@ -572,7 +578,7 @@ def _fused_scores(
             torch.zeros(n, dtype=torch.int32, device=hidden.device),
             torch.full((n, capacity(vocab, top_k)), MIN_KEY, dtype=torch.int64, device=hidden.device),
         )
-        if top_k <= CHUNKS_MAX_K:
+        if uses_chunks(top_k, hdim):
             splits = grid(hidden)[1]
             regions, capq = THREADS_A_ROW * splits, region_slots(vocab, top_k, splits)
             chunks = (

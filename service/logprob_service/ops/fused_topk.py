@@ -65,7 +65,8 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
 2. *Stage 1* (``_partials_kernel`` with TOPK): after a tile's z is computed (the same z the
    log-sum-exp sums), the elements whose key is >= the row's threshold key survive.
 
-   *Up to K 64* (``CHUNKS_MAX_K``; ``flag_chunks``) survivors are kept as chunks. In the
+   *Up to K 64, and at any K up to H 2,048* (``uses_chunks``; ``flag_chunks``) survivors are
+   kept as chunks. In the
    tensor-core accumulator's layout one of a row's 4 threads holds two adjacent columns in every
    eight; the tile is cut, along register bits only (``split_columns``: no data moves), into
    eight pieces, and a thread's values of a piece for a row, CH = BLOCK_V / 32 of them, are a
@@ -81,13 +82,13 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    leave them; a row one of whose regions overflowed gets the count -1, and its repair round (4.)
    runs it again with the same threshold, by keys.
 
-   *Above K 64*, and in the repair rounds, survivors are kept as keys: when some survive in the
+   *Otherwise*, and in the repair rounds, survivors are kept as keys: when some survive in the
    row block, each row reserves as many slots as it has survivors with one atomic add on its
    int32 counter, and its survivors go to its [CAP] int64 slots from the reserved base on
    (``compact_survivors``): the tile's columns in four parts, whose bits a thread holds
    (``split_columns``), each part's survivors taken largest first, a max over the part each.
-   Slots past CAP are counted, not written. A K 256 row's chunks would take several times its
-   slots' memory (1,000 chunk slots of 36 bytes and more), hence the split.
+   Slots past CAP are counted, not written. A K 256 row's chunks take about three times its
+   slots' and sample's memory, which only a short matmul pays back, hence the split.
 
    The buffer's order does not matter: keys are distinct. (Stage 1's thresholds and the fallbacks
    have a low word of 0, so the survivors there are the elements whose high word is >= the
@@ -454,9 +455,20 @@ def capacity(vocab: int, k: int) -> int:
     return min(vocab, max(k, expected_survivors(vocab, k) + 8 * math.isqrt(rank - 1) * stride + 8 * stride + 256))
 
 
-# Stage 1 keeps survivors as chunks (``flag_chunks``) up to this K; above it, as keys by rounds
-# (``compact_survivors``): a K 256 row's chunks would take several times its slots' memory.
+# Stage 1 keeps survivors as chunks (``flag_chunks``) up to this K, and at any K up to this hidden
+# size; otherwise as keys by rounds (``compact_survivors``): a K 256 row's chunk regions take about
+# three times its slots' and sample's memory (110-120 KB a row at a 152K vocabulary), which only a
+# short matmul, whose time the rounds' epilogue outweighs, pays back (K 256 at H 896 on an H100:
+# 2.09x the plain pass by rounds; at H 3,584-4,096, 1.34-1.38x).
 CHUNKS_MAX_K = 64
+CHUNKS_ANY_K_MAX_H = 2048
+
+
+def uses_chunks(k: int, hdim: int) -> bool:
+    """Whether stage 1 of a top-``k`` at hidden size ``hdim`` keeps chunks (module doc, 2.)."""
+    return k <= CHUNKS_MAX_K or hdim <= CHUNKS_ANY_K_MAX_H
+
+
 # Regions a (row, split) has: one per thread of a row in the accumulator layout (``_flag_piece``).
 THREADS_A_ROW = 4
 
