@@ -34,7 +34,8 @@ computes the target logit as one fp32 dot h_i . W_{y_i} (a gathered row; N*H wor
 applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse2 - T / S).
 
 With ``top_k`` (``fused_topk``), stage 1 also keeps each row's logits at or above a threshold
-taken from a strided sample of the vocabulary: up to K 64 as chunks of a thread's columns in
+taken from a strided sample of the vocabulary: up to K 64, and at any K up to H 2,048
+(``fused_topk.uses_chunks``), as chunks of a thread's columns in
 regions of (row, split, thread), which ``fused_topk.gather_survivors`` turns into keys (logit and
 id in one int64) in a [N, CAP] buffer; above, as keys appended to that buffer. The combine kernel
 writes lse2 as well, a fixed number of repair rounds (stage 1 again with REPAIR, for the rows

@@ -95,9 +95,10 @@ row shrank the kernel's tiles and cost 4-22x its time on an H200). Instead, per 
    threshold's: one int32 compare an element.)
 
 3. *Stage 2* (``select_top_k``): the K largest of each row's CAP keys (slots never written hold
-   MIN_KEY), by ``_select_kernel`` (K maxima over the slots, one warp a row) up to K 64, else
-   ``torch.topk``; decoded to ids and z; log-probs ln2 (z - lse2) with the row's log-sum-exp in
-   log2 units from the combine kernel.
+   MIN_KEY), by ``_select_kernel`` (K maxima over the slots, one warp a row) up to K 64; above,
+   up to 4,096 slots, by ``_select_sorted_kernel`` (the K-th largest by bisection, the K keys
+   above it gathered and sorted); beyond, ``torch.topk``; decoded to ids and z; log-probs
+   ln2 (z - lse2) with the row's log-sum-exp in log2 units from the combine kernel.
 
 4. *Repair rounds* (``repair_survivors``, on the device, no host reads): a row "needs repair"
    when it has more than CAP survivors (its threshold was low: a row whose top values avoid the
@@ -146,11 +147,12 @@ measured 1.49x against 1.64x the plain kernel for K 20 at 8,192 x 3,584, and 32 
 for K 256 1.70x against 1.81x there and 1.71x against 2.50x at 65,536 x 4,096, on an H100; 8 was
 slower: benchmarks/RESULTS.md, session 20. The rounds over quarters of the tile rather than the
 whole of it: 1.29x against 1.37x for K 20 there, 1.24x against 1.32x at 65,536 x 4,096, session
-21. Up to K 64 stage 1 keeps chunks instead, with no rounds: K 20 at 1.10x rather than 1.34x at
-8,192 x 3,584, session 22.) Memory per row: CAP int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) +
-4096 bytes); up to K 64, 4 x splits regions of ``region_slots`` chunks (4 CH + 4 bytes each: about
-60 KB for K 20 at a 152K vocabulary); and, while the threshold is taken above K 128, S = V / stride
-<= max(32 K, V / 32) + 1 fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
+21. Where stage 1 keeps chunks instead, there are no rounds: K 20 at 1.09x rather than 1.34x at
+8,192 x 3,584, K 256 at 1.52x rather than 2.09x at 24,576 x 896, session 22.) Memory per row: CAP
+int64 slots (8 CAP <= 256 K + 2048 ceil(sqrt K) + 4096 bytes); with chunks, 4 x splits regions
+of ``region_slots`` chunks (4 CH + 4 bytes each: about 60 KB for K 20 at a 152K vocabulary);
+and, while the threshold is taken above K 128 or H 2,048, S = V / stride <= max(32 K, V / 32) + 1
+fp32 sample logits: O(K) bytes for a given vocabulary, O(N K) in all;
 ``fused_logprobs`` runs top-k in row chunks that stay under ``TOPK_CHUNK_BYTES``.
 
 In the rounds, the reserved base comes back from a tensor atomic add to every thread that holds the row (a
