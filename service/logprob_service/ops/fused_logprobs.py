@@ -20,7 +20,7 @@ then the online softmax update
     m' = max(m, max_v z_v)      s' = s 2^(m - m') + sum_v 2^(z_v - m')
     t' = t 2^(m - m') + sum_v 2^(z_v - m') z_v                       (entropy only)
 
-so after its tiles, s = sum 2^(z - m) and t = sum 2^(z - m) z over that range. It writes only
+so after its tiles, s = sum 2^(z - m) and t = sum 2^(z - m) z over those tiles. It writes only
 (m, s, t) per row: three floats. Splitting the vocabulary gives a small N enough programs to fill
 the GPU, and a last wave that is not mostly idle. Programs are ordered in groups of row blocks
 whose hidden states fit in L2, so the programs that run at once share those rows and a few W
@@ -391,8 +391,8 @@ def invariant_plan(
     )
 
 
-# Top-k runs in row chunks whose survivor slots, stage 1's chunks and threshold sample stay under
-# this many bytes.
+# Top-k runs in row chunks whose survivor slots, stage 1's chunk regions and threshold sample stay
+# under about this many bytes (``topk_row_bytes``).
 TOPK_CHUNK_BYTES = 1024**3
 
 
