@@ -76,6 +76,7 @@ from logprob_service.ops.fused_topk import (
     sample_stride,
     sample_thresholds,
     select_top_k,
+    tile_logits,
     to_log2_units,
     uses_chunks,
 )
@@ -169,12 +170,10 @@ def _partials_kernel(
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    ks = tl.arange(0, BLOCK_K)
     # The split's tiles: every n_splits-th from its own on. Interleaved, each split sees all of the
     # vocabulary's ranges, so a row's largest logits (the top-k's survivors) spread over the splits
     # evenly even where they gather in a range of ids (frequent tokens have small ids).
     n_tiles = tl.cdiv(tl.cdiv(V, BLOCK_V) - pid_s, n_splits)
-    k_steps = tl.cdiv(H, BLOCK_K)
     compact_ok = row_ok
     if REPAIR:  # only the rows in need get keys; a program with none of them runs no tile
         compact_ok = row_ok & (tl.load(need_ptr + rows, mask=row_ok, other=0) != 0)
@@ -194,23 +193,10 @@ def _partials_kernel(
     # would prefetch across the softmax update, measured 25-30% slower on an H200.
     for tile in range(0, n_tiles):
         v0 = (tile * n_splits + pid_s) * BLOCK_V
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for ki in range(0, k_steps):
-            k0 = ki * BLOCK_K
-            if USE_TMA:  # out-of-bounds rows, columns and k are zero-filled by the TMA unit
-                a = h_in.load([row0, k0])
-                b = w_in.load([v0, k0]).T
-            else:
-                k_ok = (k0 + ks) < H
-                cols = v0 + tl.arange(0, BLOCK_V)
-                a_ptrs = h_in + rows.to(tl.int64)[:, None] * stride_h + (k0 + ks)[None, :]
-                b_ptrs = w_in + cols.to(tl.int64)[None, :] * stride_w + (k0 + ks)[:, None]
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < V)[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = tile_logits(
+            h_in, w_in, row0, rows, row_ok, v0, V, 1, H, stride_h, stride_w,
+            BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, IEEE=IEEE, USE_TMA=USE_TMA,
+        )  # fmt: skip
         # The tile's logits are complete, in fp32 registers: online softmax update.
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V

@@ -211,6 +211,52 @@ def to_log2_units(x, pre, post, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def tile_logits(
+    h_in,
+    w_in,
+    row0,
+    rows,
+    row_ok,
+    c0,
+    n_cols,
+    row_step,
+    H,
+    stride_h,
+    stride_w,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """x = h[rows] . W[(c0 + j) row_step]^T for the columns j < BLOCK_V with c0 + j < n_cols, a
+    [BLOCK_N, BLOCK_V] tile in fp32 registers: a K-loop of tensor-core dots. With USE_TMA,
+    ``h_in`` and ``w_in`` are TMA descriptors read at [row0, k] and [c0, k] (``w_in``'s rows
+    already every row_step-th of W; out-of-bounds rows, columns and k zero-filled by the TMA
+    unit); else the tensors, masked. IEEE: fp32 operands, an exact fp32 dot rather than TF32.
+    (``fused_logprobs``' partials kernel and ``_sample_maxima_kernel``.)"""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    for ki in range(0, tl.cdiv(H, BLOCK_K)):
+        k0 = ki * BLOCK_K
+        if USE_TMA:
+            a = h_in.load([row0, k0])
+            b = w_in.load([c0, k0]).T
+        else:
+            k_ok = (k0 + ks) < H
+            cols = c0 + tl.arange(0, BLOCK_V)
+            a_ptrs = h_in + rows.to(tl.int64)[:, None] * stride_h + (k0 + ks)[None, :]
+            b_ptrs = w_in + (cols.to(tl.int64) * row_step)[None, :] * stride_w + (k0 + ks)[:, None]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < n_cols)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def ordered_bits(z):
     """The high word of a key: float32 ``z``'s bits as an int32 of the same order."""
     b = z.to(tl.int32, bitcast=True)
@@ -697,32 +743,14 @@ def _sample_maxima_kernel(
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < N
-    ks = tl.arange(0, BLOCK_K)
     maxima = tl.full([BLOCK_M, G], TAKEN, tl.int32)
     for c0 in range(0, S, G):
+        acc = tile_logits(
+            h_in, w_in, row0, rows, row_ok, c0, S, stride, H, stride_h, stride_w,
+            BLOCK_N=BLOCK_M, BLOCK_V=G, BLOCK_K=BLOCK_K, IEEE=IEEE, USE_TMA=USE_TMA,
+        )  # fmt: skip
         cols = c0 + tl.arange(0, G)
         col_ok = cols < S
-        acc = tl.zeros([BLOCK_M, G], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if USE_TMA:  # out-of-bounds rows, columns and k are zero-filled by the TMA unit
-                a = h_in.load([row0, k0])
-                b = w_in.load([c0, k0]).T
-            else:
-                k_ok = (k0 + ks) < H
-                a = tl.load(
-                    h_in + rows.to(tl.int64)[:, None] * stride_h + (k0 + ks)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                b = tl.load(
-                    w_in + (cols.to(tl.int64) * stride)[None, :] * stride_w + (k0 + ks)[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0,
-                )
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols.to(tl.int64) * stride, mask=col_ok, other=0.0)[None, :]
         z = to_log2_units(acc, pre, post, SOFTCAP)
