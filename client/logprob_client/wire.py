@@ -41,6 +41,7 @@ class ModelInfo:
     attention: str = ""  # which attention backend serves which kind of row
     determinism: str = ""  # what the server's --deterministic guarantees for this model
     num_experts: int = 0  # experts per MoE layer, whose choices return_routed_experts returns; 0: none
+    weight_format: str = ""  # the dtype, or the checkpoint's quantization and its compute mode
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def model_info(m: pb.ModelInfo) -> ModelInfo:
         attention=m.attention,
         determinism=m.determinism,
         num_experts=m.num_experts,
+        weight_format=m.weight_format,
     )
 
 

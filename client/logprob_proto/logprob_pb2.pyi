@@ -149,7 +149,7 @@ class ModelLimits(_message.Message):
     def __init__(self, max_sequence_tokens: _Optional[int] = ..., max_sequences_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device", "base_model", "attention", "determinism", "num_experts")
+    __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device", "base_model", "attention", "determinism", "num_experts", "weight_format")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class ModelInfo(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     DETERMINISM_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -178,7 +179,8 @@ class ModelInfo(_message.Message):
     attention: str
     determinism: str
     num_experts: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ..., attention: _Optional[str] = ..., determinism: _Optional[str] = ..., num_experts: _Optional[int] = ...) -> None: ...
+    weight_format: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., source: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ..., attention: _Optional[str] = ..., determinism: _Optional[str] = ..., num_experts: _Optional[int] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "weight_receiver_ports")

@@ -109,6 +109,15 @@ class Settings(WeightUpdateSettings):
         "auto", description="Weight dtype: auto (bfloat16 on cuda, float32 on cpu)."
     )
     trust_remote_code: bool = Field(False, description="Allow model code from checkpoints (transformers).")
+    fp8_compute: Literal["weights-only", "w8a8"] = Field(
+        "weights-only",
+        description=(
+            "How an FP8 checkpoint's linear layers compute (their weights stay in FP8 either way): weights-only "
+            "(each weight dequantized inside its layer, bf16 activations: the dequantized model's scores, what a "
+            "trainer computes) or w8a8 (activations quantized per token and 128-group, FP8 tensor cores: faster, "
+            "with the error stated in the README's weight formats)."
+        ),
+    )
 
     # Scoring.
     logprob_kernel: Literal["auto", "triton", "eager"] = Field(

@@ -202,6 +202,7 @@ class ModelInfo:
     attention: str = ""  # which attention backend serves which kind of row (ops.attention)
     determinism: str = ""  # what --deterministic guarantees here (models.scorer.determinism)
     num_experts: int = 0  # experts per MoE layer whose router choices can be returned; 0: no routers
+    weight_format: str = ""  # the dtype, or the quantization and its compute mode (models.quantized)
 
 
 @dataclass(frozen=True)

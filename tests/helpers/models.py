@@ -230,14 +230,21 @@ ARCHITECTURES = {
 
 
 def make_model(
-    arch: str, *, tied: bool, seed: int, dtype: torch.dtype = torch.float32, max_positions: int = MAX_POSITIONS
+    arch: str,
+    *,
+    tied: bool,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    max_positions: int = MAX_POSITIONS,
+    dims: dict | None = None,
 ) -> PreTrainedModel:
     """A random model whose logits have a realistic spread (std ~1, not near-uniform).
 
     ``max_positions``: the longest sequence the service will score with it (the positions are
-    rotary, so only the limit changes, not the model's maths)."""
+    rotary, so only the limit changes, not the model's maths). ``dims``: config sizes other than
+    ``COMMON``'s (e.g. widths that are multiples of a quantization block)."""
     torch.manual_seed(seed)
-    model = ARCHITECTURES[arch](tied, {**COMMON, "max_position_embeddings": max_positions})
+    model = ARCHITECTURES[arch](tied, {**COMMON, **(dims or {}), "max_position_embeddings": max_positions})
     model.set_attn_implementation(attention_implementation(model.config))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -175,6 +175,7 @@ async def test_model_and_build_info(running):
         "architecture": info.architecture,
         "source": info.source,
         "dtype": "float32",
+        "weight_format": "float32",
         "device": "cpu",
         "version": "0",
         "fingerprint": info.fingerprint,

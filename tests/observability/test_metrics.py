@@ -26,7 +26,9 @@ class View:
 
 
 def info(name: str, version: int = 0) -> ModelInfo:
-    return ModelInfo(name, "src", "LlamaForCausalLM", 100, 64, "float32", "cpu", version, f"fp-{version}")
+    return ModelInfo(
+        name, "src", "LlamaForCausalLM", 100, 64, "float32", "cpu", version, f"fp-{version}", weight_format="float32"
+    )
 
 
 def test_records_move_their_series():
@@ -49,7 +51,14 @@ def test_models_are_read_from_the_view_at_scrape_time_and_labels_stay_bounded():
     assert value("logprob_model_version", model="obs-live") == 0
     view.infos[0] = info("obs-live", version=3)  # a weight swap: no one republishes anything
     assert value("logprob_model_version", model="obs-live") == 3
-    labels = dict(model="obs-live", architecture="LlamaForCausalLM", source="src", dtype="float32", device="cpu")
+    labels = dict(
+        model="obs-live",
+        architecture="LlamaForCausalLM",
+        source="src",
+        dtype="float32",
+        weight_format="float32",
+        device="cpu",
+    )
     assert value("logprob_model_info", **labels, version="3", fingerprint="fp-3") == 1
     assert value("logprob_model_info", **labels, version="0", fingerprint="fp-0") == 0  # gone with the swap
 

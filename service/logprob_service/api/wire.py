@@ -195,6 +195,7 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
         attention=info.attention,
         determinism=info.determinism,
         num_experts=info.num_experts,
+        weight_format=info.weight_format,
         limits=pb.ModelLimits(
             max_sequence_tokens=info.max_positions or 0,
             max_sequences_per_request=limits.max_sequences_per_request,

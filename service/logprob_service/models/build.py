@@ -50,6 +50,7 @@ def build_models(
         options=scoring_options(settings),
         trust_remote_code=settings.trust_remote_code,
         tensor_parallel=tensor_parallel,
+        fp8_compute=settings.fp8_compute,
     )
     built = {name: load(name, source) for name, source in settings.models.items() if lora[name] is None}
     for name, spec in lora.items():

@@ -1,7 +1,9 @@
 """Load a causal LM from a model SOURCE onto a device, in a dtype.
 
 SOURCE is ``builtin:<name>`` (embedded, made locally), a local Hugging Face checkpoint
-directory, or a hub id (downloaded by transformers; needs network or a warm HF cache).
+directory, or a hub id (downloaded by transformers; needs network or a warm HF cache). A
+checkpoint's ``quantization_config`` is read before any weight: a quantized one is served in its
+own precision (``models.quantized``) or refused, never cast.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from logprob_service.domain import DTYPE_BYTES
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
+from logprob_service.models.checkpoint import ModelLoadError
+from logprob_service.models.quantized import Fp8Compute, load_quantized_causal_lm, weight_format
 from logprob_service.models.routed_llama4 import llama4_blocks, route_llama4_experts
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
@@ -28,10 +32,6 @@ HUB_ANSWER_TIMEOUT_S = 10.0
 # huggingface_hub gives its logger a stderr handler of its own and lets records propagate as well:
 # with the server's handler, each of its warnings was printed twice. The server's prints them once.
 logging.getLogger("huggingface_hub").handlers.clear()
-
-
-class ModelLoadError(RuntimeError):
-    """A model SOURCE could not be loaded; the message names the source and the cause."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -143,8 +143,10 @@ def load_causal_lm(
     device: torch.device,
     dtype: torch.dtype,
     trust_remote_code: bool = False,
+    fp8_compute: Fp8Compute = "weights-only",
 ) -> PreTrainedModel:
-    """Load ``source`` in eval mode on ``device`` in ``dtype``."""
+    """Load ``source`` in eval mode on ``device`` in ``dtype`` (a quantized checkpoint's quantized
+    layers in their own precision, computing as ``fp8_compute`` says)."""
     try:
         if source.startswith(BUILTIN_PREFIX):
             model = build_builtin(source.removeprefix(BUILTIN_PREFIX))
@@ -154,6 +156,19 @@ def load_causal_lm(
                 raise ModelLoadError(f"{source!r} is a file; a checkpoint directory is expected")
             hub = {} if local.is_dir() else _hub_access(source)
             config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **hub)
+            fmt = weight_format(config, f"{source}/config.json", fp8_compute)
+            if fmt is not None:
+                directory = local if local.is_dir() else Path(huggingface_hub.snapshot_download(source, **hub))
+                model = load_quantized_causal_lm(
+                    directory,
+                    config,
+                    fmt,
+                    device=device,
+                    dtype=dtype,
+                    attn_implementation=attention_implementation(config),
+                )
+                use_experts_implementation(model, device)
+                return model
             model = AutoModelForCausalLM.from_pretrained(
                 source,
                 config=config,

@@ -11,8 +11,9 @@ from transformers import PretrainedConfig
 
 from logprob_service.domain import ModelInfo
 from logprob_service.errors import FailedPrecondition
-from logprob_service.models.loading import load_causal_lm
+from logprob_service.models.loading import ModelLoadError, load_causal_lm
 from logprob_service.models.lora import AdapterHost
+from logprob_service.models.quantized import Fp8Compute, describe_weights, quantized_layers
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.tensor_parallel import TensorParallel, load_sharded_causal_lm
 from logprob_service.models.weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
@@ -98,12 +99,18 @@ def serve_model(name: str, source: str, scorer: CausalLMScorer) -> ServedModel:
         attention=scorer.attention_plan(),
         determinism=scorer.determinism(),
         num_experts=scorer.num_experts,
+        weight_format=describe_weights(model, scorer.head_weight.dtype),
     )
     return ServedModel(info=info, scorer=scorer, digests=digests)
 
 
 def serve_lora_model(name: str, base: ServedModel, adapter_dir: str) -> ServedModel:
     """A LoRA model on ``base``: its adapter is injected into the base's model (one copy of the base)."""
+    if quantized_layers(base.scorer.model):
+        raise ModelLoadError(
+            f"LoRA model {name!r}: its base {base.info.name!r} is served quantized ({base.info.weight_format}); "
+            "LoRA adapters are served on dense bases only"
+        )
     if base.adapters is None:
         base.scorer.run_layers_eagerly("PEFT's adapter layers switch between micro-batches")
         base.adapters = AdapterHost(base.scorer.model, model_dtype=base.scorer.options.deterministic)
@@ -132,11 +139,14 @@ def load_served_model(
     options: ScoringOptions | None = None,
     trust_remote_code: bool = False,
     tensor_parallel: TensorParallel | None = None,
+    fp8_compute: Fp8Compute = "weights-only",
 ) -> ServedModel:
     """``tensor_parallel``: this rank's shards of the model (every rank of the group loads it)."""
     log.info("loading model %r from %s on %s as %s", name, source, device, dtype)
     if tensor_parallel is None:
-        model = load_causal_lm(source, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = load_causal_lm(
+            source, device=device, dtype=dtype, trust_remote_code=trust_remote_code, fp8_compute=fp8_compute
+        )
     else:
         model = load_sharded_causal_lm(
             source, tensor_parallel, device=device, dtype=dtype, trust_remote_code=trust_remote_code

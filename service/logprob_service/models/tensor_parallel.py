@@ -28,28 +28,34 @@ a model larger than one GPU (or than host memory) never exists whole anywhere.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import json
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Unpack
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
+from logprob_service.models.checkpoint import (
+    SafetensorsSource,
+    StateDictSource,
+    TensorSource,
+    copy_weight,
+    materialize,
+    owned_parameters,
+    skeleton,
+)
 from logprob_service.models.loading import ModelLoadError, attention_implementation, expert_modules, to_serving_dtype
+from logprob_service.models.quantized import weight_format
 from logprob_service.ops.dispatch import LogprobOp, OpOptions
 from logprob_service.ops.logprobs import TokenScores
 from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
@@ -108,132 +114,28 @@ def body_plan(config: PretrainedConfig, world: int) -> dict[str, ParallelStyle]:
     return {pattern: STYLES[style]() for pattern, style in plan.items()}
 
 
-class TensorSource(Protocol):
-    """Where a sharded model's weights come from: a slice of the full tensor ``name``."""
-
-    def names(self) -> set[str]: ...
-
-    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) along ``dim`` of the full tensor (all of it when ``dim`` is None)."""
-        ...
-
-
-class StateDictSource:
-    """Slices of tensors held whole in memory (a builtin model, made on the CPU; tests)."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self._state = state
-
-    def names(self) -> set[str]:
-        return set(self._state)
-
-    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        tensor = self._state[name]
-        return tensor if dim is None else tensor.narrow(dim, start, stop - start)
-
-
-# A checkpoint keeps each expert's matrices apart (Qwen2/Qwen3-MoE, DeepSeek: ``experts.{e}.gate_proj.weight``);
-# the model holds them stacked by expert, gate and up concatenated (transformers' conversion mapping).
-CHECKPOINT_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
-class SafetensorsSource:
-    """Slices read from a checkpoint directory's ``*.safetensors`` files: only a rank's own bytes
-    are read (``safe_open(...).get_slice``), never a whole tensor another rank shares. A stacked
-    expert weight is assembled from its experts' own tensors, a rank's experts only."""
-
-    def __init__(self, directory: Path) -> None:
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            files = json.loads(index.read_text())["weight_map"]
-            self._files = {name: directory / file for name, file in files.items()}
-        else:
-            self._files = {}
-            for file in sorted(directory.glob("*.safetensors")):
-                with safe_open(file, "pt") as f:
-                    self._files.update(dict.fromkeys(f.keys(), file))
-        if not self._files:
-            raise ModelLoadError(f"tensor parallel: no *.safetensors weights in {str(directory)!r}")
-        self._experts: dict[str, tuple[str, tuple[str, ...], int]] = {}  # stacked name -> (prefix, parts, experts)
-        for name in self._files:
-            if match := CHECKPOINT_EXPERT.fullmatch(name):
-                prefix, index, part = match.groups()
-                for stacked, parts in STACKED_EXPERTS.items():
-                    if part in parts:
-                        count = self._experts.get(f"{prefix}.{stacked}", (prefix, parts, 0))[2]
-                        self._experts[f"{prefix}.{stacked}"] = (prefix, parts, max(count, int(index) + 1))
-
-    def names(self) -> set[str]:
-        return set(self._files) | set(self._experts)
-
-    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        if name in self._experts:
-            prefix, parts, count = self._experts[name]
-            if dim not in (None, 0):
-                raise ModelLoadError(f"tensor parallel: {name} is split by expert only, not along dimension {dim}")
-            experts = range(count) if dim is None else range(start, stop)
-            return torch.stack(
-                [torch.cat([self.read(f"{prefix}.{e}.{part}.weight", None, 0, 0) for part in parts]) for e in experts]
-            )
-        with safe_open(self._files[name], "pt") as f:
-            piece = f.get_slice(name)
-            if dim is None:
-                return piece[:]
-            return piece[(slice(None),) * dim + (slice(start, stop),)]
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Modules made in this context get their parameters on the meta device (no memory, no
-    initialization cost) and their buffers for real."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
-
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
 def sharded_skeleton(
     config: PretrainedConfig, tp: TensorParallel, device: torch.device, dtype: torch.dtype
 ) -> PreTrainedModel:
     """The model of ``config`` with this rank's shards allocated on ``device`` (values not set)."""
     plan = body_plan(config, tp.world)
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=attention_implementation(config)
-        )
+    model = skeleton(config, dtype, attention_implementation(config))
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     parallelize_module(model.base_model, tp.mesh, plan)
     shard_experts(model, tp)
     if not config.tie_word_embeddings:
         # Only the weight's rows are sharded: the module's forward (full logits) is never called.
         parallelize_module(model.get_output_embeddings(), tp.mesh, ColwiseParallel())
-    model.to_empty(device=device)  # new tensors, module by module: a tied lm_head comes apart ...
-    model.tie_weights()  # ... and is tied to the embedding again
-    for name, buffer in buffers.items():
-        owner, _, attr = name.rpartition(".")
-        # As the model made them (RoPE's frequencies in float32), as a whole model keeps them
-        # (models.loading.to_serving_dtype): a rank computes as one GPU would.
-        module = model.get_submodule(owner)
-        module.register_buffer(attr, buffer.to(device), persistent=attr not in module._non_persistent_buffers_set)
-    return model.eval()
+    return materialize(model, buffers, device)
 
 
 @torch.no_grad()
 def fill_shards_(model: PreTrainedModel, source: TensorSource, tp: TensorParallel) -> PreTrainedModel:
     """Copy each parameter's slice of ``source`` into this rank's shard of it."""
-    missing = sorted(set(_owned(model)) - source.names())
+    missing = sorted(set(owned_parameters(model)) - source.names())
     if missing:
         raise ModelLoadError(f"tensor parallel: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
-    for name, param in _owned(model).items():
+    for name, param in owned_parameters(model).items():
         if isinstance(param, DTensor):
             (placement,) = param.placements
             assert isinstance(placement, Shard)
@@ -241,9 +143,9 @@ def fill_shards_(model: PreTrainedModel, source: TensorSource, tp: TensorParalle
             # torch.chunk's split: every rank but the last holds ceil(size / world) rows.
             step = -(-param.shape[placement.dim] // tp.world)
             start = step * tp.rank
-            local.copy_(source.read(name, placement.dim, start, start + local.shape[placement.dim]))
+            copy_weight(local, source.read(name, placement.dim, start, start + local.shape[placement.dim]), name)
         else:
-            param.copy_(source.read(name, None, 0, 0))
+            copy_weight(param, source.read(name, None, 0, 0), name)
     return model
 
 
@@ -325,17 +227,6 @@ def _rowwise(
     return partial if bias is None else partial + bias
 
 
-def _owned(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters by state-dict name, each once (a tied lm_head is the embedding's)."""
-    owned: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, param in model.named_parameters():
-        if id(param) not in seen:
-            seen.add(id(param))
-            owned[name] = param
-    return owned
-
-
 def load_sharded_causal_lm(
     source: str,
     tp: TensorParallel,
@@ -358,6 +249,10 @@ def load_sharded_causal_lm(
                     "same files, so download a hub model first (e.g. `hf download ID --local-dir DIR`)"
                 )
             config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+            if (fmt := weight_format(config, f"{source}/config.json")) is not None:
+                raise ModelLoadError(
+                    f"tensor parallel: {source!r} is quantized ({fmt.describe()}); served on one GPU only"
+                )
             weights = SafetensorsSource(directory)
         return run_locally_(fill_shards_(sharded_skeleton(config, tp, device, dtype), weights, tp), tp)
     except ModelLoadError:

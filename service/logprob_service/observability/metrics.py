@@ -172,7 +172,7 @@ class ModelsCollector(Collector):
     """``logprob_model_info`` (value 1, described by labels) and ``logprob_model_version`` of every
     served model, read from the registries at scrape time: they move with a weight swap."""
 
-    LABELS = ("model", "architecture", "source", "dtype", "device", "version", "fingerprint")
+    LABELS = ("model", "architecture", "source", "dtype", "weight_format", "device", "version", "fingerprint")
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         return (
@@ -190,7 +190,8 @@ class ModelsCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         info, version = self._families()
         for m in _served_infos():
-            info.add_metric([m.name, m.architecture, m.source, m.dtype, m.device, str(m.version), m.fingerprint], 1)
+            labels = [m.name, m.architecture, m.source, m.dtype, m.weight_format, m.device, str(m.version), m.fingerprint]
+            info.add_metric(labels, 1)
             version.add_metric([m.name], m.version)
         yield from (info, version)
 

@@ -1,0 +1,230 @@
+"""Quantized checkpoints: their format read from ``quantization_config``, served exactly or refused.
+
+A checkpoint's ``config.json`` says how its weights are stored. The service reads it before any
+weight, and either serves the format exactly or refuses the model at start-up, naming the format,
+the file and what is served. Served:
+
+* ``fp8`` (transformers' fine-grained FP8: DeepSeek-V3/R1, Qwen3-*-FP8, Kimi-K2): float8_e4m3fn
+  weights, a float32 ``weight_scale_inv`` per ``weight_block_size`` block (or one per tensor);
+* ``compressed-tensors`` in its ``float-quantized`` format with 8-bit float weights (llm-compressor's
+  FP8 and FP8_DYNAMIC schemes): float8_e4m3fn weights, a float32 ``weight_scale`` per tensor, per
+  output channel or per block.
+
+A served FP8 model keeps its linear layers' weights in FP8 on its device (``Fp8Linear``: one byte a
+weight, plus the scales) and computes as ``compute`` says (``ops.fp8``): ``weights-only`` (the
+default) dequantizes each weight inside its layer and equals the dequantized model, which is what a
+trainer that loads the checkpoint computes; ``w8a8`` quantizes the activations too and runs the FP8
+tensor cores. Everything the checkpoint keeps dense (embeddings, norms, the lm_head) stays in the
+serving dtype, and the fused lm_head is unchanged.
+
+Which layers are quantized is read from the checkpoint itself: a linear layer whose weight has a
+scale beside it. A checkpoint tensor stored in 8 bits that no quantized layer takes (an expert bank,
+a layer the skeleton holds dense) is refused by ``checkpoint.copy_weight``, never cast.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from logprob_service.models.checkpoint import (
+    ModelLoadError,
+    SafetensorsSource,
+    copy_weight,
+    materialize,
+    owned_parameters,
+    skeleton,
+)
+from logprob_service.ops.fp8 import FP8, scale_grid, w8a8_linear, w8a8_supported, weights_only_linear
+
+Fp8Compute = Literal["weights-only", "w8a8"]
+Strategy = Literal["block", "channel", "tensor"]
+SERVED_FORMATS = (
+    "fp8 (float8_e4m3fn weights, float32 weight_scale_inv per block or per tensor)",
+    "compressed-tensors float-quantized with 8-bit float weights (per tensor, channel or block)",
+)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a checkpoint's quantized linear weights are stored, and how they are computed."""
+
+    method: str  # the config's quant_method
+    scale_name: str  # the scale's name beside each quantized weight
+    strategy: Strategy
+    block_size: tuple[int, int] | None  # strategy "block" only
+    compute: Fp8Compute = "weights-only"
+
+    def block(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The block of elements one scale covers in a weight of ``shape``."""
+        if self.strategy == "block":
+            assert self.block_size is not None
+            return self.block_size
+        n, k = shape
+        return (1, k) if self.strategy == "channel" else (n, k)
+
+    def describe(self) -> str:
+        """As ListModels, the logs and the metrics name it."""
+        scales = {
+            "block": f"blocks {self.block_size[0]}x{self.block_size[1]}" if self.block_size else "",
+            "channel": "per channel",
+            "tensor": "per tensor",
+        }[self.strategy]
+        return f"{self.method}: fp8 e4m3, {scales}, {self.compute}"
+
+
+def weight_format(config: PretrainedConfig, where: str, compute: Fp8Compute = "weights-only") -> WeightFormat | None:
+    """The format ``config``'s ``quantization_config`` declares (None for a dense checkpoint);
+    ModelLoadError naming the format, ``where`` it is declared and what is served, for any other."""
+    declared = getattr(config, "quantization_config", None)
+    if declared is None:
+        return None
+    spec: dict[str, Any] = declared if isinstance(declared, dict) else declared.to_dict()
+    method = str(spec.get("quant_method", "")).lower()
+    refuse = _refusal(method, where)
+    if method == "fp8":
+        if spec.get("fmt", "e4m3") != "e4m3":
+            raise refuse(f"fmt {spec.get('fmt')!r} (only e4m3 is served)")
+        block = spec.get("weight_block_size")
+        if block is None:
+            return WeightFormat(method, "weight_scale_inv", "tensor", None, compute)
+        if len(block) != 2 or min(block) < 1:
+            raise refuse(f"weight_block_size {block!r} is not two positive sizes")
+        return WeightFormat(method, "weight_scale_inv", "block", (int(block[0]), int(block[1])), compute)
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(spec, refuse, compute)
+    raise refuse("this quantization method is not served")
+
+
+def _refusal(method: str, where: str):
+    def refuse(reason: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{where}: quantization_config.quant_method {method!r}: {reason}. Served: "
+            + "; ".join(SERVED_FORMATS)
+            + ". A dense (bf16) copy of the checkpoint is served as any other model."
+        )
+
+    return refuse
+
+
+def _compressed_tensors_format(spec: dict[str, Any], refuse, compute: Fp8Compute) -> WeightFormat:
+    if spec.get("format") != "float-quantized":
+        raise refuse(f"format {spec.get('format')!r} (only float-quantized is served)")
+    groups = spec.get("config_groups") or {}
+    strategies = set()
+    blocks = set()
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise refuse(f"config_groups.{name}.weights is {weights.get('num_bits')}-bit {weights.get('type')}")
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise refuse(f"config_groups.{name}.weights.strategy {strategy!r}")
+        strategies.add(strategy)
+        if strategy == "block":
+            blocks.add(tuple(weights.get("block_structure") or ()))
+    if len(strategies) != 1 or len(blocks) > 1:
+        raise refuse(f"config_groups mix weight strategies {sorted(strategies)} or blocks {sorted(blocks)}")
+    (strategy,) = strategies
+    block = blocks.pop() if blocks else None
+    if strategy == "block" and (block is None or len(block) != 2):
+        raise refuse(f"block_structure {block!r} is not two sizes")
+    return WeightFormat("compressed-tensors", "weight_scale", strategy, block, compute)  # type: ignore[arg-type]
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight is served in FP8 with its scales (the checkpoint's names:
+    ``weight`` and ``fmt.scale_name``), computing as ``fmt.compute`` says (``ops.fp8``)."""
+
+    def __init__(self, linear: nn.Linear, scale: torch.Tensor, fmt: WeightFormat) -> None:
+        super().__init__()
+        self.out_features, self.in_features = shape = (linear.out_features, linear.in_features)
+        self.block = fmt.block(shape)
+        self.format = fmt
+        self.scale_name = fmt.scale_name
+        self.compute = fmt.compute
+        device = linear.weight.device
+        self.weight = nn.Parameter(torch.empty(shape, dtype=FP8, device=device), requires_grad=False)
+        self.register_parameter(
+            fmt.scale_name,
+            nn.Parameter(torch.empty(scale.shape, dtype=torch.float32, device=device), requires_grad=False),
+        )
+        self.bias = linear.bias
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return getattr(self, self.scale_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = w8a8_linear if self.compute == "w8a8" else weights_only_linear
+        return linear(x, self.weight, self.scale, self.block, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, block={self.block}, {self.compute}"
+
+
+def load_quantized_causal_lm(
+    directory: Path,
+    config: PretrainedConfig,
+    fmt: WeightFormat,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str,
+) -> PreTrainedModel:
+    """The checkpoint in ``directory`` on ``device``: its quantized linears as ``Fp8Linear`` (FP8
+    weights and float32 scales as stored), every other weight in ``dtype``."""
+    source = SafetensorsSource(directory)
+    dense = copy.deepcopy(config)
+    if hasattr(dense, "quantization_config"):
+        del dense.quantization_config
+    model = skeleton(dense, dtype, attn_implementation)
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    names = source.names()
+    quantized = 0
+    for name, module in list(model.named_modules()):
+        scale_name = f"{name}.{fmt.scale_name}"
+        if type(module) is not nn.Linear or scale_name not in names:
+            continue
+        scale = source.read(scale_name, None, 0, 0)
+        shape = (module.out_features, module.in_features)
+        block = fmt.block(shape)
+        if not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
+            raise ModelLoadError(f"{scale_name}: scales stored as {scale.dtype} are not served (float32 is)")
+        if scale.numel() != scale_grid(shape, block)[0] * scale_grid(shape, block)[1]:
+            raise ModelLoadError(
+                f"{scale_name}: {list(scale.shape)} scales do not fit a {shape[0]} x {shape[1]} weight in "
+                f"blocks of {block[0]} x {block[1]} ({fmt.describe()})"
+            )
+        if fmt.compute == "w8a8" and (why := w8a8_supported(shape, block)):
+            raise ModelLoadError(f"{name}: fp8_compute 'w8a8' cannot run this layer ({why}); use 'weights-only'")
+        model.set_submodule(name, Fp8Linear(module, scale, fmt))
+        quantized += 1
+    if not quantized:
+        raise ModelLoadError(f"{directory}: {fmt.describe()} is declared, but no linear weight has a {fmt.scale_name}")
+    materialize(model, buffers, device)
+    params = owned_parameters(model)
+    missing = sorted(set(params) - names)
+    if missing:
+        raise ModelLoadError(f"{directory}: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            copy_weight(param, source.read(name, None, 0, 0), name)
+    return model
+
+
+def quantized_layers(model: nn.Module) -> list[Fp8Linear]:
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def describe_weights(model: nn.Module, dtype: torch.dtype) -> str:
+    """The model's weight format as ListModels names it: the dense dtype, or the quantization."""
+    layers = quantized_layers(model)
+    dense = str(dtype).removeprefix("torch.")
+    return f"{layers[0].format.describe()} ({len(layers)} layers; the rest {dense})" if layers else dense

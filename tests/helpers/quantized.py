@@ -1,0 +1,89 @@
+"""Quantized checkpoints made in the tests, in the layouts the real ones ship, and their reference.
+
+``write_checkpoint`` quantizes a dense model's decoder-layer linear weights (``ops.fp8.quantize``:
+max|W_block| / 448 scales, as DeepSeek's and transformers' quantizers compute them) and writes a
+checkpoint directory as the format stores it: ``config.json`` with its ``quantization_config``
+(the keys transformers' ``FineGrainedFP8Config`` and llm-compressor's compressed-tensors configs
+write), FP8 weights and their scales under the format's names in ``model.safetensors``. It returns
+the reference: the same model in float64 with every quantized weight replaced by Q * S, exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from logprob_service.ops.fp8 import dequantize, quantize
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+# Widths that are multiples of the 128 x 128 block (the issue's real layouts), heads of 64.
+FP8_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+# layout -> (quantization_config, scale name, the block a scale covers: None = whole rows / tensor)
+_CT_WEIGHTS = dict(num_bits=8, type="float", symmetric=True, dynamic=False, group_size=None, actorder=None)
+_CT_TOKENS = dict(num_bits=8, type="float", symmetric=True, dynamic=True, strategy="token", block_structure=None)
+
+
+def _compressed_tensors(strategy: str, block: list[int] | None) -> dict:
+    weights = {**_CT_WEIGHTS, "strategy": strategy, "block_structure": block}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": _CT_TOKENS}},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+LAYOUTS = {
+    "fp8-blocks": (
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        "weight_scale_inv",
+        (128, 128),
+    ),
+    "fp8-tensor": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}, "weight_scale_inv", None),
+    "ct-channel": (_compressed_tensors("channel", None), "weight_scale", "channel"),
+    "ct-tensor": (_compressed_tensors("tensor", None), "weight_scale", None),
+    "ct-block": (_compressed_tensors("block", [128, 128]), "weight_scale", (128, 128)),
+}
+
+
+def _block(kind, shape: tuple[int, int]) -> tuple[int, int]:
+    if kind == "channel":
+        return (1, shape[1])
+    return shape if kind is None else kind
+
+
+def quantized_linears(model: PreTrainedModel) -> list[str]:
+    """The names of the linear layers a checkpoint quantizes: every one in the decoder layers."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in name]
+
+
+def write_checkpoint(directory: Path, model: PreTrainedModel, layout: str) -> PreTrainedModel:
+    """``model``'s checkpoint in ``layout`` under ``directory``; returns the float64 reference."""
+    spec, scale_name, kind = LAYOUTS[layout]
+    reference = copy.deepcopy(model).to(torch.float64)
+    state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # saved once, as the embedding
+    for name in quantized_linears(model):
+        weight = state[f"{name}.weight"]
+        block = _block(kind, tuple(weight.shape))
+        q, s = quantize(weight, block)
+        state[f"{name}.weight"] = q
+        if kind is None:  # one scale, as each format stores it: [] (fp8) or [1] (compressed-tensors)
+            s = s.reshape([] if spec["quant_method"] == "fp8" else [1])
+        state[f"{name}.{scale_name}"] = s
+        with torch.no_grad():
+            reference.get_submodule(name).weight.copy_(dequantize(q, s, block, torch.float64))
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": spec}, indent=2))
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return reference.eval()
