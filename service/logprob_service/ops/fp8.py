@@ -12,9 +12,9 @@ ship are all blocks of this kind:
 
 Two ways to compute y = x W^T (+ b):
 
-* ``weights_only_linear``: W is dequantized into a bf16 scratch tensor (float32 product Q * S
-  rounded once to the activation dtype: exactly the tensor a trainer gets when it loads the
-  checkpoint dequantized), then one ordinary GEMM. The scratch lives for one layer; reading one
+* ``weights_only_linear``: W is dequantized into a bf16 scratch tensor (the product Q * S in
+  float32, then the activation dtype: exactly the tensor transformers makes when it loads the
+  checkpoint dequantized, as a trainer does), then one ordinary GEMM. The scratch lives for one layer; reading one
   byte and writing two per weight costs about 1% of a GEMM of thousands of rows. Its answers are
   the dequantized model's, and batch-invariant wherever the bf16 GEMM is.
 * ``w8a8_linear``: x is quantized too, one scale per token and group of 128 inputs (per token for
@@ -47,7 +47,7 @@ def scale_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """Q * S in float32, rounded once to ``dtype``: [N, K]."""
+    """Q * S in float32 (float64 when asked), then ``dtype``: [N, K]."""
     n, k = weight.shape
     scale = scale.reshape(scale_grid((n, k), block))
     if weight.is_cuda:

@@ -18,7 +18,7 @@ TILE_N, TILE_K = 32, 256
 def _dequantize_kernel(
     q_ptr, s_ptr, out_ptr, n, k, q_stride, s_stride_n, s_stride_k, bn, bk, TILE_N: tl.constexpr, TILE_K: tl.constexpr
 ):
-    # out[r, c] = float32(Q[r, c]) * S[r // bn, c // bk], rounded once to the output's dtype.
+    # out[r, c] = float32(Q[r, c]) * S[r // bn, c // bk] in float32, then the output's dtype.
     rows = tl.program_id(0) * TILE_N + tl.arange(0, TILE_N)
     cols = tl.program_id(1) * TILE_K + tl.arange(0, TILE_K)
     mask = (rows[:, None] < n) & (cols[None, :] < k)

@@ -1,0 +1,104 @@
+"""FP8 checkpoints on the GPU: FP8 in memory, weights-only equal to the dequantized model, W8A8 on
+the FP8 tensor cores equal to its definition. Skipped without a GPU.
+
+References: the float64 forward of the checkpoint's dequantized weights (bf16 tolerance: as exact
+as the dequantized model's own bf16 computation, ``ScoreReference``); and the dequantized model
+itself, served in bf16 by the same service, which weights-only must equal bit for bit (its layers
+run the same GEMMs on the same bf16 weights). W8A8's GEMM is checked against float64 of its own
+definition on the same quantized operands.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from logprob_service.models.loading import load_causal_lm
+from logprob_service.models.quantized import quantized_layers
+from logprob_service.models.scorer import ScoringOptions
+from logprob_service.offline import OfflineScorer
+from logprob_service.ops.fp8 import FP8, dequantize, quantize, quantize_activations, w8a8_linear
+
+from tests.helpers.models import ScoreReference, make_model, random_sequences
+from tests.helpers.quantized import FP8_DIMS, LAYOUTS, write_checkpoint
+from tests.helpers.tolerances import U32
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.numerical,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+CUDA = torch.device("cuda:0")
+
+
+def _score(model, sequences, **options):
+    with OfflineScorer(model, options=ScoringOptions(**options), max_batch_tokens=160) as scorer:
+        return [s.logprobs for s in scorer.score(sequences, temperature=0.9)]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
+def test_weights_only_keeps_fp8_and_equals_the_dequantized_model_bit_for_bit(tmp_path, layout, arch, tied, rng):
+    dense = make_model(arch, tied=tied, seed=int(rng.integers(1 << 30)), dims=FP8_DIMS)
+    reference = write_checkpoint(tmp_path, dense, layout)
+    model = load_causal_lm(str(tmp_path), device=CUDA, dtype=torch.bfloat16)
+    layers = quantized_layers(model)
+    assert layers and all(layer.weight.dtype == FP8 and layer.weight.is_cuda for layer in layers)
+    dequantized = reference.to(CUDA, torch.bfloat16)  # every layer's weight: Q * S in bf16 (as the kernel makes it)
+    for name, module in model.named_modules():
+        if module in layers:
+            assert torch.equal(
+                dequantized.get_submodule(name).weight,
+                dequantize(module.weight, module.scale, module.block, torch.bfloat16),
+            )
+    sequences = random_sequences(rng, 8, max_len=40)
+    got = _score(model, sequences)
+    want = _score(dequantized, sequences)
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
+    ScoreReference(reference, sequences, temperature=0.9, dtype=torch.bfloat16).check(got)
+
+
+def test_weights_only_is_batch_invariant(tmp_path, rng):
+    write_checkpoint(
+        tmp_path, make_model("llama", tied=False, seed=int(rng.integers(1 << 30)), dims=FP8_DIMS), "fp8-blocks"
+    )
+    model = load_causal_lm(str(tmp_path), device=CUDA, dtype=torch.bfloat16)
+    sequences = random_sequences(rng, 12, max_len=40)
+    together = _score(model, sequences, deterministic=True)
+    alone = [_score(model, [seq], deterministic=True)[0] for seq in sequences[:4]]
+    for a, b in zip(alone, together):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 4096), (1024, 4096)])
+@pytest.mark.parametrize("rows", [1, 37, 4096])
+def test_the_fp8_tensor_core_gemm_computes_its_definition(block, rows, seed):
+    g = torch.Generator(CUDA).manual_seed(seed)
+    w = torch.randn(1024, 4096, generator=g, device=CUDA) * 0.02
+    x = torch.randn(rows, 4096, generator=g, device=CUDA).to(torch.bfloat16)
+    q, s = quantize(w, block)
+    got = w8a8_linear(x, q, s, block, None).double()
+    group = 128 if block == (128, 128) else 4096
+    x_q, x_s = quantize_activations(x, group)
+    a = dequantize(x_q, x_s, (1, group), torch.float64)
+    b = dequantize(q, s, block, torch.float64)
+    want = a @ b.t()
+    # float32 accumulation over K terms (worst case), then the bf16 output's rounding (2^-9 relative).
+    bound = 4096 * U32 * (a.abs() @ b.abs().t()) + want.abs() * 2**-8
+    assert ((got - want).abs() <= bound).all()
+
+
+def test_w8a8_model_scores_and_states_its_error(tmp_path, rng):
+    """Not a bound (activations in e4m3 move log-probs by more than bf16 does): the error is
+    printed for the log, and must be far below what serving the unscaled weights gave (nats)."""
+    reference = write_checkpoint(
+        tmp_path, make_model("llama", tied=False, seed=int(rng.integers(1 << 30)), dims=FP8_DIMS), "fp8-blocks"
+    )
+    model = load_causal_lm(str(tmp_path), device=CUDA, dtype=torch.bfloat16, fp8_compute="w8a8")
+    sequences = random_sequences(rng, 8, max_len=40)
+    got = _score(model, sequences)
+    exact = ScoreReference(reference, sequences, temperature=0.9, dtype=torch.bfloat16)
+    error = max(float(np.abs(a - want).max()) for a, (want, _) in zip(got, exact.exact))
+    print(f"w8a8 max |error| {error:.3e} nats; the dequantized model's own bf16 error {exact.own_error:.3e}")
+    assert np.isfinite(error)
