@@ -36,6 +36,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # The activations' group along K in W8A8 (the block-scaled GEMM's K block).
 ACTIVATION_GROUP = 128
+# The rows of a block-scaled FP8 GEMM: cuBLAS takes multiples of this.
+M_ALIGNMENT = 16
 # A group whose largest |x| is below this gets this as its max: the scale of an all-zero group.
 MIN_AMAX = 1e-12
 
@@ -116,17 +118,48 @@ def w8a8_linear(
     x_q, x_scale = quantize_activations(rows, ACTIVATION_GROUP if blockwise else k)
     w_scale = scale.reshape(scale_grid((n, k), block)).float()
     if x.is_cuda:
-        if blockwise:
-            # cuBLAS's block-scaled layouts: the activations' scales M-major ([M, K/128] with
-            # strides (1, M)), the weights' as the transposed operand's [K/128, N/128].
-            a_scale, b_scale = x_scale.t().contiguous().t(), w_scale.t()
-        else:
-            # Row-wise: [M, 1] and [1, N] (a per-tensor scale broadcast to every row).
-            a_scale, b_scale = x_scale.contiguous(), w_scale.expand(n, 1).reshape(1, n).contiguous()
-        out = torch._scaled_mm(x_q, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=x.dtype, bias=None)
+        out = _scaled_mm_cuda(x_q, x_scale, weight, w_scale, blockwise, x.dtype)
     else:
         deq_x = dequantize(x_q, x_scale, (1, ACTIVATION_GROUP if blockwise else k), torch.float32)
         out = (deq_x @ dequantize(weight, w_scale, block, torch.float32).t()).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], n)
+
+
+# One opaque step for torch.compile (models.compiled): the scales' layouts below are what cuBLAS
+# checks, which a compiled graph need not keep.
+@torch.library.custom_op("logprob::fp8_scaled_mm", mutates_args=())
+def _scaled_mm_cuda(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    blockwise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    n, m = weight.shape[0], x_q.shape[0]
+    if blockwise:
+        # cuBLAS's block-scaled layouts: the activations' scales M-major ([M, K/128] with
+        # strides (1, M)), the weights' as the transposed operand's [K/128, N/128]. It takes
+        # only M a multiple of 16 (seen on an H200: 1, 37 and 32,767 rows refused, 256 and
+        # 4,096 run): zero rows pad the operand, and their outputs are dropped.
+        pad = -m % M_ALIGNMENT
+        x_q = F.pad(x_q.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
+        a_scale, b_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0).t().contiguous().t(), w_scale.t()
+    else:
+        # Row-wise: [M, 1] and [1, N] (a per-tensor scale broadcast to every row).
+        a_scale, b_scale = x_scale.contiguous(), w_scale.expand(n, 1).reshape(1, n).contiguous()
+    return torch._scaled_mm(x_q, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=dtype)[:m]
+
+
+@_scaled_mm_cuda.register_fake
+def _(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    blockwise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=dtype)
