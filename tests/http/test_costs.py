@@ -64,12 +64,22 @@ async def test_a_million_sequence_body_is_refused_at_once_and_other_callers_wait
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/generate", {"input_ids": [[1, 2]] * 17, "return_logprob": True}, "input_ids"),
+        (
+            "/generate",
+            {
+                "input_ids": [[1, 2]] * 17,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+            "input_ids",
+        ),
         ("/v1/completions", {"prompt": [[1, 2]] * 17, "max_tokens": 1, "prompt_logprobs": 0}, "prompt"),
         ("/get_sequence_logprobs/", {"sequences": [[1, 2]] * 17, "prompt_lengths": [1] * 17}, "sequences"),
     ],
 )
 async def test_too_many_sequences_are_refused_by_their_count_with_the_engines_message(served, path, body, param):
+    """Counted before any item is built, and refused with the message the engine's check gives."""
     async with httpx.AsyncClient(base_url=served.base) as http:
         response = await http.post(path, json=body)
     refusal(response, 400, param, "17 sequences", "limit of 16 per request")
