@@ -132,7 +132,9 @@ async def test_a_stream_that_is_read_gets_every_answer(rng):
         requests = [
             pb.ScoreRequest(
                 request_id=str(i),
-                sequences=[pb.Sequence(prompt_ids=rng.integers(3, VOCAB, 4), completion_ids=rng.integers(3, VOCAB, 64))],
+                sequences=[
+                    pb.Sequence(prompt_ids=rng.integers(3, VOCAB, 4), completion_ids=rng.integers(3, VOCAB, 64))
+                ],
                 top_k=256,
             )
             for i in range(12)
