@@ -207,6 +207,29 @@ class Settings(WeightUpdateSettings):
         ge=1,
         description="Most tokens in one ScoreRequest: each distinct prompt once, plus every completion.",
     )
+    max_answer_bytes: int = Field(
+        256 * MiB,
+        ge=MiB,
+        description=(
+            "Largest answer to one request, as its edge encodes it (gRPC: 4 bytes a log-prob, entropy or candidate "
+            "log-prob, 8 a top-k entry; HTTP: the peer's JSON, 25-100 bytes an entry), estimated from the request's "
+            "counts before any work: a larger one is refused (INVALID_ARGUMENT, HTTP 400), and over gRPC so is one "
+            "past max_message_bytes. The default lets one request keep the device busy: over gRPC a full "
+            "micro-batch (65,536 completion tokens) at the largest top-k (256) answers 134 MB, and the whole "
+            "max_tokens_per_request at top-k 30 fits; while it is built an answer takes up to 6x its size of host "
+            "memory (HTTP's JSON), so one request holds at most about 1.5 GB."
+        ),
+    )
+    max_stream_answer_bytes: int = Field(
+        256 * MiB,
+        ge=MiB,
+        description=(
+            "ScoreTokensStream: answers of one stream being computed or waiting to be sent, by their estimate "
+            "(max_answer_bytes). While they reach it the stream reads no further request, so a client that "
+            "stops reading its answers holds back its own sends (HTTP/2 flow control) instead of the server's "
+            "memory. A request is always read when nothing of its stream is pending."
+        ),
+    )
     max_queued_tokens: int = Field(
         4_194_304,
         ge=1,

@@ -7,7 +7,7 @@ executor converts these to tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -49,20 +49,19 @@ def prompt_groups(sequences: Sequence[TokenSequence]) -> list[list[int]]:
     return list(groups.values())
 
 
-def prompt_once_costs(sequences: Sequence[TokenSequence]) -> list[int]:
-    """Each sequence's share of the tokens ``sequences`` run together with shared prompts
-    (``worker.packing``): its completion, plus its prompt where it is the first with that prompt."""
+def prompt_once(sequences: Iterable[TokenSequence]) -> Iterator[tuple[TokenSequence, int]]:
+    """Each sequence with its share of the tokens ``sequences`` run together with shared prompts
+    (``worker.packing``): its completion, plus its prompt where it is the first with that prompt.
+    Lazy, so an edge can count a request's tokens while it builds its sequences."""
     seen: set[bytes] = set()
-    costs = []
     for seq in sequences:
-        costs.append(len(seq.completion_ids) + (0 if seq.prompt_key in seen else len(seq.prompt_ids)))
+        yield seq, len(seq.completion_ids) + (0 if seq.prompt_key in seen else len(seq.prompt_ids))
         seen.add(seq.prompt_key)
-    return costs
 
 
 def tokens_run(sequences: Sequence[TokenSequence]) -> int:
     """Tokens a micro-batch of ``sequences`` runs, each distinct prompt once (``worker.packing``)."""
-    return sum(prompt_once_costs(sequences))
+    return sum(cost for _, cost in prompt_once(sequences))
 
 
 # What a completion's reads of a shared prompt cost (the cost model, in token-equivalents).
@@ -141,6 +140,7 @@ class ScoreJob:
     group_sizes: tuple[int, ...] = ()
     top_k: int = 0  # 0-MAX_TOP_K: each completion position's K most likely ids and their log-probs
     return_routed_experts: bool = False  # each completion position's MoE router choices (SequenceScores)
+    answer_bytes: int = 0  # the edge's estimate of its answer's size, checked against max_answer_bytes
 
     @property
     def num_tokens(self) -> int:

@@ -118,7 +118,9 @@ def record(
         fields["client"] = client
     if scoring is not None:
         sequences, tokens = wire.request_size(scoring)
-        fields |= {"request_id": scoring.request_id, "model": model, "sequences": sequences, "tokens": tokens}
+        fields |= {"request_id": scoring.request_id, "model": model, "sequences": sequences}
+        if tokens is not None:
+            fields["tokens"] = tokens
     elif request_id:
         fields["request_id"] = request_id
     if update_id:

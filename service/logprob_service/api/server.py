@@ -72,7 +72,12 @@ async def create_server(
     ]
     server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
     receivers: WeightReceivers | None = None
-    servicer = LogprobServicer(engine, weight_receiver_ports=lambda: receivers.ports if receivers is not None else [])
+    servicer = LogprobServicer(
+        engine,
+        weight_receiver_ports=lambda: receivers.ports if receivers is not None else [],
+        max_message_bytes=settings.max_message_bytes,
+        max_stream_answer_bytes=settings.max_stream_answer_bytes,
+    )
     health = HealthMirror(engine)
     pb_grpc.add_LogprobServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.health, server)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -14,6 +15,7 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api import accounting, handlers, wire
 from logprob_service.api.status import status_of
 from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine.validation import UNLIMITED, RequestCounts
 from logprob_service.engine.weights.session import StreamIdle
 from logprob_service.errors import LogprobError
 from logprob_service.security.caller import current_client
@@ -24,25 +26,71 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+class PendingAnswers:
+    """The answers of one ScoreTokensStream being computed or waiting to be sent, by their
+    estimated bytes: a request is taken on while they stay within ``limit`` (or none are pending,
+    so any request within max_answer_bytes goes through), and its bytes are given back once its
+    answer has gone to the transport."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._changed = asyncio.Condition()
+
+    async def take(self, size: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self.bytes or self.bytes + size <= self.limit)
+            self.bytes += size
+
+    async def give_back(self, size: int) -> None:
+        async with self._changed:
+            self.bytes -= size
+            self._changed.notify_all()
+
+
 class LogprobServicer(pb_grpc.LogprobServiceServicer):
-    def __init__(self, engine: LogprobEngine, weight_receiver_ports: Callable[[], list[int]] = list) -> None:
+    def __init__(
+        self,
+        engine: LogprobEngine,
+        weight_receiver_ports: Callable[[], list[int]] = list,
+        *,
+        max_message_bytes: int = UNLIMITED,
+        max_stream_answer_bytes: int = UNLIMITED,
+    ) -> None:
+        """``max_message_bytes``: the largest message gRPC sends, so an answer past it is refused
+        before its work; ``max_stream_answer_bytes``: ``PendingAnswers``' limit of each stream."""
         self._engine = engine
         self._weight_receiver_ports = weight_receiver_ports
+        limits = engine.limits
+        if max_message_bytes < limits.max_answer_bytes:
+            limits = dataclasses.replace(limits, max_answer_bytes=max_message_bytes, answer_limit="max_message_bytes")
+        self._limits = limits
+        self._max_stream_answer_bytes = max_stream_answer_bytes
 
-    async def _score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
-        job = wire.job_from_request(request, deadline, current_client())
+    def _counts(self, request: pb.ScoreRequest) -> RequestCounts:
+        """The request's counts, refused (``InvalidArgument``) past a limit before any of it is built."""
+        counts = wire.request_counts(request, self._limits.max_sequences_per_request)
+        self._engine.check_counts(counts, self._limits)
+        return counts
+
+    async def _score(self, request: pb.ScoreRequest, deadline: float | None, counts: RequestCounts) -> pb.ScoreResponse:
+        job = wire.job_from_request(request, deadline, current_client(), self._limits, counts.answer_bytes)
         return wire.response_from_result(await self._engine.score(job), request.scores_f32)
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         wire.ensure_request_id(request)
-        return await self._score(request, _deadline(context))
+        return await self._score(request, _deadline(context), self._counts(request))
 
-    async def _answer_in_stream(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
-        """One request of a stream: its response, or one with ``error`` set; accounted for here,
-        since the stream's own status says nothing about it."""
+    async def _answer_in_stream(
+        self, request: pb.ScoreRequest, deadline: float | None, counts: RequestCounts | LogprobError
+    ) -> pb.ScoreResponse:
+        """One request of a stream: its response, or one with ``error`` set (``counts`` may be the
+        refusal of its counts); accounted for here, since the stream's own status says nothing about it."""
         start, scored, error = time.perf_counter_ns(), None, None
         try:
-            scored = await self._score(request, deadline)
+            if isinstance(counts, LogprobError):
+                raise counts
+            scored = await self._score(request, deadline, counts)
         except Exception as err:
             error = err
         code = grpc.StatusCode.OK if error is None else status_of(error)
@@ -58,27 +106,39 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ScoreResponse]:
         """Each request is scored concurrently and answered as soon as it is done; a failed
-        request is answered with ``error`` set and does not end the stream."""
+        request is answered with ``error`` set and does not end the stream. The next request is
+        read only while the answers pending stay within ``max_stream_answer_bytes``
+        (``PendingAnswers``): a client that stops reading stops the stream's reading too, and
+        HTTP/2's flow control then holds back its sends."""
         self._engine.check_accepting()
         deadline = _deadline(context)
-        responses: asyncio.Queue[pb.ScoreResponse | None] = asyncio.Queue()
+        responses: asyncio.Queue[tuple[pb.ScoreResponse, int] | None] = asyncio.Queue()
+        pending = PendingAnswers(self._max_stream_answer_bytes)
 
-        async def answer(request: pb.ScoreRequest) -> None:
-            await responses.put(await self._answer_in_stream(request, deadline))
+        async def answer(request: pb.ScoreRequest, counts: RequestCounts | LogprobError, size: int) -> None:
+            await responses.put((await self._answer_in_stream(request, deadline, counts), size))
 
         async def read_all() -> None:
             try:
                 async with asyncio.TaskGroup() as tasks:
                     async for request in request_iterator:
                         wire.ensure_request_id(request)
-                        tasks.create_task(answer(request))
+                        try:
+                            counts: RequestCounts | LogprobError = self._counts(request)
+                            size = counts.answer_bytes
+                        except LogprobError as err:
+                            counts, size = err, wire.error_response(request, err).ByteSize()
+                        await pending.take(size)
+                        tasks.create_task(answer(request, counts, size))
             finally:
                 responses.put_nowait(None)  # every request answered, or the request stream broke
 
         reader = asyncio.create_task(read_all())
         try:
-            while (response := await responses.get()) is not None:
-                yield response
+            while (item := await responses.get()) is not None:
+                response, size = item
+                yield response  # back here once gRPC has handed it to the transport
+                await pending.give_back(size)
             await reader  # surfaces a broken request stream
         finally:
             reader.cancel()

@@ -4,7 +4,7 @@ messages whole: the servicer, the server's assembly, accounting, and ``tensor_pi
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 from google.protobuf.message import Message
@@ -13,6 +13,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_service.api.status import status_of
 from logprob_service.api.tensor_pieces import PieceView
 from logprob_service.domain import (
+    MAX_TOP_K,
     Commit,
     GroupSpec,
     IpcHandle,
@@ -29,9 +30,10 @@ from logprob_service.domain import (
     UpdateHeader,
     UpdateMessage,
     UpdateOutcome,
+    prompt_once,
 )
 from logprob_service.engine.interfaces import WeightGroup
-from logprob_service.engine.validation import RequestLimits
+from logprob_service.engine.validation import RequestCounts, RequestLimits, check_counts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument, LogprobError
 
 DEFAULT_MODEL = "default"
@@ -79,41 +81,110 @@ def _candidates(message: pb.Sequence | pb.Completion, name: str) -> np.ndarray |
     return ids.reshape(-1, width)
 
 
-def request_size(request: pb.ScoreRequest) -> tuple[int, int]:
+def _count(message: Message, field: str) -> int:
+    """How many ids ``message`` sends in ``field`` (its repeated field or its ``*_i32`` bytes)."""
+    return len(getattr(message, field)) + len(getattr(message, f"{field}_i32")) // 4
+
+
+def _sequence_count(request: pb.ScoreRequest, most: int) -> int:
+    """The request's sequences (a group's completions each count), from its lists' lengths: in
+    time of its groups, or of none where they alone pass ``most`` (each then counts one)."""
+    groups = request.groups
+    if len(groups) > most:
+        return len(request.sequences) + len(groups)
+    return len(request.sequences) + sum(len(group.completions) for group in groups)
+
+
+# What the answer-size limit counts of a response beyond its values: each SequenceScores' tag and
+# length and those of its 7 fields (6 bytes at most each), and the response's own fields beside
+# the request id and model name it repeats.
+SEQUENCE_BYTES = 48
+RESPONSE_BYTES = 128
+VALUE_BYTES = 4  # a float32 log-prob, entropy or candidate log-prob; a top-k entry is an int32 id and one
+
+
+def request_counts(request: pb.ScoreRequest, max_sequences: int) -> RequestCounts:
+    """The request's sequences, tokens (``validation.distinct_prompt_tokens``) and answer bytes
+    (``ScoreJob.answer_bytes``), from its lists' lengths without converting an id. Past
+    ``max_sequences`` only the sequences are counted, which is enough to refuse it: a message of
+    millions of sequences costs the length of its lists, not a pass over them."""
+    sequences = _sequence_count(request, max_sequences)
+    if sequences > max_sequences:
+        return RequestCounts(sequences)
+    prompts, completions, candidates = [], 0, 0
+    for message in request.sequences:
+        prompts.append(_count(message, "prompt_ids"))
+        completions += _count(message, "completion_ids")
+        candidates += len(message.candidate_ids_i32) // 4
+    for group in request.groups:
+        prompts.append(_count(group, "prompt_ids"))
+        for completion in group.completions:
+            completions += _count(completion, "completion_ids")
+            candidates += len(completion.candidate_ids_i32) // 4
+    top_k = min(max(request.top_k, 0), MAX_TOP_K)  # one out of range is refused by name when validated
+    values = completions * (1 + request.return_entropy + 2 * top_k) + candidates
+    answer = VALUE_BYTES * values + SEQUENCE_BYTES * sequences + RESPONSE_BYTES
+    answer += len(request.request_id) + len(request.model)
+    return RequestCounts(sequences, distinct_prompt_tokens(prompts, completions), answer)
+
+
+# The log line counts the tokens of a request of at most this many sequences: one of more is
+# refused by its count, and counting its tokens would take a pass over all of them.
+LOGGED_TOKENS_UP_TO = 1 << 16
+
+
+def request_size(request: pb.ScoreRequest) -> tuple[int, int | None]:
     """Sequences and prompt + completion tokens of a request (a group's prompt once per completion),
-    for its log line, read from the message without converting it."""
-
-    def n(message: Message, field: str) -> int:
-        return len(getattr(message, field)) + len(getattr(message, f"{field}_i32")) // 4
-
-    sequences = len(request.sequences) + sum(len(g.completions) for g in request.groups)
-    tokens = sum(n(s, "prompt_ids") + n(s, "completion_ids") for s in request.sequences) + sum(
-        len(g.completions) * n(g, "prompt_ids") + sum(n(c, "completion_ids") for c in g.completions)
+    for its log line, read from the message without converting it; tokens None past
+    ``LOGGED_TOKENS_UP_TO`` sequences."""
+    sequences = _sequence_count(request, LOGGED_TOKENS_UP_TO)
+    if sequences > LOGGED_TOKENS_UP_TO:
+        return sequences, None
+    tokens = sum(_count(s, "prompt_ids") + _count(s, "completion_ids") for s in request.sequences) + sum(
+        len(g.completions) * _count(g, "prompt_ids") + sum(_count(c, "completion_ids") for c in g.completions)
         for g in request.groups
     )
     return sequences, tokens
 
 
-def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: str) -> ScoreJob:
-    """The request's sequences, then each group's completions as sequences sharing one prompt array."""
-    sequences = [
-        TokenSequence(
+def _sequences(request: pb.ScoreRequest) -> Iterator[TokenSequence]:
+    """The request's sequences, then each group's completions as sequences sharing one prompt
+    array, each converted as it is read."""
+    for i, seq in enumerate(request.sequences):
+        yield TokenSequence(
             _ids(seq, "prompt_ids", f"sequences[{i}]"),
             _ids(seq, "completion_ids", f"sequences[{i}]"),
             _candidates(seq, f"sequences[{i}]"),
         )
-        for i, seq in enumerate(request.sequences)
-    ]
     for g, group in enumerate(request.groups):
         prompt = _ids(group, "prompt_ids", f"groups[{g}]")
-        sequences += [
-            TokenSequence(
+        for j, c in enumerate(group.completions):
+            yield TokenSequence(
                 prompt,
                 _ids(c, "completion_ids", f"groups[{g}].completions[{j}]"),
                 _candidates(c, f"groups[{g}].completions[{j}]"),
             )
-            for j, c in enumerate(group.completions)
-        ]
+
+
+def job_from_request(
+    request: pb.ScoreRequest,
+    deadline: float | None,
+    client: str,
+    limits: RequestLimits | None = None,
+    answer_bytes: int = 0,
+) -> ScoreJob:
+    """The request's job; ``answer_bytes``: its answer's estimate (``request_counts``).
+
+    Its tokens are counted as its ids are converted, each distinct prompt once, as the job counts
+    them: the conversion stops as soon as they pass ``limits``' (``InvalidArgument``), so a request
+    whose prompts the counts could not tell apart costs the limit's tokens, not its message's."""
+    sequences: list[TokenSequence] = []
+    tokens = 0
+    for seq, cost in prompt_once(_sequences(request)):
+        sequences.append(seq)
+        tokens += cost
+        if limits is not None and tokens > limits.max_tokens_per_request:
+            check_counts(RequestCounts(len(sequences), tokens), limits)
     return ScoreJob(
         request_id=request.request_id,
         model=model_name(request),
@@ -126,6 +197,7 @@ def job_from_request(request: pb.ScoreRequest, deadline: float | None, client: s
         group_sizes=tuple(len(group.completions) for group in request.groups),
         top_k=request.top_k,
         return_routed_experts=request.return_routed_experts,
+        answer_bytes=answer_bytes,
     )
 
 

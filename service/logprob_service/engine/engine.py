@@ -41,15 +41,13 @@ from logprob_service.domain import (
 from logprob_service.engine.interfaces import Executor, JoinGroup, Staging, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
-from logprob_service.engine.validation import RequestLimits, validate_job
+from logprob_service.engine.validation import UNLIMITED, RequestCounts, RequestLimits, check_counts, validate_job
 from logprob_service.engine.weights.updater import WeightUpdater
 from logprob_service.errors import Unavailable
 from logprob_service.stats import NO_STATS, MemorySnapshot, StatsSink
 from logprob_service.weight_settings import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-
-UNLIMITED = 2**62
 
 
 class Phase(enum.Enum):
@@ -67,6 +65,7 @@ class EngineConfig:
 
     max_sequences_per_request: int = UNLIMITED
     max_tokens_per_request: int = UNLIMITED
+    max_answer_bytes: int = UNLIMITED
     max_queued_tokens: int = UNLIMITED
     max_queued_tokens_per_client: int = UNLIMITED
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
@@ -89,6 +88,7 @@ class EngineConfig:
         return RequestLimits(
             max_sequences_per_request=self.max_sequences_per_request,
             max_tokens_per_request=self.max_tokens_per_request,
+            max_answer_bytes=self.max_answer_bytes,
         )
 
 
@@ -196,6 +196,11 @@ class LogprobEngine:
             lane.shutdown()
 
     # -- scoring -------------------------------------------------------------------------------
+
+    def check_counts(self, counts: RequestCounts, limits: RequestLimits | None = None) -> None:
+        """Refuse a request by its counts (``InvalidArgument`` naming the limit), before an edge
+        builds any of it; ``limits``: an edge's own, tighter ones (default: the engine's)."""
+        check_counts(counts, limits or self.limits)
 
     async def score(self, job: ScoreJob) -> ScoreResult:
         """``job``'s log-probs: checked against its model and the limits (``InvalidArgument`` naming

@@ -1,14 +1,21 @@
-"""Check a ScoreJob against its model and the server's limits.
+"""Check a ScoreJob against its model and the server's limits, and a request's counts before
+any of it is built.
 
 Every rejection raises ``InvalidArgument`` whose message names the field, the index, the bad
 value and the limit as the request named them, e.g. ``sequences[3].completion_ids[7]: token id
 50321 is outside [0, 32000) of model 'default'`` or ``groups[1].completions[5].completion_ids[0]: ...``.
+
+A request's cost is known from its wire form: its sequences, its tokens and the bytes of its
+answer (``RequestCounts``). Each edge counts them from what it received, before it builds an
+object per sequence or converts any ids, and refuses with ``check_counts``; ``validate_job``
+checks the built job with the same function, so a limit has one message whichever check meets it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +29,55 @@ from logprob_service.errors import InvalidArgument
 MIN_TEMPERATURE = float(np.float32(1e-6))
 
 
+UNLIMITED = 2**62
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     max_sequences_per_request: int
     max_tokens_per_request: int
+    max_answer_bytes: int = UNLIMITED
+    answer_limit: str = "max_answer_bytes"  # the setting max_answer_bytes comes from, for its message
+
+
+@dataclass(frozen=True)
+class RequestCounts:
+    """What a request asks for, counted before its work.
+
+    ``tokens``: each distinct prompt once, plus every completion. An edge counting the wire tells
+    prompts apart by their lengths only (``distinct_prompt_tokens``), a count that never exceeds
+    the job's, so what it refuses the job would be refused for too. ``answer_bytes``: the edge's
+    estimate of its answer, encoded as it sends it (``ScoreJob.answer_bytes``)."""
+
+    sequences: int
+    tokens: int = 0
+    answer_bytes: int = 0
+
+
+def distinct_prompt_tokens(prompt_lengths: Iterable[int], completion_tokens: int) -> int:
+    """The tokens of a request's prompts and completions, each prompt counted once where it
+    could be one that another repeats (an equal length): at most what the job counts."""
+    return sum(set(prompt_lengths)) + completion_tokens
+
+
+def check_counts(counts: RequestCounts, limits: RequestLimits) -> None:
+    """``InvalidArgument`` naming the limit and the count when ``counts`` pass one of ``limits``."""
+    if counts.sequences > limits.max_sequences_per_request:
+        raise InvalidArgument(
+            f"sequences: {counts.sequences} sequences (a group's completions each count) exceed the limit of "
+            f"{limits.max_sequences_per_request} per request"
+        )
+    if counts.tokens > limits.max_tokens_per_request:
+        raise InvalidArgument(
+            f"sequences: {counts.tokens} tokens (each distinct prompt once, plus every completion) exceed the limit "
+            f"of {limits.max_tokens_per_request} per request"
+        )
+    if counts.answer_bytes > limits.max_answer_bytes:
+        raise InvalidArgument(
+            f"sequences: the answer would take about {counts.answer_bytes} bytes (every completion token's "
+            f"log-prob, entropy, top-k and candidates), more than the limit of {limits.max_answer_bytes} bytes "
+            f"({limits.answer_limit}); send fewer completion tokens, a smaller top-k or fewer candidates a call"
+        )
 
 
 def validate_temperature(temperature: float) -> float:
@@ -102,16 +154,7 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> Score
             raise InvalidArgument(f"groups[{g}].completions: the group has none; at least 1 completion is required")
     if not job.sequences:
         raise InvalidArgument("sequences: the request has no sequences and no groups; at least 1 sequence is required")
-    if len(job.sequences) > limits.max_sequences_per_request:
-        raise InvalidArgument(
-            f"sequences: {len(job.sequences)} sequences (a group's completions each count) exceed the limit of "
-            f"{limits.max_sequences_per_request} per request"
-        )
-    if job.cost > limits.max_tokens_per_request:
-        raise InvalidArgument(
-            f"sequences: {job.cost} tokens (each distinct prompt once, plus every completion) exceed the limit "
-            f"of {limits.max_tokens_per_request} per request"
-        )
+    check_counts(RequestCounts(len(job.sequences), job.cost, job.answer_bytes), limits)
     for seq, (name, prompt_field) in zip(job.sequences, _names(job), strict=True):
         if prompt_field is not None:
             _check_ids(prompt_field, seq.prompt_ids, info)

@@ -4,6 +4,11 @@ log-probs only (nothing generated), of a served model.
 Bodies are parsed by pydantic in strict mode (a token id is a JSON integer, never ``2.0`` or
 ``"2"``); unknown fields are ignored, as the peers' servers ignore sampling fields that do not
 apply. The first complaint becomes an ``InvalidArgument`` naming the field and its index.
+
+Before it is parsed, a body's JSON arrays, objects and strings are counted (``bytes.count``, in
+C: milliseconds for the largest body) and it is refused if it holds more than a request within
+the limits could: pydantic makes a Python object of each, and a 6 MB body of a million ``[1,2]``
+took 12 s to parse and turn into sequences, on the event loop every caller shares.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine.validation import RequestLimits
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.errors import invalid_body
 
@@ -23,7 +29,24 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-def parse(body: bytes, model: type[Body]) -> Body:
+# JSON arrays, objects and strings a body may hold for each sequence the limit allows (its ids,
+# its candidate ids, a SGLang input's sampling_params with its keys and its rid: about 15), and
+# for the request around them; ``parse`` adds the rows a request may send for each position.
+PARTS_PER_SEQUENCE = 32
+PARTS_PER_REQUEST = 256
+
+
+def parse(body: bytes, model: type[Body], limits: RequestLimits, field: str, rows: int = 0) -> Body:
+    """``body`` as ``model``; refused unparsed (``InvalidArgument`` naming ``field``, the count and
+    the limit) when it holds more JSON arrays, objects and strings than a request within
+    ``limits`` and ``rows`` further lists could. Strings' brackets count too: no peer sends any."""
+    most = PARTS_PER_SEQUENCE * limits.max_sequences_per_request + rows + PARTS_PER_REQUEST
+    parts = body.count(b"[") + body.count(b"{") + body.count(b'"') // 2
+    if parts > most:
+        raise InvalidArgument(
+            f"{field}: the body holds {parts} JSON arrays, objects and strings, more than the {most} a request "
+            f"within max_sequences_per_request ({limits.max_sequences_per_request}) may; refused unparsed"
+        )
     try:
         return model.model_validate_json(body or b"{}")
     except ValidationError as err:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.engine.validation import RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import Call
 from logprob_service.http.errors import Naming
@@ -69,6 +70,39 @@ def candidate_rows(values: Sequence[int] | Sequence[Sequence[int]], rows: int, f
     return np.broadcast_to(np.asarray(values, dtype=np.int64), (rows, len(values)))
 
 
+@dataclass(frozen=True)
+class AnswerSize:
+    """At most how many bytes a peer's answer takes (``max_answer_bytes``): ``request`` for what it
+    writes once, ``sequence`` for each sequence, ``entry`` for each log-prob it writes (a scored
+    position's own, its top-k's, its candidates') with its id and the text around them."""
+
+    request: int
+    sequence: int
+    entry: int
+
+    def of(self, sequences: int, entries: int) -> int:
+        return self.request + self.sequence * sequences + self.entry * entries
+
+
+def top_k_counted(k: int | None) -> int:
+    """A request's top-k as its answer's estimate counts it: one out of range is refused by name
+    when the job is checked."""
+    return min(max(k or 0, 0), MAX_TOP_K)
+
+
+def check_counts(
+    call: Call, batch_field: str, prompts: Sequence[int], completions: Sequence[int], answer_bytes: int
+) -> None:
+    """Refuse a request whose counts pass a limit (``InvalidArgument`` naming ``batch_field``, the
+    count and the limit) before any of its items is built. ``prompts``, ``completions``: the
+    lengths of each sequence to score, as sent; ``answer_bytes``: the peer's ``AnswerSize`` of it."""
+    counts = RequestCounts(len(completions), distinct_prompt_tokens(prompts, sum(completions)), answer_bytes)
+    try:
+        call.engine.check_counts(counts)
+    except InvalidArgument as err:
+        raise Naming([], batch_field).renamed(err) from None
+
+
 @dataclass
 class Scored:
     """A call's results: one ``SequenceScores`` per item (None: nothing of it to score)."""
@@ -103,10 +137,11 @@ async def score_items(
     temperature_field: str,
     top_k: int = 0,
     top_k_field: str = "top_k",
+    answer_bytes: int = 0,
 ) -> Scored:
-    """Score ``items`` as one job of ``call``'s client; ``InvalidArgument`` naming the request's
-    fields. A caller that disconnects first cancels its job (its queued work is dropped); the error
-    then goes nowhere."""
+    """Score ``items`` as one job of ``call``'s client (``answer_bytes``: its ``AnswerSize``);
+    ``InvalidArgument`` naming the request's fields. A caller that disconnects first cancels its
+    job (its queued work is dropped); the error then goes nowhere."""
     call.model = model  # the request's model, for its accounting whatever the outcome
     scored = [item for item in items if item.scored]
     if not scored:
@@ -119,6 +154,7 @@ async def score_items(
         deadline=call.deadline,
         client=call.client,
         top_k=top_k,
+        answer_bytes=answer_bytes,
     )
     naming = Naming(
         [(item.field, item.start, item.candidates_field, item.candidates_rows) for item in scored],

@@ -22,7 +22,16 @@ from logprob_service.errors import InvalidArgument
 from logprob_service.http import encoding
 from logprob_service.http.app import Answer, Call
 from logprob_service.http.bodies import Strict, generates_none, no_streaming, parse, served_model, text_refused
-from logprob_service.http.scoring import Item, candidate_rows, check_start, ids_of, score_items
+from logprob_service.http.scoring import (
+    AnswerSize,
+    Item,
+    candidate_rows,
+    check_counts,
+    check_start,
+    ids_of,
+    score_items,
+    top_k_counted,
+)
 
 T = TypeVar("T")
 
@@ -53,8 +62,33 @@ def _each(value: T | list[T] | None, i: int, batch: int, field: str, single: boo
     return value[i]
 
 
+# The answer's bytes (``scoring.AnswerSize``): each log-prob a ``[<lp>,<id>,null],`` triple of at
+# most 43 bytes (a log-prob of 24 characters, an int32 id), an input's meta_info 400 and its rid.
+ANSWER = AnswerSize(request=64, sequence=400, entry=43)
+
+
+def _counted(request: GenerateRequest, batch: list[list[int]], single: bool) -> tuple[list[int], list[int], int]:
+    """The prompts and completions of the inputs to score, as sent, and the answer's bytes (a value
+    that is not what its field takes counts as absent: the checks after name it)."""
+    prompts, completions, entries = [], [], 0
+    wanted = request.token_ids_logprob
+    shared = single or (bool(wanted) and isinstance(wanted[0], int))
+    for i, ids in enumerate(batch):
+        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len", single)
+        first = min(max(start if isinstance(start, int) else 0, 1), len(ids))
+        k = _each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single)
+        mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob", single)
+        width = len(mine) if isinstance(mine, list) else 0
+        entries += (len(ids) - first) * (1 + top_k_counted(k if isinstance(k, int) else 0) + width)
+        if first < len(ids):
+            prompts.append(first)
+            completions.append(len(ids) - first)
+    rids = request.rid if isinstance(request.rid, list) else [request.rid or ""]
+    return prompts, completions, ANSWER.of(len(batch), entries) + sum(map(len, rids))
+
+
 async def generate(call: Call) -> Answer:
-    request = parse(call.body, GenerateRequest)
+    request = parse(call.body, GenerateRequest, call.engine.limits, "input_ids")
     if request.text is not None:
         raise text_refused("text")
     if request.input_ids is None:
@@ -64,6 +98,8 @@ async def generate(call: Call) -> Answer:
     batch: list[list[int]] = [request.input_ids] if single else request.input_ids  # type: ignore[list-item]
     if not batch:
         raise InvalidArgument("input_ids: is empty; at least 1 input is required")
+    prompts, completions, answer_bytes = _counted(request, batch, single)
+    check_counts(call, "input_ids", prompts, completions, answer_bytes)
     items, starts, rids, temperatures, tops = [], [], [], set(), set()
     for i in range(len(batch)):
         where = "" if single else f"[{i}]"
@@ -104,6 +140,7 @@ async def generate(call: Call) -> Answer:
         temperature_field="sampling_params.temperature",
         top_k=k,
         top_k_field="top_logprobs_num",
+        answer_bytes=answer_bytes,
     )
     latency = time.perf_counter() - begun
     answers = [

@@ -22,7 +22,15 @@ from logprob_service.domain import SequenceScores
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import Answer, Call
 from logprob_service.http.bodies import Strict, parse, served_model
-from logprob_service.http.scoring import Item, check_start, ids_of, score_items
+from logprob_service.http.scoring import (
+    AnswerSize,
+    Item,
+    check_counts,
+    check_start,
+    ids_of,
+    score_items,
+    top_k_counted,
+)
 
 
 class SequenceLogprobsRequest(Strict):
@@ -53,8 +61,23 @@ def _by_rank(item: Item, scores: SequenceScores | None, k: int) -> tuple[list[li
     return lps, ids
 
 
+# The answer's bytes (``scoring.AnswerSize``). JSON: an entry is a log-prob and an id, 36 bytes
+# at most with their commas. Binary: [batch, longest completion, top_logprobs + 1] slots of a
+# float32 and an int32, in base64 (8 bytes in 11).
+JSON_ANSWER = AnswerSize(request=256, sequence=8, entry=36)
+BINARY_ANSWER = AnswerSize(request=512, sequence=8, entry=11)
+
+
+def _answer_bytes(request: SequenceLogprobsRequest, completions: list[int]) -> int:
+    entries = top_k_counted(request.top_logprobs) + 1  # a position's top k, and its own token
+    if request.response_format == "json":
+        return JSON_ANSWER.of(len(request.sequences), sum(completions) * entries)
+    longest = max((len(s) - p for s, p in zip(request.sequences, request.prompt_lengths)), default=0)
+    return BINARY_ANSWER.of(len(request.sequences), len(request.sequences) * longest * entries)
+
+
 async def sequence_logprobs(call: Call) -> Answer:
-    request = parse(call.body, SequenceLogprobsRequest)
+    request = parse(call.body, SequenceLogprobsRequest, call.engine.limits, "sequences")
     if len(request.sequences) != len(request.prompt_lengths):
         raise InvalidArgument(
             f"prompt_lengths: {len(request.prompt_lengths)} lengths for {len(request.sequences)} sequences; "
@@ -63,6 +86,10 @@ async def sequence_logprobs(call: Call) -> Answer:
     if request.top_logprobs < 0:
         raise InvalidArgument(f"top_logprobs: {request.top_logprobs} must be >= 0")
     k = request.top_logprobs
+    starts = [(min(max(p, 1), len(s)), len(s)) for s, p in zip(request.sequences, request.prompt_lengths)]
+    prompts = [start for start, n in starts if start < n]
+    completions = [n - start for start, n in starts if start < n]
+    check_counts(call, "sequences", prompts, completions, _answer_bytes(request, completions))
     items = []
     for i, (sequence, prompt_length) in enumerate(zip(request.sequences, request.prompt_lengths)):
         ids = ids_of(sequence, f"sequences[{i}]")
@@ -77,6 +104,7 @@ async def sequence_logprobs(call: Call) -> Answer:
         temperature_field="temperature",
         top_k=k,
         top_k_field="top_logprobs",
+        answer_bytes=_answer_bytes(request, completions),
     )
     # A prompt length 0 adds the first position, which has no log-prob (vLLM's None).
     lengths = [len(item.ids) - p for item, p in zip(items, request.prompt_lengths)]

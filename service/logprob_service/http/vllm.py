@@ -22,7 +22,7 @@ import uuid
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, SequenceScores
-from logprob_service.engine.engine import Phase
+from logprob_service.engine.engine import LogprobEngine, Phase
 from logprob_service.errors import InvalidArgument, Unavailable
 from logprob_service.http import encoding
 from logprob_service.http.app import Answer, Call
@@ -34,7 +34,17 @@ from logprob_service.http.bodies import (
     served_model,
     text_refused,
 )
-from logprob_service.http.scoring import Item, Scored, candidate_rows, check_start, ids_of, score_items
+from logprob_service.http.scoring import (
+    AnswerSize,
+    Item,
+    Scored,
+    candidate_rows,
+    check_counts,
+    check_start,
+    ids_of,
+    score_items,
+    top_k_counted,
+)
 
 OWNER = "logprob-service"
 
@@ -78,6 +88,14 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     return encoding.interleave(*columns, head=b"[" + nulls + b'{"', tail=b"]")
 
 
+# The answer's bytes (``scoring.AnswerSize``): a prompt_logprobs entry is at most 99 bytes
+# (``"<id>":{"logprob":<lp>,"rank":<rank>,"decoded_token":"token_id:<id>"},``: 52 of text, two
+# int32 ids, a log-prob of 24 characters, a rank of 3), a choice's fields and a position's null
+# 200; /inference/v1/generate's candidate log-probs are a float32 matrix in base64 (4 bytes in 6).
+ANSWER = AnswerSize(request=512, sequence=200, entry=99)
+CANDIDATE_BYTES = 6
+
+
 def check_prompt_logprobs(k: int | None, field: str) -> int:
     if k is None:
         raise InvalidArgument(
@@ -109,7 +127,7 @@ class CompletionRequest(Strict):
 
 
 async def completions(call: Call) -> Answer:
-    request = parse(call.body, CompletionRequest)
+    request = parse(call.body, CompletionRequest, call.engine.limits, "prompt")
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         raise text_refused("prompt")
@@ -124,10 +142,13 @@ async def completions(call: Call) -> Answer:
         raise InvalidArgument("prompt: is empty; at least 1 token is required")
     single = isinstance(prompt[0], int)
     batch = [prompt] if single else prompt
+    completions = [len(ids) - 1 for ids in batch if len(ids) > 1]
+    answer_bytes = ANSWER.of(len(batch), sum(completions) * (top_k_counted(k) + 1))
+    check_counts(call, "prompt", [1] * len(completions), completions, answer_bytes)
     names = ["prompt"] if single else [f"prompt[{i}]" for i in range(len(batch))]
     items = [Item(ids_of(ids, name), 1, name) for ids, name in zip(batch, names)]
     scored = await _score(
-        call, items, request.model, request.temperature, "prompt", "temperature", k, "prompt_logprobs"
+        call, items, request.model, request.temperature, "prompt", "temperature", k, "prompt_logprobs", answer_bytes
     )
     choices = [
         b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":%b}'
@@ -154,6 +175,7 @@ async def _score(
     temperature_field: str,
     top_k: int,
     top_k_field: str,
+    answer_bytes: int,
 ) -> Scored:
     return await score_items(
         call,
@@ -164,6 +186,7 @@ async def _score(
         temperature_field=temperature_field,
         top_k=top_k,
         top_k_field=top_k_field,
+        answer_bytes=answer_bytes,
     )
 
 
@@ -195,8 +218,15 @@ class GenerateRequest(Strict):
     stream: bool | None = False
 
 
+def _positions(engine: LogprobEngine) -> int:
+    """The most positions one sequence may have: the served models' longest, else the token limit
+    (``/inference/v1/generate`` may send a row of candidate ids for each)."""
+    longest = [info.max_positions for info in engine.models() if info.max_positions is not None]
+    return max(longest) if longest else engine.limits.max_tokens_per_request
+
+
 async def generate(call: Call) -> Answer:
-    request = parse(call.body, GenerateRequest)
+    request = parse(call.body, GenerateRequest, call.engine.limits, "token_ids", rows=_positions(call.engine))
     params = request.sampling_params
     no_streaming(request.stream)
     generates_none(params, "max_tokens", "sampling_params.max_tokens", (0, 1))
@@ -212,16 +242,23 @@ async def generate(call: Call) -> Answer:
             "sampling_params: neither prompt_logprobs nor prompt_logprob_token_ids; this server answers prompt "
             "log-probs only"
         )
-    ids = ids_of(request.token_ids, "token_ids")
     k = params.prompt_logprobs
     if k is not None:
         k = check_prompt_logprobs(k, "sampling_params.prompt_logprobs")
     start = params.prompt_logprob_start or 0
+    n = len(request.token_ids)
+    first = 1 if k is not None else min(max(start, 0), n) + 1  # the item's start, below
+    wanted = params.prompt_logprob_token_ids
+    width = 0 if not wanted else len(wanted[0]) if isinstance(wanted[0], list) else len(wanted)
+    completions = [n - first] if first < n else []
+    entries = (n - 1) * (top_k_counted(k) + 1) if k is not None else 0
+    answer_bytes = ANSWER.of(1, entries) + CANDIDATE_BYTES * max(n - 1, 0) * width
+    check_counts(call, "token_ids", [first] * len(completions), completions, answer_bytes)
+    ids = ids_of(request.token_ids, "token_ids")
     check_start(start, len(ids) - 1, "sampling_params.prompt_logprob_start", "the first prompt row scored")
     # With prompt_logprobs every position is scored, the matrix's rows (from start) among them.
     first_row = start if k is not None else 0
     item = Item(ids, 1 if k is not None else start + 1, "token_ids")
-    wanted = params.prompt_logprob_token_ids
     if wanted is not None:
         field = "sampling_params.prompt_logprob_token_ids"
         rows = candidate_rows(wanted, len(ids) - 1 - start, field)
@@ -231,7 +268,7 @@ async def generate(call: Call) -> Answer:
         item = dataclasses.replace(item, candidates=padded, candidates_field=field, candidates_rows=rows_at)
     scored = await _score(
         call, [item], request.model, params.temperature, "token_ids", "sampling_params.temperature",
-        k or 0, "sampling_params.prompt_logprobs",
+        k or 0, "sampling_params.prompt_logprobs", answer_bytes,
     )  # fmt: skip
     scores = scored.scores[0]
     matrix = None

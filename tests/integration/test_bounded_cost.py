@@ -1,0 +1,148 @@
+"""A request's cost over gRPC, known before its work: a message of a million sequences refused by
+its counts while others are answered, an answer gRPC could not send refused before it is
+computed, and a stream whose client stops reading its answers stops being read."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from logprob_proto import logprob_pb2 as pb
+from logprob_proto import logprob_pb2_grpc as pb_grpc
+
+from tests.helpers.calls import expect
+from tests.helpers.server import settings, start, stop
+
+VOCAB = 4096  # builtin:tiny-llama's
+
+
+def _counting(running) -> list:
+    """Each job the engine is asked to score, from now on."""
+    jobs: list = []
+    engine = running.service.engine
+    score = engine.score
+
+    async def counted(job):
+        jobs.append(job)
+        return await score(job)
+
+    engine.score = counted
+    return jobs
+
+
+async def test_a_message_of_a_million_sequences_is_refused_by_its_counts_while_health_answers():
+    """8 MB of one-token sequences, under the receive limit: INVALID_ARGUMENT naming the count and
+    the limit right after gRPC parses it, with no sequence built; health checks meanwhile answer
+    as usual. (Before: each sequence built first, 12 s on this machine, every caller waiting.)"""
+    running = await start(settings({"default": "builtin:tiny-llama"}))
+    request = pb.ScoreRequest(sequences=[pb.Sequence(prompt_ids=[1], completion_ids=[2])] * 1_000_000)
+    done = asyncio.Event()
+    health_s: list[float] = []
+    try:
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            await health.Check(health_pb2.HealthCheckRequest())
+
+            async def poll() -> None:
+                while not done.is_set():
+                    begun = time.perf_counter()
+                    await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+                    health_s.append(time.perf_counter() - begun)
+
+            poller = asyncio.create_task(poll())
+            begun = time.perf_counter()
+            try:
+                await expect(
+                    running.target, request, grpc.StatusCode.INVALID_ARGUMENT, "1000000 sequences", "limit of 4096"
+                )
+            finally:
+                refused_s = time.perf_counter() - begun
+                done.set()
+                await poller
+        assert refused_s < 4.0, refused_s
+        assert max(health_s) < 1.0, max(health_s)
+    finally:
+        await stop(running)
+
+
+async def test_an_answer_larger_than_grpc_sends_is_refused_before_its_work(rng):
+    """top-k 256 on 2,100 completion tokens answers 4.3 MB, past a 4 MiB max_message_bytes:
+    INVALID_ARGUMENT naming the limit, nothing scored. (Before: computed in full, then
+    RESOURCE_EXHAUSTED "Sent message larger than max" and an ERROR traceback.)"""
+    running = await start(settings({"default": "builtin:tiny-llama"}, max_message_bytes=4 * 2**20))
+    try:
+        jobs = _counting(running)
+        request = pb.ScoreRequest(
+            sequences=[pb.Sequence(prompt_ids=rng.integers(3, VOCAB, 8), completion_ids=rng.integers(3, VOCAB, 2100))],
+            top_k=256,
+        )
+        await expect(running.target, request, grpc.StatusCode.INVALID_ARGUMENT, "max_message_bytes", "4194304 bytes")
+        assert not jobs
+        request.top_k = 200  # 3.4 MB: sent
+        response = await pb_grpc.LogprobServiceStub(grpc.aio.insecure_channel(running.target)).ScoreTokens(request)
+        assert len(response.scores[0].top_ids_i32) == 2100 * 200 * 4
+    finally:
+        await stop(running)
+
+
+async def test_a_stream_whose_client_stops_reading_stops_being_read(rng):
+    """A client sends 200 requests of 263 KB answers on one stream and reads none: the server
+    takes on requests while their answers pending stay within max_stream_answer_bytes (1 MiB:
+    3 of them), so it scores a few, not all 200, and holds no more. (Before: every request read,
+    scored and its answer queued: +1 GB in 90 s on a CPU.)"""
+    running = await start(settings({"default": "builtin:tiny-llama"}, max_stream_answer_bytes=2**20))
+    try:
+        jobs = _counting(running)
+        request = pb.ScoreRequest(
+            sequences=[pb.Sequence(prompt_ids=rng.integers(3, VOCAB, 4), completion_ids=rng.integers(3, VOCAB, 128))],
+            top_k=256,
+        )
+        # Without BDP probing the client's receive window stays at HTTP/2's 64 KiB: the transport
+        # then holds little beyond the answers the server keeps pending.
+        async with grpc.aio.insecure_channel(running.target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+            call = pb_grpc.LogprobServiceStub(channel).ScoreTokensStream()
+
+            async def send() -> None:
+                for _ in range(200):
+                    await call.write(request)
+
+            sender = asyncio.create_task(send())
+            # Wait until the server has scored nothing more for a while (the sends are held back).
+            seen, still_since = -1, time.monotonic()
+            deadline = time.monotonic() + 60
+            while time.monotonic() - still_since < 1.5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                if len(jobs) != seen:
+                    seen, still_since = len(jobs), time.monotonic()
+            scored = len(jobs)
+            sender.cancel()
+            call.cancel()
+        assert 3 <= scored <= 8, scored  # 3 pending; what the transport holds besides
+    finally:
+        await stop(running)
+
+
+async def test_a_stream_that_is_read_gets_every_answer(rng):
+    """The same stream, read: every request is answered, in any order, matched by request id."""
+    running = await start(settings({"default": "builtin:tiny-llama"}, max_stream_answer_bytes=2**20))
+    try:
+        requests = [
+            pb.ScoreRequest(
+                request_id=str(i),
+                sequences=[
+                    pb.Sequence(prompt_ids=rng.integers(3, VOCAB, 4), completion_ids=rng.integers(3, VOCAB, 64))
+                ],
+                top_k=256,
+            )
+            for i in range(12)
+        ]
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            answers = [r async for r in pb_grpc.LogprobServiceStub(channel).ScoreTokensStream(iter(requests))]
+        assert sorted(int(a.request_id) for a in answers) == list(range(12))
+        assert all(not a.HasField("error") and len(a.scores[0].logprobs) == 64 for a in answers)
+        assert np.isfinite(answers[0].scores[0].logprobs).all()
+    finally:
+        await stop(running)
