@@ -17,6 +17,7 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 from logprob_service import __version__
 
@@ -131,7 +132,10 @@ def build_parser() -> _Parser:
     probe = commands.add_parser(
         "probe",
         help="exit 0 if a server is SERVING (gRPC health check), else 1",
-        description="Ask a server's gRPC health service whether it is SERVING (the container's health check).",
+        description=(
+            "Ask a server's gRPC health service whether it is SERVING (the container's health check). It reads the "
+            "settings `serve` reads (LOGPROB_* environment, LOGPROB_CONFIG): the address, and TLS or mutual TLS."
+        ),
     )
     probe.add_argument(
         "--address",
@@ -140,6 +144,20 @@ def build_parser() -> _Parser:
     )
     probe.add_argument("--service", default="", help="service name to ask about [default: '', the whole server]")
     probe.add_argument("--timeout-s", type=float, default=5.0, help="seconds to wait for the answer [default: 5]")
+    probe.add_argument(
+        "--tls-ca-file",
+        type=Path,
+        help="with TLS on: PEM CA certificates that signed the server's certificate [default: the server's own "
+        "tls_cert_file and tls_client_ca_file, as `serve` reads them]",
+    )
+    probe.add_argument(
+        "--tls-client-cert-file",
+        type=Path,
+        help="with mutual TLS: the PEM certificate the probe presents [default: the server's tls_cert_file]",
+    )
+    probe.add_argument(
+        "--tls-client-key-file", type=Path, help="its PEM private key [default: the server's tls_key_file]"
+    )
     parser.commands = {"serve": serve, "probe": probe}
     return parser
 
@@ -177,7 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             from logprob_service.api.probe import main as probe
 
-            return probe(args.address, args.service, args.timeout_s)
+            return probe(
+                args.address,
+                args.service,
+                args.timeout_s,
+                args.tls_ca_file,
+                args.tls_client_cert_file,
+                args.tls_client_key_file,
+            )
         settings = settings_from_args(args)
     except StartupError as err:
         _print_error(err)
