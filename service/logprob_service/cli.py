@@ -180,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing := missing_server_modules():
         command = "probe" if "probe" in argv else "serve"
         print(
-            f"logprob-service {command} needs the server extra: pip install 'logprob-service[server]' "
+            f"logprob-service {command} needs the server extra: from a checkout of logprob-service, "
+            "pip install '.[server]' (or its wheel: pip install "
+            f"'logprob_service-{__version__}-py3-none-any.whl[server]'; docs/deployment.md) "
             f"(not installed: {', '.join(missing)})",
             file=sys.stderr,
         )

@@ -47,8 +47,8 @@ try:
     import torch
 except ImportError as err:  # an optional dependency
     raise ImportError(
-        "logprob_client.integrations.openrlhf needs the [openrlhf] extra: "
-        f'pip install "logprob-service[openrlhf]" ({err})'
+        "logprob_client.integrations.openrlhf needs torch, which OpenRLHF brings (the [openrlhf] extra): "
+        f"pip install openrlhf ({err})"
     ) from err
 
 import numpy as np

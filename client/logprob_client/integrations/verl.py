@@ -56,8 +56,8 @@ try:
     from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 except ImportError as err:  # an optional dependency
     raise ImportError(
-        'logprob_client.integrations.verl needs verl and the [verl] extra: pip install "logprob-service[verl]" '
-        f"verl==0.9.1 ({err})"
+        "logprob_client.integrations.verl needs verl and the [verl] extra's tensordict: "
+        f"pip install verl==0.9.1 tensordict==0.10.0 ({err})"
     ) from err
 
 import numpy as np
