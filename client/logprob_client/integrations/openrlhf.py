@@ -55,7 +55,7 @@ import numpy as np
 
 from ..client import LogprobClient
 from ..split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC
-from ._served import Expected, ServiceConfigError, check_served_model, score_rows, targets
+from ._served import Expected, ServiceConfigError, check_served_model, score_rows, targets, warn_untested_version
 
 CHECKED_OPENRLHF_VERSION = "0.11.2"
 FLAGS = ("--ref.service_address", "--ref.service_model", "--ref.service_timeout_s")
@@ -288,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"the launcher runs OpenRLHF's train_ppo_ray, which needs OpenRLHF and Ray on this machine: "
             f"pip install openrlhf=={CHECKED_OPENRLHF_VERSION} ({err})"
         ) from None
+    warn_untested_version("openrlhf", CHECKED_OPENRLHF_VERSION)
 
     actor_cls = type("ServiceReferenceModelActor", (ServiceReferenceActor,), {"service": service})
     launcher.ReferenceModelActor = ray.remote(num_gpus=1)(actor_cls)  # the script imports the name at its start
