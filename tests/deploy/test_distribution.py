@@ -37,6 +37,8 @@ def tracked_files() -> list[Path]:
 def test_no_hint_installs_the_package_from_an_index():
     offending = []
     for path in tracked_files():
+        if path == Path(__file__).resolve():  # this test names the hint it looks for
+            continue
         try:
             text = path.read_text()
         except UnicodeDecodeError:
