@@ -1,36 +1,56 @@
-# logprob-service developer commands. `make serve` and `make test` work on a fresh machine:
-# each creates .venv, installs the project into it, then serves / tests.
+# logprob-service developer commands (`make help` lists them). `make serve` and `make test` work on
+# a fresh machine: each creates .venv, installs what it needs into it, then serves / tests.
+# `make serve` installs the server alone (the `server` extra); `make test` and the other developer
+# targets the `dev` set (the server, TRL, the test and lint tools, a separate triton).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU build of torch by default; set TORCH_SPEC="torch" (or a CUDA index) on a GPU host.
+# torch, installed first. From PyPI by default: on Linux that is a CUDA build, which brings several
+# GB of NVIDIA libraries; on macOS a CPU build. A CPU build on Linux (a laptop without a GPU):
+#   make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# One CUDA line for a GPU host's driver: TORCH_INDEX=https://download.pytorch.org/whl/cu128 (cu126,
+# cu130; docs/deployment.md, "GPU drivers").
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-sweep test-stress test-gpu image image-test proto lint format bench example clean
+.PHONY: help install serve test test-sweep test-stress test-gpu image image-test proto lint format bench example clean
+
+help:  ## list the targets
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 # scripts/install.sh is also the Dockerfile's install step: CI runs the image's install this way.
-# The stamp holds the TORCH_SPEC installed: another one (`make serve TORCH_SPEC=torch` after an
-# install of the CPU build) installs again, where the stamp's date alone kept the CPU build.
-$(VENV)/.installed: pyproject.toml scripts/install.sh
-	VENV="$(VENV)" PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EXTRAS=dev EDITABLE=1 scripts/install.sh
-	echo '$(TORCH_SPEC)' > $@
+# One stamp an extra (server, dev), holding the torch it installed: another TORCH_SPEC or
+# TORCH_INDEX (`make serve TORCH_INDEX=...` after an install from PyPI) installs again, where the
+# stamp's date alone kept the first build.
+INSTALLED := $(strip $(TORCH_SPEC) $(TORCH_INDEX))
+STAMPS := $(VENV)/.installed-server $(VENV)/.installed-dev
+$(STAMPS): $(VENV)/.installed-%: pyproject.toml scripts/install.sh
+	VENV="$(VENV)" PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX="$(TORCH_INDEX)" EXTRAS=$* EDITABLE=1 scripts/install.sh
+	echo '$(INSTALLED)' > $@
 
-ifneq "$(strip $(shell cat $(VENV)/.installed 2>/dev/null))" "$(strip $(TORCH_SPEC))"
-$(VENV)/.installed: FORCE
+ifneq "$(strip $(shell cat $(VENV)/.installed-dev 2>/dev/null))" "$(INSTALLED)"
+$(VENV)/.installed-dev: FORCE
+# The server alone, unless the dev set (which holds it) is installed with this torch.
+SERVER := $(VENV)/.installed-server
+else
+SERVER := $(VENV)/.installed-dev
+endif
+ifneq "$(strip $(shell cat $(VENV)/.installed-server 2>/dev/null))" "$(INSTALLED)"
+$(VENV)/.installed-server: FORCE
 endif
 FORCE:
 
-install: $(VENV)/.installed  ## create .venv and install the server, client and dev tools
+install: $(VENV)/.installed-dev  ## create .venv and install the server, client and dev tools
 
 # The HTTP edge on vLLM's port, for vLLM / SGLang / TRL callers (docs/http.md); a later
-# --http-port in SERVE_ARGS wins (0: off).
-serve: install  ## serve builtin:tiny-llama: gRPC on 127.0.0.1:50051, HTTP on :8000 (pass flags in SERVE_ARGS)
+# --http-port in SERVE_ARGS wins (0: off), as does --metrics-port 0 for /metrics.
+serve: $(SERVER)  ## serve builtin:tiny-llama: gRPC 127.0.0.1:50051, HTTP :8000, /metrics :9481 (flags in SERVE_ARGS)
 	$(BIN)/logprob-service serve --http-port 8000 $(SERVE_ARGS)
 
-test: install  ## run the test suite (GPU tests are skipped without CUDA)
+test: install  ## the test suite on the CPU (GPU tests are skipped without CUDA)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 SEEDS ?= 200
@@ -68,7 +88,7 @@ lint: install  ## ruff lint + format check, and the layer contracts (import-lint
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-format: install
+format: install  ## ruff format and ruff's fixes
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
@@ -82,5 +102,5 @@ bench: install  ## the benchmarks (meant for a GPU host)
 example: install  ## TRL GRPO on builtin:tiny-llama (CPU) with the reference on a local service
 	$(BIN)/python examples/grpo_remote_reference.py
 
-clean:
+clean:  ## remove .venv and the build files
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -6,8 +6,10 @@
 #               that reach no container registry (CI's image test, tests/integration/test_image.py);
 #               needs root, podman and mmdebstrap (or debootstrap)                          [cuda]
 #   IMAGE       the tag to build                                                 [logprob-service]
-#   TORCH_SPEC  the torch requirement [cuda: the Dockerfile's default, PyPI's (CUDA) build;
-#               debian: torch==2.13.0+cpu, the CPU build pip finds through this machine's find-links]
+#   TORCH_SPEC  the torch requirement [cuda: the Dockerfile's default, from PyTorch's index of its
+#               TORCH_CUDA line (--build-arg TORCH_CUDA=cu126|cu128|cu130, with the matching
+#               CUDA_IMAGE: Dockerfile); debian: torch==2.13.0+cpu, the CPU build pip finds through
+#               this machine's find-links (TORCH_INDEX empty)]
 #   ENGINE      docker or podman (debian: podman)       [docker if its daemon answers, else podman]
 #   DEBIAN_BASE the Debian base image, made once and kept         [localhost/debian-base:bookworm]
 #   DEBIAN_MIRROR  where the Debian base's packages come from         [http://deb.debian.org/debian]
@@ -131,6 +133,8 @@ pip_mounts() {
 
 args=(--tag "$IMAGE")
 [ -z "$TORCH_SPEC" ] || args+=(--build-arg "TORCH_SPEC=$TORCH_SPEC")
+# The Debian base's CPU torch comes from pip's own indexes and find-links, not PyTorch's CUDA index.
+[ "$BASE" != debian ] || args+=(--build-arg "TORCH_INDEX=")
 if [ "$ENGINE" = podman ]; then
   # chroot isolation: RUN steps need no OCI runtime, which cannot start containers on machines
   # like CI's (crun: setrlimit refused). Docker's image format: OCI's has no HEALTHCHECK.

@@ -134,34 +134,47 @@ def _cell(text: str) -> str:
 
 
 def render() -> str:
-    """The text of docs/configuration.md."""
+    """The text of docs/configuration.md: the config file's flag, then one table a group of
+    settings, in the groups and order of ``serve --help`` (``cli.SETTING_GROUPS``)."""
+    from logprob_service.cli import grouped_settings
     from logprob_service.config import Settings
     from logprob_service.settings_sources import ENV_ONLY_SETTINGS
 
     serve = _serve_parser()
     flags = _flags(serve)
     prefix = Settings.model_config.get("env_prefix", "")
-    rows = [
+    head = [
         "| setting (file key) | flag | environment | type | default | description |",
         "|---|---|---|---|---|---|",
     ]
+    sections = []
     config = flags.get("config")
     if config is not None:
-        rows.append(
-            f"| (none) | {_flag_text(config)} | `{prefix}CONFIG` | path of a YAML file, or unset | unset | "
-            f"{_cell(config.help or '')} |"
+        sections.append(
+            "\n".join(
+                [
+                    *head,
+                    f"| (none) | {_flag_text(config)} | `{prefix}CONFIG` | path of a YAML file, or unset | unset | "
+                    f"{_cell(config.help or '')} |",
+                ]
+            )
         )
-    for name, field in Settings.model_fields.items():
-        action = None if name in ENV_ONLY_SETTINGS else flags[name]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            flag = f"`{action.option_strings[0]}` / `{action.option_strings[1]}`"
-        else:
-            flag = _flag_text(action)
-        rows.append(
-            f"| `{name}` | {flag} | `{prefix}{name.upper()}` | {_type_text(field.annotation, field.metadata)} | "
-            f"{_default_text(name, field.get_default(call_default_factory=True))} | {_cell(field.description or '')} |"
-        )
-    return HEADER + "\n".join(rows) + "\n"
+    for group, title, names in grouped_settings(Settings.model_fields):
+        rows = [f"## {group}: {title}", "", *head]
+        for name in names:
+            field = Settings.model_fields[name]
+            action = None if name in ENV_ONLY_SETTINGS else flags[name]
+            if isinstance(action, argparse.BooleanOptionalAction):
+                flag = f"`{action.option_strings[0]}` / `{action.option_strings[1]}`"
+            else:
+                flag = _flag_text(action)
+            rows.append(
+                f"| `{name}` | {flag} | `{prefix}{name.upper()}` | {_type_text(field.annotation, field.metadata)} | "
+                f"{_default_text(name, field.get_default(call_default_factory=True))} | "
+                f"{_cell(field.description or '')} |"
+            )
+        sections.append("\n".join(rows))
+    return HEADER + "\n\n".join(sections) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

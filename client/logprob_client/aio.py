@@ -11,8 +11,8 @@ import grpc
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from .base import ClientBase, ScoreKeywords, Scoring
-from .errors import Cancelled, LogprobError, PermissionDenied, error_from_rpc
+from .base import ClientBase, ScoreKeywords, Scoring, check_keywords
+from .errors import Cancelled, LogprobError, PermissionDenied
 from .inputs import regroup
 from .ipc import ipc_request
 from .pushes import PreparedPush, UpdateKeywords, ports_and_live, push_error, unsent_error, was_interrupted
@@ -35,7 +35,7 @@ class AsyncLogprobClient(ClientBase):
         try:
             return await method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise self.rpc_error(err) from None
 
     async def score(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> Any:
         """See ``LogprobClient.score``; for overlap, ``asyncio.create_task(client.score(...))``."""
@@ -66,6 +66,7 @@ class AsyncLogprobClient(ClientBase):
 
     async def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
         """See ``LogprobClient.score_many``."""
+        check_keywords(keywords, "score_many")
         scoring = self.prepare(inputs, **keywords)
         resume = StreamResume(scoring.requests, scoring.timeout, self.max_attempts)
         while (delay := resume.retry_after_s(await self._stream_once(resume))) is not None:

@@ -3,6 +3,7 @@ scoring requests, and preparing weight pushes (``pushes``)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -15,7 +16,7 @@ from logprob_proto.framing import join
 
 from .channel import CONNECT_TIMEOUT_S, AioConnectionWatch, Connection, ConnectionWatch, channel_target
 from .deltas import WeightDeltas
-from .errors import LogprobError
+from .errors import LogprobError, error_for_status
 from .inputs import Prepared, flatten_groups, prepare
 from .push_processes import FRAMING_BYTES, PushProcesses
 from .pushes import STREAMS_PER_RECEIVER, UPDATE_WEIGHTS, PreparedPush, UpdateKeywords
@@ -173,6 +174,7 @@ class ClientBase:
         self._channel = channel if channel is not None else self.connection.open(target, aio=self._aio)
         self._stub = pb_grpc.LogprobServiceStub(self._channel)
         described = "the given channel" if channel is not None else _described(target)
+        self._described = described
         self._connected = (AioConnectionWatch if self._aio else ConnectionWatch)(
             self._channel, described, connect_timeout_s
         )
@@ -251,6 +253,13 @@ class ClientBase:
     def _all_channels(self) -> list[Any]:
         return [self._channel, *(channel for opened in self._push_channels.values() for channel in opened)]
 
+    def rpc_error(self, err: grpc.RpcError) -> LogprobError:
+        """The typed error of a failed RPC; one that found no server names the target dialled."""
+        details = err.details() or ""
+        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            details = f"{self._described}: {details}"
+        return error_for_status(err.code(), details)
+
     @property
     def max_attempts(self) -> int:
         return self.connection.max_attempts
@@ -271,8 +280,9 @@ class ClientBase:
         """Check the options and build every batch's requests, one per part (none when every
         completion is masked out: that answer is all zeros, made locally, as the server would
         refuse an empty request). A batch is a ``ScoreInput``, or one ``inputs.prepare`` made."""
-        if not (temperature > 0 and np.isfinite(temperature)):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        # 0 is the wire's "unset", which the server takes as 1.0, as its own messages say.
+        if not (temperature >= 0 and np.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number > 0 (0: the default, 1.0), got {temperature}")
         if min_version < 0:
             raise ValueError(f"min_version must be >= 0 (0: any version), got {min_version}")
         if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0:
@@ -321,6 +331,7 @@ class ClientBase:
     ) -> Scoring:
         """``prepare`` of one batch given as ``score`` takes it (``group_sizes``: the lists are
         ``flatten_groups``' of ``score_groups``' groups, which errors then name)."""
+        check_keywords(keywords, "score")
         given = {name: keywords.pop(name, None) for name in ("prompt_mask", "completion_mask", "candidate_ids")}  # type: ignore[misc]
         return self.prepare([prepare(prompt_ids, completion_ids, **given, group_sizes=group_sizes)], **keywords)
 
@@ -383,6 +394,17 @@ class ClientBase:
     @staticmethod
     def load_request(model: str, path: str, version: int, partial: bool) -> pb.LoadWeightsRequest:
         return pb.LoadWeightsRequest(model=model, path=str(path), version=version, partial=partial)
+
+
+def check_keywords(keywords: Mapping[str, Any], method: str) -> None:
+    """A keyword ``method`` does not take is a TypeError naming it (not the internal function it
+    would reach) and the keyword it most likely meant."""
+    known = list(ScoreKeywords.__annotations__)
+    for name in keywords:
+        if name not in known:
+            guess = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {guess[0]!r}?" if guess else f"; it takes {', '.join(known)}"
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
 
 
 def _described(target: str | Sequence[str]) -> str:

@@ -33,8 +33,8 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from .aio import AsyncLogprobClient
-from .base import ClientBase, ScoreKeywords, Scoring
-from .errors import LogprobError, PermissionDenied, error_from_rpc
+from .base import ClientBase, ScoreKeywords, Scoring, check_keywords
+from .errors import LogprobError, PermissionDenied
 from .future import ScoreFuture
 from .inputs import regroup
 from .ipc import ipc_request
@@ -56,7 +56,7 @@ class LogprobClient(ClientBase):
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise self.rpc_error(err) from None
 
     def score(self, prompt_ids: Any, completion_ids: Any, **keywords: Unpack[ScoreKeywords]) -> Any:
         """Log-probs of every completion token (and entropies, as a second value, when asked).
@@ -99,6 +99,7 @@ class LogprobClient(ClientBase):
         broken by UNAVAILABLE or RESOURCE_EXHAUSTED (a server restart) is resumed on a new one
         with the requests still unanswered (``resume.py``).
         """
+        check_keywords(keywords, "score_many")
         scoring = self.prepare(inputs, **keywords)
         resume = StreamResume(scoring.requests, scoring.timeout, self.max_attempts)
         while (delay := resume.retry_after_s(self._stream_once(resume))) is not None:

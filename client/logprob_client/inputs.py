@@ -120,7 +120,7 @@ def _with_candidates(prepared: Prepared, candidate_ids: Any) -> Prepared:
     """``prepared`` with each sent sequence's candidate rows, checked: integer ids within int32,
     one row per completion position (``prepare``)."""
     if prepared.dense_shape is not None:
-        dense = _to_numpy(candidate_ids)
+        dense = _ragged_safe(candidate_ids, "candidate_ids", "(B, C, Kc)")
         if dense.ndim != 3 or dense.shape[:2] != prepared.dense_shape:
             raise ValueError(
                 f"candidate_ids has shape {dense.shape}: with 2-D inputs it is (B, C, Kc), "
@@ -138,7 +138,7 @@ def _with_candidates(prepared: Prepared, candidate_ids: Any) -> Prepared:
         if values is None:
             candidates.append(None)
             continue
-        ids = _to_numpy(values)
+        ids = _ragged_safe(values, name, "(C, Kc): the same number of candidates at each completion position")
         if ids.ndim != 2 or ids.shape[0] != len(completion):
             raise ValueError(
                 f"{name} has shape {ids.shape}: it is (C, Kc), one row of candidates per completion token (C = "
@@ -150,6 +150,15 @@ def _with_candidates(prepared: Prepared, candidate_ids: Any) -> Prepared:
             raise ValueError(f"{name}: an id is outside int32, which the wire carries")
         candidates.append(ids.astype(np.int64, copy=False))
     return dataclasses.replace(prepared, candidates=candidates)
+
+
+def _ragged_safe(values: Any, name: str, shape: str) -> np.ndarray:
+    """``values`` as an array; numpy's "inhomogeneous shape" for ragged lists becomes an error
+    naming the argument and the shape it must have."""
+    try:
+        return _to_numpy(values)
+    except ValueError:
+        raise ValueError(f"{name} is ragged (rows of different lengths): it is {shape}") from None
 
 
 def _rows(ids: Any, name: str) -> Sequence[Any]:
@@ -200,9 +209,15 @@ def _prepare_lists(
     if prompt_mask is not None or completion_mask is not None:
         raise ValueError("prompt_mask/completion_mask go with 2-D (B, P)/(B, C) inputs, not lists")
     prompts, completions = _rows(prompt_ids, "prompt_ids"), _rows(completion_ids, "completion_ids")
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     prepared = Prepared(sequences=[], group_sizes=group_sizes)
+    if prompts and completions:  # 1-D inputs ([1, 2, 3] for one sequence) are refused as such first
+        _sequence_ids(prompts[0], prepared, 0, "prompt_ids")
+        _sequence_ids(completions[0], prepared, 0, "completion_ids")
+    if len(prompts) != len(completions):
+        raise ValueError(
+            f"{len(prompts)} prompts but {len(completions)} completions: one completion per prompt, each a list "
+            "of token ids (2-D: [[id, ...], ...])"
+        )
     for i, pair in enumerate(zip(prompts, completions)):
         ids = [_sequence_ids(values, prepared, i, field) for values, field in zip(pair, FIELDS, strict=True)]
         prepared.sequences.append((ids[0], ids[1]))

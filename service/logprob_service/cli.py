@@ -17,6 +17,7 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 from logprob_service import __version__
 
@@ -25,9 +26,82 @@ if typing.TYPE_CHECKING:
 
 _MODEL_FLAG_HELP = (
     "NAME=SOURCE of a model to serve; repeat for several. "
-    "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, or a hub id. "
+    "SOURCE: builtin:tiny-llama, a local HF checkpoint directory, a hub id, or BASE+ADAPTER_DIR: a LoRA model "
+    "sharing the weights of the served model BASE, with a PEFT adapter directory "
+    "(--model base=/models/Qwen2.5-7B --model tuned=base+/adapters/tuned). "
     "[env LOGPROB_MODELS; default: default=builtin:tiny-llama]"
 )
+# serve's settings in groups, in the order a newcomer reads them: `serve --help` and
+# docs/configuration.md (scripts/gen_config_docs.py) both list them so. The one place a setting's
+# group is named; a setting named in no group is listed under the last, "advanced".
+SETTING_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "models": (
+        "what to serve, on which devices",
+        ("models", "device", "tensor_parallel", "dtype", "fp8_compute", "trust_remote_code"),
+    ),
+    "network": (
+        "ports, connections, shutdown",
+        (
+            "host",
+            "port",
+            "http_port",
+            "metrics_port",
+            "max_message_bytes",
+            "http_max_body_bytes",
+            "max_connection_age_s",
+            "max_concurrent_rpcs_per_connection",
+            "grace_period_s",
+            "drain_notice_s",
+        ),
+    ),
+    "security": (
+        "TLS and tokens (SECURITY.md)",
+        ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file", "auth_tokens"),
+    ),
+    "limits": (
+        "what one request, and one client, may ask",
+        (
+            "max_sequences_per_request",
+            "max_tokens_per_request",
+            "max_answer_bytes",
+            "max_stream_answer_bytes",
+            "max_queued_tokens",
+            "max_queued_tokens_per_client",
+        ),
+    ),
+    "weights": (
+        "weight updates (docs/weights.md)",
+        (
+            "weight_receivers",
+            "weight_receiver_port",
+            "load_weights_roots",
+            "check_finite_weights",
+            "update_staging_reserve_bytes",
+            "update_idle_timeout_s",
+            "update_yield_to_launches",
+            "max_group_timeout_s",
+            "max_version_wait_s",
+        ),
+    ),
+    "performance": (
+        "batching and kernels",
+        (
+            "max_batch_tokens",
+            "max_batch_sequences",
+            "max_wait_ms",
+            "max_wait_quiet_ms",
+            "share_prompts",
+            "deterministic",
+            "compile_layers",
+            "logprob_kernel",
+            "attention_backend",
+            "long_sequence_tokens",
+            "chunk_tokens",
+            "lm_head_chunk_bytes",
+        ),
+    ),
+    "advanced": ("logs and memory", ("log_level", "log_format", "keep_freed_host_memory", "gc_freeze")),
+}
 # The server extra's packages (pyproject.toml), as the modules they are imported as.
 SERVER_MODULES = (
     "torch",
@@ -97,6 +171,16 @@ def _flag_type(annotation: object) -> tuple[type, list[str] | None]:
     return (annotation if annotation in (int, float, str) else str), None
 
 
+def grouped_settings(names: typing.Iterable[str]) -> list[tuple[str, str, list[str]]]:
+    """(group, title, its settings among ``names``) for each group of SETTING_GROUPS, in order;
+    a name no group lists goes to the last group."""
+    names = list(names)
+    groups = [(group, title, [n for n in members if n in names]) for group, (title, members) in SETTING_GROUPS.items()]
+    listed = {n for _, _, members in groups for n in members}
+    groups[-1][2].extend(n for n in names if n not in listed)
+    return groups
+
+
 def build_parser() -> _Parser:
     from logprob_service.config import Settings
     from logprob_service.settings_sources import ENV_ONLY_SETTINGS, env_variable, flag
@@ -107,6 +191,7 @@ def build_parser() -> _Parser:
     serve = commands.add_parser(
         "serve",
         help="serve models over gRPC, and over HTTP with --http-port",
+        usage="logprob-service serve [flags]",
         description=(
             "Serve models over gRPC (--port), and over HTTP (the vLLM / SGLang / TRL routes, docs/http.md) when "
             "--http-port is set (default 0: off). Precedence: flags > LOGPROB_* environment > --config file > defaults."
@@ -116,22 +201,34 @@ def build_parser() -> _Parser:
         allow_abbrev=False,
     )
     serve.add_argument("--config", help="YAML file of settings (same names as the flags, with _) [env LOGPROB_CONFIG]")
-    serve.add_argument("--model", dest="models", action="append", metavar="NAME=SOURCE", help=_MODEL_FLAG_HELP)
-    for name, field in Settings.model_fields.items():
-        if name == "models" or name in ENV_ONLY_SETTINGS:
-            continue
-        help_text = (
-            f"{field.description} [env {env_variable(name)}; default: {field.get_default(call_default_factory=True)}]"
-        ).replace("%", "%%")  # argparse formats help with %: a literal "0.3%" broke --help
-        if field.annotation is bool:
-            serve.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            kind, choices = _flag_type(field.annotation)
-            serve.add_argument(flag(name), dest=name, type=kind, choices=choices, help=help_text)
+    fields = Settings.model_fields
+    for group, title, names in grouped_settings(fields):
+        flags = serve.add_argument_group(group, f"{title}.")
+        for name in names:
+            if name == "models":
+                flags.add_argument(
+                    "--model", dest="models", action="append", metavar="NAME=SOURCE", help=_MODEL_FLAG_HELP
+                )
+                continue
+            if name in ENV_ONLY_SETTINGS:
+                continue
+            field = fields[name]
+            help_text = (
+                f"{field.description} [env {env_variable(name)}; "
+                f"default: {field.get_default(call_default_factory=True)}]"
+            ).replace("%", "%%")  # argparse formats help with %: a literal "0.3%" broke --help
+            if field.annotation is bool:
+                flags.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                kind, choices = _flag_type(field.annotation)
+                flags.add_argument(flag(name), dest=name, type=kind, choices=choices, help=help_text)
     probe = commands.add_parser(
         "probe",
         help="exit 0 if a server is SERVING (gRPC health check), else 1",
-        description="Ask a server's gRPC health service whether it is SERVING (the container's health check).",
+        description=(
+            "Ask a server's gRPC health service whether it is SERVING (the container's health check). It reads the "
+            "settings `serve` reads (LOGPROB_* environment, LOGPROB_CONFIG): the address, and TLS or mutual TLS."
+        ),
     )
     probe.add_argument(
         "--address",
@@ -140,6 +237,20 @@ def build_parser() -> _Parser:
     )
     probe.add_argument("--service", default="", help="service name to ask about [default: '', the whole server]")
     probe.add_argument("--timeout-s", type=float, default=5.0, help="seconds to wait for the answer [default: 5]")
+    probe.add_argument(
+        "--tls-ca-file",
+        type=Path,
+        help="with TLS on: PEM CA certificates that signed the server's certificate [default: the server's own "
+        "tls_cert_file and tls_client_ca_file, as `serve` reads them]",
+    )
+    probe.add_argument(
+        "--tls-client-cert-file",
+        type=Path,
+        help="with mutual TLS: the PEM certificate the probe presents [default: the server's tls_cert_file]",
+    )
+    probe.add_argument(
+        "--tls-client-key-file", type=Path, help="its PEM private key [default: the server's tls_key_file]"
+    )
     parser.commands = {"serve": serve, "probe": probe}
     return parser
 
@@ -162,7 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing := missing_server_modules():
         command = "probe" if "probe" in argv else "serve"
         print(
-            f"logprob-service {command} needs the server extra: pip install 'logprob-service[server]' "
+            f"logprob-service {command} needs the server extra: from a checkout of logprob-service, "
+            "pip install '.[server]' (or its wheel: pip install "
+            f"'logprob_service-{__version__}-py3-none-any.whl[server]'; docs/deployment.md) "
             f"(not installed: {', '.join(missing)})",
             file=sys.stderr,
         )
@@ -177,7 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "probe":
             from logprob_service.api.probe import main as probe
 
-            return probe(args.address, args.service, args.timeout_s)
+            return probe(
+                args.address,
+                args.service,
+                args.timeout_s,
+                args.tls_ca_file,
+                args.tls_client_cert_file,
+                args.tls_client_key_file,
+            )
         settings = settings_from_args(args)
     except StartupError as err:
         _print_error(err)

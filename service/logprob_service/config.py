@@ -92,9 +92,10 @@ class Settings(WeightUpdateSettings):
     device: str = Field(
         "auto",
         description=(
-            "Torch device(s): auto (every visible GPU, else cpu), cpu, cuda, cuda:N, or a comma-separated list "
+            "Torch device(s): cuda (every visible GPU; the start fails, saying why, where CUDA cannot start), "
+            "auto (cuda, else the CPU with a warning), cpu, cuda:N, or a comma-separated list "
             "(cuda:0,cuda:1): one replica of each model per device, micro-batches spread over them (data parallel). "
-            "With tensor_parallel N: the N devices of the group (auto: the first N GPUs)."
+            "With tensor_parallel N: the N devices of the group (auto, cuda: the first N GPUs)."
         ),
     )
     tensor_parallel: int = Field(

@@ -28,7 +28,7 @@ def test_client_imports_without_torch_transformers_or_trl():
     "module,missing,hint",
     [
         ("logprob_client.losses", "torch", "needs torch: pip install torch"),
-        ("logprob_client.integrations.trl", "trl", 'needs TRL: pip install "logprob-service[trl]"'),
+        ("logprob_client.integrations.trl", "trl", "needs TRL (the [trl] extra): pip install trl==1.16.0"),
     ],
 )
 def test_optional_modules_say_what_to_install(module, missing, hint):

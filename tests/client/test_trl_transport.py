@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service[trl]' (CI gets it via the dev extra)")
+pytest.importorskip("trl", reason="trl is optional: pip install trl==1.16.0 (CI gets it via the dev extra)")
 
 import torch
 from logprob_client import FailedPrecondition

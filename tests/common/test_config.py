@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from logprob_service import __version__
 from logprob_service.cli import SERVER_MODULES, build_parser, main, settings_from_args
 from logprob_service.config import Settings, load_settings
 from logprob_service.settings_sources import ENV_ONLY_SETTINGS, StartupError, parse_model_specs
@@ -308,7 +309,8 @@ def test_without_the_server_extra_the_command_says_what_to_install():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
-        "logprob-service serve needs the server extra: pip install 'logprob-service[server]' "
+        "logprob-service serve needs the server extra: from a checkout of logprob-service, pip install '.[server]' "
+        f"(or its wheel: pip install 'logprob_service-{__version__}-py3-none-any.whl[server]'; docs/deployment.md) "
         "(not installed: torch, pydantic)\n"
     )
 

@@ -91,7 +91,7 @@ def test_every_loss_helper_is_in_the_losses_table():
 
 
 def test_the_trl_guide_names_what_the_integration_exports():
-    pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service[trl]'")
+    pytest.importorskip("trl", reason="trl is optional: pip install trl==1.16.0")
     from logprob_client.integrations import trl
 
     guide = (DOCS / "trl.md").read_text()

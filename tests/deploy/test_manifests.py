@@ -151,8 +151,25 @@ def test_the_image_installs_with_the_script_make_install_runs():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert extras == ["server", "gpu"] and set(extras) <= project["optional-dependencies"].keys()
     # make install (which .ci/run's `make test` and `make lint` run first) calls the same script.
-    recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.installed:", 1)[1].split("\n\n", 1)[0]
+    recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.installed-%:", 1)[1].split("\n\n", 1)[0]
     assert "scripts/install.sh" in recipe and 'TORCH_SPEC="$(TORCH_SPEC)"' in recipe
+    assert 'TORCH_INDEX="${TORCH_INDEX}"' in command and 'TORCH_INDEX="$(TORCH_INDEX)"' in recipe
+
+
+def test_the_image_takes_torch_from_the_cuda_line_of_its_base():
+    """PyPI's torch needed a CUDA 13 driver under a CUDA 12.8 base. A build argument picks the
+    wheel line, by default the one with the widest driver support that still covers Hopper and
+    Blackwell (12.8), and the base image is of the same line; the docs name each line's driver."""
+    args = dict(c.value[0].split("=", 1) for c in instructions("ARG") if "=" in c.value[0])
+    assert args["TORCH_CUDA"] == "cu128"
+    assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/${TORCH_CUDA}"
+    major, minor = re.search(r"nvidia/cuda:(\d+)\.(\d+)\.", args["CUDA_IMAGE"]).groups()
+    assert f"cu{major}{minor}" == args["TORCH_CUDA"]
+    from logprob_service.models.cuda_check import MIN_DRIVER
+
+    deployment = (ROOT / "docs" / "deployment.md").read_text()
+    for cuda, driver in MIN_DRIVER.items():
+        assert f"| `cu{cuda.replace('.', '')}` | CUDA {cuda} | {driver} |" in deployment, cuda
 
 
 def test_the_build_context_holds_the_project_and_not_the_rest_of_the_checkout():
@@ -181,6 +198,8 @@ def test_the_image_serves_as_a_non_root_user_configured_by_its_environment():
     assert env["LOGPROB_HOST"] == "0.0.0.0"
     assert int(env["LOGPROB_PORT"]) == GRPC_PORT and int(env["LOGPROB_METRICS_PORT"]) == METRICS_PORT
     assert int(env["LOGPROB_HTTP_PORT"]) == HTTP_PORT
+    # The GPU asked for, not found by chance: a node whose CUDA cannot start fails the start.
+    assert env["LOGPROB_DEVICE"] == "cuda"
     (volume,) = instructions("VOLUME")
     assert volume.value == ("/data",) and env["HF_HOME"].startswith("/data/")
     assert env["TRITON_CACHE_DIR"].startswith("/data/")
@@ -299,6 +318,7 @@ def test_compose_runs_the_image_with_prometheus_and_grafana_on_the_observability
     server = services["logprob"]
     assert (COMPOSE.parent / server["build"]["context"] / server["build"]["dockerfile"]).resolve() == DOCKERFILE
     assert set(server["environment"]) <= CONTAINER_ENV
+    assert server["environment"]["LOGPROB_DEVICE"] == "cuda"
     assert server["environment"]["HF_TOKEN"] is None  # the shell's, where it is set; never a value here
     assert seconds(server["stop_grace_period"]) > float(server["environment"]["LOGPROB_GRACE_PERIOD_S"])
     (gpu,) = server["deploy"]["resources"]["reservations"]["devices"]
@@ -429,6 +449,7 @@ def test_the_workload_matches_the_server_and_the_image():
     assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT}
     assert {e["name"] for e in container["env"]} <= CONTAINER_ENV
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env["LOGPROB_DEVICE"] == "cuda"
     resources = container["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
     assert {"cpu", "memory"} <= set(resources["requests"])

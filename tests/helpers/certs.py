@@ -108,3 +108,11 @@ def make_pki(directory: Path) -> Pki:
         rogue_ca=_write(directory, "rogue_ca", rogue).cert,
         **pairs,
     )
+
+
+def make_self_signed(directory: Path, names: tuple[str, ...] = (OTHER_NAME,)) -> Pair:
+    """A self-signed server certificate for ``names`` (by default not loopback's), as
+    ``openssl req -x509`` makes one: the certificate is its own root."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _issue("logprob self-signed", key, None, usage=ExtendedKeyUsageOID.SERVER_AUTH, names=names)
+    return _write(directory, "self_signed", cert, key)

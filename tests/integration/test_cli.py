@@ -142,6 +142,16 @@ def test_cli_refuses_a_forced_kernel_this_host_cannot_run():
     assert "logprob_kernel: 'triton' needs a CUDA device" in output
 
 
+def test_device_cuda_without_a_usable_gpu_exits_at_once_saying_why():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA starts here")
+    proc = launch("--device", "cuda", "--port", str(free_port()), "--metrics-port", "0")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "device 'cuda' asked for, but CUDA cannot start here" in output
+    assert "Fix: " in output and "--device cpu" in output
+
+
 def startup_errors(output: str) -> list[str]:
     """The CLI's own lines of ``output`` (the server's log lines aside); asserts there is no traceback."""
     assert "Traceback" not in output, output

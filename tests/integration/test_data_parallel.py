@@ -111,3 +111,13 @@ async def test_a_sparse_delta_reaches_every_replica_bit_for_bit(two_replicas, rn
     expected.load_state_dict(step)
     assert result.fingerprint == model_fingerprint(expected)
     assert [model_fingerprint(r.scorer.model) for r in replicas] == [result.fingerprint] * 2
+
+
+async def test_list_models_and_the_metric_name_every_replicas_device(two_replicas):
+    from logprob_service.observability.metrics import ModelsCollector
+
+    async with AsyncLogprobClient(two_replicas.target, model="default") as client:
+        (info,) = await client.list_models()
+    assert info.device == "cpu,cpu"
+    (family, _) = ModelsCollector().collect()
+    assert "cpu,cpu" in {sample.labels["device"] for sample in family.samples if sample.labels["model"] == "default"}

@@ -22,7 +22,7 @@ STEP_LINE = re.compile(r"^step +(\d+) +kl ([0-9.]+) +loss ([-+][0-9.]+)(?: +rewa
 def test_grpo_remote_reference_example_prints_kl_and_loss_per_step():
     """With ``num_iterations=2`` TRL generates every other step, and logs no reward on the steps
     between: the example's callback raised ``KeyError: 'reward'`` there."""
-    pytest.importorskip("trl", reason="the example needs trl: pip install 'logprob-service[trl]'")
+    pytest.importorskip("trl", reason="the example needs trl: pip install trl==1.16.0")
     path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(EXAMPLE), "--steps", "3", "--beta", "0.1", "--num-iterations", "2"],
@@ -42,7 +42,7 @@ def test_grpo_remote_reference_example_prints_kl_and_loss_per_step():
 def test_the_examples_defaults_fit_make_serve():
     """``--target localhost:50051`` alone works against ``make serve`` (a server with its default
     models): the example's reference is the model it serves, the policy the example trains."""
-    pytest.importorskip("trl", reason="the example needs trl: pip install 'logprob-service[trl]'")
+    pytest.importorskip("trl", reason="the example needs trl: pip install trl==1.16.0")
     spec = importlib.util.spec_from_file_location("grpo_remote_reference", EXAMPLE)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)

@@ -327,7 +327,14 @@ def test_the_image_serves_scores_metrics_and_health_and_drains_on_sigterm(image,
     assert image.env["HF_HOME"].startswith("/data/") and image.env["TRITON_CACHE_DIR"].startswith("/data/")
 
     port, metrics_port = free_port(), free_port()
-    env = {"LOGPROB_HOST": "127.0.0.1", "LOGPROB_PORT": str(port), "LOGPROB_METRICS_PORT": str(metrics_port)}
+    # The image asks for the GPU (LOGPROB_DEVICE=cuda); this machine has none, so the CPU on purpose.
+    assert image.env["LOGPROB_DEVICE"] == "cuda"
+    env = {
+        "LOGPROB_HOST": "127.0.0.1",
+        "LOGPROB_PORT": str(port),
+        "LOGPROB_METRICS_PORT": str(metrics_port),
+        "LOGPROB_DEVICE": "cpu",
+    }
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     with Container(image, env, tmp_path / "serve.log") as container:
         # The build's mounts (scripts/build-image.sh) left nothing behind, and /data is the user's.

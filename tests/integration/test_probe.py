@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from tests.helpers.calls import OK, Gate, call, request
+from tests.helpers.certs import make_pki, make_self_signed
 from tests.helpers.processes import ROOT
 from tests.helpers.server import start, stop, test_settings
 
@@ -69,3 +71,69 @@ async def test_probe_fails_without_a_server_or_with_bad_settings():
     assert code == 1 and out.startswith("no answer from 127.0.0.1:1"), out
     code, out = await probe(env={"LOGPROB_PORT": "fifty"})  # 1, not serve's 2: a health check knows 0 and 1
     assert code == 1 and out.startswith("logprob-service: LOGPROB_PORT=fifty (--port): Input should be"), out
+
+
+async def test_probe_speaks_tls_with_the_settings_serve_reads(tmp_path):
+    """The image's HEALTHCHECK dialled plaintext, so a server with TLS on never passed it. Now
+    the same LOGPROB_* environment that turns TLS (and tokens) on for `serve` turns it on for
+    `probe`: a self-signed certificate for a cluster name, not for the loopback address dialled."""
+    cert = make_self_signed(tmp_path)
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("tokens:\n  - {name: trainer, scopes: [score], token: " + "t" * 32 + "}\n")
+    settings = test_settings(
+        Path("unused"),
+        models={"default": "builtin:tiny-llama"},
+        tls_cert_file=cert.cert,
+        tls_key_file=cert.key,
+        auth_tokens_file=tokens,
+    )
+    running = await start(settings)
+    env = {
+        "LOGPROB_HOST": "0.0.0.0",
+        "LOGPROB_PORT": str(running.port),
+        "LOGPROB_TLS_CERT_FILE": str(cert.cert),
+        "LOGPROB_TLS_KEY_FILE": str(cert.key),
+        "LOGPROB_AUTH_TOKENS_FILE": str(tokens),
+    }
+    try:
+        assert await probe(env=env) == (0, "SERVING")
+        # Plaintext against the TLS port: what the probe did before, and still no answer.
+        code, out = await probe("--timeout-s", "2", env={"LOGPROB_PORT": str(running.port)})
+        assert code == 1 and out.startswith("no answer from 127.0.0.1:"), out
+        # A CA that did not sign the server's certificate: the chain is checked.
+        (tmp_path / "other").mkdir()
+        code, out = await probe("--tls-ca-file", str(make_pki(tmp_path / "other").ca), env=env)
+        assert code == 1 and "TLS" in out and "CERTIFICATE_VERIFY_FAILED" in out, out
+    finally:
+        await stop(running)
+
+
+async def test_probe_presents_a_client_certificate_to_mutual_tls(tmp_path):
+    pki = make_pki(tmp_path)
+    settings = test_settings(
+        Path("unused"),
+        models={"default": "builtin:tiny-llama"},
+        tls_cert_file=pki.server.cert,
+        tls_key_file=pki.server.key,
+        tls_client_ca_file=pki.ca,
+    )
+    running = await start(settings)
+    env = {
+        "LOGPROB_PORT": str(running.port),
+        "LOGPROB_TLS_CERT_FILE": str(pki.server.cert),
+        "LOGPROB_TLS_KEY_FILE": str(pki.server.key),
+        "LOGPROB_TLS_CLIENT_CA_FILE": str(pki.ca),
+    }
+    client = ("--tls-client-cert-file", str(pki.client.cert), "--tls-client-key-file", str(pki.client.key))
+    try:
+        assert await probe(*client, env=env) == (0, "SERVING")
+        rogue = (
+            "--tls-client-cert-file",
+            str(pki.rogue_client.cert),
+            "--tls-client-key-file",
+            str(pki.rogue_client.key),
+        )
+        code, out = await probe(*rogue, env=env)
+        assert code == 1 and out.startswith("no answer from"), out
+    finally:
+        await stop(running)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-pytest.importorskip("trl", reason="trl is optional: pip install 'logprob-service[trl]' (CI gets it via the dev extra)")
+pytest.importorskip("trl", reason="trl is optional: pip install trl==1.16.0 (CI gets it via the dev extra)")
 
 import trl.trainer.grpo_trainer as grpo_module
 from datasets import Dataset

@@ -6,6 +6,8 @@ numpy only: the frameworks' tensors are cut into token-id arrays by their own mo
 
 from __future__ import annotations
 
+import importlib.metadata
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,30 @@ from ..wire import ModelInfo
 
 class ServiceConfigError(ValueError):
     """A setting of the trainer's that the service contradicts; the message names the setting."""
+
+
+class UntestedVersionWarning(UserWarning):
+    """The installed trainer framework is not the release its integration was tested with."""
+
+
+def warn_untested_version(distribution: str, tested: str, installed: str | None = None) -> str | None:
+    """Warn, once, when ``distribution``'s installed version (``installed``, else what its
+    package metadata says) is not ``tested``: the integration reaches into the framework's
+    internals, which move between releases. Returns the installed version (None: not found)."""
+    if installed is None:
+        try:
+            installed = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    if installed != tested:
+        warnings.warn(
+            f"logprob_client's {distribution} integration was tested with {distribution} {tested}; "
+            f"{distribution} {installed} is installed: its internals may have moved (install {distribution}=={tested}, "
+            "or check the integration's tests against this release)",
+            UntestedVersionWarning,
+            stacklevel=2,
+        )
+    return installed
 
 
 def targets(address: str | Sequence[str], setting: str) -> str | list[str]:

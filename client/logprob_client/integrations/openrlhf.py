@@ -47,18 +47,31 @@ try:
     import torch
 except ImportError as err:  # an optional dependency
     raise ImportError(
-        "logprob_client.integrations.openrlhf needs the [openrlhf] extra: "
-        f'pip install "logprob-service[openrlhf]" ({err})'
+        "logprob_client.integrations.openrlhf needs torch, which OpenRLHF brings (the [openrlhf] extra): "
+        f"pip install openrlhf ({err})"
     ) from err
 
 import numpy as np
 
 from ..client import LogprobClient
 from ..split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC
-from ._served import Expected, ServiceConfigError, check_served_model, score_rows, targets
+from ._served import Expected, ServiceConfigError, check_served_model, score_rows, targets, warn_untested_version
 
 CHECKED_OPENRLHF_VERSION = "0.11.2"
 FLAGS = ("--ref.service_address", "--ref.service_model", "--ref.service_timeout_s")
+USAGE = """\
+usage: python -m logprob_client.integrations.openrlhf --ref.service_address HOST:PORT [--ref.service_model NAME]
+           [--ref.service_timeout_s S] OPENRLHF_FLAGS...
+
+OpenRLHF's train_ppo_ray with its reference model served by logprob-service (docs/openrlhf.md).
+
+this launcher's flags:
+  --ref.service_address HOST:PORT  the service (several replicas: "h1:50051,h2:50051"); required
+  --ref.service_model NAME         the served model to score with [default: default]
+  --ref.service_timeout_s S        each scoring call's deadline [default: 120]
+
+Every other flag goes to OpenRLHF unchanged: python -m openrlhf.cli.train_ppo_ray --help lists them.
+"""
 
 __all__ = [
     "CHECKED_OPENRLHF_VERSION",
@@ -248,7 +261,10 @@ def split_arguments(argv: Sequence[str]) -> tuple[ServiceReference, list[str]]:
             rest.append(arg)
         i += 1
     if "--ref.service_address" not in ours:
-        raise SystemExit("--ref.service_address is required: the service's host:port (or several, comma-separated)")
+        raise SystemExit(
+            "--ref.service_address is required: the service's host:port (or several, comma-separated); "
+            "--help lists this launcher's flags"
+        )
     service = ServiceReference(
         address=ours["--ref.service_address"],
         model=ours.get("--ref.service_model", "default"),
@@ -259,9 +275,20 @@ def split_arguments(argv: Sequence[str]) -> tuple[ServiceReference, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """OpenRLHF's ``train_ppo_ray`` with the reference group made of ``ServiceReferenceActor``."""
-    service, rest = split_arguments(sys.argv[1:] if argv is None else argv)
-    import ray
-    from openrlhf.trainer.ray import launcher
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(USAGE, end="")
+        raise SystemExit(0)
+    service, rest = split_arguments(argv)
+    try:
+        import ray
+        from openrlhf.trainer.ray import launcher
+    except ImportError as err:
+        raise SystemExit(
+            f"the launcher runs OpenRLHF's train_ppo_ray, which needs OpenRLHF and Ray on this machine: "
+            f"pip install openrlhf=={CHECKED_OPENRLHF_VERSION} ({err})"
+        ) from None
+    warn_untested_version("openrlhf", CHECKED_OPENRLHF_VERSION)
 
     actor_cls = type("ServiceReferenceModelActor", (ServiceReferenceActor,), {"service": service})
     launcher.ReferenceModelActor = ray.remote(num_gpus=1)(actor_cls)  # the script imports the name at its start

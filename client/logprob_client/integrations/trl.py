@@ -55,7 +55,9 @@ try:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as err:  # an optional dependency
-    raise ImportError('logprob_client.integrations.trl needs TRL: pip install "logprob-service[trl]"') from err
+    raise ImportError(
+        f"logprob_client.integrations.trl needs TRL (the [trl] extra): pip install trl==1.16.0 ({err})"
+    ) from err
 
 from ..client import LogprobClient
 from ..errors import FailedPrecondition
@@ -170,7 +172,7 @@ def check_trl_compatible(trainer_cls: type = GRPOTrainer) -> None:
         return TRLVersionError(
             f"logprob_client.integrations.trl cannot hook into TRL {trl.__version__}: {problem}. "
             f"It was checked against TRL {CHECKED_TRL_VERSION}: install that "
-            f'(pip install "logprob-service[trl]"), or adapt RemoteReferenceGRPOTrainer to the new internals.'
+            f"(pip install trl=={CHECKED_TRL_VERSION}), or adapt RemoteReferenceGRPOTrainer to the new internals."
         )
 
     hook = getattr(trainer_cls, _HOOK, None)

@@ -38,7 +38,9 @@ try:
         warnings.simplefilter("ignore")
         from trl.experimental.server_distillation import ServerDistillationTrainer
 except ImportError as err:  # an optional dependency
-    raise ImportError('logprob_client.integrations.trl_teacher needs TRL: pip install "logprob-service[trl]"') from err
+    raise ImportError(
+        f"logprob_client.integrations.trl_teacher needs TRL (the [trl] extra): pip install trl==1.16.0 ({err})"
+    ) from err
 
 from ..client import LogprobClient
 

@@ -56,17 +56,18 @@ try:
     from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 except ImportError as err:  # an optional dependency
     raise ImportError(
-        'logprob_client.integrations.verl needs verl and the [verl] extra: pip install "logprob-service[verl]" '
-        f"verl==0.9.1 ({err})"
+        "logprob_client.integrations.verl needs verl and the [verl] extra's tensordict: "
+        f"pip install verl==0.9.1 tensordict==0.10.0 ({err})"
     ) from err
 
 import numpy as np
 
 from ..client import LogprobClient
 from ..split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC
-from ._served import Expected, ServiceConfigError, check_served_model, score_rows, targets
+from ._served import Expected, ServiceConfigError, check_served_model, score_rows, targets, warn_untested_version
 
 CHECKED_VERL_VERSION = "0.9.1"
+warn_untested_version("verl", CHECKED_VERL_VERSION)  # at start-up: every verl module of ours imports this one
 BACKEND = "logprob_service"
 REF_PREFIX = "actor_rollout_ref.ref"
 

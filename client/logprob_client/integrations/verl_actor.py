@@ -27,8 +27,8 @@ try:
     from verl.workers.engine.base import BaseEngine, EngineRegistry
 except ImportError as err:  # an optional dependency
     raise ImportError(
-        'logprob_client.integrations.verl_actor needs verl and the [verl] extra: pip install "logprob-service[verl]" '
-        f"verl==0.9.1 ({err})"
+        "logprob_client.integrations.verl_actor needs verl and the [verl] extra's tensordict: "
+        f"pip install verl==0.9.1 tensordict==0.10.0 ({err})"
     ) from err
 
 from ..client import LogprobClient

@@ -52,8 +52,8 @@ try:
     from verl.utils.ray_utils import auto_await
 except ImportError as err:  # an optional dependency
     raise ImportError(
-        "logprob_client.integrations.verl_checkpoint needs verl and the [verl] extra: "
-        f'pip install "logprob-service[verl]" verl==0.9.1 ({err})'
+        "logprob_client.integrations.verl_checkpoint needs verl and the [verl] extra's tensordict: "
+        f"pip install verl==0.9.1 tensordict==0.10.0 ({err})"
     ) from err
 
 from ..client import LogprobClient

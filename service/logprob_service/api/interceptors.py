@@ -16,6 +16,7 @@ Only this service's RPCs are intercepted: health probes and reflection are not i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -41,6 +42,22 @@ def _internal(err: Exception, request_id: str) -> LogprobError:
     paths or values), and the request id its log line carries."""
     what = err.message if isinstance(err, LogprobError) else f"internal error ({type(err).__name__})"
     return LogprobError(f"{what}; request_id={request_id} is in the server log")
+
+
+def cancellation_reason(context: grpc.aio.ServicerContext) -> str:
+    """Why a call was cancelled, for its log line (a bare CancelledError says nothing): the
+    caller's deadline, or the caller (or the server's stop)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return (
+            "the caller's deadline passed before the answer (a call cut into parts waits for its "
+            "share of the queue, max_queued_tokens_per_client, part by part)"
+        )
+    # The caller's cancel and the server's stop look alike here (the context says which only later).
+    return (
+        "the caller cancelled the call or closed its connection (a client cancels a split call's other parts "
+        "when one of them fails), or the server stopped before answering"
+    )
 
 
 @contextlib.asynccontextmanager
@@ -84,7 +101,10 @@ async def _guarded(
         request_id = ""
         if code is grpc.StatusCode.INTERNAL:
             request_id = getattr(request, "request_id", "") or uuid.uuid4().hex
-        account(code, err, request_id)
+        logged = (
+            asyncio.CancelledError(cancellation_reason(context)) if isinstance(err, asyncio.CancelledError) else err
+        )
+        account(code, logged, request_id)
         if not isinstance(err, Exception):  # cancellation and exits pass through untouched
             raise
         # Not kept in a local of this frame, which the exception's traceback holds: that cycle kept

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -216,7 +216,12 @@ class LogprobEngine:
 
     # What the metrics read at scrape time (``stats.ServerView``): the models as they are now.
     def models(self) -> list[ModelInfo]:
-        return [served.info for served in self.registry]
+        """Each model's info, its ``device`` naming every replica's (``cuda:0,cuda:1``)."""
+        infos = []
+        for served in self.registry:
+            devices = ",".join(r.info.device for r in self.registry.replicas(served.info.name))
+            infos.append(served.info if devices == served.info.device else replace(served.info, device=devices))
+        return infos
 
     def device_memory(self) -> dict[str, MemorySnapshot]:
         return self._device_memory()

@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from logprob_service.domain import DTYPE_BYTES
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
 from logprob_service.models.checkpoint import ModelLoadError
+from logprob_service.models.cuda_check import why_cuda_unusable
 from logprob_service.models.quantized import Fp8Compute, load_quantized_causal_lm, weight_format
 from logprob_service.models.routed_llama4 import llama4_blocks, route_llama4_experts
 
@@ -32,38 +33,59 @@ HUB_ANSWER_TIMEOUT_S = 10.0
 # huggingface_hub gives its logger a stderr handler of its own and lets records propagate as well:
 # with the server's handler, each of its warnings was printed twice. The server's prints them once.
 logging.getLogger("huggingface_hub").handlers.clear()
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    """``auto`` is the first CUDA device when there is one, else the CPU (with a warning saying why)."""
     if device == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        return _gpus_or_cpu(1)[0]
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available here")
+        raise ModelLoadError(f"device {device!r} asked for, but CUDA cannot start here: {why_cuda_unusable()}")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 
+def _gpus_or_cpu(count: int | None = None) -> list[torch.device]:
+    """``auto``: the first ``count`` GPUs (None: every visible one), or the CPU where CUDA cannot
+    start, with a WARNING naming the reason (``--device cuda``, the image's setting, fails instead)."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible:
+        return [torch.device("cuda", i) for i in range(visible if count is None else min(count, visible))]
+    log.warning(
+        "device auto: serving on the CPU at float32, no GPU: %s (--device cpu says so and silences this; "
+        "--device cuda fails instead)",
+        why_cuda_unusable(),
+    )
+    return [torch.device("cpu")]
+
+
 def resolve_devices(devices: str, tensor_parallel: int = 1) -> list[torch.device]:
     """The devices a server holds a replica of each model on (data parallel): ``auto`` is every
-    visible GPU (the CPU where there is none); else a comma-separated list (``cuda:0,cuda:1``),
+    visible GPU (the CPU where there is none, with a warning); ``cuda`` is every visible GPU too,
+    refused where CUDA cannot start, saying why; else a comma-separated list (``cuda:0,cuda:1``),
     each as ``resolve_device``. A GPU named twice is refused; the CPU may be (tests, a CPU host).
 
-    With ``tensor_parallel`` N > 1, the N devices of the group, rank by rank: ``auto`` is the
-    first N GPUs, ``cpu`` is the CPU N times (gloo: tests), a list must name N devices."""
+    With ``tensor_parallel`` N > 1, the N devices of the group, rank by rank: ``auto`` and
+    ``cuda`` are the first N GPUs, ``cpu`` is the CPU N times (gloo: tests), a list must name N devices."""
+    if devices == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device 'cuda' asked for, but CUDA cannot start here: {why_cuda_unusable()}")
+    if devices == "auto" and tensor_parallel > 1 and _gpus_or_cpu(1)[0].type == "cpu":
+        devices = "cpu"
     if tensor_parallel > 1:
-        if devices == "cpu" or (devices == "auto" and not torch.cuda.is_available()):
+        if devices == "cpu":
             return [torch.device("cpu")] * tensor_parallel
-        if devices == "auto":
+        if devices in ("auto", "cuda"):
             found = torch.cuda.device_count()
             if found < tensor_parallel:
                 raise ModelLoadError(f"tensor_parallel {tensor_parallel} needs {tensor_parallel} GPUs; {found} visible")
             return [torch.device("cuda", i) for i in range(tensor_parallel)]
     if devices == "auto":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+        return _gpus_or_cpu()
+    if devices == "cuda":
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     resolved = [resolve_device(name.strip()) for name in devices.split(",")]
     gpus = [d for d in resolved if d.type == "cuda"]
     if len(set(gpus)) < len(gpus):
