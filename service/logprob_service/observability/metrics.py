@@ -190,7 +190,16 @@ class ModelsCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         info, version = self._families()
         for m in _served_infos():
-            labels = [m.name, m.architecture, m.source, m.dtype, m.weight_format, m.device, str(m.version), m.fingerprint]
+            labels = [
+                m.name,
+                m.architecture,
+                m.source,
+                m.dtype,
+                m.weight_format,
+                m.device,
+                str(m.version),
+                m.fingerprint,
+            ]
             info.add_metric(labels, 1)
             version.add_metric([m.name], m.version)
         yield from (info, version)
