@@ -22,7 +22,7 @@ from logprob_service.offline import OfflineScorer
 from logprob_service.ops.fp8 import FP8, dequantize, quantize, quantize_activations, w8a8_linear
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
-from tests.helpers.quantized import FP8_DIMS, LAYOUTS, write_checkpoint
+from tests.helpers.quantized import FP8_DIMS, LAYOUTS, W8A8_DIMS, write_checkpoint
 from tests.helpers.tolerances import U32
 
 pytestmark = [
@@ -76,11 +76,13 @@ def test_weights_only_is_batch_invariant(tmp_path, rng):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("block", [(128, 128), (1, 4096), (1024, 4096)])
+@pytest.mark.parametrize("kind", ["blocks", "channel", "tensor"])
 @pytest.mark.parametrize("rows", [1, 37, 4096])
-def test_the_fp8_tensor_core_gemm_computes_its_definition(block, rows, seed):
+@pytest.mark.parametrize("n", [1024, 12288])  # more blocks along N than along K, too
+def test_the_fp8_tensor_core_gemm_computes_its_definition(kind, rows, n, seed):
+    block = {"blocks": (128, 128), "channel": (1, 4096), "tensor": (n, 4096)}[kind]
     g = torch.Generator(CUDA).manual_seed(seed)
-    w = torch.randn(1024, 4096, generator=g, device=CUDA) * 0.02
+    w = torch.randn(n, 4096, generator=g, device=CUDA) * 0.02
     x = torch.randn(rows, 4096, generator=g, device=CUDA).to(torch.bfloat16)
     q, s = quantize(w, block)
     got = w8a8_linear(x, q, s, block, None).double()
@@ -99,7 +101,7 @@ def test_w8a8_layers_compute_the_same_compiled_or_eager(tmp_path, rng):
     compiled model scores as the eager one, to bf16 rounding of the fused norms; its error against
     the dequantized model is printed for the log (benchmarks/bench_fp8.py measures it at scale)."""
     reference = write_checkpoint(
-        tmp_path, make_model("llama", tied=False, seed=int(rng.integers(1 << 30)), dims=FP8_DIMS), "fp8-blocks"
+        tmp_path, make_model("llama", tied=False, seed=int(rng.integers(1 << 30)), dims=W8A8_DIMS), "fp8-blocks"
     )
     model = load_causal_lm(str(tmp_path), device=CUDA, dtype=torch.bfloat16, fp8_compute="w8a8")
     sequences = random_sequences(rng, 8, max_len=40)

@@ -22,6 +22,8 @@ from transformers import PreTrainedModel
 
 # Widths that are multiples of the 128 x 128 block (the real layouts), heads of 64.
 FP8_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+# Widths the block-scaled FP8 GEMM takes (K a multiple of 512: ops.fp8.SCALE_ROW_INPUTS).
+W8A8_DIMS = dict(hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
 
 # layout -> (quantization_config, scale name, the block a scale covers: None = whole rows / tensor)
 _CT_WEIGHTS = dict(num_bits=8, type="float", symmetric=True, dynamic=False, group_size=None, actorder=None)

@@ -108,7 +108,8 @@ def test_w8a8_is_the_product_of_the_quantized_operands(block, seed):
 
 
 def test_w8a8_says_which_weights_it_cannot_run():
-    assert w8a8_supported((256, 384), (128, 128)) is None
+    assert w8a8_supported((256, 512), (128, 128)) is None
     assert w8a8_supported((256, 384), (1, 384)) is None
-    assert "not multiples of 128" in w8a8_supported((200, 384), (128, 128))
+    assert "N a multiple of 128 and K of 512" in w8a8_supported((200, 512), (128, 128))
+    assert "N a multiple of 128 and K of 512" in w8a8_supported((256, 384), (128, 128))
     assert "blocks 64 x 64" in w8a8_supported((256, 384), (64, 64))

@@ -36,6 +36,11 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # The activations' group along K in W8A8 (the block-scaled GEMM's K block).
 ACTIVATION_GROUP = 128
+# The inputs K of a block-scaled FP8 GEMM: a multiple of this, so that each weight block row's
+# K / 128 float32 scales fill 16 bytes. With K / 128 of 1 or 2 and more blocks along N than along
+# K, cuBLAS (torch 2.11, CUDA 13.0, H200) returned wrong products without an error; every K of
+# 4,096 and more that was tried was right.
+SCALE_ROW_INPUTS = 512
 # The rows of a block-scaled FP8 GEMM: cuBLAS takes multiples of this.
 M_ALIGNMENT = 16
 # A group whose largest |x| is below this gets this as its max: the scale of an all-zero group.
@@ -102,8 +107,8 @@ def w8a8_supported(shape: tuple[int, int], block: tuple[int, int]) -> str | None
         return None if k % 16 == 0 and n % 16 == 0 else f"dimensions {n} x {k} are not multiples of 16"
     if block != (ACTIVATION_GROUP, ACTIVATION_GROUP):
         return f"blocks {block[0]} x {block[1]}: the FP8 GEMM takes 128 x 128 blocks, per-channel or per-tensor scales"
-    if n % ACTIVATION_GROUP or k % ACTIVATION_GROUP:
-        return f"dimensions {n} x {k} are not multiples of {ACTIVATION_GROUP}"
+    if n % ACTIVATION_GROUP or k % SCALE_ROW_INPUTS:
+        return f"dimensions {n} x {k}: the block-scaled FP8 GEMM takes N a multiple of 128 and K of {SCALE_ROW_INPUTS}"
     return None
 
 
