@@ -24,6 +24,7 @@ from logprob_service.errors import InvalidArgument, Overloaded, Unavailable
 from logprob_service.worker.collectives import WeightGroup
 
 SLACK_S = 3.0  # past its timeout_s, what a join may take to end (a loaded 2-core machine)
+CPU = torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -49,7 +50,7 @@ def silent_trainer() -> Iterator[int]:
 
 def join(port: int, timeout_s: float) -> WeightGroup:
     return WeightGroup(
-        torch.device("cpu"),
+        CPU,
         master_address="127.0.0.1",
         master_port=port,
         rank=1,
@@ -86,7 +87,7 @@ def test_a_join_to_a_trainer_that_never_answers_fails_within_its_timeout():
 @dataclass
 class Served:
     info: ModelInfo
-    device: torch.device = torch.device("cpu")
+    device: torch.device = CPU
 
     def updatable(self):  # no update reaches it
         raise NotImplementedError
