@@ -7,17 +7,18 @@ Karmarkar-Karp), a part over the budget (a sequence longer than it) first. Each 
 
 Clients share the device by deficit round-robin over their token-equivalents. They take turns in
 an order (a client with new work joins at the back, ahead of the client whose turn just ended if
-that one has not begun its next): a turn gives its client a quantum of
-``max_batch_tokens`` (its *deficit*, with what its last turn left), which it spends on its units,
-in its arrival order, until it has no more work of the micro-batch's key or its deficit does not
-cover its next sequence; the client then goes to the back. ``take`` forms the next micro-batch:
-the first client in the order with eligible work names its key (its oldest eligible unit's), and
-the turns fill the micro-batch, one client after another, with work of that key under
-``max_batch_tokens`` and ``max_batch_sequences``; a unit too big for the room left gives the
-sequences that fit and keeps its place with the rest. So micro-batches fill up to the budget from
-many clients' work, one client alone gets full micro-batches, and a client that queued its whole
-share delays another's small call by about one turn (a micro-batch) ahead of it and what is in
-flight, not by its backlog. Forming one costs O(clients + units taken): nothing scans the queue.
+that one has not begun its next): a turn gives its client a quantum of ``max_batch_tokens`` (its
+*deficit*, with what its last turn left), which it spends on its units until it has no more work
+of the micro-batch's key or its deficit is spent (the last piece may overdraw it: the next turn
+pays); the client then goes to the back. ``take`` forms the next micro-batch: the first client in
+the order with eligible work names its key (its oldest eligible unit's), and the turns fill the
+micro-batch, one client after another, with work of that key under ``max_batch_tokens`` and
+``max_batch_sequences``, each client's first fit, in arrival order, among the first
+``FIT_WINDOW`` units of its queue; a unit too big for the room left gives the sequences that fit
+and keeps its place with the rest. So micro-batches fill up to the budget from many clients'
+work, one client alone gets full micro-batches, and a client that queued its whole share delays
+another's small call by about one turn (a micro-batch) and what is in flight, not by its backlog.
+Forming one costs O(clients + units taken): nothing scans the queue.
 
 Work is counted as it runs, in token-equivalents (``domain.run_costs``): real tokens (no padding:
 the batch is packed) for an ordinary sequence. With ``share_prompts`` (the worker runs each
@@ -31,10 +32,10 @@ counts in and out, however ``take`` later cuts the units.
 
 Weight swaps hold a model's work: while a swap of model M waits (M in ``held``), M's units whose
 request has not started are not eligible, while those of a request already partly launched are
-(a request finishes on the weights it started with). A client's units of one key are taken from
-the front, so only the request at the front can have started. A request that is over (answered,
-failed, its caller gone) leaves the queue through ``discard``, or when it comes to the front of
-its client's queue; one past its deadline is failed by ``drop_dead``. The asyncio loop
+(a request finishes on the weights it started with); units are taken only from among the first
+``FIT_WINDOW`` of a client's queue, so a swap's wait looks only there. A request that is over
+(answered, failed, its caller gone) leaves the queue through ``discard``, or when the queue meets
+it; one past its deadline is failed by ``drop_dead``. The asyncio loop
 (``scheduler``) owns the clock, the futures and the device; this class only decides, so tests
 drive it directly.
 """
@@ -45,7 +46,7 @@ import heapq
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +169,11 @@ class _Batch:
         self.cost += unit.cost
         self.sequences += len(unit.indices)
 
+
+# A client's work of a key goes into a micro-batch first fit among the first FIT_WINDOW units of its
+# queue: a unit whose next sequence does not fit the room left does not keep smaller ones behind it
+# out (the micro-batch fills as when the whole queue was searched), and the search stays short.
+FIT_WINDOW = 16
 
 # With several devices, a micro-batch is never cut below this fraction of the token budget to
 # share a burst's tail between them (``BatchQueue.take``): smaller ones would cost more per token.
@@ -330,7 +336,7 @@ class BatchQueue:
             self._dropped.append((request, self.discard(request)))
         for client in list(self._clients.values()):
             for key in list(client.queues):
-                self._front(client, key, ())  # discards a finished request at the front
+                self._clear_front(client, key)
         dropped, self._dropped = self._dropped, []
         return dropped
 
@@ -340,57 +346,63 @@ class BatchQueue:
         request has not started (a started one must finish on the weights it started with)."""
         return unit.request.job.model not in held or unit.request.started
 
-    def _front(self, client: _Client, key: BatchKey, held: Collection[str]) -> Unit | None:
-        """The unit at the front of ``client``'s queue of ``key``, if it may be launched now; the
-        units of requests that are over are dropped from the front first."""
-        queue = client.queues.get(key)
-        while queue:
-            unit = queue[0]
-            request = unit.request
-            if request.queued_cost and request.done():
-                self._dropped.append((request, self.discard(request)))
-            if request.queued_cost:
-                return unit if self.eligible(unit, held) else None
-            queue.popleft()
-        if queue is not None:
-            del client.queues[key]
-        return None
+    def _live(self, unit: Unit) -> bool:
+        """Whether ``unit`` is still to run; one of a request that is over is discarded with the
+        request's other units (``discard``), for ``drop_dead`` to report."""
+        request = unit.request
+        if request.queued_cost and request.done():
+            self._dropped.append((request, self.discard(request)))
+        return bool(request.queued_cost)
 
-    def _next(self, held: Collection[str]) -> tuple[_Client, BatchKey, Unit] | None:
-        """Where the next micro-batch starts: the first client in turn order with an eligible unit,
-        the key of its oldest such unit, and that unit."""
+    def _clear_front(self, client: _Client, key: BatchKey) -> deque[Unit] | None:
+        """``client``'s queue of ``key`` once the units at its front that will not run are
+        dropped (None when nothing is left of it)."""
+        queue = client.queues.get(key)
+        while queue and not self._live(queue[0]):
+            queue.popleft()
+        if queue is not None and not queue:
+            del client.queues[key]
+            return None
+        return queue
+
+    def _window(self, client: _Client, key: BatchKey, held: Collection[str]) -> Iterator[tuple[int, Unit]]:
+        """The units among the first FIT_WINDOW of ``client``'s queue of ``key`` that may run now,
+        with their places in it."""
+        queue = self._clear_front(client, key)
+        for i, unit in enumerate(itertools.islice(queue or (), FIT_WINDOW)):
+            if self._live(unit) and self.eligible(unit, held):
+                yield i, unit
+
+    def _next(self, held: Collection[str]) -> tuple[_Client, BatchKey, int, Unit] | None:
+        """Where the next micro-batch starts: the first client in turn order with a unit that may
+        run, the key of its oldest such unit, and that unit's place and the unit."""
         for client in list(self._clients.values()):
-            fronts = [(key, unit) for key in list(client.queues) if (unit := self._front(client, key, held))]
-            if fronts:
-                key, unit = min(fronts, key=lambda front: front[1].request.arrived_ns)
-                return client, key, unit
+            firsts = [
+                (key, *first) for key in list(client.queues) if (first := next(self._window(client, key, held), None))
+            ]
+            if firsts:
+                return client, *min(firsts, key=lambda first: first[2].request.arrived_ns)
         return None
 
     def first_eligible(self, held: Collection[str] = ()) -> Unit | None:
         """The unit the next micro-batch starts with (None: nothing may be launched now)."""
         found = self._next(held)
-        return None if found is None else found[2]
+        return None if found is None else found[3]
 
     def holds_started_work(self, model: str, held: Collection[str]) -> bool:
         """Whether ``model`` has queued units that may still run although it is held: a swap of it must wait."""
         return any(
-            key.model == model and self._front(client, key, held) is not None
+            key.model == model and next(self._window(client, key, held), None) is not None
             for client in list(self._clients.values())
             for key in list(client.queues)
         )
 
     def _key_cost(self, key: BatchKey, held: Collection[str]) -> int:
-        """Token-equivalents of the eligible work of ``key``."""
+        """Token-equivalents of the eligible work of ``key`` (held: of the started requests' units
+        that may be taken next)."""
         if key.model not in held:
             return self._key_costs[key]
-        cost = 0  # held: only a started request's units, at the front of their client's queue
-        for client in self._clients.values():
-            for unit in client.queues.get(key, ()):
-                if unit.request.queued_cost:
-                    if not unit.request.started:
-                        break
-                    cost += unit.cost
-        return cost
+        return sum(unit.cost for client in list(self._clients.values()) for _, unit in self._window(client, key, held))
 
     def fills_a_batch(self, first: Unit, held: Collection[str] = ()) -> bool:
         """Whether the eligible work sharing ``first``'s key fills a micro-batch's budget."""
@@ -409,11 +421,11 @@ class BatchQueue:
         micro-batches runs as 6 on one and 5 on the other, 1.83x one GPU at best."""
         found = self._next(held)
         assert found is not None, "take needs an eligible unit"
-        first_client, key, first = found
+        first_client, key, place, first = found
         if first.cost > self.max_batch_tokens:
-            self._replace_front(first_client, key, None)
+            self._replace(first_client, key, place, None)
             first.request.taken += first.admitted
-            first_client.deficit = 0  # it took more than a turn
+            first_client.deficit = min(first_client.deficit, 0)  # it took more than a turn
             self._end_turn(first_client)
             return [first]
         budget = self.max_batch_tokens
@@ -422,15 +434,15 @@ class BatchQueue:
             budget = min(budget, max(share, self.max_batch_tokens // TAIL_FRACTION))
         batch = _Batch(budget, self.max_batch_sequences)
         # Turn after turn: a pass over every client, and another while the last one took work or
-        # ended a turn (that client's next turn begins). A turn's quantum covers the budget: a new
-        # turn takes work, or stops at the micro-batch's room and goes on in the next one.
+        # ended a turn (that client's next turn begins). A new turn's deficit is above 0: it takes
+        # work, or stops at the micro-batch's room and goes on in the next one.
         progress = True
         while progress and not batch.full:
             progress = False
             for client in list(self._clients.values()):
                 if batch.full:
                     break
-                if self._front(client, key, held) is None:
+                if next(self._window(client, key, held), None) is None:
                     continue
                 if not client.in_turn:
                     client.deficit += self.max_batch_tokens
@@ -445,30 +457,37 @@ class BatchQueue:
         return batch.units
 
     def _serve(self, client: _Client, key: BatchKey, batch: _Batch, held: Collection[str]) -> bool:
-        """Put ``client``'s work of ``key`` in ``batch`` from the front, while its deficit and the
-        room last; returns whether its turn is over (its deficit ran out, not only the micro-batch's
-        room, or its work of the key did)."""
-        while (unit := self._front(client, key, held)) is not None:
-            taken, left = self._fit(unit, min(batch.room, client.deficit), batch.room_sequences)
-            if taken is not None:
-                self._replace_front(client, key, left)
-                unit.request.taken += taken.admitted
-                client.deficit -= taken.cost
-                batch.add(taken)
-            if left is not None:  # the next sequence does not fit (what is left of the turn is kept)
-                return client.deficit <= batch.room
-        client.deficit = 0  # nothing of the key left (or held): what its turn had left lapses
-        return True
+        """Put ``client``'s work of ``key`` in ``batch``, first fit among the first units of its
+        queue, while its deficit lasts (the last piece may overdraw it: the next turn pays) and
+        the room does; returns whether its turn is over (its deficit is spent, or its work of the
+        key is)."""
+        while client.deficit > 0 and not batch.full:
+            window = self._window(client, key, held)
+            first = next(window, None)
+            if first is None:
+                client.deficit = min(client.deficit, 0)  # nothing of the key left (or held): the rest lapses
+                return True
+            for place, unit in itertools.chain([first], window):  # left as soon as the queue changes
+                taken, left = self._fit(unit, batch.room, batch.room_sequences)
+                if taken is not None:
+                    self._replace(client, key, place, left)
+                    unit.request.taken += taken.admitted
+                    client.deficit -= taken.cost
+                    batch.add(taken)
+                    break
+            else:
+                return False  # none of it fits the room left: its turn goes on in the next micro-batch
+        return client.deficit <= 0
 
-    def _replace_front(self, client: _Client, key: BatchKey, left: Unit | None) -> None:
-        """The front unit of ``client``'s queue of ``key`` was taken: ``left`` (the sequences not
-        taken) takes its place, or none does."""
+    def _replace(self, client: _Client, key: BatchKey, place: int, left: Unit | None) -> None:
+        """The unit at ``place`` in ``client``'s queue of ``key`` was taken: ``left`` (the sequences
+        not taken) takes its place, or none does."""
         queue = client.queues[key]
-        unit = queue[0]
+        unit = queue[place]
         if left is None:
-            queue.popleft()
+            del queue[place]
         else:
-            queue[0] = left
+            queue[place] = left
             self._count(client, left, 1)  # first: the request stays counted as queued
         self._count(client, unit, -1)
         if not queue:
