@@ -116,6 +116,22 @@ def test_a_held_model_waits_unless_its_request_has_started():
     assert described(queue.take()) == [("m2", [0])]
 
 
+def test_a_started_request_behind_many_discarded_units_still_holds_its_models_swap():
+    """A client's queue is searched only near its front: the units of a request discarded there
+    must not hide a started request behind them from the swap's wait (it would finish on the new
+    weights)."""
+    queue = queue_of(job("x", [10]), max_batch_tokens=100)
+    gone = Outcome().request(job("gone", [100] * 40))  # 40 units of one sequence each
+    started = Outcome().request(job("started", [10, 10]))
+    for request in (gone, started):
+        queue.push(request)
+    assert queue.discard(gone) == 4000
+    started.first_launch_ns = 1
+    assert queue.holds_started_work("m", held={"m"})
+    assert described(queue.take(held={"m"})) == [("started", [0, 1])]
+    assert not queue.holds_started_work("m", held={"m"})
+
+
 def test_expired_and_abandoned_requests_are_dropped_and_the_expired_told_why():
     late, gone, alive, left = Outcome(), Outcome(), Outcome(), Outcome()
     queue = BatchQueue(max_batch_tokens=400, max_batch_sequences=100)

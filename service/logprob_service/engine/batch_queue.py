@@ -366,12 +366,20 @@ class BatchQueue:
         return queue
 
     def _window(self, client: _Client, key: BatchKey, held: Collection[str]) -> Iterator[tuple[int, Unit]]:
-        """The units among the first FIT_WINDOW of ``client``'s queue of ``key`` that may run now,
-        with their places in it."""
+        """The units among the first FIT_WINDOW still to run in ``client``'s queue of ``key`` that
+        may run now, with their places in it (those that will not run are dropped on the way, so a
+        started request always has a unit among them). Stop iterating once the queue changes."""
         queue = self._clear_front(client, key)
-        for i, unit in enumerate(itertools.islice(queue or (), FIT_WINDOW)):
-            if self._live(unit) and self.eligible(unit, held):
-                yield i, unit
+        place = live = 0
+        while queue and place < len(queue) and live < FIT_WINDOW:
+            unit = queue[place]
+            if not self._live(unit):
+                del queue[place]
+                continue
+            live += 1
+            if self.eligible(unit, held):
+                yield place, unit
+            place += 1
 
     def _next(self, held: Collection[str]) -> tuple[_Client, BatchKey, int, Unit] | None:
         """Where the next micro-batch starts: the first client in turn order with a unit that may
