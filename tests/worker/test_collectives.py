@@ -121,8 +121,8 @@ async def test_joins_that_time_out_free_their_slots_and_a_stopping_server_abando
             assert all(isinstance(j.exception(), InvalidArgument) for j in joins)
             assert time.monotonic() - start <= 1.0 + SLACK_S and engine.updater._joins == 0
 
-            # Joins that would wait 30 s take the slots again; a stopping server ends their calls at once.
-            joins = [asyncio.create_task(engine.join_group(spec(port, 30.0))) for _ in range(4)]
+            # Joins that would wait 5 s take the slots again; a stopping server ends their calls at once.
+            joins = [asyncio.create_task(engine.join_group(spec(port, 5.0))) for _ in range(4)]
             await asyncio.sleep(0.2)
             assert not any(j.done() for j in joins)
             start = time.monotonic()
