@@ -12,7 +12,15 @@ from logprob_service.engine.scheduler import Scheduler
 from logprob_service.errors import DeadlineExceeded
 
 
-def job(request_id: str, lengths: list[int], *, model: str = "m", temperature: float = 1.0, deadline=None) -> ScoreJob:
+def job(
+    request_id: str,
+    lengths: list[int],
+    *,
+    model: str = "m",
+    temperature: float = 1.0,
+    deadline=None,
+    client: str = "",
+) -> ScoreJob:
     rng = np.random.default_rng(sum(lengths))  # the ids do not matter here, only the lengths
     return ScoreJob(
         request_id=request_id,
@@ -20,6 +28,7 @@ def job(request_id: str, lengths: list[int], *, model: str = "m", temperature: f
         sequences=[TokenSequence(rng.integers(0, 100, n - 1), rng.integers(0, 100, 1)) for n in lengths],
         temperature=temperature,
         deadline=deadline,
+        client=client,
     )
 
 
@@ -107,17 +116,94 @@ def test_a_held_model_waits_unless_its_request_has_started():
     assert described(queue.take()) == [("m2", [0])]
 
 
+def test_a_started_request_behind_many_discarded_units_still_holds_its_models_swap():
+    """A client's queue is searched only near its front: the units of a request discarded there
+    must not hide a started request behind them from the swap's wait (it would finish on the new
+    weights)."""
+    queue = queue_of(job("x", [10]), max_batch_tokens=100)
+    gone = Outcome().request(job("gone", [100] * 40))  # 40 units of one sequence each
+    started = Outcome().request(job("started", [10, 10]))
+    for request in (gone, started):
+        queue.push(request)
+    assert queue.discard(gone) == 4000
+    started.first_launch_ns = 1
+    assert queue.holds_started_work("m", held={"m"})
+    assert described(queue.take(held={"m"})) == [("started", [0, 1])]
+    assert not queue.holds_started_work("m", held={"m"})
+
+
 def test_expired_and_abandoned_requests_are_dropped_and_the_expired_told_why():
-    late, gone, alive = Outcome(), Outcome(), Outcome()
+    late, gone, alive, left = Outcome(), Outcome(), Outcome(), Outcome()
     queue = BatchQueue(max_batch_tokens=400, max_batch_sequences=100)
     queue.push(late.request(job("late", [10], deadline=5.0)))
     queue.push(gone.request(job("gone", [10, 10])))
     queue.push(alive.request(job("alive", [10], deadline=50.0)))
+    behind = left.request(job("left", [10, 20]))
+    queue.push(behind)
     gone.error = asyncio.CancelledError()  # its caller went away
-    dropped = queue.drop_dead(now=10.0)
-    assert sorted(u.request.job.request_id for u in dropped) == ["gone", "late"]
+    dropped = queue.drop_dead(now=10.0)  # with what admission counted for each
+    assert sorted((r.job.request_id, admitted) for r, admitted in dropped) == [("gone", 20), ("late", 10)]
     assert isinstance(late.error, DeadlineExceeded) and "late: deadline passed while queued" in str(late.error)
-    assert alive.error is None and described(queue.units) == [("alive", [0])]
+    assert alive.error is None and described(queue.units) == [("alive", [0]), ("left", [0, 1])]
+    # One that ends behind others (its caller cancelled, a part of it failed) is discarded by its owner.
+    assert queue.discard(behind) == 30 and queue.discard(behind) == 0
+    assert described(queue.units) == [("alive", [0])] and queue.drop_dead(now=10.0) == []
+    assert described(queue.take()) == [("alive", [0])] and not queue.units
+
+
+def test_a_clients_backlog_delays_anothers_call_by_a_turn_not_by_itself():
+    """Client a queues 20 micro-batches of work, then b one sequence: b's turn comes next, its
+    sequence and a's work filling the micro-batch. Taken in arrival order, b waited for all of a's."""
+    queue = queue_of(*(job(f"a{i}", [100] * 4, client="a") for i in range(20)))
+    assert described(queue.take()) == [("a0", [0, 1, 2, 3])]
+    queue.push(Outcome().request(job("b", [100], client="b")))
+    assert described(queue.take()) == [("b", [0]), ("a1", [0, 1, 2])]  # full: 400 tokens
+    assert described(queue.take()) == [("a1", [3]), ("a2", [0, 1, 2])]
+
+
+def test_clients_take_turns_whatever_their_keys():
+    """a's backlog, then b's at another temperature: their micro-batches alternate. In arrival
+    order, the oldest unit's key went first, so b's work waited for all of a's."""
+    queue = queue_of(
+        *(job(f"a{i}", [100] * 4, client="a") for i in range(5)),
+        *(job(f"b{i}", [100] * 4, client="b", temperature=0.5) for i in range(5)),
+    )
+    taken = [described(queue.take())[0][0] for _ in range(10)]
+    assert taken == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3", "a4", "b4"] and not queue.units
+
+
+def test_micro_batches_stay_full_with_one_client_or_several(rng):
+    """Fairness orders what goes in, never makes micro-batches smaller: with enough work queued,
+    every micro-batch but the last is full to within its next sequence, one client or three."""
+    for clients in (["a"], ["a", "b", "c"]):
+        lengths = rng.integers(1, 60, (30, 8)).tolist()
+        queue = queue_of(
+            *(job(f"r{i}", row, client=clients[i % len(clients)]) for i, row in enumerate(lengths)),
+            max_batch_tokens=400,
+        )
+        batches = []
+        while queue.units:
+            batches.append(sum(u.cost for u in queue.take()))
+        assert sum(batches) == sum(map(sum, lengths))
+        assert all(cost > 400 - 60 for cost in batches[:-1]), batches
+
+
+def test_forming_a_micro_batch_looks_at_the_fronts_of_the_clients_queues_not_the_whole_queue():
+    """The host's work per micro-batch grows with the clients and what is taken, not with the
+    queue: a client's 2,000 queued requests are not each looked at for every micro-batch."""
+    looked = []
+
+    def request(j: ScoreJob) -> Request:
+        return Request(j, done=lambda: looked.append(j) or False, fail=lambda error: None, complete=lambda r: None)
+
+    queue = BatchQueue(max_batch_tokens=400, max_batch_sequences=100)
+    for i in range(2000):
+        queue.push(request(job(f"a{i}", [100], client="a", deadline=1e9)))
+    queue.push(request(job("b", [100], client="b")))
+    for _ in range(3):
+        queue.drop_dead(now=0.0)
+        queue.take()
+    assert len(looked) < 100  # a few at the front of each queue per piece taken, not 2,001 each time
 
 
 async def test_a_swap_whose_caller_goes_away_before_it_starts_never_runs():

@@ -271,7 +271,7 @@ async def test_a_request_that_cannot_finish_by_its_deadline_is_refused_and_one_t
             full(),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "its deadline is",
-            "the server queue holds 32000 tokens ahead of its 4000",
+            "36000 tokens would run before it finishes (its 4000, 32000 its client queued before it",
             timeout=finish_s / 4,
         )
         estimate = re.search(r"at the measured (\d+) tokens/s take about ([\d.]+) s", err.details())

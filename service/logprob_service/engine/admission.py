@@ -10,11 +10,15 @@ cannot fill the queue and starve the others. Past either limit a request is refu
 the excess over the measured throughput. A request that could never be admitted (costs more than
 either limit, which only a group cut into many micro-batches can) is refused as invalid.
 
-A request with a deadline that the work queued ahead of it (and its own) would pass, at the
-measured throughput, by more than ``DEADLINE_SLACK``, is refused at once the same way, rather than
-admitted to time out in the queue. The throughput counts only micro-batches large enough that
-their fixed cost does not rule their time (not the warm-up's few tokens); until a few such have
-been measured, nothing is refused for its deadline and hints are ``DEFAULT_RETRY_S``.
+A request with a deadline that the work that would run before it finishes (and its own) would
+pass, at the measured throughput, by more than ``DEADLINE_SLACK``, is refused at once the same way,
+rather than admitted to time out in the queue. The queue shares the device between clients by
+deficit round-robin (``BatchQueue``), so what runs before it is its own client's queued work and,
+of each other client's, at most as much and one turn (``turn_tokens``) more, plus what the
+devices hold in flight: a client's backlog delays another client's call by a turn, not by itself.
+The throughput counts only micro-batches large enough that their fixed cost does not rule their
+time (not the warm-up's few tokens); until a few such have been measured, nothing is refused for
+its deadline and hints are ``DEFAULT_RETRY_S``.
 Synchronous and clock-free: the scheduler calls it, with the time.
 """
 
@@ -44,14 +48,20 @@ class Admission:
         *,
         max_queued_tokens: int,
         max_queued_tokens_per_client: int,
+        turn_tokens: int,
+        in_flight_tokens: int,
         min_measured_cost: int = 1,
         devices: int = 1,
         stats: StatsSink = NO_STATS,
     ) -> None:
-        """``min_measured_cost``: the least a micro-batch must cost for its time to count towards the
-        throughput; ``devices``: how many devices run micro-batches side by side."""
+        """``turn_tokens``: what one client's turn of the queue's round-robin may take (its quantum);
+        ``in_flight_tokens``: the most the devices hold in flight at once; ``min_measured_cost``: the
+        least a micro-batch must cost for its time to count towards the throughput; ``devices``: how
+        many devices run micro-batches side by side."""
         self.max_queued_tokens = max_queued_tokens
         self.max_queued_tokens_per_client = max_queued_tokens_per_client
+        self.turn_tokens = turn_tokens
+        self.in_flight_tokens = in_flight_tokens
         self.min_measured_cost = min_measured_cost
         self.devices = devices
         self.queued_tokens = 0  # token-equivalents admitted, not yet scored or dropped
@@ -94,14 +104,23 @@ class Admission:
         if job.deadline is None or throughput is None or job.deadline <= now:
             return  # (one already past is dropped as expired, DEADLINE_EXCEEDED, before any compute)
         left_s = job.deadline - now
-        work = self.queued_tokens + cost  # all queued work counts as ahead: it is served in arrival order
+        held = self.client_tokens[job.client]  # its client's own, queued before it
+        own = held + cost
+        # While its client gets `own`, each other client gets at most as much and a turn more
+        # (deficit round-robin), after what is in flight; never more than it has queued.
+        others = self.queued_tokens - held
+        turns = sum(
+            min(tokens, own + self.turn_tokens) for client, tokens in self.client_tokens.items() if client != job.client
+        )
+        ahead = min(others, turns + self.in_flight_tokens)
+        work = own + ahead
         finish_s = work / throughput
         if finish_s <= DEADLINE_SLACK * left_s:
             return
         raise Overloaded(
-            f"request {job.request_id}: its deadline is {left_s:.2f} s away, but the server queue holds "
-            f"{self.queued_tokens} tokens ahead of its {_counted(job, cost)}, which at the measured "
-            f"{throughput:.0f} tokens/s take about {finish_s:.2f} s",
+            f"request {job.request_id}: its deadline is {left_s:.2f} s away, but {work} tokens would run before "
+            f"it finishes (its {_counted(job, cost)}, {held} its client queued before it, {ahead} of the {others} "
+            f"other clients have queued), which at the measured {throughput:.0f} tokens/s take about {finish_s:.2f} s",
             retry_after_s=self.retry_after_s(work - throughput * left_s / DEADLINE_SLACK),
         )
 

@@ -2,10 +2,23 @@
 
 Every admitted request is cut into *units* (some of its sequences, always scored together): one
 unit when it fits a micro-batch, else balanced parts (``partition.plan_micro_batches``,
-Karmarkar-Karp). Units wait in arrival order. ``take`` forms the next micro-batch: first fit,
-in arrival order, among units sharing the oldest eligible unit's ``BatchKey``, under
-``max_batch_tokens`` and ``max_batch_sequences``; a unit too big for the room left gives the
-sequences that fit and keeps its place with the rest, so micro-batches fill up to the budget.
+Karmarkar-Karp), a part over the budget (a sequence longer than it) first. Each client
+(``ScoreJob.client``) has a queue of its units per ``BatchKey``, in arrival order.
+
+Clients share the device by deficit round-robin over their token-equivalents. They take turns in
+an order (a client with new work joins at the back, ahead of the client whose turn just ended if
+that one has not begun its next): a turn gives its client a quantum of ``max_batch_tokens`` (its
+*deficit*, with what its last turn left), which it spends on its units until it has no more work
+of the micro-batch's key or its deficit is spent (the last piece may overdraw it: the next turn
+pays); the client then goes to the back. ``take`` forms the next micro-batch: the first client in
+the order with eligible work names its key (its oldest eligible unit's), and the turns fill the
+micro-batch, one client after another, with work of that key under ``max_batch_tokens`` and
+``max_batch_sequences``, each client's first fit, in arrival order, among the first
+``FIT_WINDOW`` units of its queue; a unit too big for the room left gives the sequences that fit
+and keeps its place with the rest. So micro-batches fill up to the budget from many clients'
+work, one client alone gets full micro-batches, and a client that queued its whole share delays
+another's small call by about one turn (a micro-batch) and what is in flight, not by its backlog.
+Forming one costs O(clients + units taken): nothing scans the queue.
 
 Work is counted as it runs, in token-equivalents (``domain.run_costs``): real tokens (no padding:
 the batch is packed) for an ordinary sequence. With ``share_prompts`` (the worker runs each
@@ -19,14 +32,21 @@ counts in and out, however ``take`` later cuts the units.
 
 Weight swaps hold a model's work: while a swap of model M waits (M in ``held``), M's units whose
 request has not started are not eligible, while those of a request already partly launched are
-(a request finishes on the weights it started with). The asyncio loop (``scheduler``) owns the
-clock, the futures and the device; this class only decides, so tests drive it directly.
+(a request finishes on the weights it started with); units are taken only from among the first
+``FIT_WINDOW`` of a client's queue, so a swap's wait looks only there. A request that is over
+(answered, failed, its caller gone) leaves the queue through ``discard``, or when the queue meets
+it; one past its deadline is failed by ``drop_dead``. The asyncio loop
+(``scheduler``) owns the clock, the futures and the device; this class only decides, so tests
+drive it directly.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
-from collections.abc import Callable, Collection
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +92,8 @@ class Request:
     compute_ns: int = 0
     model_version: int = 0
     costs: list[int] = field(default_factory=list)  # each sequence's share of the planned cost (BatchQueue.plan)
+    queued_cost: int = 0  # token-equivalents (Unit.cost) of its units in the queue; 0 once none are
+    taken: int = 0  # its share of the planned cost in the units taken so far (Unit.admitted)
     scores: list[SequenceScores | None] = field(init=False)
     remaining: int = field(init=False)
 
@@ -109,6 +131,50 @@ class Unit:
         return sum(costs[i] for i in self.indices)
 
 
+@dataclass(eq=False)
+class _Client:
+    """One client's queued work and its turn in the round-robin."""
+
+    name: str
+    queues: dict[BatchKey, deque[Unit]] = field(default_factory=dict)  # by key, each in arrival order
+    cost: int = 0  # token-equivalents of its queued units (those of requests discarded not counted)
+    deficit: int = 0  # what its turn may still take
+    in_turn: bool = False  # its turn has begun (its quantum given) and is not over
+
+
+@dataclass
+class _Batch:
+    """A micro-batch being filled."""
+
+    budget: int
+    max_sequences: int
+    units: list[Unit] = field(default_factory=list)
+    cost: int = 0
+    sequences: int = 0
+
+    @property
+    def room(self) -> int:
+        return self.budget - self.cost
+
+    @property
+    def room_sequences(self) -> int:
+        return self.max_sequences - self.sequences
+
+    @property
+    def full(self) -> bool:
+        return self.room <= 0 or self.room_sequences <= 0
+
+    def add(self, unit: Unit) -> None:
+        self.units.append(unit)
+        self.cost += unit.cost
+        self.sequences += len(unit.indices)
+
+
+# A client's work of a key goes into a micro-batch first fit among the first FIT_WINDOW units of its
+# queue: a unit whose next sequence does not fit the room left does not keep smaller ones behind it
+# out (the micro-batch fills as when the whole queue was searched), and the search stays short.
+FIT_WINDOW = 16
+
 # With several devices, a micro-batch is never cut below this fraction of the token budget to
 # share a burst's tail between them (``BatchQueue.take``): smaller ones would cost more per token.
 TAIL_FRACTION = 4
@@ -116,10 +182,16 @@ TAIL_FRACTION = 4
 
 class BatchQueue:
     def __init__(self, *, max_batch_tokens: int, max_batch_sequences: int, share_prompts: bool = False) -> None:
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = max_batch_tokens  # also each turn's quantum
         self.max_batch_sequences = max_batch_sequences
         self.share_prompts = share_prompts
-        self.units: list[Unit] = []  # waiting, in arrival order
+        self._clients: dict[str, _Client] = {}  # those with queued work, in turn order: the current or next first
+        self._key_costs: Counter[BatchKey] = Counter()  # token-equivalents queued, by key (none at 0)
+        self._requests = 0  # requests with units queued
+        self._deadlines: list[tuple[float, int, Request]] = []  # a heap of queued requests' deadlines
+        self._arrivals = itertools.count()  # breaks ties between equal deadlines
+        self._dropped: list[tuple[Request, int]] = []  # discarded on meeting them, for drop_dead to report
+        self._last_turn: _Client | None = None  # whose turn ended last
 
     def tokens(self, sequences: list[TokenSequence]) -> int:
         """Real tokens a micro-batch of ``sequences`` runs (what the metrics count)."""
@@ -156,6 +228,9 @@ class BatchQueue:
                 # admission counts the extra outputs too; micro-batches are cut by the tokens they run
                 request.costs[i] = cost + output_cost(seqs[i], request.job.top_k)
             units.append(Unit(request, indices, sum(costs)))
+        # A part over the budget runs as a micro-batch of its own, which it must start: first, it
+        # holds up none of the request's other parts behind it.
+        units.sort(key=lambda unit: unit.cost <= self.max_batch_tokens)
         return units
 
     def push(self, request: Request) -> None:
@@ -163,8 +238,49 @@ class BatchQueue:
         self.add(self.plan(request))
 
     def add(self, units: list[Unit]) -> None:
-        """Queue units made by ``plan`` (once their request is admitted)."""
-        self.units += units
+        """Queue the units ``plan`` made of one request (once it is admitted)."""
+        if not units:
+            return
+        request = units[0].request
+        client = self._clients.get(request.job.client)
+        if client is None:  # new work: its turn comes after every other client's next one
+            client = self._clients[request.job.client] = _Client(request.job.client)
+            last = self._last_turn
+            if last is not None and self._clients.get(last.name) is last and not last.in_turn:
+                self._clients[last.name] = self._clients.pop(last.name)  # it just had its turn
+        queue = client.queues.setdefault(request.key, deque())
+        for unit in units:
+            queue.append(unit)
+            self._count(client, unit, 1)
+        if request.job.deadline is not None:
+            heapq.heappush(self._deadlines, (request.job.deadline, next(self._arrivals), request))
+            if len(self._deadlines) > 2 * self._requests + 64:  # drop entries of requests no longer queued
+                self._deadlines = [entry for entry in self._deadlines if entry[2].queued_cost]
+                heapq.heapify(self._deadlines)
+
+    @property
+    def units(self) -> list[Unit]:
+        """Every queued unit: client by client in turn order, each client's in arrival order by key."""
+        return [
+            unit
+            for client in self._clients.values()
+            for queue in client.queues.values()
+            for unit in queue
+            if unit.request.queued_cost
+        ]
+
+    def _count(self, client: _Client, unit: Unit, sign: int) -> None:
+        """``unit`` of ``client`` enters the queue (``sign`` 1) or leaves it (-1)."""
+        cost, request = sign * unit.cost, unit.request
+        queued = bool(request.queued_cost)
+        request.queued_cost += cost
+        self._requests += bool(request.queued_cost) - queued
+        self._key_costs[request.key] += cost
+        if not self._key_costs[request.key]:
+            del self._key_costs[request.key]
+        client.cost += cost
+        if not client.cost:  # no work left: it leaves the round-robin, and what its turn had left lapses
+            self._clients.pop(client.name, None)
 
     def _items(self, seqs: list[TokenSequence]) -> list[list[int]]:
         """What a large request is cut along: its sequences one by one, or with ``share_prompts`` its
@@ -185,21 +301,43 @@ class BatchQueue:
             items.append(item)
         return items
 
-    def drop_dead(self, now: float) -> list[Unit]:
-        """Fail the requests whose deadline (``time.monotonic``) passed while queued; drop and return
-        the units of every request that is over (failed, answered, or its caller gone)."""
-        alive, dropped = [], []
-        for unit in self.units:
-            request = unit.request
-            deadline = request.job.deadline
-            if not request.done() and deadline is not None and now >= deadline:
+    def discard(self, request: Request) -> int:
+        """Take ``request``'s units out of the queue (it is over); returns its share of the planned
+        cost in them, what admission counted for them (0 if none were queued). Its units are left
+        where they are, skipped and dropped once they come to the front."""
+        if not request.queued_cost:
+            return 0
+        client = self._clients[request.job.client]
+        client.cost -= request.queued_cost
+        self._key_costs[request.key] -= request.queued_cost
+        if not self._key_costs[request.key]:
+            del self._key_costs[request.key]
+        request.queued_cost = 0
+        self._requests -= 1
+        if not client.cost:
+            del self._clients[client.name]
+        return request.cost - request.taken
+
+    def drop_dead(self, now: float) -> list[tuple[Request, int]]:
+        """Fail the requests whose deadline (``time.monotonic``) passed while queued, and discard
+        their units and those of every request that is over (failed, answered, or its caller gone)
+        at the front of its client's queue; returns each request discarded since the last call
+        (here, or met by ``take``) with its share of the planned cost in the units discarded."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request = heapq.heappop(self._deadlines)[2]
+            if not request.queued_cost:
+                continue  # no longer queued
+            if not request.done():
                 request.fail(
                     DeadlineExceeded(
                         f"request {request.job.request_id}: deadline passed while queued; nothing was computed"
                     )
                 )
-            (dropped if request.done() else alive).append(unit)
-        self.units = alive
+            self._dropped.append((request, self.discard(request)))
+        for client in list(self._clients.values()):
+            for key in list(client.queues):
+                self._clear_front(client, key)
+        dropped, self._dropped = self._dropped, []
         return dropped
 
     @staticmethod
@@ -208,25 +346,80 @@ class BatchQueue:
         request has not started (a started one must finish on the weights it started with)."""
         return unit.request.job.model not in held or unit.request.started
 
+    def _live(self, unit: Unit) -> bool:
+        """Whether ``unit`` is still to run; one of a request that is over is discarded with the
+        request's other units (``discard``), for ``drop_dead`` to report."""
+        request = unit.request
+        if request.queued_cost and request.done():
+            self._dropped.append((request, self.discard(request)))
+        return bool(request.queued_cost)
+
+    def _clear_front(self, client: _Client, key: BatchKey) -> deque[Unit] | None:
+        """``client``'s queue of ``key`` once the units at its front that will not run are
+        dropped (None when nothing is left of it)."""
+        queue = client.queues.get(key)
+        while queue and not self._live(queue[0]):
+            queue.popleft()
+        if queue is not None and not queue:
+            del client.queues[key]
+            return None
+        return queue
+
+    def _window(self, client: _Client, key: BatchKey, held: Collection[str]) -> Iterator[tuple[int, Unit]]:
+        """The units among the first FIT_WINDOW still to run in ``client``'s queue of ``key`` that
+        may run now, with their places in it (those that will not run are dropped on the way, so a
+        started request always has a unit among them). Stop iterating once the queue changes."""
+        queue = self._clear_front(client, key)
+        place = live = 0
+        while queue and place < len(queue) and live < FIT_WINDOW:
+            unit = queue[place]
+            if not self._live(unit):
+                del queue[place]
+                continue
+            live += 1
+            if self.eligible(unit, held):
+                yield place, unit
+            place += 1
+
+    def _next(self, held: Collection[str]) -> tuple[_Client, BatchKey, int, Unit] | None:
+        """Where the next micro-batch starts: the first client in turn order with a unit that may
+        run, the key of its oldest such unit, and that unit's place and the unit."""
+        for client in list(self._clients.values()):
+            firsts = [
+                (key, *first) for key in list(client.queues) if (first := next(self._window(client, key, held), None))
+            ]
+            if firsts:
+                return client, *min(firsts, key=lambda first: first[2].request.arrived_ns)
+        return None
+
     def first_eligible(self, held: Collection[str] = ()) -> Unit | None:
-        return next((unit for unit in self.units if self.eligible(unit, held)), None)
+        """The unit the next micro-batch starts with (None: nothing may be launched now)."""
+        found = self._next(held)
+        return None if found is None else found[3]
 
     def holds_started_work(self, model: str, held: Collection[str]) -> bool:
         """Whether ``model`` has queued units that may still run although it is held: a swap of it must wait."""
-        return any(unit.request.job.model == model and self.eligible(unit, held) for unit in self.units)
+        return any(
+            key.model == model and next(self._window(client, key, held), None) is not None
+            for client in list(self._clients.values())
+            for key in list(client.queues)
+        )
 
-    def _key_cost(self, first: Unit, held: Collection[str]) -> int:
-        """Token-equivalents of the eligible work that may share a micro-batch with ``first`` (its key)."""
-        key = first.request.key
-        return sum(u.cost for u in self.units if u.request.key == key and self.eligible(u, held))
+    def _key_cost(self, key: BatchKey, held: Collection[str]) -> int:
+        """Token-equivalents of the eligible work of ``key`` (held: of the started requests' units
+        that may be taken next)."""
+        if key.model not in held:
+            return self._key_costs[key]
+        return sum(unit.cost for client in list(self._clients.values()) for _, unit in self._window(client, key, held))
 
     def fills_a_batch(self, first: Unit, held: Collection[str] = ()) -> bool:
         """Whether the eligible work sharing ``first``'s key fills a micro-batch's budget."""
-        return self._key_cost(first, held) >= self.max_batch_tokens
+        return self._key_cost(first.request.key, held) >= self.max_batch_tokens
 
     def take(self, held: Collection[str] = (), spread: int = 1) -> list[Unit]:
         """The next micro-batch (removed from the queue); needs an eligible unit. A unit larger than
-        the budget (a sequence longer than it: ``plan_micro_batches`` puts each alone) goes alone.
+        the budget (a sequence longer than it: ``plan_micro_batches`` puts each alone) goes alone,
+        when it starts a micro-batch.
 
         ``spread``: how many devices share the queue. A micro-batch then takes at most 1/spread of
         the eligible work of its key (guided self-scheduling), and no less than 1/TAIL_FRACTION of
@@ -234,32 +427,86 @@ class BatchQueue:
         last ones, which get smaller, so the devices finish it together. Greedy full batches leave
         one device up to a whole micro-batch behind the others: on 2 GPUs, a step that is 11
         micro-batches runs as 6 on one and 5 on the other, 1.83x one GPU at best."""
-        first = self.first_eligible(held)
-        assert first is not None, "take needs an eligible unit"
+        found = self._next(held)
+        assert found is not None, "take needs an eligible unit"
+        first_client, key, place, first = found
         if first.cost > self.max_batch_tokens:
-            self.units.remove(first)
+            self._replace(first_client, key, place, None)
+            first.request.taken += first.admitted
+            first_client.deficit = min(first_client.deficit, 0)  # it took more than a turn
+            self._end_turn(first_client)
             return [first]
         budget = self.max_batch_tokens
         if spread > 1:
-            share = -(-self._key_cost(first, held) // spread)
+            share = -(-self._key_cost(key, held) // spread)
             budget = min(budget, max(share, self.max_batch_tokens // TAIL_FRACTION))
-        chosen: list[Unit] = []
-        rest: list[Unit] = []
-        cost = sequences = 0
-        for unit in self.units:
-            left: Unit | None = unit
-            if unit.request.key == first.request.key and self.eligible(unit, held):
-                taken, left = self._fit(unit, budget - cost, self.max_batch_sequences - sequences)
-                if taken is not None:
-                    chosen.append(taken)
-                    cost += taken.cost
-                    sequences += len(taken.indices)
-            if left is not None:
-                rest.append(left)
-        self.units = rest
-        if not chosen:  # the first sequence alone is over the share: it goes at the full budget
+        batch = _Batch(budget, self.max_batch_sequences)
+        # Turn after turn: a pass over every client, and another while the last one took work or
+        # ended a turn (that client's next turn begins). A new turn's deficit is above 0: it takes
+        # work, or stops at the micro-batch's room and goes on in the next one.
+        progress = True
+        while progress and not batch.full:
+            progress = False
+            for client in list(self._clients.values()):
+                if batch.full:
+                    break
+                if next(self._window(client, key, held), None) is None:
+                    continue
+                if not client.in_turn:
+                    client.deficit += self.max_batch_tokens
+                    client.in_turn = True
+                taken = len(batch.units)
+                over = self._serve(client, key, batch, held)
+                if over:
+                    self._end_turn(client)
+                progress = progress or over or len(batch.units) > taken
+        if not batch.units:  # the first sequence alone is over the share: it goes at the full budget
             return self.take(held)
-        return chosen
+        return batch.units
+
+    def _serve(self, client: _Client, key: BatchKey, batch: _Batch, held: Collection[str]) -> bool:
+        """Put ``client``'s work of ``key`` in ``batch``, first fit among the first units of its
+        queue, while its deficit lasts (the last piece may overdraw it: the next turn pays) and
+        the room does; returns whether its turn is over (its deficit is spent, or its work of the
+        key is)."""
+        while client.deficit > 0 and not batch.full:
+            window = self._window(client, key, held)
+            first = next(window, None)
+            if first is None:
+                client.deficit = min(client.deficit, 0)  # nothing of the key left (or held): the rest lapses
+                return True
+            for place, unit in itertools.chain([first], window):  # left as soon as the queue changes
+                taken, left = self._fit(unit, batch.room, batch.room_sequences)
+                if taken is not None:
+                    self._replace(client, key, place, left)
+                    unit.request.taken += taken.admitted
+                    client.deficit -= taken.cost
+                    batch.add(taken)
+                    break
+            else:
+                return False  # none of it fits the room left: its turn goes on in the next micro-batch
+        return client.deficit <= 0
+
+    def _replace(self, client: _Client, key: BatchKey, place: int, left: Unit | None) -> None:
+        """The unit at ``place`` in ``client``'s queue of ``key`` was taken: ``left`` (the sequences
+        not taken) takes its place, or none does."""
+        queue = client.queues[key]
+        unit = queue[place]
+        if left is None:
+            del queue[place]
+        else:
+            queue[place] = left
+            self._count(client, left, 1)  # first: the request stays counted as queued
+        self._count(client, unit, -1)
+        if not queue:
+            del client.queues[key]
+
+    def _end_turn(self, client: _Client) -> None:
+        """``client``'s turn is over: it goes to the back of the order (if it has work left)."""
+        client.in_turn = False
+        self._last_turn = client
+        if self._clients.get(client.name) is client:
+            self._clients[client.name] = self._clients.pop(client.name)
 
     def _fit(self, unit: Unit, room: int, room_sequences: int) -> tuple[Unit | None, Unit | None]:
         """Split ``unit`` into the sequences that fit the room (in order) and the rest."""

@@ -185,7 +185,9 @@ class LogprobEngine:
         await self._enter(Phase.SERVING)
 
     async def draining(self) -> None:
-        """Refuse new work from now on; what was admitted finishes."""
+        """Refuse new work from now on; what was admitted finishes, but joins of trainers' groups
+        in progress are abandoned (a trainer that does not answer would hold the drain)."""
+        self.updater.abandon_joins()
         await self._enter(Phase.DRAINING)
 
     async def close(self) -> None:

@@ -3,7 +3,8 @@
 ``submit`` waits for the request's ``min_version`` if it has one, plans its micro-batches
 (``BatchQueue.plan``: what it costs as it runs), admits it (``Admission``: budget, fair share and
 deadline), queues it and waits for its result. The loop
-takes micro-batches from the one queue and hands each to a device's worker (``Executor``): a
+takes micro-batches from the one queue (its clients in turn: ``BatchQueue``'s deficit
+round-robin) and hands each to a device's worker (``Executor``): a
 *lane* per device, each holding a replica of every model (data parallel). A micro-batch goes to
 the lane with the least work (token-equivalents) in flight among those with room, so a device
 that computes faster (or got shorter batches) takes more. When a device is idle the loop waits up to
@@ -160,6 +161,8 @@ class Scheduler:
             # Smaller micro-batches (the warm-up's, a lone small request's) are mostly fixed cost:
             # their time says little about how fast queued work goes.
             min_measured_cost=max_batch_tokens // TAIL_FRACTION,
+            turn_tokens=max_batch_tokens,  # the queue's round-robin quantum
+            in_flight_tokens=PIPELINE_DEPTH * len(executors) * max_batch_tokens,
             devices=len(executors),
             stats=stats,
         )
@@ -263,10 +266,10 @@ class Scheduler:
             return await future
         finally:
             self._stats.record(QueueChanged(job.model, requests=-1))
-            # A cancelled caller (its task's cancellation also cancels the future): its queued work goes at once.
-            if future.cancelled() or not future.done():
-                future.cancel()
-                self._drop_dead()
+            # However it ended (answered, failed, or its caller cancelled, which cancels the
+            # future), none of its work stays queued.
+            future.cancel()
+            self._release(request.job, self.queue.discard(request))
 
     # The batching loop.
 
@@ -320,8 +323,13 @@ class Scheduler:
                 pass
 
     def _drop_dead(self) -> None:
-        for unit in self.queue.drop_dead(time.monotonic()):
-            self.admission.release(unit.request.job, unit.admitted)
+        for request, admitted in self.queue.drop_dead(time.monotonic()):
+            self._release(request.job, admitted)
+
+    def _release(self, job: ScoreJob, admitted: int) -> None:
+        """``admitted`` token-equivalents of ``job``'s queued work were dropped."""
+        if admitted:
+            self.admission.release(job, admitted)
 
     async def _run_due_swaps(self) -> None:
         """Swap the weights of every model with a pending swap and no started request queued."""

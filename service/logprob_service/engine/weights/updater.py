@@ -35,7 +35,14 @@ from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.weights.files import safetensors_files, served_checkpoint_dirs
 from logprob_service.engine.weights.session import Session, StreamIdle
 from logprob_service.engine.weights.update import Stream, Update, one_digest_per_weight
-from logprob_service.errors import Aborted, FailedPrecondition, InvalidArgument, LogprobError, Overloaded
+from logprob_service.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    LogprobError,
+    Overloaded,
+    Unavailable,
+)
 from logprob_service.stats import NO_STATS, StatsSink, WeightsUpdated
 from logprob_service.weight_settings import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 
@@ -46,9 +53,11 @@ T = TypeVar("T")
 # if lower).
 DEFAULT_GROUP_TIMEOUT_S = 120.0
 # Joins of trainers' groups in progress at once, at most; more are refused (RESOURCE_EXHAUSTED).
-# Each holds a thread until it ends, which a join blocked connecting to a TCP store that does not
-# answer does only at its timeout: nothing can interrupt it.
+# Each holds a thread until it ends, within its timeout_s whatever the trainer does
+# (``worker.collectives``), which is when its slot is free again.
 MAX_PENDING_JOINS = 4
+# A join's call ends this long after its timeout_s at the latest, even if its thread has not.
+JOIN_SLACK_S = 5.0
 # Updates over several streams remembered once ended, so that a stream coming late gets its answer.
 ENDED_SESSIONS_KEPT = 64
 # An update stream yielding to micro-batch launches (``yield_to_launches``) reads its next message
@@ -125,6 +134,8 @@ class WeightUpdater:
         self._writers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logprob-receive")
         self._groups: dict[str, WeightGroup] = {}  # joined trainers' groups, by name
         self._joins = 0  # joins in progress (their threads, whose calls may have ended)
+        self._joining: set[asyncio.Future[WeightGroup]] = set()  # the calls of joins in progress
+        self._abandoning = False  # the server is stopping: joins are abandoned
         self._idle_timeout_s = idle_timeout_s
         self._max_group_timeout_s = max_group_timeout_s
         self._past_commit: set[asyncio.Task[UpdateOutcome]] = set()  # updates past their commit (``settled``)
@@ -264,6 +275,7 @@ class WeightUpdater:
                 retry_after_s=1.0,
             )
         device = next(iter(self._registry)).device
+        timeout_s = spec.timeout_s or min(DEFAULT_GROUP_TIMEOUT_S, limit)
         join = functools.partial(
             self._join_group,
             device,
@@ -273,11 +285,30 @@ class WeightUpdater:
             world_size=spec.world_size,
             name=spec.name,
             backend=spec.backend,
-            timeout_s=spec.timeout_s or min(DEFAULT_GROUP_TIMEOUT_S, limit),
+            timeout_s=timeout_s,
         )
         self._joins += 1  # until its thread ends, which may be after its call did
-        # A join whose call ends first (cancelled, past its deadline) leaves the group it joins.
-        group = await _on_daemon_thread(join, ended=self._join_ended, orphaned=lambda group: group.close())
+        # A join whose call ends first (cancelled, past its deadline, abandoned) leaves the group it joins.
+        joining = asyncio.ensure_future(
+            _on_daemon_thread(join, ended=self._join_ended, orphaned=lambda group: group.close())
+        )
+        self._joining.add(joining)
+        try:
+            group = await asyncio.wait_for(joining, timeout_s + JOIN_SLACK_S)
+        except TimeoutError:
+            raise InvalidArgument(
+                f"master_address: group {spec.name!r} with the trainer at {spec.master_address}:{spec.master_port} "
+                f"was not joined within timeout_s={timeout_s:g} s"
+            ) from None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if joining.cancelled() and self._abandoning and not (current and current.cancelling()):
+                raise Unavailable(
+                    f"InitWeightsUpdateGroup: the server is stopping; the join of group {spec.name!r} was abandoned"
+                ) from None
+            raise
+        finally:
+            self._joining.discard(joining)
         # Joined: only now does it replace a group of that name (one that failed to join leaves
         # the trainer's working group in place).
         if (old := self._groups.pop(spec.name, None)) is not None:
@@ -288,6 +319,13 @@ class WeightUpdater:
 
     def _join_ended(self) -> None:
         self._joins -= 1
+
+    def abandon_joins(self) -> None:
+        """The server is stopping: the calls of joins in progress end at once (UNAVAILABLE), and
+        each join's thread, a daemon, leaves what it joins within its timeout."""
+        self._abandoning = True
+        for joining in self._joining:
+            joining.cancel()
 
     async def leave_group(self, name: str) -> None:
         """Leave the group ``name`` together with its rank 0 (returns once both have left)."""
@@ -448,6 +486,7 @@ class WeightUpdater:
         return outcome
 
     def close(self) -> None:
+        self.abandon_joins()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._writers.shutdown(wait=False, cancel_futures=True)
         for group in self._groups.values():
