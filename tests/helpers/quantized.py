@@ -1,5 +1,7 @@
 """Quantized checkpoints made in the tests, in the layouts the real ones ship, and their reference.
 
+``write_mxfp4_checkpoint`` does the same for gpt-oss's MXFP4 expert banks.
+
 ``write_checkpoint`` quantizes a dense model's decoder-layer linear weights (``ops.fp8.quantize``:
 max|W_block| / 448 scales, as DeepSeek's and transformers' quantizers compute them) and writes a
 checkpoint directory as the format stores it: ``config.json`` with its ``quantization_config``
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 from logprob_service.ops.fp8 import dequantize, quantize
+from logprob_service.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
@@ -83,9 +86,46 @@ def write_checkpoint(directory: Path, model: PreTrainedModel, layout: str) -> Pr
         state[f"{name}.{scale_name}"] = s
         with torch.no_grad():
             reference.get_submodule(name).weight.copy_(dequantize(q, s, block, torch.float64))
+    _save(directory, model, state, spec)
+    return reference.eval()
+
+
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def write_mxfp4_checkpoint(directory: Path, model: PreTrainedModel) -> PreTrainedModel:
+    """A gpt-oss ``model``'s checkpoint as gpt-oss ships it: each expert bank's ``gate_up_proj``
+    and ``down_proj`` as ``*_blocks`` [E, out, in / 32, 16] and ``*_scales`` [E, out, in / 32]
+    (``ops.mxfp4.quantize_mxfp4``), the rest dense; returns the float64 reference (the banks' weights
+    dequantized, exact)."""
+    reference = copy.deepcopy(model).to(torch.float64)
+    state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    banks = [name for name, m in model.named_modules() if name.endswith(".experts")]
+    for name in banks:
+        for proj in ("gate_up_proj", "down_proj"):
+            weight = state.pop(f"{name}.{proj}")  # [E, in, out]: gpt-oss's banks are transposed
+            blocks, scales = quantize_mxfp4(weight.transpose(1, 2))
+            state[f"{name}.{proj}_blocks"], state[f"{name}.{proj}_scales"] = blocks, scales
+            with torch.no_grad():
+                exact = dequantize_mxfp4(blocks, scales, torch.float64).transpose(1, 2)
+                getattr(reference.get_submodule(name), proj).copy_(exact)
+    _save(directory, model, state, MXFP4_CONFIG)
+    return reference.eval()
+
+
+def _save(directory: Path, model: PreTrainedModel, state: dict, spec: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "quantization_config": spec}, indent=2))
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return reference.eval()

@@ -14,16 +14,30 @@ import pytest
 import torch
 from logprob_service.models.checkpoint import ModelLoadError
 from logprob_service.models.loading import load_causal_lm
-from logprob_service.models.quantized import Fp8Linear, describe_weights, quantized_layers, weight_format
+from logprob_service.models.quantized import (
+    Fp8Linear,
+    Mxfp4Experts,
+    describe_weights,
+    quantized_layers,
+    weight_format,
+)
 from logprob_service.models.served import load_served_model, serve_lora_model
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.fp8 import FP8, dequantize
+from logprob_service.ops.mxfp4 import dequantize_mxfp4
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
-from tests.helpers.quantized import FP8_DIMS, LAYOUTS, W8A8_DIMS, quantized_linears, write_checkpoint
+from tests.helpers.quantized import (
+    FP8_DIMS,
+    LAYOUTS,
+    W8A8_DIMS,
+    quantized_linears,
+    write_checkpoint,
+    write_mxfp4_checkpoint,
+)
 
 CPU = torch.device("cpu")
 ARCHS = [("llama", False), ("qwen2", True)]  # Llama; Qwen2 with GQA and a tied lm_head
@@ -97,7 +111,6 @@ def test_the_w8a8_mode_quantizes_the_activations_of_every_quantized_layer(tmp_pa
     [
         ({"quant_method": "awq", "bits": 4}, "'awq': this quantization method is not served"),
         ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
-        ({"quant_method": "mxfp4"}, "'mxfp4'"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size [128]"),
@@ -170,3 +183,35 @@ def test_a_dense_push_into_an_fp8_weight_is_refused_naming_the_tensor(tmp_path, 
         served.updatable().check(name, "bfloat16", (128, 128))
     config = AutoConfig.from_pretrained(tmp_path)
     assert weight_format(config, "x").scale_name == "weight_scale_inv"
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_mxfp4_gpt_oss_scores_its_dequantized_experts(tmp_path, tied, rng):
+    model = make_model("gpt_oss", tied=tied, seed=int(rng.integers(1 << 30)))
+    reference = write_mxfp4_checkpoint(tmp_path, model)
+    served = load_causal_lm(str(tmp_path), device=CPU, dtype=torch.float32)
+    banks = quantized_layers(served)
+    assert len(banks) == model.config.num_hidden_layers and all(isinstance(b, Mxfp4Experts) for b in banks)
+    assert all(b.gate_up_proj_blocks.dtype == torch.uint8 for b in banks)
+    assert describe_weights(served, torch.float32).startswith("mxfp4: experts e2m1 with e8m0 scales per 32 values")
+    sequences = random_sequences(rng, 6, max_len=30)
+    with OfflineScorer(served, logprob_op=LogprobOp("eager"), max_batch_tokens=100) as scorer:
+        out = scorer.score(sequences, temperature=0.8)
+    ScoreReference(reference, sequences, temperature=0.8).check([s.logprobs for s in out])
+
+
+def test_mxfp4_blocks_read_as_transformers_reads_them(tmp_path, rng):
+    """transformers' own loader (on a CPU it dequantizes gpt-oss's MXFP4) gives the banks' weights
+    the served banks compute with."""
+    model = make_model("gpt_oss", tied=False, seed=int(rng.integers(1 << 30)))
+    write_mxfp4_checkpoint(tmp_path, model)
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU, transformers keeps MXFP4 for its own kernels (from the hub)")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = load_causal_lm(str(tmp_path), device=CPU, dtype=torch.float32)
+    for name, bank in ours.named_modules():
+        if isinstance(bank, Mxfp4Experts):
+            for proj in bank.PROJECTIONS:
+                mine = dequantize_mxfp4(getattr(bank, f"{proj}_blocks"), getattr(bank, f"{proj}_scales"), torch.float32)
+                assert torch.equal(mine.transpose(1, 2), getattr(theirs.get_submodule(name), proj)), (name, proj)

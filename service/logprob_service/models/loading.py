@@ -150,7 +150,8 @@ def use_experts_implementation(model: PreTrainedModel, device: torch.device) -> 
     if not experts:
         return None
     choice = EXPERTS_IMPLEMENTATIONS.get(device.type, "eager")
-    if next(experts[0].parameters()).dtype not in GROUPED_MM_DTYPES:
+    # The dtype the bank computes in: its floating weights' (a quantized bank's biases).
+    if next(p.dtype for p in experts[0].parameters() if p.is_floating_point()) not in GROUPED_MM_DTYPES:
         choice = "eager"
     if blocks:
         route_llama4_experts(blocks, grouped=choice == "grouped_mm")

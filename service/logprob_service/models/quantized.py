@@ -8,7 +8,13 @@ the file and what is served. Served:
   weights, a float32 ``weight_scale_inv`` per ``weight_block_size`` block (or one per tensor);
 * ``compressed-tensors`` in its ``float-quantized`` format with 8-bit float weights (llm-compressor's
   FP8 and FP8_DYNAMIC schemes): float8_e4m3fn weights, a float32 ``weight_scale`` per tensor, per
-  output channel or per block.
+  output channel or per block;
+* ``mxfp4`` (gpt-oss): each expert bank's ``gate_up_proj`` and ``down_proj`` as ``*_blocks`` (e2m1
+  codes, two a byte) and ``*_scales`` (e8m0, one per 32 values), everything else dense.
+
+A served MXFP4 model keeps its experts in MXFP4 (``Mxfp4Experts``: 4.25 bits a weight) and
+dequantizes each bank, exactly, into the serving dtype inside its forward, where the model's own
+experts implementation (grouped GEMMs on CUDA) computes with it: the dequantized model's scores.
 
 A served FP8 model keeps its linear layers' weights in FP8 on its device (``Fp8Linear``: one byte a
 weight, plus the scales) and computes as ``compute`` says (``ops.fp8``): ``weights-only`` (the
@@ -42,12 +48,15 @@ from logprob_service.models.checkpoint import (
     skeleton,
 )
 from logprob_service.ops.fp8 import FP8, scale_grid, w8a8_linear, w8a8_supported, weights_only_linear
+from logprob_service.ops.mxfp4 import GROUP as MXFP4_GROUP
+from logprob_service.ops.mxfp4 import dequantize_mxfp4
 
 Fp8Compute = Literal["weights-only", "w8a8"]
-Strategy = Literal["block", "channel", "tensor"]
+Strategy = Literal["block", "channel", "tensor", "mxfp4"]
 SERVED_FORMATS = (
     "fp8 (float8_e4m3fn weights, float32 weight_scale_inv per block or per tensor)",
     "compressed-tensors float-quantized with 8-bit float weights (per tensor, channel or block)",
+    "mxfp4 experts (gpt-oss: *_blocks and *_scales)",
 )
 
 
@@ -71,6 +80,8 @@ class WeightFormat:
 
     def describe(self) -> str:
         """As ListModels, the logs and the metrics name it."""
+        if self.strategy == "mxfp4":
+            return "mxfp4: experts e2m1 with e8m0 scales per 32 values, dequantized in the experts' GEMMs"
         scales = {
             "block": f"blocks {self.block_size[0]}x{self.block_size[1]}" if self.block_size else "",
             "channel": "per channel",
@@ -99,6 +110,8 @@ def weight_format(config: PretrainedConfig, where: str, compute: Fp8Compute = "w
         return WeightFormat(method, "weight_scale_inv", "block", (int(block[0]), int(block[1])), compute)
     if method == "compressed-tensors":
         return _compressed_tensors_format(spec, refuse, compute)
+    if method == "mxfp4":
+        return WeightFormat(method, "blocks", "mxfp4", None)
     raise refuse("this quantization method is not served")
 
 
@@ -169,6 +182,71 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, block={self.block}, {self.compute}"
 
 
+class Mxfp4Experts(nn.Module):
+    """An expert bank served in MXFP4: ``{proj}_blocks`` [E, out, in / 32, 16] and ``{proj}_scales``
+    [E, out, in / 32] (uint8, the checkpoint's names and layout) for its ``gate_up_proj`` and
+    ``down_proj``, and their dense biases. Each forward dequantizes both projections (exactly:
+    ``ops.mxfp4``) and runs the bank transformers made (``bank``, kept outside the module tree: its
+    own weights never exist) with them, through its experts implementation."""
+
+    PROJECTIONS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, bank: nn.Module, fmt: WeightFormat) -> None:
+        super().__init__()
+        self.format = fmt
+        self.transposed = bool(getattr(bank, "is_transposed", False))  # the bank's weights [E, in, out]
+        for proj in self.PROJECTIONS:
+            weight = getattr(bank, proj)
+            experts, inputs, outputs = weight.shape if self.transposed else (weight.shape[0], *weight.shape[:0:-1])
+            if inputs % MXFP4_GROUP:
+                raise ModelLoadError(f"{proj}: {inputs} inputs are not a multiple of {MXFP4_GROUP} (mxfp4)")
+            groups = inputs // MXFP4_GROUP
+            packed = torch.empty(experts, outputs, groups, MXFP4_GROUP // 2, dtype=torch.uint8, device=weight.device)
+            scales = torch.empty(experts, outputs, groups, dtype=torch.uint8, device=weight.device)
+            self.register_parameter(f"{proj}_blocks", nn.Parameter(packed, requires_grad=False))
+            self.register_parameter(f"{proj}_scales", nn.Parameter(scales, requires_grad=False))
+            self.register_parameter(f"{proj}_bias", getattr(bank, f"{proj}_bias"))
+        object.__setattr__(self, "bank", bank)
+        # What models.loading and models.compiled read of an expert bank, as the bank has them.
+        self.config, self.num_experts = bank.config, bank.num_experts
+        self.has_gate, self.is_concatenated = bank.has_gate, bank.is_concatenated
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        weights: dict[str, torch.Tensor] = {}
+        for proj in self.PROJECTIONS:
+            whole = dequantize_mxfp4(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"), dtype)
+            weights[proj] = whole.transpose(1, 2) if self.transposed else whole  # [E, out, in] as stored
+            weights[f"{proj}_bias"] = getattr(self, f"{proj}_bias")
+        return torch.func.functional_call(self.bank, weights, (hidden_states, top_k_index, top_k_weights))
+
+
+def _quantized_module(
+    name: str, module: nn.Module, fmt: WeightFormat, source: SafetensorsSource, names: set[str]
+) -> nn.Module | None:
+    """The quantized module that serves ``module`` as the checkpoint stores it, or None (dense)."""
+    if fmt.strategy == "mxfp4":
+        return Mxfp4Experts(module, fmt) if f"{name}.gate_up_proj_blocks" in names else None
+    scale_name = f"{name}.{fmt.scale_name}"
+    if type(module) is not nn.Linear or scale_name not in names:
+        return None
+    scale = source.read(scale_name, None, 0, 0)
+    shape = (module.out_features, module.in_features)
+    block = fmt.block(shape)
+    if not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
+        raise ModelLoadError(f"{scale_name}: scales stored as {scale.dtype} are not served (float32 is)")
+    if scale.numel() != scale_grid(shape, block)[0] * scale_grid(shape, block)[1]:
+        raise ModelLoadError(
+            f"{scale_name}: {list(scale.shape)} scales do not fit a {shape[0]} x {shape[1]} weight in "
+            f"blocks of {block[0]} x {block[1]} ({fmt.describe()})"
+        )
+    if fmt.compute == "w8a8" and (why := w8a8_supported(shape, block)):
+        raise ModelLoadError(f"{name}: fp8_compute 'w8a8' cannot run this layer ({why}); use 'weights-only'")
+    return Fp8Linear(module, scale, fmt)
+
+
 def load_quantized_causal_lm(
     directory: Path,
     config: PretrainedConfig,
@@ -179,7 +257,8 @@ def load_quantized_causal_lm(
     attn_implementation: str,
 ) -> PreTrainedModel:
     """The checkpoint in ``directory`` on ``device``: its quantized linears as ``Fp8Linear`` (FP8
-    weights and float32 scales as stored), every other weight in ``dtype``."""
+    weights and float32 scales as stored), its MXFP4 expert banks as ``Mxfp4Experts``, every other
+    weight in ``dtype``."""
     source = SafetensorsSource(directory)
     dense = copy.deepcopy(config)
     if hasattr(dense, "quantization_config"):
@@ -189,25 +268,11 @@ def load_quantized_causal_lm(
     names = source.names()
     quantized = 0
     for name, module in list(model.named_modules()):
-        scale_name = f"{name}.{fmt.scale_name}"
-        if type(module) is not nn.Linear or scale_name not in names:
-            continue
-        scale = source.read(scale_name, None, 0, 0)
-        shape = (module.out_features, module.in_features)
-        block = fmt.block(shape)
-        if not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
-            raise ModelLoadError(f"{scale_name}: scales stored as {scale.dtype} are not served (float32 is)")
-        if scale.numel() != scale_grid(shape, block)[0] * scale_grid(shape, block)[1]:
-            raise ModelLoadError(
-                f"{scale_name}: {list(scale.shape)} scales do not fit a {shape[0]} x {shape[1]} weight in "
-                f"blocks of {block[0]} x {block[1]} ({fmt.describe()})"
-            )
-        if fmt.compute == "w8a8" and (why := w8a8_supported(shape, block)):
-            raise ModelLoadError(f"{name}: fp8_compute 'w8a8' cannot run this layer ({why}); use 'weights-only'")
-        model.set_submodule(name, Fp8Linear(module, scale, fmt))
-        quantized += 1
+        if (replacement := _quantized_module(name, module, fmt, source, names)) is not None:
+            model.set_submodule(name, replacement)
+            quantized += 1
     if not quantized:
-        raise ModelLoadError(f"{directory}: {fmt.describe()} is declared, but no linear weight has a {fmt.scale_name}")
+        raise ModelLoadError(f"{directory}: {fmt.describe()} is declared, but no weight of the model is stored so")
     materialize(model, buffers, device)
     params = owned_parameters(model)
     missing = sorted(set(params) - names)
@@ -219,8 +284,8 @@ def load_quantized_causal_lm(
     return model
 
 
-def quantized_layers(model: nn.Module) -> list[Fp8Linear]:
-    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+def quantized_layers(model: nn.Module) -> list[Fp8Linear | Mxfp4Experts]:
+    return [m for m in model.modules() if isinstance(m, (Fp8Linear, Mxfp4Experts))]
 
 
 def describe_weights(model: nn.Module, dtype: torch.dtype) -> str:

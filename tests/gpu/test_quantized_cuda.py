@@ -1,5 +1,5 @@
-"""FP8 checkpoints on the GPU: FP8 in memory, weights-only equal to the dequantized model, W8A8 on
-the FP8 tensor cores equal to its definition. Skipped without a GPU.
+"""Quantized checkpoints on the GPU: FP8 in memory, weights-only equal to the dequantized model, W8A8
+on the FP8 tensor cores equal to its definition; MXFP4 experts. Skipped without a GPU.
 
 References: the float64 forward of the checkpoint's dequantized weights (bf16 tolerance: as exact
 as the dequantized model's own bf16 computation, ``ScoreReference``); and the dequantized model
@@ -20,9 +20,10 @@ from logprob_service.models.quantized import Fp8Linear, quantized_layers
 from logprob_service.models.scorer import ScoringOptions
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.fp8 import FP8, dequantize, quantize, quantize_activations, w8a8_linear
+from logprob_service.ops.mxfp4 import dequantize_mxfp4
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
-from tests.helpers.quantized import FP8_DIMS, LAYOUTS, W8A8_DIMS, write_checkpoint
+from tests.helpers.quantized import FP8_DIMS, LAYOUTS, W8A8_DIMS, write_checkpoint, write_mxfp4_checkpoint
 from tests.helpers.tolerances import U32
 
 pytestmark = [
@@ -112,3 +113,21 @@ def test_w8a8_layers_compute_the_same_compiled_or_eager(tmp_path, rng):
     error = max(float(np.abs(a - want).max()) for a, (want, _) in zip(eager, exact.exact))
     print(f"w8a8: compiled - eager {gap:.3e}; eager - exact {error:.3e}; own bf16 error {exact.own_error:.3e}")
     assert gap <= exact.atol
+
+
+def test_mxfp4_experts_stay_mxfp4_and_score_the_dequantized_model(tmp_path, rng):
+    """gpt-oss with MXFP4 banks on the GPU: uint8 blocks in memory, dequantized exactly inside each
+    bank's forward (the Triton kernel) and run by the grouped GEMM; the scores equal the float64
+    forward of the dequantized model within bf16's criterion."""
+    dense = make_model("gpt_oss", tied=False, seed=int(rng.integers(1 << 30)))
+    reference = write_mxfp4_checkpoint(tmp_path, dense)
+    model = load_causal_lm(str(tmp_path), device=CUDA, dtype=torch.bfloat16)
+    banks = quantized_layers(model)
+    assert banks and all(b.gate_up_proj_blocks.is_cuda and b.gate_up_proj_blocks.dtype == torch.uint8 for b in banks)
+    for bank in banks:
+        for proj in bank.PROJECTIONS:
+            blocks, scales = getattr(bank, f"{proj}_blocks"), getattr(bank, f"{proj}_scales")
+            on_gpu = dequantize_mxfp4(blocks, scales, torch.bfloat16).cpu()
+            assert torch.equal(on_gpu, dequantize_mxfp4(blocks.cpu(), scales.cpu(), torch.bfloat16))
+    sequences = random_sequences(rng, 8, max_len=40)
+    ScoreReference(reference, sequences, temperature=0.9, dtype=torch.bfloat16).check(_score(model, sequences))
