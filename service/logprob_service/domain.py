@@ -19,7 +19,7 @@ from logprob_service.errors import InvalidArgument
 MAX_TOP_K = 256
 
 # The weight dtypes the server serves and takes in updates, by name, with their element size.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class Replica:
     def updatable(self):
         return self
 
-    def check(self, name, dtype, shape):
+    def check(self, name, dtype, shape, *, sparse=False):
         return None
 
     def missing(self, names):

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from logprob_service.errors import InvalidArgument
 from logprob_service.models.checkpoint import ModelLoadError
 from logprob_service.models.loading import load_causal_lm
 from logprob_service.models.quantized import (
@@ -27,7 +28,7 @@ from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.fp8 import FP8, dequantize
 from logprob_service.ops.mxfp4 import dequantize_mxfp4
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
 from tests.helpers.quantized import (
@@ -175,14 +176,22 @@ def test_tensor_parallel_refuses_a_quantized_checkpoint(tmp_path, dense):
         load_sharded_causal_lm(str(tmp_path), None, device=CPU, dtype=torch.float32)  # type: ignore[arg-type]
 
 
-def test_a_dense_push_into_an_fp8_weight_is_refused_naming_the_tensor(tmp_path, dense):
+def test_a_quantized_weight_takes_its_dense_tensor_or_its_quantized_ones_but_no_dense_delta(tmp_path, dense):
     write_checkpoint(tmp_path, dense, "fp8-blocks")
     served = load_served_model("ref", str(tmp_path), device=CPU, dtype=torch.float32, logprob_op=LogprobOp("eager"))
+    target = served.updatable()
     name = "model.layers.1.self_attn.q_proj.weight"
-    with pytest.raises(Exception, match=rf"tensor '{name}': dtype bfloat16 does not match the model's float8_e4m3fn"):
-        served.updatable().check(name, "bfloat16", (128, 128))
-    config = AutoConfig.from_pretrained(tmp_path)
-    assert weight_format(config, "x").scale_name == "weight_scale_inv"
+    assert target.check(name, "float8_e4m3fn", (256, 128)) is target.live[name]  # as served
+    conversion = target.check(name, "bfloat16", (256, 128))  # dense: quantized on arrival
+    assert conversion.writes == (name, "model.layers.1.self_attn.q_proj.weight_scale_inv")
+    with pytest.raises(
+        InvalidArgument, match=rf"tensor '{name}': shape \[128, 128\] does not match the model's \[256, 128\]"
+    ):
+        target.check(name, "bfloat16", (128, 128))
+    with pytest.raises(InvalidArgument, match=rf"tensor '{name}': served fp8: .* a sparse delta of its dense weight"):
+        target.check(name, "bfloat16", (256, 128), sparse=True)
+    # A full update of the dense state dict covers every scale.
+    assert target.missing(dense.state_dict()) == []
 
 
 @pytest.mark.numerical

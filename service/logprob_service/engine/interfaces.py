@@ -19,8 +19,9 @@ T = TypeVar("T")
 class UpdatableWeights(Protocol):
     """The live tensors an update of one model may replace, by name."""
 
-    def check(self, name: str, dtype: str, shape: tuple[int, ...]) -> object:
-        """Raise ``InvalidArgument`` naming the tensor when it is not one of the weights or does not fit."""
+    def check(self, name: str, dtype: str, shape: tuple[int, ...], *, sparse: bool = False) -> object:
+        """Raise ``InvalidArgument`` naming the tensor when it is not one of the weights or does not
+        fit (``sparse``: when its changes come as a sparse delta of the live weight)."""
 
     def canonical(self, name: str) -> str:
         """The name a weight is fingerprinted under (tied weights answer to several names)."""
@@ -28,8 +29,10 @@ class UpdatableWeights(Protocol):
     def missing(self, names: Iterable[str]) -> list[str]:
         """The weights a full update would still lack after ``names``."""
 
-    def apply(self, staged: Mapping[str, Any]) -> None:
-        """Copy the staged tensors into the live weights (on the device thread, between micro-batches)."""
+    def apply(self, staged: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Copy the staged tensors into the live weights (on the device thread, between micro-batches);
+        returns the digests of live weights that differ from what was staged (a quantized weight
+        that took a dense tensor), which replace the staged ones'."""
 
 
 class ServedModel(Protocol):

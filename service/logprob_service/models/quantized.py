@@ -31,6 +31,7 @@ a layer the skeleton holds dense) is refused by ``checkpoint.copy_weight``, neve
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,9 +48,10 @@ from logprob_service.models.checkpoint import (
     owned_parameters,
     skeleton,
 )
-from logprob_service.ops.fp8 import FP8, scale_grid, w8a8_linear, w8a8_supported, weights_only_linear
+from logprob_service.models.weights import DenseConversion
+from logprob_service.ops.fp8 import FP8, quantize, scale_grid, w8a8_linear, w8a8_supported, weights_only_linear
 from logprob_service.ops.mxfp4 import GROUP as MXFP4_GROUP
-from logprob_service.ops.mxfp4 import dequantize_mxfp4
+from logprob_service.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 Fp8Compute = Literal["weights-only", "w8a8"]
 Strategy = Literal["block", "channel", "tensor", "mxfp4"]
@@ -174,6 +176,12 @@ class Fp8Linear(nn.Module):
     def scale(self) -> torch.Tensor:
         return getattr(self, self.scale_name)
 
+    def take_dense(self, weight: torch.Tensor) -> None:
+        """Serve ``weight`` [out, in] from now on, quantized as the checkpoint is (``ops.fp8.quantize``)."""
+        q, s = quantize(weight.to(self.weight.device), self.block)
+        self.weight.copy_(q)
+        self.scale.copy_(s.reshape(self.scale.shape))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = w8a8_linear if self.compute == "w8a8" else weights_only_linear
         return linear(x, self.weight, self.scale, self.block, self.bias)
@@ -195,6 +203,7 @@ class Mxfp4Experts(nn.Module):
         super().__init__()
         self.format = fmt
         self.transposed = bool(getattr(bank, "is_transposed", False))  # the bank's weights [E, in, out]
+        self.dense_shapes = {proj: tuple(getattr(bank, proj).shape) for proj in self.PROJECTIONS}
         for proj in self.PROJECTIONS:
             weight = getattr(bank, proj)
             experts, inputs, outputs = weight.shape if self.transposed else (weight.shape[0], *weight.shape[:0:-1])
@@ -210,6 +219,13 @@ class Mxfp4Experts(nn.Module):
         # What models.loading and models.compiled read of an expert bank, as the bank has them.
         self.config, self.num_experts = bank.config, bank.num_experts
         self.has_gate, self.is_concatenated = bank.has_gate, bank.is_concatenated
+
+    def take_dense(self, proj: str, weight: torch.Tensor) -> None:
+        """Serve ``weight`` (the bank's dense ``proj``) from now on, quantized to MXFP4."""
+        rows = weight.transpose(1, 2) if self.transposed else weight  # [E, out, in]
+        blocks, scales = quantize_mxfp4(rows.to(getattr(self, f"{proj}_blocks").device))
+        getattr(self, f"{proj}_blocks").copy_(blocks)
+        getattr(self, f"{proj}_scales").copy_(scales)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -286,6 +302,24 @@ def load_quantized_causal_lm(
 
 def quantized_layers(model: nn.Module) -> list[Fp8Linear | Mxfp4Experts]:
     return [m for m in model.modules() if isinstance(m, (Fp8Linear, Mxfp4Experts))]
+
+
+def dense_conversions(model: nn.Module) -> dict[str, DenseConversion]:
+    """What each quantized weight of ``model`` takes in its dense form (``models.weights``), by its
+    dense name: an FP8 layer's ``weight``, an MXFP4 bank's ``gate_up_proj`` and ``down_proj``."""
+    conversions: dict[str, DenseConversion] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            writes = (f"{name}.weight", f"{name}.{module.scale_name}")
+            shape = (module.out_features, module.in_features)
+            conversions[f"{name}.weight"] = DenseConversion(shape, writes, module.take_dense, module.format.describe())
+        elif isinstance(module, Mxfp4Experts):
+            for proj in module.PROJECTIONS:
+                writes = (f"{name}.{proj}_blocks", f"{name}.{proj}_scales")
+                take = functools.partial(module.take_dense, proj)
+                shape = module.dense_shapes[proj]
+                conversions[f"{name}.{proj}"] = DenseConversion(shape, writes, take, module.format.describe())
+    return conversions
 
 
 def describe_weights(model: nn.Module, dtype: torch.dtype) -> str:

@@ -13,7 +13,7 @@ from logprob_service.domain import ModelInfo
 from logprob_service.errors import FailedPrecondition
 from logprob_service.models.loading import ModelLoadError, load_causal_lm
 from logprob_service.models.lora import AdapterHost
-from logprob_service.models.quantized import Fp8Compute, describe_weights, quantized_layers
+from logprob_service.models.quantized import Fp8Compute, dense_conversions, describe_weights, quantized_layers
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.tensor_parallel import TensorParallel, load_sharded_causal_lm
 from logprob_service.models.weights import TensorDigest, UpdatableWeights, fingerprint, model_digests, tensor_digests
@@ -54,11 +54,12 @@ class ServedModel:
             )
         if self.adapter is not None:
             return UpdatableWeights(self.adapters.adapter_weights(self.adapter))  # type: ignore[union-attr]
-        return UpdatableWeights(self.scorer.model.state_dict())
+        return UpdatableWeights(self.scorer.model.state_dict(), dense_conversions(self.scorer.model))
 
     def updated(self, version: int, digests: dict[str, TensorDigest]) -> None:
-        """Record a swap: the new version, and the digests of the tensors it replaced."""
-        self.digests = {**self.digests, **digests}
+        """Record a swap: the new version, and the digests of the tensors it replaced (of the served
+        weights: a quantized weight's dense name, which is no served tensor, is left out)."""
+        self.digests = {**self.digests, **{name: d for name, d in digests.items() if name in self.digests}}
         self.info = dataclasses.replace(self.info, version=version, fingerprint=fingerprint(self.digests))
 
 

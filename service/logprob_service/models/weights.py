@@ -10,7 +10,7 @@ base again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,16 +100,31 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return fingerprint(model_digests(model))
 
 
+@dataclass(frozen=True)
+class DenseConversion:
+    """A weight served quantized that also takes its dense tensor, quantized on arrival with the
+    checkpoint's own scheme (``models.quantized``) into the live tensors it writes."""
+
+    shape: tuple[int, ...]  # the dense weight's
+    writes: tuple[str, ...]  # the live tensors (state-dict names) it sets: the codes and their scales
+    convert: Callable[[torch.Tensor], None]  # quantize a dense tensor into them (on the device thread)
+    served_as: str  # the format, for messages
+
+
 class UpdatableWeights:
     """The live tensors an update may replace, by name (each shares its parameter's storage).
 
     Names are the model's state-dict keys (for a LoRA model, PEFT's adapter state-dict keys).
     Tied weights (an lm_head that is the input embedding) answer to either name and count once
-    towards a full update.
+    towards a full update. A quantized weight (``conversions``, by its dense name: ``x.weight`` of
+    an FP8 layer, an MXFP4 bank's ``gate_up_proj``) takes either its quantized tensors as they are
+    served (FP8 codes and their scales, in the checkpoint's names) or its dense tensor, which is
+    quantized on arrival; the scales it writes then count as sent.
     """
 
-    def __init__(self, named: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, named: Mapping[str, torch.Tensor], conversions: Mapping[str, DenseConversion] = {}) -> None:
         self.live = dict(named)
+        self.conversions = dict(conversions)
         self._storage = {name: (t.untyped_storage().data_ptr(), t.storage_offset()) for name, t in self.live.items()}
         first = {}
         for name, key in self._storage.items():
@@ -117,12 +132,26 @@ class UpdatableWeights:
         self._canonical = {name: first[key] for name, key in self._storage.items()}
 
     def canonical(self, name: str) -> str:
-        """The name a weight is fingerprinted under: the first of the names sharing its storage."""
-        return self._canonical[name]
+        """The name a weight is fingerprinted under: the first of the names sharing its storage (a
+        quantized weight's dense name, which no live tensor has, stands for itself)."""
+        return self._canonical.get(name, name)
 
-    def check(self, name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The live tensor ``name`` stands for; InvalidArgument naming the tensor when it does not fit."""
+    def check(self, name: str, dtype: str, shape: tuple[int, ...], *, sparse: bool = False) -> object:
+        """The live tensor ``name`` stands for (a quantized weight's conversion, for its dense
+        tensor); InvalidArgument naming the tensor when it does not fit."""
         live = self.live.get(name)
+        conversion = self.conversions.get(name)
+        if conversion is not None and (live is None or dtype != dtype_name(live.dtype)):
+            if sparse:
+                raise InvalidArgument(
+                    f"tensor {name!r}: served {conversion.served_as}, so a sparse delta of its dense weight cannot "
+                    "be applied; push it dense (quantized on arrival) or as its quantized tensors"
+                )
+            if tuple(shape) != conversion.shape:
+                raise InvalidArgument(
+                    f"tensor {name!r}: shape {list(shape)} does not match the model's {list(conversion.shape)}"
+                )
+            return conversion
         if live is None:
             raise InvalidArgument(
                 f"tensor {name!r}: no such weight in the model ({len(self.live)} weights; "
@@ -136,18 +165,29 @@ class UpdatableWeights:
 
     def missing(self, names: Iterable[str]) -> list[str]:
         """The weights (one name per storage) that ``names`` leaves out."""
-        covered = {self.canonical(name) for name in names}
+        names = list(names)
+        sent = [*names, *(w for n in names if (c := self.conversions.get(n)) for w in c.writes)]
+        covered = {self.canonical(name) for name in sent}
         return [name for name in dict.fromkeys(self._canonical.values()) if name not in covered]
 
-    def apply(self, staged: Mapping[str, torch.Tensor]) -> None:
-        """Copy every staged tensor into its live weight; returns once the copies are done.
+    def apply(self, staged: Mapping[str, torch.Tensor]) -> dict[str, TensorDigest]:
+        """Copy every staged tensor into its live weight (a quantized weight's dense tensor:
+        quantized into its live tensors); returns once the copies are done, with the digests of the
+        live tensors quantized so (the served weights, which the fingerprint covers).
 
         Runs on the device thread between micro-batches: the copies are queued on the stream after
         the micro-batches already launched (which read the old weights) and before any later one.
         """
+        quantized: list[str] = []
         with torch.no_grad():
             for name, tensor in staged.items():
-                self.live[name].copy_(tensor, non_blocking=True)
+                live = self.live.get(name)
+                if live is not None and tensor.dtype == live.dtype:
+                    live.copy_(tensor, non_blocking=True)
+                else:
+                    self.conversions[name].convert(tensor)
+                    quantized += self.conversions[name].writes
         for device in {t.device for t in self.live.values() if t.device.type == "cuda"}:
             # The staged tensors are freed after this returns: they must not be read any more.
             torch.cuda.synchronize(device)
+        return tensor_digests({name: self.live[name] for name in quantized})

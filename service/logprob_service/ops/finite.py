@@ -9,7 +9,8 @@ tensor lies, and for a sparse update's tensors one pass over their changed value
 
 A probe is a small tensor whose values are all finite exactly when the tensor's are: its
 smallest and largest element, in its own dtype (``torch.aminmax`` propagates NaN; an infinity is
-one of the two), or for changed values 0 or NaN per tensor.
+one of the two; for float8_e4m3fn, which torch cannot reduce, NaN or 0), or for changed values
+0 or NaN per tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ def probe(tensor: torch.Tensor) -> torch.Tensor | None:
     elements)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return None
-    return torch.stack(torch.aminmax(tensor.detach().reshape(-1)))
+    flat = tensor.detach().reshape(-1)
+    if tensor.dtype == torch.float8_e4m3fn:
+        # No reductions in this dtype, and no infinity in it: NaN is every exponent and mantissa bit set.
+        nan = ((flat.view(torch.uint8) & 0x7F) == 0x7F).any()
+        return torch.where(nan, torch.nan, 0.0).float().reshape(1).expand(2)
+    return torch.stack(torch.aminmax(flat))
 
 
 def segment_probes(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

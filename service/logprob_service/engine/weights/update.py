@@ -79,10 +79,10 @@ class Update:
             kind = "a sparse piece" if sparse else "a dense piece"
             raise InvalidArgument(f"tensor {a.name!r}: only {a.progress} came before {kind} of tensor {piece.name!r}")
         if a is None:
-            live = self.check_new(piece.name, piece.dtype, piece.shape)
+            live = self.check_new(piece.name, piece.dtype, piece.shape, sparse=sparse)
             if isinstance(piece, SparsePiece):
                 self._check_base(piece.name)
-                others = [t.check(piece.name, piece.dtype, piece.shape) for t in self.targets[1:]]
+                others = [t.check(piece.name, piece.dtype, piece.shape, sparse=True) for t in self.targets[1:]]
                 a = stream.assembly = SparseAssembly(piece, live, others)
             else:
                 into = self.stagers[0].receive(piece.dtype, piece.shape, self.stagers[1:])
@@ -141,7 +141,7 @@ class Update:
             seen.add(t.name)
             self.check_new(t.name, t.dtype, t.shape)
 
-    def check_new(self, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    def check_new(self, name: str, dtype: str, shape: tuple[int, ...], *, sparse: bool = False) -> Any:
         """The live weight ``name`` stands for, once checked to be new to this update and to fit."""
         if name in self.staged:
             raise InvalidArgument(f"tensor {name!r}: sent twice in one update")
@@ -149,7 +149,7 @@ class Update:
             raise InvalidArgument(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"tensor {name!r}: negative dimension in shape {list(shape)}")
-        return self.target.check(name, dtype, shape)
+        return self.target.check(name, dtype, shape, sparse=sparse)
 
     def stage(self, name: str, nbytes: int, make: Callable[[], Any], *, copy: bool = False) -> None:
         """Stage the tensor ``make`` returns: made, hashed and copied on the pool, off the loop.

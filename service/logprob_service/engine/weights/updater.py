@@ -466,8 +466,8 @@ class WeightUpdater:
         def apply(lane: int) -> None:
             """On ``lane``'s device thread: its replica takes its copies and the new version."""
             t0 = time.perf_counter_ns()
-            update.targets[lane].apply({name: copies[lane] for name, (copies, _) in staged.items()})
-            update.replicas[lane].updated(version, digests)
+            served_as = update.targets[lane].apply({name: copies[lane] for name, (copies, _) in staged.items()})
+            update.replicas[lane].updated(version, {**digests, **served_as})
             swap_ns[lane] = time.perf_counter_ns() - t0
 
         await self._scheduler.swap(served.info.name, apply)
