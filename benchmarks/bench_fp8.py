@@ -16,6 +16,10 @@ sequences: ``--sequences``) through the service in-process (``OfflineScorer``):
    such a checkpoint): FP8 weights and scales in memory, each dequantized inside its layer.
 4. fp8 w8a8: the same layers, activations quantized per token and 128-group, torch's ``_scaled_mm``.
 
+``--linears`` adds, in the same run, one table of each layer shape of the shapes alone (M tokens,
+``triton.testing.do_bench``): the bf16 GEMM, weights-only, W8A8 with the activations quantized by
+the Triton pass or by torch's ops, and its parts (the quantization, cuBLAS's block-scaled GEMM).
+
 Reported: tokens/s and its ratio to bf16, weight memory (the model's parameters on the GPU) and its
 ratio to bf16, and the largest and mean |difference| of the first group's log-probs from the
 dequantized model's (weights-only is expected to be bitwise equal).
@@ -156,6 +160,55 @@ def run_shape(shape: Shape, args: argparse.Namespace, harness: Harness) -> list[
     return lines
 
 
+def layer_times(n: int, k: int, rows: int) -> dict[str, float]:
+    """Milliseconds of one [rows, k] x [k, n] layer, each way it can run, and W8A8's parts."""
+    from logprob_service.ops import fp8
+    from triton.testing import do_bench
+
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q, s = quantize(w, BLOCKS.block_size)
+    dense = w.to(torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    x_q, x_s = fp8.quantize_activations(x, 128)
+    times = {
+        "bf16": do_bench(lambda: torch.nn.functional.linear(x, dense)),
+        "weights-only": do_bench(lambda: fp8.weights_only_linear(x, q, s, BLOCKS.block_size, None)),
+        "w8a8": do_bench(lambda: fp8.w8a8_linear(x, q, s, BLOCKS.block_size, None)),
+        "quantize (Triton)": do_bench(lambda: fp8.quantize_activations(x, 128)),
+        "FP8 GEMM": do_bench(lambda: fp8.scaled_mm_fp8(x_q, x_s, q, s, True, torch.bfloat16)),
+    }
+    fp8.FUSED_ACTIVATIONS = False
+    times["w8a8, torch quantize"] = do_bench(lambda: fp8.w8a8_linear(x, q, s, BLOCKS.block_size, None))
+    times["quantize (torch)"] = do_bench(lambda: fp8.quantize_activations(x, 128))
+    fp8.FUSED_ACTIVATIONS = True
+    return times
+
+
+def linear_table(shape: Shape, rows: int) -> list[str]:
+    """Each of ``shape``'s layer shapes alone, the ways it can run."""
+    attention = shape.heads * 128 + 2 * shape.kv_heads * 128
+    layers = {
+        "q/k/v": (attention, shape.hidden),
+        "o": (shape.hidden, shape.heads * 128),
+        "gate/up": (shape.intermediate, shape.hidden),
+        "down": (shape.hidden, shape.intermediate),
+    }
+    lines, header = [], ""
+    for label, (n, k) in layers.items():
+        times = layer_times(n, k, rows)
+        header = " | ".join(times)
+        cells = " | ".join(f"{t:.3f} ({times['bf16'] / t:.2f}x)" for t in times.values())
+        lines.append(f"| {shape.name} {label} {n}x{k} | {cells} |")
+    return [
+        "",
+        f"Each layer alone, {rows:,} tokens: ms (bf16's time over it)",
+        "",
+        f"| layer | {header} |",
+        "|---|" + "---:|" * 7,
+        *lines,
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -164,6 +217,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--linears", action="store_true", help="also each layer shape alone (first)")
+    parser.add_argument("--no-model", action="store_true", help="the layer shapes only")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     sampler = BusySampler.for_device(device, 0.05)
@@ -178,13 +233,14 @@ def main() -> None:
         "| shape | weights | tokens/s | vs bf16 | weight GiB | vs bf16 | max abs diff vs dequantized | mean |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in args.shapes:
+    linears = [line for name in args.shapes for line in linear_table(SHAPES[name], 16384)] if args.linears else []
+    for name in [] if args.no_model else args.shapes:
         lines += run_shape(replace(SHAPES[name]), args, harness)
         gc.collect()
         torch.cuda.empty_cache()
     if sampler is not None:
         sampler.stop()
-    table = "\n".join(lines)
+    table = "\n".join(lines + linears)
     print(table)
     if out := os.environ.get("OUT"):
         with open(os.path.join(out, "bench_fp8.md"), "w") as f:

@@ -113,3 +113,24 @@ def test_w8a8_says_which_weights_it_cannot_run():
     assert "N a multiple of 128 and K of 512" in w8a8_supported((200, 512), (128, 128))
     assert "N a multiple of 128 and K of 512" in w8a8_supported((256, 384), (128, 128))
     assert "blocks 64 x 64" in w8a8_supported((256, 384), (64, 64))
+
+
+def test_the_activation_kernel_equals_the_torch_quantization(seed, monkeypatch):
+    """One Triton pass (ops.fp8_kernel) against the torch ops it replaces: the same scales, and on a
+    GPU the same codes (Triton's CPU interpreter rounds to float8 otherwise than the GPU does)."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from logprob_service.ops import fp8
+    from logprob_service.ops.fp8_kernel import quantize_groups
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(37, 512, generator=g) * torch.logspace(-3, 2, 37)[:, None]).to(torch.bfloat16)
+    x[3, :128] = 0  # an all-zero group: the floor's scale
+    q, s = quantize_groups(x.to(device), 128, fp8.MIN_AMAX, fp8.FP8_MAX)
+    monkeypatch.setattr(fp8, "FUSED_ACTIVATIONS", False)
+    want_q, want_s = fp8.quantize_activations(x, 128)
+    assert torch.equal(s.cpu(), want_s)
+    if device == "cuda":
+        assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))

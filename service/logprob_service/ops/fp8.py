@@ -43,6 +43,8 @@ ACTIVATION_GROUP = 128
 SCALE_ROW_INPUTS = 512
 # The rows of a block-scaled FP8 GEMM: cuBLAS takes multiples of this.
 M_ALIGNMENT = 16
+# The activations' 128-groups quantized by one Triton pass on CUDA (ops.fp8_kernel), not torch's ops.
+FUSED_ACTIVATIONS = True
 # A group whose largest |x| is below this gets this as its max: the scale of an all-zero group.
 MIN_AMAX = 1e-12
 
@@ -85,8 +87,12 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q, s) of x [M, K] in groups of ``group`` along K: s [M, K / group] float32,
-    x_q = x / s in e4m3 with s = max|x_group| / 448."""
+    x_q = x / s in e4m3 with s = max|x_group| / 448 (one Triton pass on CUDA for 128-groups)."""
     m, k = x.shape
+    if x.is_cuda and group == ACTIVATION_GROUP and FUSED_ACTIVATIONS:
+        from logprob_service.ops.fp8_kernel import quantize_groups
+
+        return quantize_groups(x, group, MIN_AMAX, FP8_MAX)
     grouped = x.float().view(m, k // group, group)
     scale = grouped.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
     q = (grouped / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -123,7 +129,7 @@ def w8a8_linear(
     x_q, x_scale = quantize_activations(rows, ACTIVATION_GROUP if blockwise else k)
     w_scale = scale.reshape(scale_grid((n, k), block)).float()
     if x.is_cuda:
-        out = _scaled_mm_cuda(x_q, x_scale, weight, w_scale, blockwise, x.dtype)
+        out = scaled_mm_fp8(x_q, x_scale, weight, w_scale, blockwise, x.dtype)
     else:
         deq_x = dequantize(x_q, x_scale, (1, ACTIVATION_GROUP if blockwise else k), torch.float32)
         out = (deq_x @ dequantize(weight, w_scale, block, torch.float32).t()).to(x.dtype)
@@ -135,7 +141,7 @@ def w8a8_linear(
 # One opaque step for torch.compile (models.compiled): the scales' layouts below are what cuBLAS
 # checks, which a compiled graph need not keep.
 @torch.library.custom_op("logprob::fp8_scaled_mm", mutates_args=())
-def _scaled_mm_cuda(
+def scaled_mm_fp8(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
     weight: torch.Tensor,
@@ -143,6 +149,9 @@ def _scaled_mm_cuda(
     blockwise: bool,
     dtype: torch.dtype,
 ) -> torch.Tensor:
+    """x_q [M, K] e4m3 with its scales (per 128-group when ``blockwise``, else per row) times
+    ``weight``^T [N, K] e4m3 with its (128 x 128 block, or [N, 1]) scales, on the FP8 tensor cores:
+    [M, N] in ``dtype``."""
     n, m = weight.shape[0], x_q.shape[0]
     if blockwise:
         # cuBLAS's block-scaled layouts: the activations' scales M-major ([M, K/128] with
@@ -158,7 +167,7 @@ def _scaled_mm_cuda(
     return torch._scaled_mm(x_q, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=dtype)[:m]
 
 
-@_scaled_mm_cuda.register_fake
+@scaled_mm_fp8.register_fake
 def _(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,

@@ -60,3 +60,41 @@ def dequantize_blocks(
 ) -> torch.Tensor:
     """``ops.fp8.dequantize`` on the GPU: ``weight`` [N, K] row-major e4m3, ``scale`` the float32 grid."""
     return _dequantize(weight.contiguous(), scale.float(), block[0], block[1], dtype)
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, min_amax, fp8_max, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    # One program: ROWS rows of one group of GROUP columns. s = max(max|x|, min_amax) / 448 and
+    # q = x / s (rounded to nearest), as ops.fp8.quantize_activations computes them.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    live = rows < m
+    x = tl.load(x_ptr + rows[:, None] * k + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), min_amax) / fp8_max
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+    tl.store(q_ptr + rows[:, None] * k + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(s_ptr + rows * (k // GROUP) + tl.program_id(1), scale, mask=live)
+
+
+@torch.library.custom_op("logprob::quantize_fp8_groups", mutates_args=())
+def _quantize_groups(x: torch.Tensor, group: int, min_amax: float, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
+    rows = 32
+    _quantize_groups_kernel[(triton.cdiv(m, rows), k // group)](
+        x, q, scales, m, k, min_amax, fp8_max, ROWS=rows, GROUP=group
+    )
+    return q, scales
+
+
+@_quantize_groups.register_fake
+def _(x: torch.Tensor, group: int, min_amax: float, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=torch.float8_e4m3fn), x.new_empty((m, k // group), dtype=torch.float32)
+
+
+def quantize_groups(x: torch.Tensor, group: int, min_amax: float, fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.fp8.quantize_activations`` on the GPU in one pass: x [M, K] row-major, ``group`` a
+    power of two dividing K."""
+    return _quantize_groups(x.contiguous(), group, min_amax, fp8_max)
