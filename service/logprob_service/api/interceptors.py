@@ -29,6 +29,7 @@ from logprob_service.api import accounting, handlers
 from logprob_service.api.status import status_of
 from logprob_service.api.tensor_pieces import read_update_request
 from logprob_service.errors import LogprobError
+from logprob_service.logs import shown_id
 
 
 @dataclass
@@ -40,7 +41,7 @@ def _internal(err: Exception, request_id: str) -> LogprobError:
     """What the caller is told of an INTERNAL failure: never the bug's own words (they may hold
     paths or values), and the request id its log line carries."""
     what = err.message if isinstance(err, LogprobError) else f"internal error ({type(err).__name__})"
-    return LogprobError(f"{what}; request_id={request_id} is in the server log")
+    return LogprobError(f"{what}; request_id={shown_id(request_id)} is in the server log")
 
 
 @contextlib.asynccontextmanager
@@ -78,14 +79,16 @@ async def _guarded(
     except grpc.aio.AbortError:
         raise
     except BaseException as err:
-        code = status_of(err)
+        # A call its client cancelled is CANCELLED however its handler's last step then fails (a
+        # response written to the gone call raises ExecuteBatchError): no bug of the server's.
+        code = grpc.StatusCode.CANCELLED if context.cancelled() else status_of(err)
         # An INTERNAL answer names the log line that holds the traceback: by the request's own id,
         # or (a request without one: a weight update, LoadWeights) one made for it here.
         request_id = ""
         if code is grpc.StatusCode.INTERNAL:
             request_id = getattr(request, "request_id", "") or uuid.uuid4().hex
         account(code, err, request_id)
-        if not isinstance(err, Exception):  # cancellation and exits pass through untouched
+        if not isinstance(err, Exception) or code is grpc.StatusCode.CANCELLED:  # nobody to answer
             raise
         # Not kept in a local of this frame, which the exception's traceback holds: that cycle kept
         # every refused request in memory until the garbage collector ran (test_fuzz's no_leak).
