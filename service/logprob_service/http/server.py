@@ -70,6 +70,7 @@ class HttpEdge:
     port: int
     task: asyncio.Task
     limits: ConnectionLimits
+    bodies: BodyLimits
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop taking connections; requests in flight get ``grace_s`` to be answered."""
@@ -83,7 +84,8 @@ async def start_http(
 ) -> HttpEdge:
     """Serve the HTTP edge over ``engine`` on ``host:port`` (0 picks a free port), with TLS when the
     settings name a certificate (mutual when they name client CAs) and ``tokens``' authentication."""
-    edge = Edge(engine, tokens, BodyLimits.of(settings))
+    bodies = BodyLimits.of(settings)
+    edge = Edge(engine, tokens, bodies)
     tls: dict = {}
     if settings.tls_cert_file is not None:
         tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
@@ -133,4 +135,4 @@ async def start_http(
         await server.main_loop()
         await server.shutdown(sockets=[sock])
 
-    return HttpEdge(server, bound, asyncio.create_task(run(), name="http-edge"), limits)
+    return HttpEdge(server, bound, asyncio.create_task(run(), name="http-edge"), limits, bodies)
