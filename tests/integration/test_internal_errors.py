@@ -66,21 +66,23 @@ async def test_an_internal_answer_names_the_request_id_of_its_one_log_line(tiny,
 async def test_a_stream_its_client_cancels_is_cancelled_in_one_info_line(tiny, caplog):
     """A stream cancelled while the server writes answers its client does not read: the write to
     the gone call raised ExecuteBatchError, which was counted INTERNAL and logged as an ERROR with
-    its traceback. It is CANCELLED, one INFO line."""
+    its traceback (or, its answers all sent, the stream ended unaccounted for). It is CANCELLED,
+    one INFO line."""
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
-    sent = 3
+    sent = 2
     async with grpc.aio.insecure_channel(tiny.target) as channel:
         call = pb_grpc.LogprobServiceStub(channel).ScoreTokensStream()
-        for _ in range(sent):  # answers of about 1 MB each, more than the stream's window: nobody reads them
-            message = request(([1], list(range(1, 2000))))
+        for _ in range(sent):  # answers of about 0.6 MB each, more than the stream's window: nobody reads them
+            message = request(([1], list(range(1, 1200))))
             message.top_k = 64
             await call.write(message)
         deadline = asyncio.get_running_loop().time() + 60
-        while sum(r.getMessage() == "answered" for r in caplog.records) < sent:  # all scored, their writes blocked
+        while sum(r.getMessage() == "answered" for r in caplog.records) < sent:  # all scored, writes blocked
             assert asyncio.get_running_loop().time() < deadline, caplog.text
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
         call.cancel()
+        deadline = asyncio.get_running_loop().time() + 10
         while not failed_lines(caplog):
             assert asyncio.get_running_loop().time() < deadline, caplog.text
             await asyncio.sleep(0.05)

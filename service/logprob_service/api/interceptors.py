@@ -16,6 +16,7 @@ Only this service's RPCs are intercepted: health probes and reflection are not i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -97,7 +98,9 @@ async def _guarded(
             _internal(err, request_id) if code is grpc.StatusCode.INTERNAL else err,  # type: ignore[arg-type]
         )
     else:
-        if not answers_per_request:
+        if context.cancelled():  # a stream whose client cancelled it may still end without an error
+            account(grpc.StatusCode.CANCELLED, asyncio.CancelledError())
+        elif not answers_per_request:
             account(grpc.StatusCode.OK)
 
 
