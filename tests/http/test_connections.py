@@ -272,3 +272,12 @@ def test_half_open_connections_past_the_open_file_limit_leave_grpc_and_the_log_a
     assert "HTTP connections at their limit of 64" in log
     floods = [line for line in log.splitlines() if "Too many open files" in line or "out of system resource" in line]
     assert len(floods) <= 2, floods[:5]
+
+
+def test_settings_name_the_http_limits_and_refuse_a_buffer_smaller_than_a_body():
+    from logprob_service.config import Settings
+
+    settings = Settings(http_trusted_proxies="10.0.0.1, 10.1.0.0/16", http_max_connections=100)
+    assert settings.http_trusted_proxies == ("10.0.0.1", "10.1.0.0/16") and settings.http_max_connections == 100
+    with pytest.raises(ValueError, match="http_max_buffered_body_bytes .* must not be below http_max_body_bytes"):
+        Settings(http_max_body_bytes=8 * MiB, http_max_buffered_body_bytes=4 * MiB)
