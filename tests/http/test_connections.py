@@ -279,5 +279,5 @@ def test_settings_name_the_http_limits_and_refuse_a_buffer_smaller_than_a_body()
 
     settings = Settings(http_trusted_proxies="10.0.0.1, 10.1.0.0/16", http_max_connections=100)
     assert settings.http_trusted_proxies == ("10.0.0.1", "10.1.0.0/16") and settings.http_max_connections == 100
-    with pytest.raises(ValueError, match="http_max_buffered_body_bytes .* must not be below http_max_body_bytes"):
+    with pytest.raises(ValueError, match=r"http_max_buffered_body_bytes .* must not be below http_max_body_bytes"):
         Settings(http_max_body_bytes=8 * MiB, http_max_buffered_body_bytes=4 * MiB)

@@ -449,3 +449,16 @@ def test_every_error_code_has_an_http_status():
 
     assert set(HTTP_STATUS) == set(ErrorCode)
     assert all(400 <= status < 600 for status in HTTP_STATUS.values())
+
+
+async def test_a_long_request_id_is_cut_in_the_log_line(served, caplog):
+    """A 60 KB X-Request-Id was logged whole; the answer still echoes it."""
+    from logprob_service.logs import SHOWN_ID_CHARS
+
+    long_id = "r" * 60_000
+    caplog.set_level(logging.WARNING, logger="logprob_service.requests")
+    async with httpx.AsyncClient(base_url=served.base) as http:
+        sent = await http.post("/v1/completions", json={**COMPLETION, "prompt": []}, headers={"x-request-id": long_id})
+    assert sent.status_code == 400 and sent.headers["x-request-id"] == long_id
+    (line,) = [r for r in caplog.records if r.name == "logprob_service.requests"]
+    assert line.fields["request_id"] == "r" * SHOWN_ID_CHARS + "...(60000 characters)"
