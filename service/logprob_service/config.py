@@ -12,6 +12,7 @@ exist. Its errors name the setting as the user wrote it: the flag, the variable 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -76,6 +77,45 @@ class Settings(WeightUpdateSettings):
         description=(
             "Largest HTTP request body; a larger one is refused (413) by its Content-Length, or as it arrives, "
             "before any of it is parsed."
+        ),
+    )
+
+    http_max_buffered_body_bytes: int = Field(
+        256 * MiB,
+        ge=MiB,
+        description=(
+            "Request body bytes the HTTP edge holds at once, over every connection (bodies being read and those "
+            "of requests in progress); a body that would pass it is refused (503, retryable) as it arrives."
+        ),
+    )
+    http_max_connections: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Open HTTP connections; one past it is answered 503 and closed at once. 0: derived from the open-file "
+            "limit (half of what is left after 512 descriptors for gRPC, files and weight receivers; at most 4096), "
+            "so that HTTP connections never take the descriptors the rest of the server needs."
+        ),
+    )
+    http_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Longest an HTTP connection may take to send a request's head (from its opening, or from the end of "
+            "the answer before); past it the connection is closed. Idle keep-alive connections close after 5 s."
+        ),
+    )
+    http_body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest an HTTP request may take to send its whole body; past it: 408, and the connection closed.",
+    )
+    http_trusted_proxies: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description=(
+            "Addresses (or networks, or *) of reverse proxies whose X-Forwarded-For and X-Forwarded-Proto the HTTP "
+            "edge believes (comma-separated): a caller's address, and so its fair share without tokens, is then "
+            "the one the proxy names. Empty: those headers are ignored and the caller is its connection's address."
         ),
     )
 
@@ -348,6 +388,25 @@ class Settings(WeightUpdateSettings):
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         return self
+
+    @model_validator(mode="after")
+    def _http_body_fits_buffer(self) -> Settings:
+        if self.http_max_buffered_body_bytes < self.http_max_body_bytes:
+            raise ValueError(
+                f"http_max_buffered_body_bytes ({self.http_max_buffered_body_bytes}) must not be below "
+                f"http_max_body_bytes ({self.http_max_body_bytes}): a body of the largest size could never be read"
+            )
+        return self
+
+    @field_validator("http_trusted_proxies", mode="before")
+    @classmethod
+    def _parse_proxies(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
 
     @field_validator("models", mode="before")
     @classmethod

@@ -59,3 +59,15 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+# A request id longer than this is cut where a log line or a message shows it (a caller may send
+# one of 60 KB).
+SHOWN_ID_CHARS = 128
+
+
+def shown_id(request_id: str) -> str:
+    """``request_id`` as a log line shows it: past ``SHOWN_ID_CHARS``, cut and its length said."""
+    if len(request_id) <= SHOWN_ID_CHARS:
+        return request_id
+    return f"{request_id[:SHOWN_ID_CHARS]}...({len(request_id)} characters)"

@@ -27,6 +27,7 @@ from logprob_service.engine.engine import LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.weights.updater import WeightUpdater
+from logprob_service.http.connections import raise_open_file_limit
 from logprob_service.http.server import HttpEdge, start_http
 from logprob_service.models.build import build_rank
 from logprob_service.models.loading import resolve_devices
@@ -187,6 +188,10 @@ def _freeze_heap() -> None:
 
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM/SIGINT: bind, load, warm up, serve; then drain within the grace period."""
+    before, limit = raise_open_file_limit()
+    # Every connection, checkpoint file and weight receiver's socket takes a descriptor; the HTTP
+    # edge's connection cap is derived from this limit.
+    log.info("open-file limit: %d%s", limit, f" (raised from {before})" if limit != before else "")
     service = Service.create(settings)
     metrics_server = (
         metrics.start_metrics_server(settings.host, settings.metrics_port) if settings.metrics_port else None

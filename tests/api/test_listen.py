@@ -50,3 +50,13 @@ async def test_an_address_of_no_interface_here_is_refused():
     server = grpc.aio.server(options=server_options(Settings()))
     with pytest.raises(StartupError, match=r"^cannot listen on 192\.0\.2\.1:5005 \(--port\): Cannot assign requested"):
         listen(server, "192.0.2.1", 5005, None, "--port")  # TEST-NET-1: documentation only
+
+
+def test_connections_are_bounded_by_streams_and_keepalive():
+    """gRPC's own connection discipline (docs/security.md): a cap on concurrent streams per
+    connection, and keepalive pings that drop a peer gone silent in about 80 s."""
+    options = dict(server_options(Settings(max_concurrent_rpcs_per_connection=64)))
+    assert options["grpc.max_concurrent_streams"] == 64
+    assert options["grpc.keepalive_time_ms"] == 60_000 and options["grpc.keepalive_timeout_ms"] == 20_000
+    assert options["grpc.keepalive_permit_without_calls"] == 1 and options["grpc.http2.max_pings_without_data"] == 0
+    assert options["grpc.max_connection_age_ms"] == 300_000

@@ -30,9 +30,10 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 120.0) ->
     raise TimeoutError(f"{target} never became SERVING")
 
 
-def launch(*args: str, env: dict | None = None, stdout=subprocess.PIPE) -> subprocess.Popen:
+def launch(*args: str, env: dict | None = None, stdout=subprocess.PIPE, preexec_fn=None) -> subprocess.Popen:
     """``logprob-service serve`` in a subprocess; its output to ``stdout`` (read it, or the server
-    blocks once the pipe is full; a file does not fill)."""
+    blocks once the pipe is full; a file does not fill); ``preexec_fn`` runs in the child before
+    the server starts (e.g. to lower its limits)."""
     path = os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     return subprocess.Popen(
@@ -41,4 +42,5 @@ def launch(*args: str, env: dict | None = None, stdout=subprocess.PIPE) -> subpr
         stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=preexec_fn,
     )

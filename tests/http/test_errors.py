@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 import openai
@@ -43,6 +44,46 @@ def refusal(response: httpx.Response, status: int, param: str | None, *fragments
         ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], []]}, "prompt[1]", ["empty"]),
         ("/v1/completions", {**COMPLETION, "prompt": [1, VOCAB]}, "prompt[1]", [f"token id {VOCAB}", f"[0, {VOCAB})"]),
         ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3, -1]]}, "prompt[1][1]", ["token id -1"]),
+        # Ids past int64 were an OverflowError, a 500, on every route.
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2**63]}, "prompt[1]", ["outside int64's range"]),
+        ("/v1/completions", {**COMPLETION, "prompt": [[1], [2, -(2**64)]]}, "prompt[1][1]", ["int64"]),
+        (
+            "/generate",
+            {
+                "input_ids": [[1, 3], [2, 2**70]],
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 0},
+                "logprob_start_len": 0,
+            },
+            "input_ids[1][1]",
+            ["int64"],
+        ),
+        (
+            "/generate",
+            {
+                "input_ids": [1, 2],
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 0},
+                "logprob_start_len": 0,
+                "token_ids_logprob": [2**63],
+            },
+            "token_ids_logprob[0]",
+            ["int64"],
+        ),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [2**64, 1], "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}},
+            "token_ids[0]",
+            ["int64"],
+        ),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "prompt_logprob_token_ids": [[5], [2**63]]}},
+            "sampling_params.prompt_logprob_token_ids[1][0]",
+            ["int64"],
+        ),
+        ("/get_sequence_logprobs/", {"sequences": [[1, 2**63]], "prompt_lengths": [1]}, "sequences[0][1]", ["int64"]),
+        # List-valued per-input fields on a single input were a 500: one value, or a list of one.
         ("/v1/completions", {**COMPLETION, "prompt": [1, 2], "max_tokens": 5}, "max_tokens", ["does not generate"]),
         ("/v1/completions", {"prompt": [1, 2], "prompt_logprobs": 0}, "max_tokens", ["absent", "default: 16"]),
         ("/v1/completions", {**COMPLETION, "prompt": [1, 2], "prompt_logprobs": None}, "prompt_logprobs", ["absent"]),
@@ -66,6 +107,26 @@ def refusal(response: httpx.Response, status: int, param: str | None, *fragments
             ["does not generate"],
         ),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "text", ["tokenizer"]),
+        *(
+            (
+                "/generate",
+                {
+                    "input_ids": [1, 2],
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 0},
+                    "logprob_start_len": 0,
+                    field: value,
+                },
+                field,
+                ["2 values for 1 inputs"],
+            )
+            for field, value in (
+                ("sampling_params", [{"max_new_tokens": 0}, {"max_new_tokens": 0}]),
+                ("top_logprobs_num", [1, 2]),
+                ("rid", ["a", "b"]),
+                ("logprob_start_len", [0, 1]),
+            )
+        ),
         (
             "/generate",
             {"input_ids": [[1, 2], [3, 4]], "sampling_params": {"max_new_tokens": 0}, "return_logprob": [True]},
@@ -158,6 +219,21 @@ async def test_unknown_routes_and_methods_get_json_errors(served):
         refusal(await http.get("/v1/chat/completions"), 404, None, "no such route")
         refusal(await http.post("/update_weights", json={}), 404, None, "no such route")
         refusal(await http.get("/v1/completions"), 405, None, "method GET")
+
+
+async def test_unknown_routes_and_methods_need_a_valid_token_first(authed):
+    """With tokens configured a caller without a valid one learns nothing of the routes: 401 for
+    every path and method; with one (of any scope), 404 and 405."""
+    both, values = authed
+    async with httpx.AsyncClient(base_url=both.base) as http:
+        refusal(await http.get("/v1/chat/completions"), 401, None, "no credentials")
+        refusal(await http.get("/v1/completions"), 401, None, "no credentials")
+        wrong = {"authorization": "Bearer " + "x" * 40}
+        refusal(await http.post("/update_weights", json={}, headers=wrong), 401, None, "not valid")
+        for token in values.values():
+            valid = {"authorization": f"Bearer {token}"}
+            refusal(await http.get("/v1/chat/completions", headers=valid), 404, None, "no such route")
+            refusal(await http.get("/v1/completions", headers=valid), 405, None, "method GET")
 
 
 async def test_a_huge_body_is_refused_by_its_size_before_it_is_parsed(served, monkeypatch):
@@ -305,9 +381,12 @@ async def test_tokens_missing_wrong_or_short_of_scope_are_401_or_403(authed, rng
         bitwise([next(iter(e.values()))["logprob"] for e in choice.model_extra["prompt_logprobs"][1:]], want)
 
 
-async def test_a_caller_that_hangs_up_takes_its_queued_work_with_it(served, rng):
+async def test_a_caller_that_hangs_up_takes_its_queued_work_with_it(served, rng, caplog):
     """A request whose caller disconnects while it waits in the queue is cancelled: it never
-    reaches the model, it is counted CANCELLED, and the request ahead of it is answered."""
+    reaches the model, it is counted CANCELLED and logged in one INFO line (no ERROR, no
+    traceback: it was uvicorn's 40-line "Exception in ASGI application"), and the request ahead of
+    it is answered."""
+    caplog.set_level(logging.INFO)
     from tests.helpers.calls import Gate
 
     gate = Gate(served.running)
@@ -330,9 +409,14 @@ async def test_a_caller_that_hangs_up_takes_its_queued_work_with_it(served, rng)
         gate.restore()
     assert answered.status_code == 200
     assert gate.calls == [1]  # the held request's one sequence; the other never reached the model
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    (line,) = [r for r in caplog.records if getattr(r, "fields", {}).get("status") == "CANCELLED"]
+    assert line.levelno == logging.INFO and line.fields["error"] == "the caller hung up"
 
 
 async def test_x_request_timeout_is_the_deadline_and_passing_it_is_504(served, rng):
+    """The deadline holds for the whole call, its wait in the queue included: a call stuck behind a
+    held micro-batch is answered 504 at its deadline, as gRPC's deadline does, not once it runs."""
     from tests.helpers.calls import Gate
 
     gate = Gate(served.running)
@@ -341,18 +425,21 @@ async def test_x_request_timeout_is_the_deadline_and_passing_it_is_504(served, r
         async with httpx.AsyncClient(base_url=served.base) as http:
             held = asyncio.create_task(http.post("/v1/completions", json={**COMPLETION, "prompt": ahead}))
             await gate.wait_entered()
-            late = asyncio.create_task(
+            sent = time.monotonic()
+            expired = await asyncio.wait_for(
                 http.post(
                     "/v1/completions", json={**COMPLETION, "prompt": behind}, headers={"x-request-timeout": "0.3"}
-                )
+                ),
+                timeout=5.0,  # the micro-batch ahead is held all along
             )
-            await asyncio.sleep(1.0)  # its deadline passes while it waits behind the held micro-batch
+            waited = time.monotonic() - sent
             gate.restore()
-            answered, expired = await held, await late
+            answered = await held
     finally:
         gate.restore()
     assert answered.status_code == 200
-    refusal(expired, 504, None, "deadline passed while queued")
+    refusal(expired, 504, None, "X-Request-Timeout: 0.3 s passed")
+    assert 0.3 <= waited < 2.0, waited
 
 
 def test_every_error_code_has_an_http_status():
@@ -362,3 +449,16 @@ def test_every_error_code_has_an_http_status():
 
     assert set(HTTP_STATUS) == set(ErrorCode)
     assert all(400 <= status < 600 for status in HTTP_STATUS.values())
+
+
+async def test_a_long_request_id_is_cut_in_the_log_line(served, caplog):
+    """A 60 KB X-Request-Id was logged whole; the answer still echoes it."""
+    from logprob_service.logs import SHOWN_ID_CHARS
+
+    long_id = "r" * 60_000
+    caplog.set_level(logging.WARNING, logger="logprob_service.requests")
+    async with httpx.AsyncClient(base_url=served.base) as http:
+        sent = await http.post("/v1/completions", json={**COMPLETION, "prompt": []}, headers={"x-request-id": long_id})
+    assert sent.status_code == 400 and sent.headers["x-request-id"] == long_id
+    (line,) = [r for r in caplog.records if r.name == "logprob_service.requests"]
+    assert line.fields["request_id"] == "r" * SHOWN_ID_CHARS + "...(60000 characters)"

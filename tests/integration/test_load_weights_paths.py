@@ -177,3 +177,42 @@ def test_load_weights_roots_are_existing_directories_from_a_list_the_environment
     assert from_flags.load_weights_roots == (tmp_path / "b", tmp_path / "a") and not from_flags.check_finite_weights
     with pytest.raises(ValueError, match="is not a directory"):
         Settings(load_weights_roots=[tmp_path / "missing"])
+
+
+async def test_paths_outside_the_roots_get_one_answer_whether_they_exist_or_not(tmp_path):
+    """Outside ``load_weights_roots`` a caller cannot probe the server's disk: a file, a directory,
+    a symlink and a path that does not exist all get the same answer (its path aside), which never
+    says where a symlink leads; inside the roots a missing path is named missing."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"x")
+    (allowed / "link").symlink_to(outside)
+    running = await start(settings({"default": "builtin:tiny-llama"}, load_weights_roots=[allowed]))
+    try:
+        answers = {}
+        for path in (outside, outside / "model.safetensors", outside / "missing", "/nowhere/at/all", allowed / "link"):
+            code, details, _ = await load_status(running.target, str(path))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+            answers[str(path)] = details.replace(repr(str(path)), "PATH")
+        assert len(set(answers.values())) == 1, answers
+        assert "outside the directories LoadWeights may read, or does not exist" in next(iter(answers.values()))
+        code, details, _ = await load_status(running.target, str(allowed / "missing"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not exist on the server" in details, details
+    finally:
+        await stop(running)
+
+
+async def test_files_with_no_tensors_are_refused_and_the_version_stays(tiny, tmp_path):
+    """A directory of safetensors files holding no tensor "loaded" and raised the version with 0
+    tensors: refused, naming the path."""
+    from safetensors.numpy import save_file
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        save_file({}, str(empty / name))
+    code, details, _ = await load_status(tiny.target, str(empty))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert f"path: {str(empty)!r} holds no tensors" in details
+    assert tiny.service.registry.get("default").info.version == 0

@@ -3,10 +3,11 @@
 ``record`` is called where a request's outcome becomes final: by the interceptor for each unary
 RPC and for a stream that fails as a whole, and by the stream handler for each request answered
 on a stream. One log line per request, on the ``logprob_service.requests`` logger: DEBUG when it
-succeeded, WARNING when it failed, ERROR with the traceback when the failure is a bug
-(INTERNAL). Each line carries the RPC, the client (``security/caller.py``: token name or peer address),
-request id, model, sequences, tokens, timings (the response's metadata when scored, else the
-time the handler took) and status as structured fields (see ``logs``).
+succeeded, INFO when its client cancelled it (or hung up), WARNING when it failed, ERROR with the
+traceback when the failure is a bug (INTERNAL). Each line carries the RPC, the client
+(``security/caller.py``: token name or peer address), request id (cut to ``logs.SHOWN_ID_CHARS``),
+model, sequences, tokens, timings (the response's metadata when scored, else the time the handler
+took) and status as structured fields (see ``logs``).
 
 A weight push over several UpdateWeights calls (``UpdateWeightsHeader.streams``, one
 ``update_id``) is one request: each call is logged, but the push is counted once, by the first of
@@ -27,6 +28,7 @@ from logprob_proto import logprob_pb2 as pb
 
 from logprob_service.api import wire
 from logprob_service.errors import LogprobError
+from logprob_service.logs import shown_id
 from logprob_service.observability import metrics
 from logprob_service.security.caller import current_client
 
@@ -72,14 +74,23 @@ def _counts(update_id: str) -> bool:
     return True
 
 
+_LEVELS = {
+    grpc.StatusCode.OK: logging.DEBUG,
+    grpc.StatusCode.CANCELLED: logging.INFO,
+    grpc.StatusCode.INTERNAL: logging.ERROR,
+}
+
+
 def _level(code: grpc.StatusCode) -> int:
-    if code is grpc.StatusCode.OK:
-        return logging.DEBUG
-    return logging.ERROR if code is grpc.StatusCode.INTERNAL else logging.WARNING
+    return _LEVELS.get(code, logging.WARNING)
 
 
-def _error_text(error: BaseException) -> str:
-    return error.message if isinstance(error, LogprobError) else f"{type(error).__name__}: {error}"
+def _error_text(error: BaseException, code: grpc.StatusCode) -> str:
+    if isinstance(error, LogprobError):
+        return error.message
+    if code is grpc.StatusCode.CANCELLED:
+        return "the client cancelled the call"
+    return f"{type(error).__name__}: {error}"
 
 
 def record(
@@ -118,11 +129,11 @@ def record(
         fields["client"] = client
     if scoring is not None:
         sequences, tokens = wire.request_size(scoring)
-        fields |= {"request_id": scoring.request_id, "model": model, "sequences": sequences}
+        fields |= {"request_id": shown_id(scoring.request_id), "model": model, "sequences": sequences}
         if tokens is not None:
             fields["tokens"] = tokens
     elif request_id:
-        fields["request_id"] = request_id
+        fields["request_id"] = shown_id(request_id)
     if update_id:
         fields["update_id"] = update_id
     if isinstance(response, pb.UpdateWeightsResponse):
@@ -137,7 +148,7 @@ def record(
     else:
         fields["total_ms"] = round(elapsed_ns / 1e6, 3)
     if error is not None:
-        fields["error"] = _error_text(error)
+        fields["error"] = _error_text(error, code)
     log.log(
         level,
         "answered" if error is None else "failed",

@@ -30,6 +30,7 @@ from logprob_service.api import accounting, handlers
 from logprob_service.api.status import status_of
 from logprob_service.api.tensor_pieces import read_update_request
 from logprob_service.errors import LogprobError
+from logprob_service.logs import shown_id
 
 
 @dataclass
@@ -41,7 +42,7 @@ def _internal(err: Exception, request_id: str) -> LogprobError:
     """What the caller is told of an INTERNAL failure: never the bug's own words (they may hold
     paths or values), and the request id its log line carries."""
     what = err.message if isinstance(err, LogprobError) else f"internal error ({type(err).__name__})"
-    return LogprobError(f"{what}; request_id={request_id} is in the server log")
+    return LogprobError(f"{what}; request_id={shown_id(request_id)} is in the server log")
 
 
 def cancellation_reason(context: grpc.aio.ServicerContext) -> str:
@@ -95,7 +96,9 @@ async def _guarded(
     except grpc.aio.AbortError:
         raise
     except BaseException as err:
-        code = status_of(err)
+        # A call its client cancelled is CANCELLED however its handler's last step then fails (a
+        # response written to the gone call raises ExecuteBatchError): no bug of the server's.
+        code = grpc.StatusCode.CANCELLED if context.cancelled() else status_of(err)
         # An INTERNAL answer names the log line that holds the traceback: by the request's own id,
         # or (a request without one: a weight update, LoadWeights) one made for it here.
         request_id = ""
@@ -105,7 +108,7 @@ async def _guarded(
             asyncio.CancelledError(cancellation_reason(context)) if isinstance(err, asyncio.CancelledError) else err
         )
         account(code, logged, request_id)
-        if not isinstance(err, Exception):  # cancellation and exits pass through untouched
+        if not isinstance(err, Exception) or code is grpc.StatusCode.CANCELLED:  # nobody to answer
             raise
         # Not kept in a local of this frame, which the exception's traceback holds: that cycle kept
         # every refused request in memory until the garbage collector ran (test_fuzz's no_leak).
@@ -114,7 +117,9 @@ async def _guarded(
             _internal(err, request_id) if code is grpc.StatusCode.INTERNAL else err,  # type: ignore[arg-type]
         )
     else:
-        if not answers_per_request:
+        if context.cancelled():  # a stream whose client cancelled it may still end without an error
+            account(grpc.StatusCode.CANCELLED, asyncio.CancelledError())
+        elif not answers_per_request:
             account(grpc.StatusCode.OK)
 
 

@@ -73,6 +73,10 @@ class ForwardedContext:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
+    def cancelled(self) -> bool:
+        """Never as such: a forwarded call its client breaks off has its task cancelled instead."""
+        return False
+
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code
 

@@ -5,38 +5,59 @@ The wrapper, for every request:
 
 1. checks the bearer token (``security.bearer_tokens.check_bearer``, as gRPC does; every route but
    the health checks needs scope ``score``) and sets the client identity (the token's name, else
-   the caller's IP address) that the fair share counts;
-2. reads the body, refusing one over ``http_max_body_bytes`` (413) by its Content-Length, or as
-   it arrives, before any of it is parsed;
-3. runs the route, which parses the body, calls the engine facade and encodes the answer;
-4. maps what the route raises to a status and a JSON error body (``errors``): a
+   the caller's IP address, which X-Forwarded-For replaces only from ``http_trusted_proxies``)
+   that the fair share counts;
+2. holds the call to its ``X-Request-Timeout`` from here to its answer, queue wait included (504
+   past it, as gRPC's deadline does);
+3. reads the body (``BodyLimits``), refusing one over ``http_max_body_bytes`` (413) by its
+   Content-Length, or as it arrives, before any of it is parsed; one not all sent within
+   ``http_body_timeout_s`` (408); and one that would take the bytes held of every connection's
+   body past ``http_max_buffered_body_bytes`` (503, retryable);
+4. runs the route, which parses the body, calls the engine facade and encodes the answer;
+5. maps what the route raises to a status and a JSON error body (``errors``): a
    ``LogprobError`` is the caller's to act on; anything else is a bug, answered 500 with the
    request id its log line (with the traceback) carries, and the server serves on;
-5. accounts for the request once: ``logprob_requests_total{protocol="http"}`` and one log line on
-   the ``logprob_service.requests`` logger, as the gRPC edge's ``accounting`` does.
+6. accounts for the request once: ``logprob_requests_total{protocol="http"}`` and one log line on
+   the ``logprob_service.requests`` logger, as the gRPC edge's ``accounting`` does (a caller that
+   hung up: CANCELLED, one INFO line).
 
-Unknown paths get 404 and a wrong method 405, with the same JSON error body.
+Unknown paths get 404 and a wrong method 405, with the same JSON error body; with tokens
+configured, only once the caller's token is valid, so that the route table is not shown to
+callers without one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import pydantic_core
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from logprob_service.config import Settings
 from logprob_service.domain import ScoreResult
 from logprob_service.engine.engine import LogprobEngine
-from logprob_service.errors import ErrorCode, InvalidArgument, LogprobError
-from logprob_service.http.errors import BodyTooLarge, MethodNotAllowed, NoSuchRoute, error_body, http_status
+from logprob_service.errors import DeadlineExceeded, ErrorCode, InvalidArgument, LogprobError, PermissionDenied
+from logprob_service.http.errors import (
+    BodiesBuffered,
+    BodyTooLarge,
+    BodyTooSlow,
+    CallerGone,
+    MethodNotAllowed,
+    NoSuchRoute,
+    error_body,
+    http_status,
+)
+from logprob_service.logs import shown_id
 from logprob_service.observability import metrics
 from logprob_service.security.bearer_tokens import Scope, TokenTable, check_bearer
 from logprob_service.security.caller import current_client, set_client
@@ -44,6 +65,8 @@ from logprob_service.security.caller import current_client, set_client
 log = logging.getLogger("logprob_service.requests")
 
 JSON = "application/json"
+# What a caller over http_max_buffered_body_bytes is told to wait before it retries.
+BUFFERED_RETRY_S = 1.0
 
 
 @dataclass
@@ -88,25 +111,69 @@ def json_error(err: LogprobError, request_id: str = "") -> Response:
         headers["retry-after"] = str(max(1, round(err.retry_after_s)))
     if err.code is ErrorCode.UNAUTHENTICATED:
         headers["www-authenticate"] = "Bearer"
+    if isinstance(err, BodyTooSlow):  # the rest of a body this slow is not waited for: the connection goes
+        headers["connection"] = "close"
     content = pydantic_core.to_json(error_body(err))
     return Response(content, status_code=http_status(err), media_type=JSON, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, or ``BodyTooLarge`` as soon as it is known to pass ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"body: {int(declared)} bytes exceed the limit of {limit} bytes (http_max_body_bytes)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"body: more than the limit of {limit} bytes (http_max_body_bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+@dataclass
+class BodyLimits:
+    """What the edge reads of request bodies: each one's bytes and time, and the bytes held of all
+    of them at once (``held``: of bodies being read and of requests still in progress)."""
+
+    max_body_bytes: int
+    body_timeout_s: float
+    max_buffered_bytes: int
+    held: int = 0
+
+    @classmethod
+    def of(cls, settings: Settings) -> BodyLimits:
+        return cls(settings.http_max_body_bytes, settings.http_body_timeout_s, settings.http_max_buffered_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def read(self, request: Request) -> AsyncIterator[bytes]:
+        """The whole body, held against ``max_buffered_bytes`` until the block ends; ``BodyTooLarge``
+        as soon as it is known to pass ``max_body_bytes``, ``BodyTooSlow`` past ``body_timeout_s``,
+        ``BodiesBuffered`` when the bytes held would pass ``max_buffered_bytes``, ``CallerGone``
+        when the caller hangs up first."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"body: {int(declared)} bytes exceed the limit of {limit} bytes (http_max_body_bytes)")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    async for chunk in request.stream():
+                        if size + len(chunk) > limit:
+                            raise BodyTooLarge(f"body: more than the limit of {limit} bytes (http_max_body_bytes)")
+                        self._take(len(chunk))
+                        size += len(chunk)
+                        chunks.append(chunk)
+            except TimeoutError:
+                raise BodyTooSlow(
+                    f"body: not all sent within {self.body_timeout_s:g} s (http_body_timeout_s); {size} bytes came"
+                ) from None
+            except ClientDisconnect:
+                raise CallerGone() from None
+            yield b"".join(chunks)
+        finally:
+            self.held -= size
+
+    def _take(self, size: int) -> None:
+        if self.held + size > self.max_buffered_bytes:
+            raise BodiesBuffered(
+                f"body: the server holds {self.held} bytes of request bodies; this one would pass "
+                f"http_max_buffered_body_bytes={self.max_buffered_bytes}",
+                BUFFERED_RETRY_S,
+            )
+        self.held += size
 
 
-def _deadline(request: Request) -> float | None:
+def _timeout(request: Request) -> float | None:
+    """The call's X-Request-Timeout in seconds, if sent."""
     text = request.headers.get("x-request-timeout")
     if text is None:
         return None
@@ -116,16 +183,16 @@ def _deadline(request: Request) -> float | None:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
         raise InvalidArgument(f"X-Request-Timeout: {text!r} is not a number of seconds > 0")
-    return time.monotonic() + seconds
+    return seconds
 
 
 class Edge:
     """The routes over ``engine``, with ``tokens``' authentication (None: off)."""
 
-    def __init__(self, engine: LogprobEngine, tokens: TokenTable | None, max_body_bytes: int) -> None:
+    def __init__(self, engine: LogprobEngine, tokens: TokenTable | None, bodies: BodyLimits) -> None:
         self.engine = engine
         self.tokens = tokens
-        self.max_body_bytes = max_body_bytes
+        self.bodies = bodies
 
     def route(
         self, path: str, handler: Handler, *, methods: tuple[str, ...] = ("POST",), scope: Scope | None = "score"
@@ -144,19 +211,30 @@ class Edge:
                 if self.tokens is not None and scope is not None:
                     principal = check_bearer(self.tokens, request.headers.get("authorization"), path, scope, "header")
                     set_client(principal.name)
-                deadline = _deadline(request)
-                body = await read_body(request, self.max_body_bytes) if request.method == "POST" else b""
-                call = Call(self.engine, body, request_id, deadline, request)
-                answer = await handler(call)
+                seconds = _timeout(request)
+                deadline = None if seconds is None else time.monotonic() + seconds
+                try:
+                    async with asyncio.timeout(seconds), self._body(request) as body:
+                        call = Call(self.engine, body, request_id, deadline, request)
+                        answer = await handler(call)
+                except TimeoutError:
+                    if deadline is None or time.monotonic() < deadline:
+                        raise
+                    raise DeadlineExceeded(
+                        f"X-Request-Timeout: {seconds:g} s passed before the request was answered"
+                    ) from None
                 return answer.response(request_id)
             except LogprobError as err:
                 error = err
                 return json_error(err, request_id)
+            except CallerGone as err:  # nobody to answer: the response goes nowhere
+                error = err
+                return Response(status_code=499)
             except Exception as err:  # a bug: the caller gets its log line's request id, never its words
                 error = err
-                what = f"internal error ({type(err).__name__}); request_id={request_id} is in the server log"
+                what = f"internal error ({type(err).__name__}); request_id={shown_id(request_id)} is in the server log"
                 return json_error(LogprobError(what), request_id)
-            except BaseException as err:  # the caller hung up (its job was cancelled): no answer goes
+            except BaseException as err:  # the server cancelled the call (it stops): no answer goes
                 error = err
                 raise
             finally:
@@ -166,9 +244,19 @@ class Edge:
 
         return Route(path, endpoint, methods=list(methods))
 
+    def _body(self, request: Request) -> contextlib.AbstractAsyncContextManager[bytes]:
+        return self.bodies.read(request) if request.method == "POST" else contextlib.nullcontext(b"")
+
     def app(self, routes: list[Route]) -> Starlette:
         async def not_found(request: Request, exc: HTTPException) -> Response:
             path = request.url.path
+            if self.tokens is not None:  # only a caller with a valid token learns which routes are here
+                try:
+                    check_bearer(self.tokens, request.headers.get("authorization"), path, "score", "header")
+                except PermissionDenied:
+                    pass  # a valid token, of any scope
+                except LogprobError as err:
+                    return json_error(err)
             if exc.status_code == 405:
                 return json_error(MethodNotAllowed(f"{path}: method {request.method} is not allowed here"))
             return json_error(NoSuchRoute(f"{path}: no such route here (docs/http.md lists them)"))
@@ -182,7 +270,14 @@ def _code(error: BaseException | None) -> str:
         return "OK"
     if isinstance(error, LogprobError):
         return error.code.name
-    return "INTERNAL" if isinstance(error, Exception) else "CANCELLED"
+    return "INTERNAL" if isinstance(error, Exception) and not isinstance(error, CallerGone) else "CANCELLED"
+
+
+def _level(code: str) -> int:
+    """As gRPC's accounting: DEBUG when answered, INFO when the caller hung up, ERROR for a bug,
+    else WARNING."""
+    levels = {"OK": logging.DEBUG, "CANCELLED": logging.INFO, "INTERNAL": logging.ERROR}
+    return levels.get(code, logging.WARNING)
 
 
 def _account(
@@ -190,10 +285,10 @@ def _account(
 ) -> None:
     code = _code(error)
     metrics.observe_request(model, path, code, "http")
-    level = logging.DEBUG if error is None else logging.ERROR if code == "INTERNAL" else logging.WARNING
+    level = _level(code)
     if not log.isEnabledFor(level):
         return
-    fields: dict[str, object] = {"rpc": path, "protocol": "http", "status": code, "request_id": request_id}
+    fields: dict[str, object] = {"rpc": path, "protocol": "http", "status": code, "request_id": shown_id(request_id)}
     if model:
         fields["model"] = model
     if client := current_client():
@@ -210,8 +305,12 @@ def _account(
         }
     else:
         fields["total_ms"] = round(elapsed_ns / 1e6, 3)
-    if error is not None:
-        fields["error"] = error.message if isinstance(error, LogprobError) else f"{type(error).__name__}: {error}"
+    if isinstance(error, LogprobError):
+        fields["error"] = error.message
+    elif code == "CANCELLED":
+        fields["error"] = "the caller hung up" if isinstance(error, CallerGone) else "the server stopped the call"
+    elif error is not None:
+        fields["error"] = f"{type(error).__name__}: {error}"
     log.log(
         level,
         "answered" if error is None else "failed",

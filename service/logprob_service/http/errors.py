@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from logprob_service.errors import ErrorCode, InvalidArgument, LogprobError
+from logprob_service.errors import ErrorCode, InvalidArgument, LogprobError, Overloaded
 
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -38,6 +38,23 @@ class BodyTooLarge(InvalidArgument):
     status = 413
 
 
+class BodyTooSlow(LogprobError):
+    """A request body not all sent within ``http_body_timeout_s``."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+    status = 408
+
+
+class BodiesBuffered(Overloaded):
+    """A body that would take the bytes the edge holds of all bodies past ``http_max_buffered_body_bytes``."""
+
+    status = 503
+
+
+class CallerGone(Exception):
+    """The caller hung up before its answer (its work, if any, was dropped): nothing goes back."""
+
+
 class NoSuchRoute(LogprobError):
     code = ErrorCode.NOT_FOUND
 
@@ -48,7 +65,7 @@ class MethodNotAllowed(LogprobError):
 
 
 def http_status(err: LogprobError) -> int:
-    """``err``'s status: its code's, unless its class says a more precise one (413, 405)."""
+    """``err``'s status: its code's, unless its class says a more precise one (405, 408, 413, 503)."""
     return getattr(err, "status", None) or HTTP_STATUS[err.code]
 
 

@@ -22,7 +22,7 @@ from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreResult, SequenceSco
 from logprob_service.engine.validation import RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import Call
-from logprob_service.http.errors import Naming
+from logprob_service.http.errors import CallerGone, Naming
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,30 @@ class Item:
         return self.start < len(self.ids)
 
 
+INT64 = range(-(2**63), 2**63)
+
+
+def _int64(values: Sequence[int] | Sequence[Sequence[int]], field: str) -> np.ndarray:
+    """``values`` as int64; an id past int64's range is ``InvalidArgument`` naming its index (the
+    engine checks the others against the model's vocabulary)."""
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        rows = values if values and not isinstance(values[0], int) else [values]
+        where = next(
+            f"[{i}][{j}]" if rows is values else f"[{j}]"
+            for i, row in enumerate(rows)
+            for j, v in enumerate(row)  # type: ignore[arg-type]
+            if v not in INT64
+        )
+        raise InvalidArgument(f"{field}{where}: outside int64's range [-2^63, 2^63), past any vocabulary") from None
+
+
 def ids_of(values: Sequence[int], field: str) -> np.ndarray:
     """A request's token ids as int64 (the engine checks them against the model's vocabulary)."""
     if not values:
         raise InvalidArgument(f"{field}: is empty; at least 1 token is required")
-    return np.asarray(values, dtype=np.int64)
+    return _int64(values, field)
 
 
 def check_start(start: int, n: int, field: str, rule: str) -> None:
@@ -64,10 +83,10 @@ def candidate_rows(values: Sequence[int] | Sequence[Sequence[int]], rows: int, f
         widths = {len(row) for row in values}
         if len(widths) > 1:
             raise InvalidArgument(f"{field}: rows of {sorted(widths)} ids; every row needs the same number")
-        return np.asarray(values, dtype=np.int64).reshape(rows, -1)
+        return _int64(values, field).reshape(rows, -1)
     if not values:
         raise InvalidArgument(f"{field}: is empty; at least 1 candidate id is required")
-    return np.broadcast_to(np.asarray(values, dtype=np.int64), (rows, len(values)))
+    return np.broadcast_to(_int64(values, field), (rows, len(values)))
 
 
 @dataclass(frozen=True)
@@ -141,7 +160,7 @@ async def score_items(
 ) -> Scored:
     """Score ``items`` as one job of ``call``'s client (``answer_bytes``: its ``AnswerSize``);
     ``InvalidArgument`` naming the request's fields. A caller that disconnects first cancels its
-    job (its queued work is dropped); the error then goes nowhere."""
+    job (its queued work is dropped): then ``CallerGone``."""
     call.model = model  # the request's model, for its accounting whatever the outcome
     scored = [item for item in items if item.scored]
     if not scored:
@@ -172,6 +191,8 @@ async def score_items(
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
+    if work.cancelled():
+        raise CallerGone()
     try:
         result = work.result()
     except InvalidArgument as err:

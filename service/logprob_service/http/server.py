@@ -1,6 +1,9 @@
 """The HTTP edge as a uvicorn server in the engine's event loop: its routes, TLS from the same
 settings as gRPC, and a stop that lets answers in flight finish.
 
+Its connections are bounded (``connections``): a cap below the open-file limit, a deadline for
+each request's head; ``app`` bounds each body's time and the bytes of all bodies held at once.
+
 uvicorn is run by its parts (``startup``, ``main_loop``, ``shutdown``), not ``Server.serve``,
 which would take over SIGTERM/SIGINT from the start-up module that drains both edges.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import socket
 import ssl
 from dataclasses import dataclass
@@ -18,12 +22,16 @@ import uvicorn
 from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
 from logprob_service.http import sglang, trl, vllm
-from logprob_service.http.app import Edge
+from logprob_service.http.app import BodyLimits, Edge
+from logprob_service.http.connections import ConnectionLimits, connection_cap, guarded, quiet_accept_errors
 from logprob_service.security.bearer_tokens import TokenTable
 from logprob_service.security.exposure import exposure_warnings
 from logprob_service.settings_sources import StartupError
 
 log = logging.getLogger(__name__)
+
+# uvicorn's default: an idle keep-alive connection is closed after this long.
+KEEP_ALIVE_S = 5.0
 
 
 def routes(edge: Edge) -> list:
@@ -61,6 +69,8 @@ class HttpEdge:
     server: uvicorn.Server
     port: int
     task: asyncio.Task
+    limits: ConnectionLimits
+    bodies: BodyLimits
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop taking connections; requests in flight get ``grace_s`` to be answered."""
@@ -74,21 +84,31 @@ async def start_http(
 ) -> HttpEdge:
     """Serve the HTTP edge over ``engine`` on ``host:port`` (0 picks a free port), with TLS when the
     settings name a certificate (mutual when they name client CAs) and ``tokens``' authentication."""
-    edge = Edge(engine, tokens, settings.http_max_body_bytes)
+    bodies = BodyLimits.of(settings)
+    edge = Edge(engine, tokens, bodies)
     tls: dict = {}
     if settings.tls_cert_file is not None:
         tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
         if settings.tls_client_ca_file is not None:
             tls |= {"ssl_ca_certs": str(settings.tls_client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    proxies = list(settings.http_trusted_proxies)
     config = uvicorn.Config(
         edge.app(routes(edge)),
         lifespan="off",
         log_config=None,
         access_log=False,  # every request is logged once, by the edge (app._account)
         server_header=False,
+        # X-Forwarded-For names the caller (and so its fair share) only when sent by a proxy named
+        # here; uvicorn's default believes any from loopback.
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
+        timeout_keep_alive=KEEP_ALIVE_S,
         **tls,
     )
     config.load()
+    limits = ConnectionLimits(connection_cap(settings.http_max_connections), settings.http_header_timeout_s)
+    config.http_protocol_class = guarded(config.http_protocol_class, limits)
+    quiet_accept_errors(asyncio.get_running_loop())
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
     sock = _bind(host, port)
@@ -98,6 +118,16 @@ async def start_http(
         sock.close()
         raise
     bound = sock.getsockname()[1]
+    log.info(
+        "HTTP edge: at most %d connections (http_max_connections; open-file limit %d), request heads within "
+        "%.0f s, bodies within %.0f s, %d MiB of bodies held at once; proxy headers %s",
+        limits.max_connections,
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        settings.http_header_timeout_s,
+        settings.http_body_timeout_s,
+        settings.http_max_buffered_body_bytes // 2**20,
+        f"from {', '.join(proxies)}" if proxies else "ignored",
+    )
     for warning in exposure_warnings(host, tls=bool(tls), auth=tokens is not None, edge="HTTP"):
         log.warning("%s", warning)
 
@@ -105,4 +135,4 @@ async def start_http(
         await server.main_loop()
         await server.shutdown(sockets=[sock])
 
-    return HttpEdge(server, bound, asyncio.create_task(run(), name="http-edge"))
+    return HttpEdge(server, bound, asyncio.create_task(run(), name="http-edge"), limits, bodies)

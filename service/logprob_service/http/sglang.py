@@ -53,10 +53,10 @@ class GenerateRequest(Strict):
     stream: bool | None = False
 
 
-def _each(value: T | list[T] | None, i: int, batch: int, field: str, single: bool) -> T | None:
-    """A per-input field: one value for all inputs, or (a batch) one per input."""
-    if single or not isinstance(value, list):
-        return value  # type: ignore[return-value]
+def _each(value: T | list[T] | None, i: int, batch: int, field: str) -> T | None:
+    """A per-input field: one value for all inputs, or one per input (a single input's: a list of one)."""
+    if not isinstance(value, list):
+        return value
     if len(value) != batch:
         raise InvalidArgument(f"{field}: {len(value)} values for {batch} inputs; give one, or one per input")
     return value[i]
@@ -105,26 +105,26 @@ async def generate(call: Call) -> Answer:
         where = "" if single else f"[{i}]"
         field = f"input_ids{where}"
         ids = ids_of(batch[i], field)
-        params = _each(request.sampling_params, i, len(batch), "sampling_params", single) or SamplingParams()
+        params = _each(request.sampling_params, i, len(batch), "sampling_params") or SamplingParams()
         generates_none(params, "max_new_tokens", f"sampling_params{where}.max_new_tokens", (0,))
         temperatures.add(params.temperature or 0.0)
-        if not _each(request.return_logprob, i, len(batch), "return_logprob", single):
+        if not _each(request.return_logprob, i, len(batch), "return_logprob"):
             raise InvalidArgument(f"return_logprob{where}: not true; this server answers log-probs only (send true)")
-        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len", single)
+        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len")
         start = -1 if start is None else start
         check_start(start, len(ids) - 1, f"logprob_start_len{where}", "the first input position answered")
-        tops.add(_each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single) or 0)
+        tops.add(_each(request.top_logprobs_num, i, len(batch), "top_logprobs_num") or 0)
         item = Item(ids, max(start, 1), field)
         wanted = request.token_ids_logprob
         if wanted is not None:
             shared = single or (bool(wanted) and isinstance(wanted[0], int))
             name = "token_ids_logprob" if shared else f"token_ids_logprob[{i}]"
-            mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob", single)
+            mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob")
             candidates = candidate_rows(mine, len(ids) - item.start, name)  # type: ignore[arg-type]
             item = dataclasses.replace(item, candidates=candidates, candidates_field=name)
         items.append(item)
         starts.append(start)
-        rids.append(_each(request.rid, i, len(batch), "rid", single) or uuid.uuid4().hex)
+        rids.append(_each(request.rid, i, len(batch), "rid") or uuid.uuid4().hex)
     if len(temperatures) > 1:
         raise InvalidArgument("sampling_params: inputs of one request must share a temperature; send them apart")
     if len(tops) > 1:

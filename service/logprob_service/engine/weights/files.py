@@ -38,10 +38,28 @@ def _file_kind(mode: int) -> str:
     return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
+def _outside(where: str, roots: Sequence[Path]) -> InvalidArgument:
+    return InvalidArgument(
+        f"path: {where} is outside the directories LoadWeights may read, or does not exist "
+        f"(load_weights_roots and the served checkpoints: {', '.join(map(str, roots))})"
+    )
+
+
 def _resolve(name: Path, where: str, roots: Sequence[Path]) -> tuple[Path, os.stat_result]:
     """``name`` with its symlinks followed, and its stat, once checked to lie outside
     ``FORBIDDEN_ROOTS`` and, when any are given, under one of ``roots``. ``where``: how messages
-    name it."""
+    name it.
+
+    With ``roots``, a path outside them gets one answer whether it exists or not, and never says
+    where its symlinks lead: its place is checked first, its symlinks followed as far as they
+    exist, and only a path inside may be told apart as missing or unreadable."""
+    if roots:
+        try:
+            loose = name.expanduser().resolve(strict=False)
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, no such user (~x), a NUL
+            raise _outside(where, roots) from None
+        if not any(loose.is_relative_to(root) for root in roots):
+            raise _outside(where, roots)
     try:
         resolved = name.expanduser().resolve(strict=True)
         info = resolved.stat()
@@ -54,10 +72,7 @@ def _resolve(name: Path, where: str, roots: Sequence[Path]) -> tuple[Path, os.st
     if any(resolved.is_relative_to(forbidden) for forbidden in FORBIDDEN_ROOTS):
         raise InvalidArgument(f"path: {where} is under /proc, /sys or /dev, which LoadWeights never reads")
     if roots and not any(resolved.is_relative_to(root) for root in roots):
-        raise InvalidArgument(
-            f"path: {where} is outside the directories LoadWeights may read "
-            f"(load_weights_roots and the served checkpoints: {', '.join(map(str, roots))})"
-        )
+        raise _outside(where, roots)
     return resolved, info
 
 
@@ -80,6 +95,12 @@ def safetensors_files(path: str, roots: Sequence[Path] = ()) -> list[Path]:
     if Path(path).suffix == ".safetensors":
         return [_regular(Path(path), top, info, where)]
     raise InvalidArgument(f"path: {where} is neither a .safetensors file nor a directory on the server")
+
+
+def no_tensors(path: str) -> InvalidArgument:
+    """A LoadWeights of ``path`` whose files hold no tensor: refused, nothing changes."""
+    where = _shown_path(path)
+    return InvalidArgument(f"path: {where} holds no tensors (its .safetensors files are empty); nothing loaded")
 
 
 def _regular_file(name: Path, where: str, roots: Sequence[Path]) -> Path:

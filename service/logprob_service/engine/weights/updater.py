@@ -32,7 +32,7 @@ from logprob_service.domain import (
 from logprob_service.engine.interfaces import JoinGroup, Staging, WeightGroup
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
-from logprob_service.engine.weights.files import safetensors_files, served_checkpoint_dirs
+from logprob_service.engine.weights.files import no_tensors, safetensors_files, served_checkpoint_dirs
 from logprob_service.engine.weights.session import Session, StreamIdle
 from logprob_service.engine.weights.update import Stream, Update, one_digest_per_weight
 from logprob_service.errors import (
@@ -244,9 +244,13 @@ class WeightUpdater:
         # On a thread: a path's lookups may wait on a slow filesystem.
         files = await asyncio.to_thread(self._checkpoint_files, path)
         with self._updating_model(header) as update:
+            added = 0
             for file in files:  # one file in host memory at a time (checkpoint shards are a few GB)
                 for name, dtype, shape, tensor in await asyncio.to_thread(self._staging.read_file, file):
                     update.add_tensor(name, dtype, shape, tensor)
+                    added += 1
+            if not added:
+                raise no_tensors(path)
             return await self._commit(update, start)
 
     def _checkpoint_files(self, path: str) -> list[Path]:
