@@ -44,7 +44,7 @@ def test_every_setting_is_in_one_group_and_every_group_names_settings():
 def test_the_configuration_reference_has_the_same_groups_in_the_same_order():
     text = (ROOT / "docs" / "configuration.md").read_text()
     assert re.findall(r"^## ([a-z]+): ", text, flags=re.MULTILINE) == ORDER
-    rows = re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.MULTILINE)
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|", text, flags=re.MULTILINE)
     assert rows == [name for _, _, members in grouped_settings(Settings.model_fields) for name in members]
 
 
@@ -72,5 +72,12 @@ def test_the_server_extra_needs_no_triton_so_make_serve_installs_on_macos():
         for path in service.rglob("*.py")
         if re.search(r"^(import triton|from triton)", path.read_text(), flags=re.MULTILINE)
     ]
-    # Only the kernel modules, which ops/dispatch.py and ops/digest.py import lazily on CUDA.
-    assert sorted(top_level) == ["ops/digest_kernel.py", "ops/fused_logprobs.py", "ops/fused_topk.py"]
+    # Only the kernel modules, which ops/dispatch.py, ops/digest.py, ops/fp8.py and ops/mxfp4.py
+    # import lazily on CUDA.
+    assert sorted(top_level) == [
+        "ops/digest_kernel.py",
+        "ops/fp8_kernel.py",
+        "ops/fused_logprobs.py",
+        "ops/fused_topk.py",
+        "ops/mxfp4_kernel.py",
+    ]
