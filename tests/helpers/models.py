@@ -116,12 +116,10 @@ def _qwen3(tied: bool, common: dict) -> PreTrainedModel:
 
 def _qwen3_moe(tied: bool, common: dict) -> PreTrainedModel:
     config = Qwen3MoeConfig(
-        **common,
-        head_dim=16,
+        **{"head_dim": 16, "moe_intermediate_size": 32, **common},  # dims may set either
         tie_word_embeddings=tied,
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=32,
         norm_topk_prob=True,
     )
     return Qwen3MoeForCausalLM(config)

@@ -69,6 +69,31 @@ def quantized_linears(model: PreTrainedModel) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in name]
 
 
+def expert_banks(model: PreTrainedModel) -> list[str]:
+    """The names of a mixture-of-experts model's expert banks (stacked [E, out, in] weights)."""
+    return [name for name, m in model.named_modules() if name.endswith(".experts") and hasattr(m, "gate_up_proj")]
+
+
+def _write_experts(state: dict, reference: PreTrainedModel, bank: str, kind, scale_name: str) -> None:
+    """A bank's experts as FP8 checkpoints keep them: each expert's gate, up and down projections
+    apart (``experts.{e}.gate_proj.weight`` and its scale), the stacked tensors gone."""
+    gate_up, down = state.pop(f"{bank}.gate_up_proj"), state.pop(f"{bank}.down_proj")  # [E, 2I, H], [E, H, I]
+    deq_gate_up, deq_down = [], []
+    for e in range(gate_up.shape[0]):
+        parts = {"gate_proj": gate_up[e].chunk(2)[0], "up_proj": gate_up[e].chunk(2)[1], "down_proj": down[e]}
+        exact = {}
+        for part, weight in parts.items():
+            block = _block(kind, tuple(weight.shape))
+            q, s = quantize(weight.contiguous(), block)
+            state[f"{bank}.{e}.{part}.weight"], state[f"{bank}.{e}.{part}.{scale_name}"] = q, s
+            exact[part] = dequantize(q, s, block, torch.float64)
+        deq_gate_up.append(torch.cat([exact["gate_proj"], exact["up_proj"]]))
+        deq_down.append(exact["down_proj"])
+    with torch.no_grad():
+        reference.get_submodule(bank).gate_up_proj.copy_(torch.stack(deq_gate_up))
+        reference.get_submodule(bank).down_proj.copy_(torch.stack(deq_down))
+
+
 def write_checkpoint(directory: Path, model: PreTrainedModel, layout: str) -> PreTrainedModel:
     """``model``'s checkpoint in ``layout`` under ``directory``; returns the float64 reference."""
     spec, scale_name, kind = LAYOUTS[layout]
@@ -76,6 +101,8 @@ def write_checkpoint(directory: Path, model: PreTrainedModel, layout: str) -> Pr
     state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # saved once, as the embedding
+    for bank in expert_banks(model):
+        _write_experts(state, reference, bank, kind, scale_name)
     for name in quantized_linears(model):
         weight = state[f"{name}.weight"]
         block = _block(kind, tuple(weight.shape))

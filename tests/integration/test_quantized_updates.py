@@ -24,14 +24,22 @@ async def _scores_and_fingerprint(target: str, model: str, sequences) -> tuple[l
         return [list(s) for s in scores], (await live(client, model)).fingerprint
 
 
-@pytest.mark.parametrize("layout", ["fp8-blocks", "ct-channel", "mxfp4"])
-async def test_a_dense_push_serves_as_a_reload_of_the_pushed_weights_quantized(tmp_path, layout, rng):
-    arch, write = ("gpt_oss", write_mxfp4_checkpoint) if layout == "mxfp4" else ("llama", None)
-    dims = None if layout == "mxfp4" else FP8_DIMS
+MOE_DIMS = {**FP8_DIMS, "moe_intermediate_size": 128}
+CASES = {  # name: (architecture, layout, dims)
+    "llama-fp8-blocks": ("llama", "fp8-blocks", FP8_DIMS),
+    "llama-ct-channel": ("llama", "ct-channel", FP8_DIMS),
+    "qwen3-moe-fp8-blocks": ("qwen3_moe", "fp8-blocks", MOE_DIMS),
+    "gpt-oss-mxfp4": ("gpt_oss", "mxfp4", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_a_dense_push_serves_as_a_reload_of_the_pushed_weights_quantized(tmp_path, case, rng):
+    arch, layout, dims = CASES[case]
     old, new = (make_model(arch, tied=False, seed=new_seed(rng), dims=dims) for _ in range(2))
     for name, model in (("old", old), ("new", new)):
-        if write is not None:
-            write(tmp_path / name, model)
+        if layout == "mxfp4":
+            write_mxfp4_checkpoint(tmp_path / name, model)
         else:
             write_checkpoint(tmp_path / name, model, layout)
     running = await start(settings({"pushed": str(tmp_path / "old"), "reloaded": str(tmp_path / "new")}))

@@ -16,6 +16,7 @@ from logprob_service.errors import InvalidArgument
 from logprob_service.models.checkpoint import ModelLoadError
 from logprob_service.models.loading import load_causal_lm
 from logprob_service.models.quantized import (
+    Fp8Experts,
     Fp8Linear,
     Mxfp4Experts,
     describe_weights,
@@ -224,3 +225,20 @@ def test_mxfp4_blocks_read_as_transformers_reads_them(tmp_path, rng):
             for proj in bank.PROJECTIONS:
                 mine = dequantize_mxfp4(getattr(bank, f"{proj}_blocks"), getattr(bank, f"{proj}_scales"), torch.float32)
                 assert torch.equal(mine.transpose(1, 2), getattr(theirs.get_submodule(name), proj)), (name, proj)
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("layout", ["fp8-blocks", "ct-channel"])
+def test_fp8_expert_banks_score_their_dequantized_experts(tmp_path, layout, rng):
+    """Qwen3-MoE with FP8 experts as such checkpoints keep them (each expert's projections apart,
+    with their scales): stacked into FP8 banks, dequantized per bank inside its forward."""
+    dims = {**FP8_DIMS, "moe_intermediate_size": 128}
+    model = make_model("qwen3_moe", tied=False, seed=int(rng.integers(1 << 30)), dims=dims)
+    reference = write_checkpoint(tmp_path, model, layout)
+    served = load_causal_lm(str(tmp_path), device=CPU, dtype=torch.float32)
+    banks = [m for m in quantized_layers(served) if isinstance(m, Fp8Experts)]
+    assert len(banks) == model.config.num_hidden_layers and all(b.gate_up_proj.dtype == FP8 for b in banks)
+    sequences = random_sequences(rng, 6, max_len=30)
+    with OfflineScorer(served, logprob_op=LogprobOp("eager"), max_batch_tokens=100) as scorer:
+        out = scorer.score(sequences, temperature=0.8)
+    ScoreReference(reference, sequences, temperature=0.8).check([s.logprobs for s in out])

@@ -52,7 +52,12 @@ class StateDictSource:
 
 # A checkpoint keeps each expert's matrices apart (Qwen2/Qwen3-MoE, DeepSeek: ``experts.{e}.gate_proj.weight``);
 # the model holds them stacked by expert, gate and up concatenated (transformers' conversion mapping).
-CHECKPOINT_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# An FP8 checkpoint keeps each expert's scales beside its weight (``.weight_scale_inv``, or
+# compressed-tensors' ``.weight_scale``): stacked the same way, as ``gate_up_proj_scale_inv`` (the
+# names of transformers' FP8 expert banks).
+CHECKPOINT_EXPERT = re.compile(
+    r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)"
+)
 STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
@@ -73,26 +78,28 @@ class SafetensorsSource:
                     self._files.update(dict.fromkeys(f.keys(), file))
         if not self._files:
             raise ModelLoadError(f"no *.safetensors weights in {str(directory)!r}")
-        self._experts: dict[str, tuple[str, tuple[str, ...], int]] = {}  # stacked name -> (prefix, parts, experts)
+        # stacked name -> (prefix, parts, each part's tensor, experts)
+        self._experts: dict[str, tuple[str, tuple[str, ...], str, int]] = {}
         for name in self._files:
             if match := CHECKPOINT_EXPERT.fullmatch(name):
-                prefix, index, part = match.groups()
+                prefix, index, part, tensor = match.groups()
                 for stacked, parts in STACKED_EXPERTS.items():
                     if part in parts:
-                        count = self._experts.get(f"{prefix}.{stacked}", (prefix, parts, 0))[2]
-                        self._experts[f"{prefix}.{stacked}"] = (prefix, parts, max(count, int(index) + 1))
+                        key = f"{prefix}.{stacked}{tensor.removeprefix('weight')}"
+                        count = self._experts.get(key, (prefix, parts, tensor, 0))[3]
+                        self._experts[key] = (prefix, parts, tensor, max(count, int(index) + 1))
 
     def names(self) -> set[str]:
         return set(self._files) | set(self._experts)
 
     def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
         if name in self._experts:
-            prefix, parts, count = self._experts[name]
+            prefix, parts, tensor, count = self._experts[name]
             if dim not in (None, 0):
                 raise ModelLoadError(f"tensor parallel: {name} is split by expert only, not along dimension {dim}")
             experts = range(count) if dim is None else range(start, stop)
             return torch.stack(
-                [torch.cat([self.read(f"{prefix}.{e}.{part}.weight", None, 0, 0) for part in parts]) for e in experts]
+                [torch.cat([self.read(f"{prefix}.{e}.{part}.{tensor}", None, 0, 0) for part in parts]) for e in experts]
             )
         with safe_open(self._files[name], "pt") as f:
             if dim is None:
@@ -146,6 +153,10 @@ def copy_weight(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         raise ModelLoadError(
             f"tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')} in the checkpoint, but the model "
             f"holds it as {str(param.dtype).removeprefix('torch.')}: its quantization is not served on this path"
+        )
+    if tensor.shape != param.shape:
+        raise ModelLoadError(
+            f"tensor {name!r} is {list(tensor.shape)} in the checkpoint; the model holds {list(param.shape)}"
         )
     param.copy_(tensor)
 

@@ -23,8 +23,12 @@ trainer that loads the checkpoint computes; ``w8a8`` quantizes the activations t
 tensor cores. Everything the checkpoint keeps dense (embeddings, norms, the lm_head) stays in the
 serving dtype, and the fused lm_head is unchanged.
 
+A mixture-of-experts model's FP8 experts (each expert's projections apart in the checkpoint, with
+their scales) are stacked into FP8 banks (``Fp8Experts``), dequantized per bank inside its forward
+as MXFP4 banks are; they compute weights-only in either mode.
+
 Which layers are quantized is read from the checkpoint itself: a linear layer whose weight has a
-scale beside it. A checkpoint tensor stored in 8 bits that no quantized layer takes (an expert bank,
+scale beside it, an expert bank whose experts' weights do. A checkpoint tensor stored in 8 bits that no quantized layer takes (an expert bank,
 a layer the skeleton holds dense) is refused by ``checkpoint.copy_weight``, never cast.
 """
 
@@ -49,7 +53,15 @@ from logprob_service.models.checkpoint import (
     skeleton,
 )
 from logprob_service.models.weights import DenseConversion
-from logprob_service.ops.fp8 import FP8, quantize, scale_grid, w8a8_linear, w8a8_supported, weights_only_linear
+from logprob_service.ops.fp8 import (
+    FP8,
+    dequantize,
+    quantize,
+    scale_grid,
+    w8a8_linear,
+    w8a8_supported,
+    weights_only_linear,
+)
 from logprob_service.ops.mxfp4 import GROUP as MXFP4_GROUP
 from logprob_service.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -190,12 +202,12 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, block={self.block}, {self.compute}"
 
 
-class Mxfp4Experts(nn.Module):
-    """An expert bank served in MXFP4: ``{proj}_blocks`` [E, out, in / 32, 16] and ``{proj}_scales``
-    [E, out, in / 32] (uint8, the checkpoint's names and layout) for its ``gate_up_proj`` and
-    ``down_proj``, and their dense biases. Each forward dequantizes both projections (exactly:
-    ``ops.mxfp4``) and runs the bank transformers made (``bank``, kept outside the module tree: its
-    own weights never exist) with them, through its experts implementation."""
+class QuantizedExperts(nn.Module):
+    """An expert bank whose ``gate_up_proj`` and ``down_proj`` are stored quantized, under the
+    checkpoint's names, with their dense biases. Each forward dequantizes both projections into the
+    activations' dtype and runs the bank transformers made (``bank``, kept outside the module tree:
+    its own weights never exist) with them, through its experts implementation (grouped GEMMs on
+    CUDA): the dequantized model's arithmetic, one bank's dense weights in memory at a time."""
 
     PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -205,38 +217,107 @@ class Mxfp4Experts(nn.Module):
         self.transposed = bool(getattr(bank, "is_transposed", False))  # the bank's weights [E, in, out]
         self.dense_shapes = {proj: tuple(getattr(bank, proj).shape) for proj in self.PROJECTIONS}
         for proj in self.PROJECTIONS:
-            weight = getattr(bank, proj)
-            experts, inputs, outputs = weight.shape if self.transposed else (weight.shape[0], *weight.shape[:0:-1])
-            if inputs % MXFP4_GROUP:
-                raise ModelLoadError(f"{proj}: {inputs} inputs are not a multiple of {MXFP4_GROUP} (mxfp4)")
-            groups = inputs // MXFP4_GROUP
-            packed = torch.empty(experts, outputs, groups, MXFP4_GROUP // 2, dtype=torch.uint8, device=weight.device)
-            scales = torch.empty(experts, outputs, groups, dtype=torch.uint8, device=weight.device)
-            self.register_parameter(f"{proj}_blocks", nn.Parameter(packed, requires_grad=False))
-            self.register_parameter(f"{proj}_scales", nn.Parameter(scales, requires_grad=False))
-            self.register_parameter(f"{proj}_bias", getattr(bank, f"{proj}_bias"))
+            if (bias := getattr(bank, f"{proj}_bias", None)) is not None:
+                self.register_parameter(f"{proj}_bias", bias)
         object.__setattr__(self, "bank", bank)
         # What models.loading and models.compiled read of an expert bank, as the bank has them.
         self.config, self.num_experts = bank.config, bank.num_experts
         self.has_gate, self.is_concatenated = bank.has_gate, bank.is_concatenated
 
+    def rows(self, proj: str) -> tuple[int, int, int]:
+        """(experts, outputs, inputs) of ``proj``."""
+        shape = self.dense_shapes[proj]
+        return (shape[0], shape[2], shape[1]) if self.transposed else shape  # type: ignore[return-value]
+
+    def dequantized(self, proj: str, dtype: torch.dtype) -> torch.Tensor:
+        """``proj`` as [E, out, in] in ``dtype``."""
+        raise NotImplementedError
+
+    def quantize_into(self, proj: str, rows: torch.Tensor) -> None:
+        """Store ``rows`` [E, out, in] as ``proj`` from now on, quantized as the checkpoint is."""
+        raise NotImplementedError
+
     def take_dense(self, proj: str, weight: torch.Tensor) -> None:
-        """Serve ``weight`` (the bank's dense ``proj``) from now on, quantized to MXFP4."""
-        rows = weight.transpose(1, 2) if self.transposed else weight  # [E, out, in]
-        blocks, scales = quantize_mxfp4(rows.to(getattr(self, f"{proj}_blocks").device))
-        getattr(self, f"{proj}_blocks").copy_(blocks)
-        getattr(self, f"{proj}_scales").copy_(scales)
+        """Serve ``weight`` (the bank's dense ``proj``, as transformers holds it) from now on."""
+        self.quantize_into(proj, weight.transpose(1, 2) if self.transposed else weight)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        dtype = hidden_states.dtype
         weights: dict[str, torch.Tensor] = {}
         for proj in self.PROJECTIONS:
-            whole = dequantize_mxfp4(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"), dtype)
-            weights[proj] = whole.transpose(1, 2) if self.transposed else whole  # [E, out, in] as stored
-            weights[f"{proj}_bias"] = getattr(self, f"{proj}_bias")
+            whole = self.dequantized(proj, hidden_states.dtype)
+            weights[proj] = whole.transpose(1, 2) if self.transposed else whole
+            if hasattr(self, f"{proj}_bias"):
+                weights[f"{proj}_bias"] = getattr(self, f"{proj}_bias")
         return torch.func.functional_call(self.bank, weights, (hidden_states, top_k_index, top_k_weights))
+
+
+class Mxfp4Experts(QuantizedExperts):
+    """An expert bank served in MXFP4 (gpt-oss): ``{proj}_blocks`` [E, out, in / 32, 16] and
+    ``{proj}_scales`` [E, out, in / 32], uint8, the checkpoint's names and layout; dequantized
+    exactly (``ops.mxfp4``)."""
+
+    def __init__(self, bank: nn.Module, fmt: WeightFormat) -> None:
+        super().__init__(bank, fmt)
+        device = bank.gate_up_proj.device
+        for proj in self.PROJECTIONS:
+            experts, outputs, inputs = self.rows(proj)
+            if inputs % MXFP4_GROUP:
+                raise ModelLoadError(f"{proj}: {inputs} inputs are not a multiple of {MXFP4_GROUP} (mxfp4)")
+            groups = inputs // MXFP4_GROUP
+            packed = torch.empty(experts, outputs, groups, MXFP4_GROUP // 2, dtype=torch.uint8, device=device)
+            scales = torch.empty(experts, outputs, groups, dtype=torch.uint8, device=device)
+            self.register_parameter(f"{proj}_blocks", nn.Parameter(packed, requires_grad=False))
+            self.register_parameter(f"{proj}_scales", nn.Parameter(scales, requires_grad=False))
+
+    def dequantized(self, proj: str, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp4(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"), dtype)
+
+    def quantize_into(self, proj: str, rows: torch.Tensor) -> None:
+        blocks, scales = quantize_mxfp4(rows.to(getattr(self, f"{proj}_blocks").device))
+        getattr(self, f"{proj}_blocks").copy_(blocks)
+        getattr(self, f"{proj}_scales").copy_(scales)
+
+
+class Fp8Experts(QuantizedExperts):
+    """An expert bank served in FP8 (Qwen3-MoE-FP8, DeepSeek-V3): ``{proj}`` [E, out, in] e4m3 and
+    its scales ``{proj}{suffix}`` [E, out / bn, in / bk] (``_scale_inv``, or compressed-tensors'
+    ``_scale``: the names of transformers' FP8 expert banks), stacked from the checkpoint's
+    per-expert tensors (``checkpoint.SafetensorsSource``). Dequantized per bank (``ops.fp8``: one
+    scale grid over the E x out rows, so an expert's rows must fill whole blocks); the weights-only
+    arithmetic in either compute mode."""
+
+    def __init__(self, bank: nn.Module, fmt: WeightFormat) -> None:
+        super().__init__(bank, fmt)
+        if self.transposed:
+            raise ModelLoadError(f"{type(bank).__name__}: FP8 expert banks stored [E, in, out] are not served")
+        if fmt.strategy not in ("block", "channel"):
+            raise ModelLoadError(f"FP8 expert banks with {fmt.strategy} scales are not served (blocks or channels are)")
+        device = bank.gate_up_proj.device
+        self.scale_names = {proj: proj + fmt.scale_name.removeprefix("weight") for proj in self.PROJECTIONS}
+        self.blocks: dict[str, tuple[int, int]] = {}
+        for proj in self.PROJECTIONS:
+            experts, outputs, inputs = self.rows(proj)
+            block = self.blocks[proj] = fmt.block((outputs, inputs))
+            if outputs % block[0]:
+                raise ModelLoadError(f"{proj}: {outputs} outputs an expert do not fill blocks of {block[0]} rows")
+            grid = scale_grid((outputs, inputs), block)
+            weight = torch.empty(experts, outputs, inputs, dtype=FP8, device=device)
+            scale = torch.empty(experts, *grid, dtype=torch.float32, device=device)
+            self.register_parameter(proj, nn.Parameter(weight, requires_grad=False))
+            self.register_parameter(self.scale_names[proj], nn.Parameter(scale, requires_grad=False))
+
+    def dequantized(self, proj: str, dtype: torch.dtype) -> torch.Tensor:
+        weight, scale = getattr(self, proj), getattr(self, self.scale_names[proj])
+        rows = weight.flatten(0, 1)  # [E * out, in]: each expert's rows fill whole blocks
+        return dequantize(rows, scale.flatten(0, 1), self.blocks[proj], dtype).view(weight.shape)
+
+    def quantize_into(self, proj: str, rows: torch.Tensor) -> None:
+        weight, scale = getattr(self, proj), getattr(self, self.scale_names[proj])
+        q, s = quantize(rows.to(weight.device).flatten(0, 1), self.blocks[proj])
+        weight.copy_(q.view(weight.shape))
+        scale.copy_(s.view(scale.shape))
 
 
 def _quantized_module(
@@ -245,6 +326,8 @@ def _quantized_module(
     """The quantized module that serves ``module`` as the checkpoint stores it, or None (dense)."""
     if fmt.strategy == "mxfp4":
         return Mxfp4Experts(module, fmt) if f"{name}.gate_up_proj_blocks" in names else None
+    if f"{name}.gate_up_proj{fmt.scale_name.removeprefix('weight')}" in names:
+        return Fp8Experts(module, fmt)
     scale_name = f"{name}.{fmt.scale_name}"
     if type(module) is not nn.Linear or scale_name not in names:
         return None
@@ -300,8 +383,8 @@ def load_quantized_causal_lm(
     return model
 
 
-def quantized_layers(model: nn.Module) -> list[Fp8Linear | Mxfp4Experts]:
-    return [m for m in model.modules() if isinstance(m, (Fp8Linear, Mxfp4Experts))]
+def quantized_layers(model: nn.Module) -> list[Fp8Linear | QuantizedExperts]:
+    return [m for m in model.modules() if isinstance(m, (Fp8Linear, QuantizedExperts))]
 
 
 def dense_conversions(model: nn.Module) -> dict[str, DenseConversion]:
@@ -313,9 +396,11 @@ def dense_conversions(model: nn.Module) -> dict[str, DenseConversion]:
             writes = (f"{name}.weight", f"{name}.{module.scale_name}")
             shape = (module.out_features, module.in_features)
             conversions[f"{name}.weight"] = DenseConversion(shape, writes, module.take_dense, module.format.describe())
-        elif isinstance(module, Mxfp4Experts):
+        elif isinstance(module, QuantizedExperts):
             for proj in module.PROJECTIONS:
-                writes = (f"{name}.{proj}_blocks", f"{name}.{proj}_scales")
+                writes = tuple(
+                    f"{name}.{p}" for p, _ in module.named_parameters() if p.startswith(proj) and "bias" not in p
+                )
                 take = functools.partial(module.take_dense, proj)
                 shape = module.dense_shapes[proj]
                 conversions[f"{name}.{proj}"] = DenseConversion(shape, writes, take, module.format.describe())
