@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from bench_batching import BusySampler, Harness, Measured, log, make_workload, service_pass
+from harness import publish
 from logprob_service.models.loading import to_serving_dtype
 from logprob_service.models.quantized import Fp8Linear, WeightFormat, quantized_layers
 from logprob_service.models.scorer import ScoringOptions
@@ -241,10 +241,7 @@ def main() -> None:
     if sampler is not None:
         sampler.stop()
     table = "\n".join(lines + linears)
-    print(table)
-    if out := os.environ.get("OUT"):
-        with open(os.path.join(out, "bench_fp8.md"), "w") as f:
-            f.write(table + "\n")
+    publish(table + "\n", "bench_fp8.md")
 
 
 if __name__ == "__main__":

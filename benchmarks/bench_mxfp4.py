@@ -19,10 +19,10 @@ The table is printed last, and also written to ``$OUT/bench_mxfp4.md`` when ``OU
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from bench_batching import BusySampler, Harness, log, make_workload, service_pass
+from harness import publish
 from logprob_service.models.checkpoint import materialize, skeleton
 from logprob_service.models.loading import attention_implementation, use_experts_implementation
 from logprob_service.models.quantized import Mxfp4Experts, WeightFormat
@@ -129,10 +129,7 @@ def main() -> None:
             f"| {rate} | {held:.1f} | {bf16:.1f} | {held / bf16:.3f} | {peak} | {free / GiB:.1f} |",
         ]
     )
-    print(table)
-    if out := os.environ.get("OUT"):
-        with open(os.path.join(out, "bench_mxfp4.md"), "w") as f:
-            f.write(table + "\n")
+    publish(table + "\n", "bench_mxfp4.md")
 
 
 if __name__ == "__main__":
