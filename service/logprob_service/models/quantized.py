@@ -28,14 +28,16 @@ their scales) are stacked into FP8 banks (``Fp8Experts``), dequantized per bank 
 as MXFP4 banks are; they compute weights-only in either mode.
 
 Which layers are quantized is read from the checkpoint itself: a linear layer whose weight has a
-scale beside it, an expert bank whose experts' weights do. A checkpoint tensor stored in 8 bits that no quantized layer takes (an expert bank,
-a layer the skeleton holds dense) is refused by ``checkpoint.copy_weight``, never cast.
+scale beside it, an expert bank whose experts' weights do. A checkpoint tensor stored in 8 bits
+that no quantized layer takes (one the skeleton holds dense) is refused by
+``checkpoint.copy_weight``, never cast.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -125,11 +127,13 @@ def weight_format(config: PretrainedConfig, where: str, compute: Fp8Compute = "w
     if method == "compressed-tensors":
         return _compressed_tensors_format(spec, refuse, compute)
     if method == "mxfp4":
-        return WeightFormat(method, "blocks", "mxfp4", None)
+        return WeightFormat(method, "scales", "mxfp4", None)
     raise refuse("this quantization method is not served")
 
 
-def _refusal(method: str, where: str):
+def _refusal(method: str, where: str) -> Callable[[str], ModelLoadError]:
+    """The error that refuses ``method`` declared in ``where``, for a reason."""
+
     def refuse(reason: str) -> ModelLoadError:
         return ModelLoadError(
             f"{where}: quantization_config.quant_method {method!r}: {reason}. Served: "
@@ -140,7 +144,10 @@ def _refusal(method: str, where: str):
     return refuse
 
 
-def _compressed_tensors_format(spec: dict[str, Any], refuse, compute: Fp8Compute) -> WeightFormat:
+def _compressed_tensors_format(
+    spec: dict[str, Any], refuse: Callable[[str], ModelLoadError], compute: Fp8Compute
+) -> WeightFormat:
+    """compressed-tensors' float-quantized 8-bit weights, one strategy (and block) for all groups."""
     if spec.get("format") != "float-quantized":
         raise refuse(f"format {spec.get('format')!r} (only float-quantized is served)")
     groups = spec.get("config_groups") or {}
