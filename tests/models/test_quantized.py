@@ -196,16 +196,15 @@ def test_a_quantized_weight_takes_its_dense_tensor_or_its_quantized_ones_but_no_
 
 
 @pytest.mark.numerical
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_an_mxfp4_gpt_oss_scores_its_dequantized_experts(tmp_path, tied, rng):
-    model = make_model("gpt_oss", tied=tied, seed=int(rng.integers(1 << 30)))
+def test_an_mxfp4_gpt_oss_scores_its_dequantized_experts(tmp_path, rng):
+    model = make_model("gpt_oss", tied=False, seed=int(rng.integers(1 << 30)))
     reference = write_mxfp4_checkpoint(tmp_path, model)
     served = load_causal_lm(str(tmp_path), device=CPU, dtype=torch.float32)
     banks = quantized_layers(served)
     assert len(banks) == model.config.num_hidden_layers and all(isinstance(b, Mxfp4Experts) for b in banks)
     assert all(b.gate_up_proj_blocks.dtype == torch.uint8 for b in banks)
     assert describe_weights(served, torch.float32).startswith("mxfp4: experts e2m1 with e8m0 scales per 32 values")
-    sequences = random_sequences(rng, 6, max_len=30)
+    sequences = random_sequences(rng, 3, max_len=20)  # the float64 reference of an MoE is slow
     with OfflineScorer(served, logprob_op=LogprobOp("eager"), max_batch_tokens=100) as scorer:
         out = scorer.score(sequences, temperature=0.8)
     ScoreReference(reference, sequences, temperature=0.8).check([s.logprobs for s in out])
@@ -238,7 +237,7 @@ def test_fp8_expert_banks_score_their_dequantized_experts(tmp_path, layout, rng)
     served = load_causal_lm(str(tmp_path), device=CPU, dtype=torch.float32)
     banks = [m for m in quantized_layers(served) if isinstance(m, Fp8Experts)]
     assert len(banks) == model.config.num_hidden_layers and all(b.gate_up_proj.dtype == FP8 for b in banks)
-    sequences = random_sequences(rng, 6, max_len=30)
+    sequences = random_sequences(rng, 3, max_len=20)  # the float64 reference of an MoE is slow
     with OfflineScorer(served, logprob_op=LogprobOp("eager"), max_batch_tokens=100) as scorer:
         out = scorer.score(sequences, temperature=0.8)
     ScoreReference(reference, sequences, temperature=0.8).check([s.logprobs for s in out])
