@@ -75,7 +75,7 @@ async def test_vllm_ranks_are_vocabulary_ranks(served, rng, k):
     checked = past = 0
     for seq, choice, want in zip(sequences, choices, wide):
         for position, (token, entry) in enumerate(zip(seq[1:], choice["prompt_logprobs"][1:])):
-            assert list(entry)[0] == str(token) and len(entry) in (k, k + 1) or k == 0 and len(entry) == 1
+            assert (next(iter(entry)) == str(token) and len(entry) in (k, k + 1)) or (k == 0 and len(entry) == 1)
             own = entry[str(token)]
             top = want.top_ids[position].tolist()
             if token in top[:k]:
@@ -96,8 +96,16 @@ async def test_vllm_ranks_are_vocabulary_ranks(served, rng, k):
     [
         ("POST", "/get_sequence_logprobs", {"sequences": [[1, 2, 3]], "prompt_lengths": [1], "top_logprobs": 0}),
         ("POST", "/v1/completions/", {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 0}),
-        ("POST", "/generate/", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 0,
-                               "sampling_params": {"max_new_tokens": 0}}),  # fmt: skip
+        (
+            "POST",
+            "/generate/",
+            {
+                "input_ids": [1, 2, 3],
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        ),
         ("GET", "/v1/models/", None),
         ("GET", "/health/", None),
     ],

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs
+
 from tests.helpers.op_reference import random_case, transformed_logits
 
 pytestmark = pytest.mark.numerical

@@ -47,6 +47,7 @@ from logprob_service.http.scoring import (
 
 OWNER = "logprob-service"
 
+
 def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
     for each scored token its own entry and the top ``k``'s (the own entry once, first, as vLLM's

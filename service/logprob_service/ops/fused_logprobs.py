@@ -262,14 +262,18 @@ def _target_z(h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, 
 
 
 @triton.jit(do_not_specialize=["N"])
-def _targets_kernel(h_ptr, w_ptr, b_ptr, y_ptr, zy_ptr, N, H, stride_h, stride_w, pre, post,
-                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _targets_kernel(
+    h_ptr, w_ptr, b_ptr, y_ptr, zy_ptr, N, H, stride_h, stride_w, pre, post,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     """The targets' z before stage 1, which counts the ids at or above it (``return_ranks``): the
     combine's own ``_target_z``, launched alike, so the same bits as the log-prob's."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=0)
-    z_y = _target_z(h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, post, HAS_BIAS, SOFTCAP, BLOCK_R, BLOCK_K)
+    z_y = _target_z(
+        h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, post, HAS_BIAS, SOFTCAP, BLOCK_R, BLOCK_K
+    )
     tl.store(zy_ptr + rows, z_y, mask=row_ok)
 
 
@@ -324,7 +328,9 @@ def _combine_kernel(
     lse2 = big_m + tl.log2(big_s)
 
     y = tl.load(y_ptr + rows, mask=row_ok, other=0)
-    z_y = _target_z(h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, post, HAS_BIAS, SOFTCAP, BLOCK_R, BLOCK_K)
+    z_y = _target_z(
+        h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, post, HAS_BIAS, SOFTCAP, BLOCK_R, BLOCK_K
+    )
 
     tl.store(logp_ptr + rows, (z_y - lse2) * 0.6931471805599453, mask=row_ok)
     if ENTROPY:
