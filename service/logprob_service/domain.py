@@ -139,6 +139,8 @@ class ScoreJob:
     client: str = ""  # who asked (api/security/caller.py): the fair share counts queued token-equivalents per client
     group_sizes: tuple[int, ...] = ()
     top_k: int = 0  # 0-MAX_TOP_K: each completion position's K most likely ids and their log-probs
+    # each completion token's vocabulary rank (SequenceScores.ranks; the HTTP edge's vLLM routes)
+    return_ranks: bool = False
     return_routed_experts: bool = False  # each completion position's MoE router choices (SequenceScores)
     answer_bytes: int = 0  # the edge's estimate of its answer's size, checked against max_answer_bytes
 
@@ -163,6 +165,9 @@ class SequenceScores:
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     candidate_logprobs: np.ndarray | None = None  # [C, Kc] float32: of TokenSequence.candidate_ids
+    # With ScoreJob.return_ranks: [C] int32, each token's rank in its row's vocabulary, vLLM's: how
+    # many ids have a transformed logit at least its own, itself included (1: the most likely).
+    ranks: np.ndarray | None = None
     # With ScoreJob.return_routed_experts: [C, MoE layers, top_k] expert ids (int16 for a model of at
     # most 32,768 experts, else int32), the routing of the row predicting each completion token.
     routed_experts: np.ndarray | None = None

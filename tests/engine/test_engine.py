@@ -37,7 +37,17 @@ class FakeLane:
     launched: list[tuple[int, float]] = field(default_factory=list)  # (sequences, temperature)
     shut: bool = False
 
-    async def launch(self, served, sequences, *, temperature, return_entropy, top_k=0, return_routed_experts=False):
+    async def launch(
+        self,
+        served,
+        sequences,
+        *,
+        temperature,
+        return_entropy,
+        top_k=0,
+        return_routed_experts=False,
+        return_ranks=False,
+    ):
         self.launched.append((len(sequences), temperature))
         scores = [SequenceScores(np.full(len(s.completion_ids), -temperature, np.float32)) for s in sequences]
         return [Part(list(range(len(sequences))), scores)]

@@ -34,7 +34,8 @@ def triples_before(logprobs: np.ndarray, ids: np.ndarray) -> bytes:
 
 
 def prompt_logprobs_before(item: Item, scores: SequenceScores | None, k: int) -> bytes:
-    """vLLM's ``prompt_logprobs`` as the edge wrote them before ``encoding.interleave``."""
+    """vLLM's ``prompt_logprobs`` written an entry at a time (as the edge wrote them before
+    ``encoding.interleave``), with vLLM's ranks: a top-k entry's place, else the vocabulary rank."""
     entry = b'"%b":{"logprob":%b,"rank":%d,"decoded_token":"token_id:%b"}'
     entries = [b"null"] * item.start
     if scores is None:
@@ -42,10 +43,10 @@ def prompt_logprobs_before(item: Item, scores: SequenceScores | None, k: int) ->
     own = item.ids[item.start :]
     ids, lps = numbers(own), numbers(scores.logprobs)
     if not k:
-        entries += [b"{" + entry % (t, lp, 1, t) + b"}" for t, lp in zip(ids, lps)]
+        entries += [b"{" + entry % (t, lp, r, t) + b"}" for t, lp, r in zip(ids, lps, scores.ranks.tolist())]
         return b"[" + b",".join(entries) + b"]"
     among = scores.top_ids == own[:, None]
-    ranks = np.where(among.any(axis=1), among.argmax(axis=1) + 1, k + 1).tolist()
+    ranks = np.where(among.any(axis=1), among.argmax(axis=1) + 1, scores.ranks).tolist()
     top_ids, top_lps = numbers(scores.top_ids), numbers(scores.top_logprobs)
     for p in range(len(own)):
         row = [entry % (ids[p], lps[p], ranks[p], ids[p])]
@@ -104,12 +105,14 @@ def test_prompt_logprobs_equal_the_writing_before(rng, length, start, k):
     top_ids = np.stack([rng.choice(151_936, k, replace=False) for _ in range(rows)]).astype(np.int32).reshape(rows, k)
     if k:  # the token itself among the top k at a third of the positions, at every rank
         hits = np.flatnonzero(rng.random(rows) < 1 / 3)
+        hits = hits[hits != 0]  # row 0 has it at rank k, below: once, as a top-k's ids are distinct
         top_ids[hits, rng.integers(0, k, len(hits))] = ids[start:][hits]
         top_ids[0, k - 1] = ids[start]  # and at rank k
     scores = SequenceScores(
         logprobs=random_logprobs(rng, (rows,)),
         top_ids=top_ids if k else None,
         top_logprobs=random_logprobs(rng, (rows, k)) if k else None,
+        ranks=rng.integers(k + 1, 151_936, rows).astype(np.int32),
     )
     item = Item(ids, start, "prompt")
     written = vllm.prompt_logprobs(item, scores, k)
@@ -147,8 +150,8 @@ def sglang_answer_as_objects(item: Item, start: int, scores: SequenceScores | No
     def triples(lps: np.ndarray, ids: np.ndarray) -> list:
         return [[lp, t, None] for lp, t in zip(lps.tolist(), ids.tolist())]
 
-    head = [None] if start == 0 else []
-    tokens = [[None, int(item.ids[0]), None]] if start == 0 else []
+    head = [None]  # position start's, whatever it is (SGLang's [None] + values[:-1])
+    tokens = [[None, int(item.ids[start]), None]]
     meta = {"input_token_logprobs": tokens + (triples(scores.logprobs, item.ids[item.start :]) if scores else [])}
     if k:
         rows = [triples(*row) for row in zip(scores.top_logprobs, scores.top_ids)] if scores else []
@@ -171,15 +174,15 @@ def sglang_answer_as_objects(item: Item, start: int, scores: SequenceScores | No
 
 
 @pytest.mark.parametrize("k,candidates", [(0, False), (3, False), (0, True), (20, True)])
-@pytest.mark.parametrize("length,start", [(1, 0), (1, -1), (2, 0), (300, 0), (300, -1), (300, 17)])
+@pytest.mark.parametrize("length,start", [(1, 0), (2, 0), (2, 1), (300, 0), (300, 17), (300, 299)])
 def test_sglang_answer_equals_it_built_as_objects(rng, length, start, k, candidates):
     ids = rng.integers(0, 151_936, length)
-    item = Item(ids, max(start, 1), "input_ids")
+    item = Item(ids, start + 1, "input_ids")
     rows = length - item.start
     if candidates:
         item = Item(ids, item.start, "input_ids", candidates=rng.integers(0, 151_936, (rows, 4)))
     scores = None
-    if rows > 0:  # a one-token input has nothing scored
+    if rows > 0:  # logprob_start_len at the last position: nothing scored
         scores = SequenceScores(
             logprobs=random_logprobs(rng, (rows,)),
             top_ids=rng.integers(0, 151_936, (rows, k)).astype(np.int32),

@@ -123,8 +123,9 @@ async def test_slime_on_policy_distillation_request(served, rng):
 
 
 async def test_sglang_batch_and_logprob_start_len(served, rng):
-    """A batch of inputs answers a list; ``logprob_start_len`` s > 0 answers positions s.., all
-    scored, with inputs sharing their first s tokens sharing that prompt."""
+    """A batch of inputs answers a list; ``logprob_start_len`` s > 0 answers positions s.., the
+    first null (SGLang's, test_shapes.py), with inputs sharing their first s + 1 tokens sharing
+    that prompt."""
     prefix = rng.integers(1, VOCAB, 6).tolist()
     batch = [prefix + rng.integers(1, VOCAB, int(rng.integers(2, 9))).tolist() for _ in range(3)]
     body = {
@@ -135,11 +136,11 @@ async def test_sglang_batch_and_logprob_start_len(served, rng):
     }
     async with httpx.AsyncClient(base_url=served.base) as session:
         answers = (await session.post("/generate", json=body)).json()
-    expected = await grpc_scores(served, [prefix] * 3, [s[6:] for s in batch])
+    expected = await grpc_scores(served, [s[:7] for s in batch], [s[7:] for s in batch])
     for seq, answer, want in zip(batch, answers, expected):
         entries = answer["meta_info"]["input_token_logprobs"]
-        assert [e[1] for e in entries] == seq[6:]
-        bitwise([e[0] for e in entries], want)
+        assert [e[1] for e in entries] == seq[6:] and entries[0][0] is None
+        bitwise([e[0] for e in entries[1:]], want)
 
 
 def prime_rl_prefill_body(token_ids: list[int]) -> dict:

@@ -74,6 +74,7 @@ class BatchKey:
     return_entropy: bool
     top_k: int = 0
     return_routed_experts: bool = False
+    return_ranks: bool = False
 
 
 @dataclass(eq=False)
@@ -104,7 +105,9 @@ class Request:
     @property
     def key(self) -> BatchKey:
         job = self.job
-        return BatchKey(job.model, job.temperature, job.return_entropy, job.top_k, job.return_routed_experts)
+        return BatchKey(
+            job.model, job.temperature, job.return_entropy, job.top_k, job.return_routed_experts, job.return_ranks
+        )
 
     @property
     def started(self) -> bool:

@@ -70,6 +70,7 @@ class Executor(Protocol):
         return_entropy: bool,
         top_k: int = 0,
         return_routed_experts: bool = False,
+        return_ranks: bool = False,
     ) -> list[Launch]:
         """Enqueue a micro-batch's scoring on the device; returns once it is enqueued."""
 

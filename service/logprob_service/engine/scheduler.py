@@ -372,6 +372,7 @@ class Scheduler:
                 return_entropy=key.return_entropy,
                 top_k=key.top_k,
                 return_routed_experts=key.return_routed_experts,
+                return_ranks=key.return_ranks,
             )
         except Exception as err:
             batch.error = err

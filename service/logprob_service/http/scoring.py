@@ -157,8 +157,10 @@ async def score_items(
     top_k: int = 0,
     top_k_field: str = "top_k",
     answer_bytes: int = 0,
+    return_ranks: bool = False,
 ) -> Scored:
-    """Score ``items`` as one job of ``call``'s client (``answer_bytes``: its ``AnswerSize``);
+    """Score ``items`` as one job of ``call``'s client (``answer_bytes``: its ``AnswerSize``;
+    ``return_ranks``: each token's vocabulary rank too);
     ``InvalidArgument`` naming the request's fields. A caller that disconnects first cancels its
     job (its queued work is dropped): then ``CallerGone``."""
     call.model = model  # the request's model, for its accounting whatever the outcome
@@ -174,6 +176,7 @@ async def score_items(
         client=call.client,
         top_k=top_k,
         answer_bytes=answer_bytes,
+        return_ranks=return_ranks,
     )
     naming = Naming(
         [(item.field, item.start, item.candidates_field, item.candidates_rows) for item in scored],

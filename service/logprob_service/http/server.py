@@ -18,6 +18,7 @@ import ssl
 from dataclasses import dataclass
 
 import uvicorn
+from starlette.routing import Route
 
 from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
@@ -34,9 +35,12 @@ log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 5.0
 
 
-def routes(edge: Edge) -> list:
-    """Every route: the peers' paths, as their clients spell them (docs/http.md)."""
-    return [
+def routes(edge: Edge) -> list[Route]:
+    """Every route: the peers' paths, as their clients spell them (docs/http.md), each also with
+    its trailing slash flipped, answered and accounted as the peer's spelling is (the peers'
+    FastAPI servers answer both; Starlette's own way, a 307 with an empty body, would lose a
+    caller that does not follow redirects)."""
+    spelled = [
         edge.route("/v1/completions", vllm.completions),
         edge.route("/inference/v1/generate", vllm.generate),
         edge.route("/generate", sglang.generate),
@@ -46,6 +50,12 @@ def routes(edge: Edge) -> list:
         edge.route("/health", vllm.health, methods=("GET",), scope=None),
         edge.route("/health_generate", vllm.health, methods=("GET",), scope=None),
     ]
+    flipped = [Route(_flip_slash(r.path), r.endpoint, methods=sorted(r.methods or ())) for r in spelled]
+    return spelled + flipped
+
+
+def _flip_slash(path: str) -> str:
+    return path[:-1] if path.endswith("/") else path + "/"
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -3,9 +3,12 @@
 ``/get_model_info`` and ``/health_generate`` that slime's scripts poll.
 
 The answer is SGLang's (docs/http.md quotes it): per input, ``{"text": "", "output_ids": [],
-"meta_info": {..., "input_token_logprobs": [[logprob, token_id, null], ...]}}``, the first entry's
-log-prob ``null`` when ``logprob_start_len`` is 0 (no context); a batch (``input_ids`` a list of
-lists) gets a list of them. ``/generate`` names no model: it scores with the first one served.
+"meta_info": {..., "input_token_logprobs": [[logprob, token_id, null], ...]}}``: one entry for each
+input position from ``logprob_start_len`` = s on, the first ``[null, x_s, null]`` whatever s is
+(SGLang drops the last position's log-prob and puts ``None`` first, ``[None] + values[:-1]``, so
+the tokens scored are s + 1 ..), and a ``null`` first row of ``input_top_logprobs`` and
+``input_token_ids_logprobs`` likewise; a batch (``input_ids`` a list of lists) gets a list of them.
+``/generate`` names no model: it scores with the first one served.
 """
 
 from __future__ import annotations
@@ -74,10 +77,10 @@ def _counted(request: GenerateRequest, batch: list[list[int]], single: bool) -> 
     wanted = request.token_ids_logprob
     shared = single or (bool(wanted) and isinstance(wanted[0], int))
     for i, ids in enumerate(batch):
-        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len", single)
-        first = min(max(start if isinstance(start, int) else 0, 1), len(ids))
-        k = _each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single)
-        mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob", single)
+        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len")
+        first = min(max(start if isinstance(start, int) else 0, 0) + 1, len(ids))
+        k = _each(request.top_logprobs_num, i, len(batch), "top_logprobs_num")
+        mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob")
         width = len(mine) if isinstance(mine, list) else 0
         entries += (len(ids) - first) * (1 + top_k_counted(k if isinstance(k, int) else 0) + width)
         if first < len(ids):
@@ -114,7 +117,7 @@ async def generate(call: Call) -> Answer:
         start = -1 if start is None else start
         check_start(start, len(ids) - 1, f"logprob_start_len{where}", "the first input position answered")
         tops.add(_each(request.top_logprobs_num, i, len(batch), "top_logprobs_num") or 0)
-        item = Item(ids, max(start, 1), field)
+        item = Item(ids, start + 1, field)  # SGLang answers position start's log-prob null
         wanted = request.token_ids_logprob
         if wanted is not None:
             shared = single or (bool(wanted) and isinstance(wanted[0], int))
@@ -151,21 +154,20 @@ async def generate(call: Call) -> Answer:
 
 
 def input_answer(item: Item, start: int, rid: str, scores: SequenceScores | None, k: int, latency: float) -> bytes:
-    """SGLang's answer to one input, as JSON (``start``: its ``logprob_start_len``, -1 if absent;
-    ``k``: its ``top_logprobs_num``)."""
-    first = b"[null,%d,null]" % item.ids[0] if start == 0 else None  # the first token has no context
+    """SGLang's answer to one input, as JSON (``start``: its ``logprob_start_len``; ``k``: its
+    ``top_logprobs_num``): position ``start``'s entries null, then the scored positions'."""
+    first = b"[null,%d,null]" % item.ids[start]
     raw = {}
-    if scores is None:  # a one-token input: its first position, which has no log-prob
-        raw["input_token_logprobs"] = encoding.array([first] if first else [])
+    if scores is None:  # only position start, which SGLang answers null
+        raw["input_token_logprobs"] = b"[" + first + b"]"
         raw |= {"input_top_logprobs": b"[null]"} if k else {}
         raw |= {"input_token_ids_logprobs": b"[null]"} if item.candidates is not None else {}
     else:
-        logprobs = encoding.triples(scores.logprobs, item.ids[item.start :])
-        raw["input_token_logprobs"] = encoding.prepend(first, logprobs) if first else logprobs
+        raw["input_token_logprobs"] = encoding.prepend(first, encoding.triples(scores.logprobs, item.ids[item.start :]))
         if k:
-            raw["input_top_logprobs"] = _positions(start, scores.top_ids, scores.top_logprobs)
+            raw["input_top_logprobs"] = _positions(scores.top_ids, scores.top_logprobs)
         if item.candidates is not None:
-            raw["input_token_ids_logprobs"] = _positions(start, item.candidates, scores.candidate_logprobs)
+            raw["input_token_ids_logprobs"] = _positions(item.candidates, scores.candidate_logprobs)
     meta = {
         **dict.fromkeys(raw),
         "id": rid,
@@ -181,11 +183,10 @@ def input_answer(item: Item, start: int, rid: str, scores: SequenceScores | None
     return b'{"text":"","output_ids":[],"meta_info":%b}' % encoding.with_raw(meta, **raw)
 
 
-def _positions(start: int, ids: np.ndarray, logprobs: np.ndarray) -> bytes:
+def _positions(ids: np.ndarray, logprobs: np.ndarray) -> bytes:
     """SGLang's per-position lists of ``[logprob, token_id, null]`` (``input_top_logprobs``,
-    ``input_token_ids_logprobs``): null for the first token when ``logprob_start_len`` is 0."""
-    rows = encoding.triples(logprobs, ids)
-    return encoding.prepend(b"null", rows) if start == 0 else rows
+    ``input_token_ids_logprobs``), after the null row of position ``logprob_start_len``."""
+    return encoding.prepend(b"null", encoding.triples(logprobs, ids))
 
 
 async def model_info(call: Call) -> Answer:

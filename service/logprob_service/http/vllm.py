@@ -6,9 +6,8 @@ teacher-scoring path), and ``/v1/models`` and ``/health`` as vLLM answers them.
 Answers carry vLLM's shapes (docs/http.md quotes them): ``prompt_logprobs`` is one entry per
 prompt token, ``None`` for the first (no context), else ``{"<id>": {"logprob", "rank",
 "decoded_token"}}`` with the token's own entry first. This server has no tokenizer: a token's
-``decoded_token`` is ``"token_id:<id>"``, what vLLM answers with ``--return-tokens-as-token-ids``
-(which TRL's ``vllm-serve`` sets). ``rank`` is where the engine does not count the tokens above it
-a lower bound: ``k + 1`` for a token outside the top ``k``.
+``decoded_token`` is ``"token_id:<id>"``, what vLLM answers to ``return_tokens_as_token_ids``.
+``rank`` is vLLM's: a top-k entry's place, a token outside the top k its vocabulary rank.
 """
 
 from __future__ import annotations
@@ -48,15 +47,16 @@ from logprob_service.http.scoring import (
 
 OWNER = "logprob-service"
 
-# the text between a prompt_logprobs entry's log-prob and its decoded token's id, for each rank:
-# one object that the entries of a rank share
-_RANKS = np.array([b',"rank":%d,"decoded_token":"token_id:' % r for r in range(MAX_TOP_K + 2)], dtype=object)
-
 
 def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
     for each scored token its own entry and the top ``k``'s (the own entry once, first, as vLLM's
     dict has it): ``{"<id>":{"logprob":<lp>,"rank":<rank>,"decoded_token":"token_id:<id>"},...}``.
+
+    Ranks as vLLM's (``vllm/logprobs.py``, ``append_logprobs_for_next_position``): the top k's
+    1..k by place, the token's own its place there when it is one of them (the dict's later
+    entry), else its vocabulary rank (``SequenceScores.ranks``; over a split vocabulary, which
+    does not count them, k + 1, a lower bound).
 
     Written as one ``bytes.join`` of the entries' numbers (each list written by pydantic-core in
     one call) between constant texts, not as a formatted bytes object per entry."""
@@ -64,35 +64,45 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     if scores is None:
         return b"[" + nulls[:-1] + b"]"
     own = item.ids[item.start :]
-    if not k:  # one entry a position, of rank 1
-        ids, lps, ranks, ends = own, scores.logprobs, _RANKS[1], [b'"}},{"'] * len(own)
+    vocab_rank = scores.ranks if scores.ranks is not None else np.full(len(own), k + 1)
+    if not k:  # one entry a position
+        ids, lps, ranks, ends = own, scores.logprobs, vocab_rank, [b'"}},{"'] * len(own)
     else:
         assert scores.top_ids is not None and scores.top_logprobs is not None
         among = scores.top_ids == own[:, None]
-        rank = np.where(among.any(axis=1), among.argmax(axis=1) + 1, k + 1)
+        rank = np.where(among.any(axis=1), among.argmax(axis=1) + 1, vocab_rank)
         # [n, 1 + k] entries: the own token's, then the top k's, of which the own token's (if
         # there) is left out, row by row
         table_ranks = np.column_stack([rank, np.broadcast_to(np.arange(1, k + 1), (len(own), k))])
         kept = np.ones(table_ranks.shape, dtype=bool)
-        kept[:, 1:] = table_ranks[:, 1:] != rank[:, None]
+        kept[:, 1:] = ~among
         ids = np.column_stack([own, scores.top_ids])[kept]
         lps = np.column_stack([scores.logprobs, scores.top_logprobs])[kept]
-        ranks = _RANKS[table_ranks[kept]].tolist()
+        ranks = table_ranks[kept]
         # what follows each entry: the next entry of its position, or (after its last) the next position
         ends_array = np.full(len(ids), b'"},"', dtype=object)
         ends_array[np.cumsum(kept.sum(axis=1)) - 1] = b'"}},{"'
         ends = ends_array.tolist()
     ends[-1] = b'"}}'  # the last position's
     id_texts = encoding.numbers(ids.tolist())
-    columns = (id_texts, b'":{"logprob":', encoding.numbers(lps.tolist()), ranks, id_texts, ends)
+    columns = (
+        id_texts,
+        b'":{"logprob":',
+        encoding.numbers(lps.tolist()),
+        b',"rank":',
+        encoding.numbers(ranks.tolist()),
+        b',"decoded_token":"token_id:',
+        id_texts,
+        ends,
+    )
     return encoding.interleave(*columns, head=b"[" + nulls + b'{"', tail=b"]")
 
 
 # The answer's bytes (``scoring.AnswerSize``): a prompt_logprobs entry is at most 99 bytes
 # (``"<id>":{"logprob":<lp>,"rank":<rank>,"decoded_token":"token_id:<id>"},``: 52 of text, two
-# int32 ids, a log-prob of 24 characters, a rank of 3), a choice's fields and a position's null
+# int32 ids, a log-prob of 24 characters, a rank of 10), a choice's fields and a position's null
 # 200; /inference/v1/generate's candidate log-probs are a float32 matrix in base64 (4 bytes in 6).
-ANSWER = AnswerSize(request=512, sequence=200, entry=99)
+ANSWER = AnswerSize(request=512, sequence=200, entry=106)
 CANDIDATE_BYTES = 6
 
 
@@ -176,6 +186,7 @@ async def _score(
     top_k: int,
     top_k_field: str,
     answer_bytes: int,
+    return_ranks: bool = True,
 ) -> Scored:
     return await score_items(
         call,
@@ -187,6 +198,7 @@ async def _score(
         top_k=top_k,
         top_k_field=top_k_field,
         answer_bytes=answer_bytes,
+        return_ranks=return_ranks,
     )
 
 
@@ -268,7 +280,7 @@ async def generate(call: Call) -> Answer:
         item = dataclasses.replace(item, candidates=padded, candidates_field=field, candidates_rows=rows_at)
     scored = await _score(
         call, [item], request.model, params.temperature, "token_ids", "sampling_params.temperature",
-        k or 0, "sampling_params.prompt_logprobs", answer_bytes,
+        k or 0, "sampling_params.prompt_logprobs", answer_bytes, return_ranks=k is not None,
     )  # fmt: skip
     scores = scored.scores[0]
     matrix = None

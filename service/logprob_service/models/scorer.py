@@ -159,6 +159,7 @@ class Launched:
     # token's routed experts (models.routing)
     routed_experts: torch.Tensor | None = None
     top_k_incomplete: torch.Tensor | None = None  # 0-dim bool, host (TokenScores.top_k_incomplete)
+    ranks: torch.Tensor | None = None  # [N] int32 (TokenScores.ranks)
 
     def fetch(self) -> list[SequenceScores]:
         """Each sequence's scores, once the device has them. Raises ``LogprobError`` (INTERNAL) for a
@@ -186,15 +187,22 @@ class Launched:
             candidates = [c[:, :w] if w else None for c, w in zip(candidates, self.candidate_widths)]
         return [
             SequenceScores(
-                logprobs=lp, entropies=e, top_ids=ti, top_logprobs=tl, candidate_logprobs=c, routed_experts=r
+                logprobs=lp,
+                entropies=e,
+                top_ids=ti,
+                top_logprobs=tl,
+                candidate_logprobs=c,
+                routed_experts=r,
+                ranks=rk,
             )
-            for lp, e, ti, tl, c, r in zip(
+            for lp, e, ti, tl, c, r, rk in zip(
                 per_sequence(self.logprobs),
                 per_sequence(self.entropies),
                 per_sequence(self.top_ids),
                 per_sequence(self.top_logprobs),
                 candidates,
                 per_sequence(self.routed_experts),
+                per_sequence(self.ranks),
             )
         ]
 
@@ -363,12 +371,14 @@ class CausalLMScorer:
         return_entropy: bool = False,
         return_routed_experts: bool = False,
         top_k: int = 0,
+        return_ranks: bool = False,
     ) -> Launched:
         """Enqueue the scoring of one packed micro-batch; returns before the device is done.
         ``return_routed_experts``: keep a mixture-of-experts model's router choices for the
         completion rows (``Launched.fetch_routed_experts``; ``routing.RoutingUnsupported`` for a
         model without routers). ``top_k``: each completion position's K most likely ids and their
-        log-probs too; the batch's ``candidates``' log-probs where it has some."""
+        log-probs too; the batch's ``candidates``' log-probs where it has some. ``return_ranks``: each
+        completion token's vocabulary rank (``TokenScores.ranks``)."""
         routing = RoutedExperts(self.model) if return_routed_experts else None
         input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
         position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
@@ -411,6 +421,7 @@ class CausalLMScorer:
             return_entropy=return_entropy,
             top_k=top_k,
             candidates=self._to_device(batch.candidates) if batch.candidates is not None else None,
+            return_ranks=return_ranks,
         )
         return Launched(
             logprobs=self._to_host(scores.logprobs),
@@ -423,6 +434,7 @@ class CausalLMScorer:
             candidate_logprobs=self._to_host(scores.candidate_logprobs),
             candidate_widths=batch.candidate_widths,
             top_k_incomplete=self._to_host(scores.top_k_incomplete),
+            ranks=self._to_host(scores.ranks),
         )
 
     @overload

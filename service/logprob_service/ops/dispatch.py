@@ -36,6 +36,7 @@ class OpOptions(TypedDict, total=False):
     return_lse: bool  # each row's log-sum-exp too (TokenScores.lse)
     top_k: int  # each row's K most likely ids and their log-probs (TokenScores.top_ids, .top_logprobs)
     candidates: torch.Tensor | None  # [N, Kc] ids whose log-probs to return (TokenScores.candidate_logprobs)
+    return_ranks: bool  # each target's vocabulary rank (TokenScores.ranks)
 
 
 # Whether top-k (``top_k`` > 0) runs in the fused kernel (``fused_topk``: a threshold from a strided

@@ -130,6 +130,9 @@ def _partials_kernel(
     regcol_ptr,  # [N, S, 4, CAPQ] int32 out: each chunk's first column
     regcnt_ptr,  # [N, S, 4] int32 out: chunks per region (past CAPQ: counted, not written)
     need_ptr,  # [N] int8: the rows that need this repair round (only when REPAIR; fused_topk, 4.)
+    y_ptr,  # [N] int64: the targets (only when RANK)
+    zy_ptr,  # [N] fp32: the targets' z, as the combine computes it (only when RANK; _targets_kernel)
+    above_ptr,  # [S, N] int32 out: the split's other ids with z at least the target's (only when RANK)
     N,
     V,
     H,
@@ -154,6 +157,7 @@ def _partials_kernel(
     CHUNKS: tl.constexpr,  # stage 1 (TOPK, not REPAIR) keeps chunks in regions, not keys (fused_topk, 2.)
     CHUNK: tl.constexpr,  # values in a chunk (fused_topk.chunk_width)
     PTX: tl.constexpr,  # compiled for the GPU (inline PTX allowed), not interpreted
+    RANK: tl.constexpr,  # also count, per row, the other ids whose z is at least the target's
 ):
     # Program order: a group of `group_rows` row blocks x every split. Programs that run at the
     # same time then share a few W tiles and a few row blocks, both of which fit in L2, instead
@@ -186,6 +190,10 @@ def _partials_kernel(
         vals_at = reg_ptr + region * (CAPQ * CHUNK)
         cols_at = regcol_ptr + region * CAPQ
         cnt_q = tl.zeros([BLOCK_N, 4], tl.int32)
+    if RANK:
+        y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+        zy = tl.load(zy_ptr + rows, mask=row_ok, other=float("inf"))
+        above = tl.zeros([BLOCK_N], tl.int32)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
@@ -214,6 +222,9 @@ def _partials_kernel(
             if ENTROPY:
                 t = t * alpha + tl.sum(tl.where(p > 0, p * z, 0.0), axis=1)  # no 0 * -inf
             m = m_new
+            if RANK:  # vLLM's rank less the target itself: >=, ties counted
+                other = col_ok[None, :] & (cols[None, :] != y[:, None])
+                above += tl.sum((other & (z >= zy[:, None])).to(tl.int32), axis=1)
         if CHUNKS:
             cnt_q = flag_chunks(z, t_z, v0, cnt_q, vals_at, cols_at, row_ok, CAPQ, ASM=PTX)
         elif TOPK:
@@ -227,6 +238,43 @@ def _partials_kernel(
         tl.store(s_ptr + out, s, mask=row_ok)
         if ENTROPY:
             tl.store(t_ptr + out, t, mask=row_ok)
+        if RANK:
+            tl.store(above_ptr + out, above, mask=row_ok)
+
+
+@triton.jit
+def _target_z(h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, post,
+              HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The targets' z: x_y = h . W_y as one fp32 dot from the same operands the tiles' dots use
+    (a gathered row; N*H work, not N*V*H), transformed."""
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + y.to(tl.int64)[:, None] * stride_w
+    ks = tl.arange(0, BLOCK_K)
+    x_y = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mask = row_ok[:, None] & ((k0 + ks) < H)[None, :]
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(w_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_y += tl.sum(a * b, axis=1)
+    if HAS_BIAS:
+        x_y += tl.load(b_ptr + y, mask=row_ok, other=0.0)
+    return to_log2_units(x_y, pre, post, SOFTCAP)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _targets_kernel(
+    h_ptr, w_ptr, b_ptr, y_ptr, zy_ptr, N, H, stride_h, stride_w, pre, post,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The targets' z before stage 1, which counts the ids at or above it (``return_ranks``): the
+    combine's own ``_target_z``, launched alike, so the same bits as the log-prob's."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    y = tl.load(y_ptr + rows, mask=row_ok, other=0)
+    z_y = _target_z(
+        h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, post, HAS_BIAS, SOFTCAP, BLOCK_R, BLOCK_K
+    )
+    tl.store(zy_ptr + rows, z_y, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["N", "n_splits"])
@@ -279,20 +327,10 @@ def _combine_kernel(
         t_at += N
     lse2 = big_m + tl.log2(big_s)
 
-    # Target logit x_y = h . W_y, accumulated in fp32 from the same operands the dots used.
     y = tl.load(y_ptr + rows, mask=row_ok, other=0)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    w_rows = w_ptr + y.to(tl.int64)[:, None] * stride_w
-    ks = tl.arange(0, BLOCK_K)
-    x_y = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        mask = row_ok[:, None] & ((k0 + ks) < H)[None, :]
-        a = tl.load(h_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(w_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32)
-        x_y += tl.sum(a * b, axis=1)
-    if HAS_BIAS:
-        x_y += tl.load(b_ptr + y, mask=row_ok, other=0.0)
-    z_y = to_log2_units(x_y, pre, post, SOFTCAP)
+    z_y = _target_z(
+        h_ptr, w_ptr, b_ptr, y, rows, row_ok, H, stride_h, stride_w, pre, post, HAS_BIAS, SOFTCAP, BLOCK_R, BLOCK_K
+    )
 
     tl.store(logp_ptr + rows, (z_y - lse2) * 0.6931471805599453, mask=row_ok)
     if ENTROPY:
@@ -409,6 +447,7 @@ def fused_token_logprobs(
     return_lse: bool = False,
     top_k: int = 0,
     candidates: torch.Tensor | None = None,
+    return_ranks: bool = False,
     config: KernelConfig | None = None,
     plan: LaunchPlan | None = None,
     invariant: bool = False,
@@ -420,7 +459,8 @@ def fused_token_logprobs(
     entropies, and each row's log-sum-exp of its transformed logits, when asked). ``top_k``: each
     row's K most likely ids ([N, K] int32, descending, ties by id) and their log-probs ([N, K]
     float32); ``candidates``: [N, Kc] ids whose log-probs to return ([N, Kc] float32); see
-    ``fused_topk``. ``invariant``:
+    ``fused_topk``; ``return_ranks``: each target's rank ([N] int32, ``TokenScores.ranks``), counted
+    in stage 1 against the target's z from a pass before it (``_targets_kernel``). ``invariant``:
     each row's result bit for bit the same whatever the other rows (``invariant_plan``). ``config``
     and ``plan`` override the tiles and the grid (tests use them to exercise several tiles, groups
     and splits at small shapes).
@@ -441,7 +481,13 @@ def fused_token_logprobs(
         launch = plan or planner(rows.shape[0], hdim, vocab, weight.element_size(), config, device_info(rows.device))
         return launch, min(launch.splits, triton.cdiv(vocab, config.block_v))
 
-    kw = {"bias": bias, "transform": transform, "return_entropy": return_entropy, "return_lse": return_lse}
+    kw = {
+        "bias": bias,
+        "transform": transform,
+        "return_entropy": return_entropy,
+        "return_lse": return_lse,
+        "return_ranks": return_ranks,
+    }
     if top_k:
         # Row chunks (a row's results do not depend on its chunk): memory O(chunk x K), not O(N x K).
         # A chunk's splits follow its rows, and its rows its regions, which the splits size.
@@ -471,7 +517,7 @@ def fused_token_logprobs(
             columns = {f.name: [getattr(part, f.name) for part in parts] for f in dataclasses.fields(TokenScores)}
             incomplete = columns.pop("top_k_incomplete")  # 0-dim flags: any chunk's
             return TokenScores(
-                *(None if col[0] is None else torch.cat(col) for col in columns.values()),
+                **{name: None if col[0] is None else torch.cat(col) for name, col in columns.items()},
                 top_k_incomplete=torch.stack(incomplete).any(),
             )
     return _fused_scores(hidden, weight, targets, top_k=top_k, candidates=candidates, config=config, grid=grid, **kw)
@@ -486,6 +532,7 @@ def _fused_scores(
     transform: LogitTransform,
     return_entropy: bool,
     return_lse: bool,
+    return_ranks: bool,
     top_k: int,
     candidates: torch.Tensor | None,
     config: KernelConfig,
@@ -507,13 +554,24 @@ def _fused_scores(
     if candidates is not None:
         candidates = candidates.to(device=hidden.device, dtype=torch.int64).contiguous()
         cand_lps = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
+    ranks = torch.empty(n, dtype=torch.int32, device=hidden.device) if return_ranks else None
     if n == 0:
         top_ids = torch.empty((0, top_k), dtype=torch.int32, device=hidden.device) if top_k else None
         top_lps = torch.empty((0, top_k), dtype=torch.float32, device=hidden.device) if top_k else None
-        return TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps)
+        return TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps, ranks=ranks)
     bias32 = bias.float().contiguous() if bias is not None else None
     pre, post = transform_constants(transform)
     flags = {"HAS_BIAS": bias is not None, "SOFTCAP": transform.softcap is not None, "ENTROPY": return_entropy}
+    block_r, block_k = 32, min(128, triton.next_power_of_2(hdim))  # the combine's, and the targets'
+    target_z = None
+    if return_ranks:
+        target_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        _targets_kernel[(triton.cdiv(n, block_r),)](
+            hidden, weight, bias32 if bias32 is not None else logprobs, targets, target_z,
+            n, hdim, hidden.stride(0), weight.stride(0), pre, post,
+            HAS_BIAS=bias is not None, SOFTCAP=transform.softcap is not None, BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=4,
+        )  # fmt: skip
 
     def partials(
         rows: torch.Tensor,
@@ -525,7 +583,8 @@ def _fused_scores(
         top-k survivors too, as keys in the slots or, given stage 1's ``chunks`` (values, columns,
         counts of ``flag_chunks``' regions), as chunks. Returns the [splits, r] partials (m, s, t).
         With ``need`` ([r] int8), a repair round (fused_topk, 4.): the survivors of the rows in
-        need only, as keys, and no partials."""
+        need only, as keys, and no partials. With ``return_ranks`` (not in a repair round), also the
+        [splits, r] counts of other ids at or above each target, else None."""
         r = rows.shape[0]
         launch, splits = grid(rows)
         if need is None:
@@ -534,6 +593,8 @@ def _fused_scores(
             partial_t = torch.empty_like(partial_m) if return_entropy else partial_m
         else:  # not written: dummy pointers
             partial_m = partial_s = partial_t = rows
+        counting = target_z is not None and need is None
+        above = torch.empty((splits, r), dtype=torch.int32, device=rows.device) if counting else None
         thr, cnt, buf = survivors or (partial_m, partial_m, partial_m)  # dummy pointers without top-k
         values, columns, per_region = chunks or (partial_m, partial_m, partial_m)
         # TMA needs 16-byte aligned rows (H a multiple of 8 in 16 bits); every real model has them.
@@ -545,15 +606,17 @@ def _fused_scores(
         row_blocks = triton.cdiv(r, config.block_n)
         _partials_kernel[(row_blocks * splits,)](
             h_in, w_in, bias32 if bias32 is not None else partial_m, partial_m, partial_s, partial_t, thr, cnt, buf,
-            values, columns, per_region, need if need is not None else thr, r, vocab, hdim, rows.stride(0),
+            values, columns, per_region, need if need is not None else thr,
+            targets if counting else thr, target_z if counting else thr, above if above is not None else thr,
+            r, vocab, hdim, rows.stride(0),
             weight.stride(0), splits, min(launch.group_rows, row_blocks), pre, post,
             buf.shape[1] if survivors else 0, values.shape[2] if chunks else 0,
             IEEE=weight.dtype == torch.float32, USE_TMA=use_tma,
             BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_K=config.block_k, TOPK=survivors is not None,
             REPAIR=need is not None, CHUNKS=chunks is not None, CHUNK=chunk_width(config.block_v), PTX=rows.is_cuda,
-            num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+            RANK=counting, num_warps=config.num_warps, num_stages=config.num_stages, **flags,
         )  # fmt: skip
-        return partial_m, partial_s, partial_t
+        return partial_m, partial_s, partial_t, above
 
     found = fallbacks = None  # the top-k survivors' (thresholds, counters, slots); sample_thresholds' fallbacks
     chunks = None  # stage 1's regions (fused_topk, 2.): chunks of z, their first columns, counts
@@ -573,14 +636,15 @@ def _fused_scores(
                 torch.empty((n, regions, capq), dtype=torch.int32, device=hidden.device),
                 torch.empty((n, regions), dtype=torch.int32, device=hidden.device),
             )
-    partial_m, partial_s, partial_t = partials(hidden, found, chunks=chunks)
-    block_r = 32
+    partial_m, partial_s, partial_t, above = partials(hidden, found, chunks=chunks)
+    if ranks is not None and above is not None:
+        torch.add(above.sum(dim=0, dtype=torch.int32), 1, out=ranks)  # and the target itself
     _combine_kernel[(triton.cdiv(n, block_r),)](
         hidden, weight, bias32 if bias32 is not None else partial_m, targets, partial_m, partial_s, partial_t,
         logprobs, entropies if entropies is not None else logprobs, lses if lses is not None else logprobs,
         lse2 if lse2 is not None else logprobs,
         n, hdim, hidden.stride(0), weight.stride(0), partial_m.shape[0], pre, post,
-        LSE=lses is not None, LSE2=lse2 is not None, BLOCK_R=block_r, BLOCK_K=min(128, triton.next_power_of_2(hdim)),
+        LSE=lses is not None, LSE2=lse2 is not None, BLOCK_R=block_r, BLOCK_K=block_k,
         num_warps=4, **flags,
     )  # fmt: skip
     top_ids = top_lps = incomplete = None
@@ -596,7 +660,9 @@ def _fused_scores(
             lambda need: partials(hidden, found, need), thresholds, fallbacks, counts, slots, top_k
         )
         top_ids, top_lps = select_top_k(slots, counts, lse2, top_k, expected_survivors(vocab, top_k))
-    scores = TokenScores(logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps, incomplete)
+    scores = TokenScores(
+        logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps, incomplete, ranks=ranks
+    )
     if candidates is not None and candidates.shape[1]:
         block_c = 16
         _candidates_kernel[(n, triton.cdiv(candidates.shape[1], block_c))](

@@ -11,6 +11,7 @@ For each row i (a hidden state h_i that predicts token y_i):
     H_i   = -sum_v p_v log p_v,  p = exp(x_i - lse_i)     # entropy, only when asked
     top-k_i = the K ids of largest x_i (ties: smaller id first), their x_i - lse_i   # when asked
     cand_ic = x_i[c] - lse_i for each candidate id c of row i                        # when asked
+    rank_i  = #{v : x_iv >= x_i[y_i]}, y_i itself included (vLLM's rank)             # when asked
 
 Rows are processed in chunks so that one chunk's (rows, V) float32 logit slab stays under a
 byte budget: memory is O(budget), not O(N * V). The logits of a chunk are produced directly in
@@ -63,6 +64,9 @@ class TokenScores:
     # 0-dim bool, on the device: some row's top-k may be wrong, its repair rounds were not enough
     # (ops.fused_topk, 4.; the caller must check it, models.scorer.Launched.fetch does); None: complete
     top_k_incomplete: torch.Tensor | None = None
+    # [N] int32: each target's rank, how many ids have a transformed logit at least its own (itself
+    # included: 1 for the most likely), as vLLM counts a token's rank over its log-probs
+    ranks: torch.Tensor | None = None
 
 
 def check_topk_arguments(n_rows: int, vocab: int, top_k: int, candidates: torch.Tensor | None) -> None:
@@ -131,6 +135,7 @@ def chunked_token_logprobs(
     return_lse: bool = False,
     top_k: int = 0,
     candidates: torch.Tensor | None = None,
+    return_ranks: bool = False,
     chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES,
 ) -> TokenScores:
     """Log-prob of ``targets`` under ``hidden @ weight.T``, in row chunks under ``chunk_bytes``.
@@ -139,7 +144,7 @@ def chunked_token_logprobs(
     or the input embedding when tied); targets: [N] int64 in [0, V); bias: [V] or None.
     Returns float32 [N] log-probs (and entropies, and log-sum-exps, when asked; and with
     ``top_k``, each row's K most likely ids and their log-probs; with ``candidates`` [N, Kc], the
-    log-probs of those ids).
+    log-probs of those ids; with ``return_ranks``, each target's rank).
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     check_topk_arguments(n, vocab, top_k, candidates)
@@ -157,13 +162,17 @@ def chunked_token_logprobs(
     if candidates is not None:
         candidates = candidates.to(device=hidden.device, dtype=torch.int64)
         cand_lps = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
+    ranks = torch.empty(n, dtype=torch.int32, device=hidden.device) if return_ranks else None
     # With top-k, each fp32 logit has an int64 key beside it: 12 bytes per element, not 4.
     step = rows_per_chunk(vocab, chunk_bytes // 3 if top_k else chunk_bytes)
     for start in range(0, n, step):
         end = min(start + step, n)
         x = transform.apply_(_logits_fp32(hidden[start:end], weight, bias))  # [n, V] fp32
         lse = torch.logsumexp(x, dim=-1)  # [n]
-        logprobs[start:end] = x.gather(1, targets[start:end, None]).squeeze(1) - lse
+        target = x.gather(1, targets[start:end, None])  # [n, 1]
+        logprobs[start:end] = target.squeeze(1) - lse
+        if ranks is not None:
+            ranks[start:end] = (x >= target).sum(dim=1, dtype=torch.int32)
         if lses is not None:
             lses[start:end] = lse
         if top_ids is not None and top_lps is not None:
@@ -176,4 +185,4 @@ def chunked_token_logprobs(
             # In place: x becomes p = exp(x - lse); entr(p) = -p log p, 0 at p = 0.
             x.sub_(lse[:, None]).exp_()
             entropies[start:end] = torch.special.entr(x).sum(dim=-1)
-    return TokenScores(logprobs, entropies, lses, top_ids, top_lps, cand_lps)
+    return TokenScores(logprobs, entropies, lses, top_ids, top_lps, cand_lps, ranks=ranks)

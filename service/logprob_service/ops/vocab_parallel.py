@@ -49,11 +49,15 @@ def vocab_parallel_logprobs(
     return_entropy: bool = False,
     top_k: int = 0,
     candidates: torch.Tensor | None = None,
+    return_ranks: bool = False,
 ) -> TokenScores:
     """Log-probs of ``targets`` (ids of the whole vocabulary) under the lm_head whose rows
     ``vocab_start`` + [0, V_r) are ``weight_shard`` here and the rest on the other ranks of
     ``group``; every rank calls this with the same ``hidden`` and ``targets`` and gets the same
-    result. hidden: [N, H]; weight_shard: [V_r, H]; targets: [N]; candidates: [N, Kc] global ids."""
+    result. hidden: [N, H]; weight_shard: [V_r, H]; targets: [N]; candidates: [N, Kc] global ids.
+    ``return_ranks`` is not served over a split vocabulary (each rank would need the target's logit
+    before its pass): ``ranks`` stays None, and the caller answers without them."""
+    del return_ranks
     rows = weight_shard.shape[0]
     local = targets - vocab_start
     mine = (local >= 0) & (local < rows)

@@ -55,6 +55,7 @@ def launch_splitting_on_oom(
     return_entropy: bool,
     top_k: int = 0,
     return_routed_experts: bool = False,
+    return_ranks: bool = False,
 ) -> list[Part]:
     """Launch ``sequences[indices]`` as one packed batch, halving it on out-of-memory."""
     try:
@@ -68,6 +69,7 @@ def launch_splitting_on_oom(
                     return_entropy=return_entropy,
                     top_k=top_k,
                     return_routed_experts=return_routed_experts,
+                    return_ranks=return_ranks,
                 ),
             )
         ]
@@ -98,6 +100,7 @@ def launch_splitting_on_oom(
         "return_entropy": return_entropy,
         "top_k": top_k,
         "return_routed_experts": return_routed_experts,
+        "return_ranks": return_ranks,
     }
     return launch_splitting_on_oom(scorer, sequences, indices[:half], **kwargs) + launch_splitting_on_oom(
         scorer, sequences, indices[half:], **kwargs
@@ -112,6 +115,7 @@ def launch_measured(
     return_entropy: bool,
     top_k: int = 0,
     return_routed_experts: bool = False,
+    return_ranks: bool = False,
     stats: StatsSink = NO_STATS,
 ) -> list[Part]:
     """``launch_splitting_on_oom`` over all of ``sequences``, observing its peak device memory."""
@@ -124,6 +128,7 @@ def launch_measured(
             return_entropy=return_entropy,
             top_k=top_k,
             return_routed_experts=return_routed_experts,
+            return_ranks=return_ranks,
         )
     if peak.bytes is not None:
         stats.record(BatchMemory(str(scorer.device), peak.bytes))
@@ -151,6 +156,7 @@ class DeviceExecutor:
         return_entropy: bool,
         top_k: int = 0,
         return_routed_experts: bool = False,
+        return_ranks: bool = False,
     ) -> list[Part]:
         def launch() -> list[Part]:
             served.activate()  # a LoRA model and its base share one model: select which one scores
@@ -161,6 +167,7 @@ class DeviceExecutor:
                 return_entropy=return_entropy,
                 top_k=top_k,
                 return_routed_experts=return_routed_experts,
+                return_ranks=return_ranks,
                 stats=self._stats,
             )
 
