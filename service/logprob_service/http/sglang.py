@@ -74,10 +74,10 @@ def _counted(request: GenerateRequest, batch: list[list[int]], single: bool) -> 
     wanted = request.token_ids_logprob
     shared = single or (bool(wanted) and isinstance(wanted[0], int))
     for i, ids in enumerate(batch):
-        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len", single)
+        start = _each(request.logprob_start_len, i, len(batch), "logprob_start_len")
         first = min(max(start if isinstance(start, int) else 0, 1), len(ids))
-        k = _each(request.top_logprobs_num, i, len(batch), "top_logprobs_num", single)
-        mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob", single)
+        k = _each(request.top_logprobs_num, i, len(batch), "top_logprobs_num")
+        mine = wanted if shared else _each(wanted, i, len(batch), "token_ids_logprob")
         width = len(mine) if isinstance(mine, list) else 0
         entries += (len(ids) - first) * (1 + top_k_counted(k if isinstance(k, int) else 0) + width)
         if first < len(ids):
