@@ -103,7 +103,8 @@ def plan_micro_batches(
 
     micro-batches. From k = k0 up, partition them with :func:`karmarkar_karp` (with
     :func:`longest_first` once n x k passes ``KK_MAX_WORK``) and keep the first k whose parts all
-    fit. Both balance token sums, not counts, so k may have to grow past k0; at k = n every sequence is alone and fits, so the search ends. (The fewest k for which KK fits,
+    fit. Both balance token sums, not counts, so k may have to grow past k0; at k = n every
+    sequence is alone and fits, so the search ends. (The fewest k for which KK fits,
     not necessarily the fewest possible: that is bin packing, NP-hard.)
 
     Returns lists of indices, each sorted, none empty, ordered by their first index.
