@@ -49,10 +49,22 @@ def split(lengths: Sequence[int], limits: RpcLimits, shared: Sequence[int] | Non
     parts: list[slice] = []
     start, tokens = 0, 0
     for i, length in enumerate(lengths):
-        cost = length - shared[i] if i > start else length
+        cost = _cost(lengths, shared, i, start)
         if i > start and (i - start >= limits.max_sequences or tokens + cost > limits.max_tokens):
             parts.append(slice(start, i))
             start, tokens, cost = i, 0, length
         tokens += cost
     parts.append(slice(start, len(lengths)))
     return parts
+
+
+def part_tokens(lengths: Sequence[int], part: slice, shared: Sequence[int] | None = None) -> int:
+    """The tokens of ``part`` (one of ``split``'s), counted as ``split`` counts them."""
+    shared = shared or [0] * len(lengths)
+    return sum(_cost(lengths, shared, i, part.start) for i in range(part.start, part.stop))
+
+
+def _cost(lengths: Sequence[int], shared: Sequence[int], i: int, start: int) -> int:
+    """Sequence i's tokens in a part that starts at ``start``: its prompt counted unless the
+    sequence before it in the part has it."""
+    return lengths[i] - shared[i] if i > start else lengths[i]
