@@ -93,9 +93,7 @@ class LogprobClient(ClientBase):
             call.add_done_callback(self._connected.answered)
             return call
 
-        future = ScoreFuture(
-            scoring.paced(), self._share, send, scoring.result, scoring.error, self.deadline_error
-        )
+        future = ScoreFuture(scoring.paced(), self._share, send, scoring.result, scoring.error, self.deadline_error)
         future.start(self._connected.watch(scoring.timeout, future.cancel))
         return future
 

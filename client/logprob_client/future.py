@@ -118,7 +118,8 @@ class ScoreFuture:
                 call = sent.result(timeout=self._until(deadline))
                 if call is _EXPIRED:
                     raise self._failed(self._deadline_error(self._paced, "")) from None
-                responses.append(call.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                responses.append(call.result(timeout=left))
             except (TimeoutError, grpc.FutureTimeoutError):
                 if self._paced.remaining_s() <= 0 and not sent.done():  # kept back past the call's deadline
                     raise self._failed(self._deadline_error(self._paced, "")) from None
