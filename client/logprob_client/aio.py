@@ -73,7 +73,7 @@ class AsyncLogprobClient(ClientBase):
         waiter = self._share.ask(cost, lambda: room.done() or room.set_result(None))
         try:
             if waiter is not None:
-                await asyncio.wait_for(asyncio.shield(room), max(0.0, paced.remaining_s()))
+                await asyncio.wait_for(room, max(0.0, paced.remaining_s()))
         except BaseException as err:  # the deadline passed, or the call was cancelled, while kept back
             if waiter is not None and not self._share.withdraw(waiter):
                 self._share.release(cost)  # let go meanwhile: its tokens were counted in flight

@@ -12,7 +12,8 @@ A scoring call first waits for a connection to the server, at most ``connect_tim
 ``Unavailable``, naming the target and the connection error), then for a SERVING replica within
 its deadline (``channel.py``). Every scoring call is cut into parts within
 ``max_sequences_per_rpc`` / ``max_tokens_per_rpc`` (``split.py``), sent as that many ScoreTokens
-RPCs at once, and reassembled in order. Consecutive sequences with one prompt travel as one
+RPCs at once (a call larger than the client's share of the server's queue paced to it,
+``pacing.py``), and reassembled in order. Consecutive sequences with one prompt travel as one
 ``SequenceGroup``, the prompt sent once, and ids and scores as little-endian bytes (``wire.py``).
 An error the server answers about one of the caller's sequences names it as the caller did
 (``completion_ids[3][1]``, ``wire.caller_error``).

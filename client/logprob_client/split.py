@@ -1,8 +1,8 @@
 """Cutting one scoring call into several RPCs that are in flight together.
 
 A call's sequences are cut, in order, into contiguous parts that each stay within a sequence
-limit and a token limit (prompt + completion tokens). The parts are sent at once and their
-scores put back together in order, so that the server starts on the first part while later
+limit and a token limit (prompt + completion tokens). The parts are sent at once (within the
+client's share of the server's queue: ``pacing.py``) and their scores put back together in order, so that the server starts on the first part while later
 ones are still on the wire, no message grows past the server's per-request limits, and parts
 can be served by different replicas behind one target.
 
