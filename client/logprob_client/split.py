@@ -2,9 +2,10 @@
 
 A call's sequences are cut, in order, into contiguous parts that each stay within a sequence
 limit and a token limit (prompt + completion tokens). The parts are sent at once (within the
-client's share of the server's queue: ``pacing.py``) and their scores put back together in order, so that the server starts on the first part while later
-ones are still on the wire, no message grows past the server's per-request limits, and parts
-can be served by different replicas behind one target.
+client's share of the server's queue: ``pacing.py``) and their scores put back together in
+order, so that the server starts on the first part while later ones are still on the wire, no
+message grows past the server's per-request limits, and parts can be served by different
+replicas behind one target.
 
 Consecutive sequences with the same prompt (GRPO's completions of one prompt, laid out as TRL
 does) are counted the way the server runs them (``--share-prompts``): the prompt once per part,
