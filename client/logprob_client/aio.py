@@ -15,6 +15,7 @@ from .base import ClientBase, ScoreKeywords, Scoring, check_keywords
 from .errors import Cancelled, LogprobError, PermissionDenied
 from .inputs import regroup
 from .ipc import ipc_request
+from .pacing import PacedCall
 from .pushes import PreparedPush, UpdateKeywords, ports_and_live, push_error, unsent_error, was_interrupted
 from .resume import StreamResume
 from .streams import UpdateResult, named_tensors
@@ -29,6 +30,7 @@ class AsyncLogprobClient(ClientBase):
     """asyncio client with the same API as ``LogprobClient`` (methods are coroutines)."""
 
     _aio = True
+    _learning: asyncio.Future[None] | None = None  # the ask for the server's queue limits (pacing.py)
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         """One RPC; its failure raised as the typed error of its status."""
@@ -42,20 +44,69 @@ class AsyncLogprobClient(ClientBase):
         return await self._score(self.prepare_one(prompt_ids, completion_ids, keywords))
 
     async def _score(self, scoring: Scoring) -> Any:
-        """A prepared scoring call's RPCs, sent once connected, and its answer."""
+        """A prepared scoring call's RPCs, sent once connected as this client's share of the
+        server's queue has room (``pacing.py``), and its answer."""
         await self._connected.wait(scoring.timeout)
-        calls = [
-            self._stub.ScoreTokens(request, timeout=scoring.timeout, wait_for_ready=True)
-            for request in scoring.requests
-        ]
+        paced = scoring.paced()
+        parts = [asyncio.ensure_future(self._part(request, paced, i)) for i, request in enumerate(scoring.requests)]
         try:
-            responses = await asyncio.gather(*calls)
-        except grpc.RpcError as err:
-            error = scoring.error(*await _failure(calls, err))
-            for call in calls:
-                call.cancel()
-            raise error from None
+            responses = await asyncio.gather(*parts)
+        except _PartFailed:
+            for part in parts:
+                part.cancel()
+            ended = await asyncio.gather(*parts, return_exceptions=True)
+            # The first of the parts that failed, in part order (several may have).
+            failed = min((e for e in ended if isinstance(e, _PartFailed)), key=lambda e: e.part)
+            if failed.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise self.deadline_error(paced, failed.message) from None
+            raise scoring.error(failed.part, failed.code, failed.message) from None
+        finally:
+            for part in parts:
+                part.cancel()
         return scoring.result(responses)
+
+    async def _part(self, request: pb.ScoreRequest, paced: PacedCall, part: int) -> pb.ScoreResponse:
+        """One part's RPC, sent when the share has room, within the call's deadline; its failure
+        (or the deadline passing before it was sent) raised as ``_PartFailed``."""
+        cost = paced.costs[part]
+        room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = self._share.ask(cost, lambda: room.done() or room.set_result(None))
+        try:
+            if waiter is not None:
+                await asyncio.wait_for(room, max(0.0, paced.remaining_s()))
+        except BaseException as err:  # the deadline passed, or the call was cancelled, while kept back
+            if waiter is not None and not self._share.withdraw(waiter):
+                self._share.release(cost)  # let go meanwhile: its tokens were counted in flight
+            if isinstance(err, TimeoutError):
+                raise _PartFailed(part, grpc.StatusCode.DEADLINE_EXCEEDED, "") from None
+            raise
+        try:
+            if (remaining := paced.remaining_s()) <= 0:
+                raise _PartFailed(part, grpc.StatusCode.DEADLINE_EXCEEDED, "")
+            paced.sent.add(part)
+            call = self._stub.ScoreTokens(request, timeout=remaining, wait_for_ready=True)
+            try:
+                response = await call
+            except grpc.RpcError as err:
+                raise _PartFailed(part, err.code(), err.details() or "") from None
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            paced.answered.add(part)
+            return response
+        finally:
+            self._share.release(cost)
+
+    def _learn(self) -> None:
+        """See ``ClientBase._learn`` (a task on the event loop)."""
+        self._learning = asyncio.ensure_future(self._learn_limits())
+
+    async def _learn_limits(self) -> None:
+        try:
+            listed = await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True)
+        except grpc.RpcError:
+            listed = None
+        self._limits_told(listed)
 
     async def score_groups(
         self, prompt_ids: Sequence[Any], completion_ids: Sequence[Sequence[Any]], **keywords: Unpack[ScoreKeywords]
@@ -84,8 +135,10 @@ class AsyncLogprobClient(ClientBase):
         return None
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        response = await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
-        return [model_info(m) for m in response.models]
+        """See ``LogprobClient.list_models``."""
+        listed = await self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+        self._limits_told(listed)
+        return [model_info(m) for m in listed.models]
 
     async def update_weights(
         self, model: str, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], **keywords: Unpack[UpdateKeywords]
@@ -195,10 +248,10 @@ class AsyncLogprobClient(ClientBase):
         await self.close()
 
 
-async def _failure(calls: Sequence[Any], err: grpc.RpcError) -> tuple[int, grpc.StatusCode, str]:
-    """Which of a call's asyncio RPCs failed (the first in part order of those that have, when
-    several have), its status and message; ``gather`` raised ``err``, one of theirs."""
-    for part, call in enumerate(calls):
-        if call.done() and (code := await call.code()) != grpc.StatusCode.OK:
-            return part, code, await call.details() or ""
-    return len(calls), err.code(), err.details() or ""  # (no part: the error keeps the server's words)
+class _PartFailed(Exception):
+    """A part of an asyncio scoring call failed: which, its status and the server's message
+    (DEADLINE_EXCEEDED with none: the deadline passed before it was sent)."""
+
+    def __init__(self, part: int, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(part, code, message)
+        self.part, self.code, self.message = part, code, message

@@ -18,9 +18,10 @@ from .channel import CONNECT_TIMEOUT_S, AioConnectionWatch, Connection, Connecti
 from .deltas import WeightDeltas
 from .errors import LogprobError, error_for_status
 from .inputs import Prepared, flatten_groups, prepare
+from .pacing import PacedCall, Share
 from .push_processes import FRAMING_BYTES, PushProcesses
 from .pushes import STREAMS_PER_RECEIVER, UPDATE_WEIGHTS, PreparedPush, UpdateKeywords
-from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, split
+from .split import DEFAULT_MAX_SEQUENCES_PER_RPC, DEFAULT_MAX_TOKENS_PER_RPC, RpcLimits, part_tokens, split
 from .streams import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS, UpdateResult, update_streams
 from .wire import (
     Options,
@@ -70,7 +71,8 @@ class ScoreKeywords(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class Scoring:
-    """A scoring call, prepared: each batch's layout and requests, and how to answer."""
+    """A scoring call, prepared: each batch's layout and requests, and how to answer.
+    ``sizes``: each request's tokens (as ``split`` counts them) and sequences, in ``requests``' order."""
 
     calls: list[tuple[Prepared, list[pb.ScoreRequest]]]
     return_entropy: bool
@@ -78,10 +80,15 @@ class Scoring:
     return_exceptions: bool
     top_k: int = 0
     return_routed_experts: bool = False
+    sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def requests(self) -> list[pb.ScoreRequest]:
         return [request for _, requests in self.calls for request in requests]
+
+    def paced(self) -> PacedCall:
+        """The call's parts to pace, its deadline starting now."""
+        return PacedCall([tokens for tokens, _ in self.sizes], [n for _, n in self.sizes], self.timeout)
 
     def result(self, responses: Sequence[pb.ScoreResponse]) -> Any:
         """The one batch's answer from its responses, in part order."""
@@ -178,6 +185,7 @@ class ClientBase:
         self._connected = (AioConnectionWatch if self._aio else ConnectionWatch)(
             self._channel, described, connect_timeout_s
         )
+        self._share = Share(self._learn)  # this client's parts in flight, within its share of the queue
         # A push's streams, each on a connection of its own (``channel.py``), by target: opened at
         # the first push that needs them and kept; with a given channel, they share it.
         self._push_channels: dict[str, list[Any]] = {}
@@ -253,6 +261,20 @@ class ClientBase:
     def _all_channels(self) -> list[Any]:
         return [self._channel, *(channel for opened in self._push_channels.values() for channel in opened)]
 
+    def _learn(self) -> None:
+        """Ask the server for its queue's limits, without waiting, and tell ``self._share``
+        (each client: ListModels)."""
+        raise NotImplementedError
+
+    def _limits_told(self, listed: pb.ListModelsResponse | None) -> None:
+        """Tell the share what ListModels answered (None: it failed, so no pacing)."""
+        limits = listed.models[0].limits if listed is not None and listed.models else pb.ModelLimits()
+        self._share.told(limits.max_queued_tokens, limits.max_queued_tokens_per_client)
+
+    def deadline_error(self, paced: PacedCall, server_message: str = "") -> LogprobError:
+        """A scoring call's error when its deadline passed (``PacedCall.deadline_error``)."""
+        return paced.deadline_error(self._described, self._share, server_message)
+
     def rpc_error(self, err: grpc.RpcError) -> LogprobError:
         """The typed error of a failed RPC; one that found no server names the target dialled."""
         details = err.details() or ""
@@ -289,7 +311,7 @@ class ClientBase:
             raise ValueError(f"top_k must be an integer >= 0 (0: none; the server allows up to 256), got {top_k!r}")
         routed = bool(return_routed_experts)
         options = Options(model or self.model, temperature, return_entropy, min_version, int(top_k), routed)
-        calls = []
+        calls, sizes = [], []
         for inp in inputs:
             prepared = (
                 inp
@@ -312,7 +334,9 @@ class ClientBase:
             seqs = prepared.sequences
             repeats = repeats_prompt(seqs) if self.share_prompts else [False] * len(seqs)
             shared = [len(p) if repeat else 0 for (p, _), repeat in zip(seqs, repeats, strict=True)]
-            parts = split([len(p) + len(c) for p, c in seqs], self.rpc_limits, shared)
+            lengths = [len(p) + len(c) for p, c in seqs]
+            parts = split(lengths, self.rpc_limits, shared)
+            sizes += [(part_tokens(lengths, part, shared), part.stop - part.start) for part in parts]
             requests = [
                 score_request(
                     seqs[part],
@@ -324,7 +348,8 @@ class ClientBase:
                 for part in parts
             ]
             calls.append((prepared, requests))
-        return Scoring(calls, return_entropy, timeout or self.timeout, return_exceptions, int(top_k), routed)
+        timeout = timeout or self.timeout
+        return Scoring(calls, return_entropy, timeout, return_exceptions, int(top_k), routed, tuple(sizes))
 
     def prepare_one(
         self, prompt_ids: Any, completion_ids: Any, keywords: ScoreKeywords, group_sizes: Sequence[int] | None = None

@@ -51,7 +51,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -361,12 +361,11 @@ class ConnectionWatch(_Watch):
             time.sleep(min(remaining, _PROBE_EVERY_S))
         self._reached_at = time.monotonic()
 
-    def watch(self, timeout: float, calls: Sequence[grpc.Future]) -> concurrent.futures.Future[None] | None:
-        """``wait`` without blocking, for ``calls`` already sent (``score_async`` returns at once):
-        None when the server was reached just now; else a future of the wait, on a thread of its
-        own, which cancels ``calls`` when it fails (its exception says why)."""
-        for call in calls:
-            call.add_done_callback(self.answered)
+    def watch(self, timeout: float, cancel: Callable[[], None]) -> concurrent.futures.Future[None] | None:
+        """``wait`` without blocking, for calls sent meanwhile (``score_async`` returns at once; each
+        call is to have ``answered`` as a done callback): None when the server was reached just now;
+        else a future of the wait, on a thread of its own, which calls ``cancel`` (the calls') when
+        it fails (its exception says why)."""
         if self._fresh():
             return None
         connecting: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -377,8 +376,7 @@ class ConnectionWatch(_Watch):
             except Exception as err:  # Unavailable; or the client was closed meanwhile
                 connecting.set_exception(err)  # before the calls end, so that their caller finds it
                 if isinstance(err, Unavailable):
-                    for call in calls:
-                        call.cancel()
+                    cancel()
             else:
                 connecting.set_result(None)
 

@@ -12,7 +12,8 @@ A scoring call first waits for a connection to the server, at most ``connect_tim
 ``Unavailable``, naming the target and the connection error), then for a SERVING replica within
 its deadline (``channel.py``). Every scoring call is cut into parts within
 ``max_sequences_per_rpc`` / ``max_tokens_per_rpc`` (``split.py``), sent as that many ScoreTokens
-RPCs at once, and reassembled in order. Consecutive sequences with one prompt travel as one
+RPCs at once (a call larger than the client's share of the server's queue paced to it,
+``pacing.py``), and reassembled in order. Consecutive sequences with one prompt travel as one
 ``SequenceGroup``, the prompt sent once, and ids and scores as little-endian bytes (``wire.py``).
 An error the server answers about one of the caller's sequences names it as the caller did
 (``completion_ids[3][1]``, ``wire.caller_error``).
@@ -83,13 +84,26 @@ class LogprobClient(ClientBase):
         return self._send(self.prepare_one(prompt_ids, completion_ids, keywords))
 
     def _send(self, scoring: Scoring) -> ScoreFuture:
-        """A prepared scoring call's RPCs, sent; they fail as ``Unavailable`` when no connection
-        comes within ``connect_timeout_s`` (``channel.ConnectionWatch``)."""
-        calls = [
-            self._stub.ScoreTokens.future(request, timeout=scoring.timeout, wait_for_ready=True)
-            for request in scoring.requests
-        ]
-        return ScoreFuture(calls, scoring.result, scoring.error, self._connected.watch(scoring.timeout, calls))
+        """A prepared scoring call's RPCs, sent as this client's share of the server's queue has
+        room (``pacing.py``); they fail as ``Unavailable`` when no connection comes within
+        ``connect_timeout_s`` (``channel.ConnectionWatch``)."""
+        requests = scoring.requests
+
+        def send(part: int, timeout: float) -> grpc.Future:
+            call = self._stub.ScoreTokens.future(requests[part], timeout=timeout, wait_for_ready=True)
+            call.add_done_callback(self._connected.answered)
+            return call
+
+        future = ScoreFuture(scoring.paced(), self._share, send, scoring.result, scoring.error, self.deadline_error)
+        future.start(self._connected.watch(scoring.timeout, future.cancel))
+        return future
+
+    def _learn(self) -> None:
+        """See ``ClientBase._learn`` (the answer is told on one of gRPC's threads)."""
+        listed = self._stub.ListModels.future(pb.ListModelsRequest(), timeout=self.timeout, wait_for_ready=True)
+        listed.add_done_callback(
+            lambda call: self._limits_told(None if call.cancelled() or call.exception() else call.result())
+        )
 
     def score_many(self, inputs: Iterable[ScoreInput], **keywords: Unpack[ScoreKeywords]) -> list[Any]:
         """Score several batches pipelined over one stream; results in input order.
@@ -120,7 +134,10 @@ class LogprobClient(ClientBase):
         return None
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        return [model_info(m) for m in self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout).models]
+        """The served models; their limits also tell this client its share of the queue (``pacing.py``)."""
+        listed = self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+        self._limits_told(listed)
+        return [model_info(m) for m in listed.models]
 
     def update_weights(
         self, model: str, weights: Mapping[str, Any] | Iterable[tuple[str, Any]], **keywords: Unpack[UpdateKeywords]

@@ -1,10 +1,11 @@
 """Cutting one scoring call into several RPCs that are in flight together.
 
 A call's sequences are cut, in order, into contiguous parts that each stay within a sequence
-limit and a token limit (prompt + completion tokens). The parts are sent at once and their
-scores put back together in order, so that the server starts on the first part while later
-ones are still on the wire, no message grows past the server's per-request limits, and parts
-can be served by different replicas behind one target.
+limit and a token limit (prompt + completion tokens). The parts are sent at once (within the
+client's share of the server's queue: ``pacing.py``) and their scores put back together in
+order, so that the server starts on the first part while later ones are still on the wire, no
+message grows past the server's per-request limits, and parts can be served by different
+replicas behind one target.
 
 Consecutive sequences with the same prompt (GRPO's completions of one prompt, laid out as TRL
 does) are counted the way the server runs them (``--share-prompts``): the prompt once per part,
@@ -49,10 +50,22 @@ def split(lengths: Sequence[int], limits: RpcLimits, shared: Sequence[int] | Non
     parts: list[slice] = []
     start, tokens = 0, 0
     for i, length in enumerate(lengths):
-        cost = length - shared[i] if i > start else length
+        cost = _cost(lengths, shared, i, start)
         if i > start and (i - start >= limits.max_sequences or tokens + cost > limits.max_tokens):
             parts.append(slice(start, i))
             start, tokens, cost = i, 0, length
         tokens += cost
     parts.append(slice(start, len(lengths)))
     return parts
+
+
+def part_tokens(lengths: Sequence[int], part: slice, shared: Sequence[int] | None = None) -> int:
+    """The tokens of ``part`` (one of ``split``'s), counted as ``split`` counts them."""
+    shared = shared or [0] * len(lengths)
+    return sum(_cost(lengths, shared, i, part.start) for i in range(part.start, part.stop))
+
+
+def _cost(lengths: Sequence[int], shared: Sequence[int], i: int, start: int) -> int:
+    """Sequence i's tokens in a part that starts at ``start``: its prompt counted unless the
+    sequence before it in the part has it."""
+    return lengths[i] - shared[i] if i > start else lengths[i]

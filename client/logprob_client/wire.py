@@ -20,9 +20,16 @@ from .inputs import Prepared, assemble
 
 @dataclass(frozen=True)
 class ModelLimits:
+    """What the server takes of a model's requests. ``max_queued_tokens`` and
+    ``max_queued_tokens_per_client``: the whole queue's and one client's share of it (tokens admitted
+    and not yet scored), server-wide; a call cut into parts is paced to the share (``pacing.py``).
+    0: the server does not tell (one before these fields)."""
+
     max_sequence_tokens: int
     max_sequences_per_request: int
     max_tokens_per_request: int
+    max_queued_tokens: int = 0
+    max_queued_tokens_per_client: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,8 @@ def model_info(m: pb.ModelInfo) -> ModelInfo:
             max_sequence_tokens=m.limits.max_sequence_tokens,
             max_sequences_per_request=m.limits.max_sequences_per_request,
             max_tokens_per_request=m.limits.max_tokens_per_request,
+            max_queued_tokens=m.limits.max_queued_tokens,
+            max_queued_tokens_per_client=m.limits.max_queued_tokens_per_client,
         ),
         source=m.source,
         device=m.device,

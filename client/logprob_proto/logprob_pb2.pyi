@@ -139,14 +139,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("max_sequence_tokens", "max_sequences_per_request", "max_tokens_per_request")
+    __slots__ = ("max_sequence_tokens", "max_sequences_per_request", "max_tokens_per_request", "max_queued_tokens", "max_queued_tokens_per_client")
     MAX_SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_TOKENS_PER_CLIENT_FIELD_NUMBER: _ClassVar[int]
     max_sequence_tokens: int
     max_sequences_per_request: int
     max_tokens_per_request: int
-    def __init__(self, max_sequence_tokens: _Optional[int] = ..., max_sequences_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
+    max_queued_tokens: int
+    max_queued_tokens_per_client: int
+    def __init__(self, max_sequence_tokens: _Optional[int] = ..., max_sequences_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_queued_tokens_per_client: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "architecture", "vocab_size", "max_positions", "dtype", "version", "fingerprint", "limits", "source", "device", "base_model", "attention", "determinism", "num_experts", "weight_format")

@@ -39,6 +39,9 @@ class Replica(pb_grpc.LogprobServiceServicer):
         scores = [pb.SequenceScores(logprobs=[float(t) for t in s.prompt_ids]) for s in sequences_of(request)]
         return pb.ScoreResponse(request_id=request.request_id, scores=scores)
 
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse()  # no queue limits told: the client's parts go unpaced
+
 
 @contextlib.asynccontextmanager
 async def replicas(n: int, health: list[HealthServicer] | None = None):
@@ -51,12 +54,14 @@ async def replicas(n: int, health: list[HealthServicer] | None = None):
 
 def connect_all(client: LogprobClient, servicers: list[Replica]) -> None:
     """Call until every replica has answered once: round_robin connects to all of them at the first
-    call, and a call picks among the replicas already connected."""
+    call, and a call picks among the replicas already connected. Then list the models: a client
+    asks for its share of the queue once (pacing.py), and that call is a pick too."""
     for _ in range(200):
         if all(s.calls for s in servicers):
             break
         client.score([[1]], [[2]])
     assert all(s.calls for s in servicers), [s.calls for s in servicers]
+    client.list_models()
     for s in servicers:
         s.calls = 0
 
@@ -180,6 +185,7 @@ async def test_the_asyncio_client_spreads_over_the_same_replicas():
                     break
                 await client.score([[1]], [[2]])
             assert all(s.calls for s in servicers), [s.calls for s in servicers]
+            await client.list_models()  # (its share of the queue, as connect_all)
             for s in servicers:
                 s.calls = 0
             out = await asyncio.gather(*(client.score([[i]], [[1]]) for i in range(9)))

@@ -88,8 +88,8 @@ def _level(code: grpc.StatusCode) -> int:
 def _error_text(error: BaseException, code: grpc.StatusCode) -> str:
     if isinstance(error, LogprobError):
         return error.message
-    if code is grpc.StatusCode.CANCELLED:
-        return "the client cancelled the call"
+    if code is grpc.StatusCode.CANCELLED:  # why, where the edge could tell (interceptors.cancellation_reason)
+        return str(error) or "the client cancelled the call"
     return f"{type(error).__name__}: {error}"
 
 

@@ -272,6 +272,8 @@ def model_info_to_proto(info: ModelInfo, limits: RequestLimits) -> pb.ModelInfo:
             max_sequence_tokens=info.max_positions or 0,
             max_sequences_per_request=limits.max_sequences_per_request,
             max_tokens_per_request=limits.max_tokens_per_request,
+            max_queued_tokens=limits.max_queued_tokens,
+            max_queued_tokens_per_client=limits.max_queued_tokens_per_client,
         ),
     )
 

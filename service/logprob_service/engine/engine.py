@@ -89,6 +89,8 @@ class EngineConfig:
             max_sequences_per_request=self.max_sequences_per_request,
             max_tokens_per_request=self.max_tokens_per_request,
             max_answer_bytes=self.max_answer_bytes,
+            max_queued_tokens=self.max_queued_tokens,
+            max_queued_tokens_per_client=self.max_queued_tokens_per_client,
         )
 
 

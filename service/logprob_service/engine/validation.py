@@ -38,6 +38,9 @@ class RequestLimits:
     max_tokens_per_request: int
     max_answer_bytes: int = UNLIMITED
     answer_limit: str = "max_answer_bytes"  # the setting max_answer_bytes comes from, for its message
+    # The queue's limits (admission.py), which a request's cost must fit; told to clients (ListModels).
+    max_queued_tokens: int = UNLIMITED
+    max_queued_tokens_per_client: int = UNLIMITED
 
 
 @dataclass(frozen=True)
