@@ -40,11 +40,11 @@ def scoring_calls() -> set[str]:
     that take a ScoreRequest, and the HTTP edge's POST routes (every one scores), by path."""
     from logprob_proto import logprob_pb2
     from logprob_service.http.app import Edge
-    from logprob_service.http.server import routes
+    from logprob_service.http.server import peer_routes
 
     service = logprob_pb2.DESCRIPTOR.services_by_name["LogprobService"]
     grpc_methods = {m.name for m in service.methods if m.input_type.name == "ScoreRequest"}
-    http_paths = {r.path for r in routes(Edge(None, None, 1)) if "POST" in r.methods}  # type: ignore[arg-type]
+    http_paths = {r.path for r in peer_routes(Edge(None, None, 1)) if "POST" in r.methods}  # type: ignore[arg-type]
     return grpc_methods | http_paths
 
 

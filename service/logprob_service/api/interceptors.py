@@ -104,14 +104,15 @@ async def _guarded(
         request_id = ""
         if code is grpc.StatusCode.INTERNAL:
             request_id = getattr(request, "request_id", "") or uuid.uuid4().hex
-        logged = (
-            asyncio.CancelledError(cancellation_reason(context)) if isinstance(err, asyncio.CancelledError) else err
+        # The error is kept in no local of this frame, which its traceback holds: that cycle kept
+        # every refused request in memory until the garbage collector ran (test_fuzz's no_leak).
+        account(
+            code,
+            asyncio.CancelledError(cancellation_reason(context)) if isinstance(err, asyncio.CancelledError) else err,
+            request_id,
         )
-        account(code, logged, request_id)
         if not isinstance(err, Exception) or code is grpc.StatusCode.CANCELLED:  # nobody to answer
             raise
-        # Not kept in a local of this frame, which the exception's traceback holds: that cycle kept
-        # every refused request in memory until the garbage collector ran (test_fuzz's no_leak).
         await handlers.fail(
             context,
             _internal(err, request_id) if code is grpc.StatusCode.INTERNAL else err,  # type: ignore[arg-type]

@@ -36,11 +36,19 @@ KEEP_ALIVE_S = 5.0
 
 
 def routes(edge: Edge) -> list[Route]:
-    """Every route: the peers' paths, as their clients spell them (docs/http.md), each also with
-    its trailing slash flipped, answered and accounted as the peer's spelling is (the peers'
-    FastAPI servers answer both; Starlette's own way, a 307 with an empty body, would lose a
-    caller that does not follow redirects)."""
-    spelled = [
+    """Every route: the peers' paths (``peer_routes``), each also with its trailing slash flipped,
+    answered and accounted as the peer's spelling is (the peers' FastAPI servers answer both;
+    Starlette's own way, a 307 with an empty body, would lose a caller that does not follow
+    redirects)."""
+    spelled = peer_routes(edge)
+    flipped = [Route(_flip_slash(r.path), r.endpoint, methods=sorted(r.methods or ())) for r in spelled]
+    return spelled + flipped
+
+
+def peer_routes(edge: Edge) -> list[Route]:
+    """The peers' paths, as their clients spell them (docs/http.md): the ``rpc`` labels of the
+    HTTP edge's requests."""
+    return [
         edge.route("/v1/completions", vllm.completions),
         edge.route("/inference/v1/generate", vllm.generate),
         edge.route("/generate", sglang.generate),
@@ -50,8 +58,6 @@ def routes(edge: Edge) -> list[Route]:
         edge.route("/health", vllm.health, methods=("GET",), scope=None),
         edge.route("/health_generate", vllm.health, methods=("GET",), scope=None),
     ]
-    flipped = [Route(_flip_slash(r.path), r.endpoint, methods=sorted(r.methods or ())) for r in spelled]
-    return spelled + flipped
 
 
 def _flip_slash(path: str) -> str:
