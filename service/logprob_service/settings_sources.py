@@ -35,6 +35,7 @@ OTHER_ENV_VARIABLES = frozenset(
         "LOGPROB_TEST_SEEDS",
         "LOGPROB_LOAD_FULL",
         "LOGPROB_KEEP_IMAGE",
+        "LOGPROB_SOAK_ONLY",
     }
 )
 # BASE+ADAPTER_DIR: a LoRA model sharing the weights of the served model BASE.

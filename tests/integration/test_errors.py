@@ -39,7 +39,7 @@ from tests.helpers.server import start, stop, test_settings
         ((([], [3]),), ["sequences[0].prompt_ids", "empty"]),
         ((OK, OK, ([3], [])), ["sequences[2].completion_ids", "empty"]),
         ((), ["sequences", "no sequences"]),
-        ((OK,) * 17, ["17 sequences", "limit of 16"]),
+        ((OK,) * 17, ["more than 16 sequences", "limit of 16"]),  # counted before the parse
         (
             (*(([i + 1] * 200, [2] * 50) for i in range(15)), ([1] * 700, [2] * 1)),
             ["4451 tokens", "limit of 4000"],

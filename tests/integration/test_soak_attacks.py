@@ -86,6 +86,8 @@ SIGTERM_S = 10.0
 # machine) would make the test measure the packing itself, not the attacks.
 FLOOR_S = 0.06
 GRACE_S = 3.0
+# LOGPROB_SOAK_ONLY=hog,flood: only those attacks (diagnosis; the module docstring).
+ONLY = tuple(filter(None, os.environ.get("LOGPROB_SOAK_ONLY", "").split(",")))
 
 
 def server_args(port: int, http_port: int, tokens_file) -> list[str]:
@@ -174,8 +176,9 @@ def p99(values: list[float]) -> float:
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "the million-sequence bodies move the good clients' p99 to 2-3 s and the server's memory by "
-        "+1.7 GB (LOGPROB_SOAK_ONLY=big_bodies); every other attack alone stays within its bounds"
+        "the million-sequence bodies, resent as fast as they are refused, move the good clients' p99 to "
+        "about 7.5x its unloaded value (LOGPROB_SOAK_ONLY=big_bodies; 24-28x before gRPC counted a "
+        "ScoreTokens message's sequences from its bytes); every other attack alone stays within its bounds"
     ),
 )
 def test_scoring_clients_keep_their_latency_while_the_server_is_attacked(tmp_path, rng):
@@ -201,7 +204,7 @@ def test_scoring_clients_keep_their_latency_while_the_server_is_attacked(tmp_pat
 
         options = dict(
             grpc_target=target, http_base=base, connections=connections, share_tokens=2_097_152,
-            flood_tokens=350, max_s=60.0, only=tuple(filter(None, os.environ.get("LOGPROB_SOAK_ONLY", "").split(","))),
+            flood_tokens=350, max_s=60.0, only=ONLY,
             tokens={name: tokens[name] for name in ("big", "stream", "hog", "flood")},
         )  # fmt: skip
         attacker = subprocess.Popen(
@@ -233,11 +236,11 @@ def test_scoring_clients_keep_their_latency_while_the_server_is_attacked(tmp_pat
     seen = attacks["seen"]
     print(f"p99 under attack / unloaded (floor {FLOOR_S * 1000:.0f} ms): {ratios}; connections: {connections}")
     assert not attacks["failed"], attacks
-    # Every attack happened, and was answered as its limit says.
-    assert seen["half_open"]["opened"] >= connections and seen["stream"]["written"] > 0, seen
-    assert seen["big_http"]["400"] and seen["big_grpc"]["INVALID_ARGUMENT"], seen
-    assert seen["hog"]["RESOURCE_EXHAUSTED"] and seen["flood_past"]["INVALID_ARGUMENT"], seen
-    assert seen["flood_within"]["200"], seen
+    if not ONLY:  # every attack happened, and was answered as its limit says
+        assert seen["half_open"]["opened"] >= connections and seen["stream"]["written"] > 0, seen
+        assert seen["big_http"]["400"] and seen["big_grpc"]["INVALID_ARGUMENT"], seen
+        assert seen["hog"]["RESOURCE_EXHAUSTED"] and seen["flood_past"]["INVALID_ARGUMENT"], seen
+        assert seen["flood_within"]["200"], seen
     assert all(ratio <= 2.0 for ratio in ratios.values()), (ratios, unloaded, attacked)
     assert attacked_rss - unloaded_rss <= RSS_BOUND, (unloaded_rss / MiB, attacked_rss / MiB)
     assert code == 0 and exit_s < SIGTERM_S, (code, exit_s)

@@ -11,6 +11,10 @@ the deserializer returns a ``Malformed`` marker instead, and the handler's behav
   INVALID_ARGUMENT naming the message's index. A client stream with one answer (UpdateWeights)
   is read to its end first (``handlers.read_to_end``): answered while its client still sent, a
   push got INTERNAL instead in a CI run (tests/integration/test_weight_receivers.py).
+
+A single ``ScoreTokens`` request of more plain sequences than ``max_sequences`` is refused the
+same way, counted from its bytes before they are parsed (``wire.count_fields``): protobuf would
+otherwise build an object for each of them first, on the event loop every caller shares.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from logprob_service.api import handlers
+from logprob_service.api.wire import SEQUENCES_FIELD, count_fields
 from logprob_service.errors import InvalidArgument
 
 
@@ -33,8 +38,17 @@ class Malformed:
     reason: str
 
 
-def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+@dataclass(frozen=True)
+class TooManySequences:
+    """Stands for a ScoreRequest of more plain sequences than ``limit``, not parsed."""
+
+    limit: int
+
+
+def _tolerant(deserializer: Callable[[bytes], Any], max_sequences: int | None) -> Callable[[bytes], Any]:
     def deserialize(raw: bytes) -> Any:
+        if max_sequences is not None and count_fields(raw, SEQUENCES_FIELD, max_sequences) > max_sequences:
+            return TooManySequences(max_sequences)
         try:
             return deserializer(raw)
         except DecodeError as err:
@@ -44,11 +58,18 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 class MalformedMessageInterceptor(handlers.ServiceInterceptor):
+    """``max_sequences``: the most sequences a ScoreTokens request may hold (the
+    ``max_sequences_per_request`` setting); None: counted after the parse only."""
+
+    def __init__(self, max_sequences: int | None = None) -> None:
+        self.max_sequences = max_sequences
+
     def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         if handler.request_deserializer is None:
             return handler
         inner = handlers.behaviour_of(handler)
-        deserializer = _tolerant(handler.request_deserializer)
+        counted = self.max_sequences if rpc == "ScoreTokens" else None
+        deserializer = _tolerant(handler.request_deserializer, counted)
 
         if not handler.request_streaming:
 
@@ -56,6 +77,15 @@ class MalformedMessageInterceptor(handlers.ServiceInterceptor):
                 if isinstance(request, Malformed):
                     return await handlers.reject(
                         context, rpc, InvalidArgument(f"request: not a valid message ({request.reason})")
+                    )
+                if isinstance(request, TooManySequences):
+                    return await handlers.reject(
+                        context,
+                        rpc,
+                        InvalidArgument(
+                            f"sequences: more than {request.limit} sequences exceed the limit of {request.limit} per "
+                            "request (counted before the message was read whole)"
+                        ),
                     )
                 return await handlers.run(inner, request, context)
 

@@ -66,7 +66,7 @@ async def create_server(
     # their bytes as views. Calls the weight receivers forward go through the same ones.
     interceptors: list[handlers.ServiceInterceptor] = [
         AuthInterceptor(tokens),
-        MalformedMessageInterceptor(),
+        MalformedMessageInterceptor(max_sequences=settings.max_sequences_per_request),
         ExceptionToStatusInterceptor(),
         TensorPieceViews(),
     ]
