@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_service.models.loading import load_causal_lm, to_serving_dtype
-from logprob_service.models.quantized import Fp8Linear, quantized_layers
+from logprob_service.models.quantized import Fp8Experts, Fp8Linear, quantized_layers
 from logprob_service.models.scorer import ScoringOptions
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.fp8 import FP8, dequantize, quantize, quantize_activations, w8a8_linear
@@ -24,6 +24,7 @@ from logprob_service.ops.mxfp4 import dequantize_mxfp4
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
 from tests.helpers.quantized import FP8_DIMS, LAYOUTS, W8A8_DIMS, write_checkpoint, write_mxfp4_checkpoint
+from tests.helpers.quantized_pushes import CASES, MOE_DIMS, push_serves_as_reload
 from tests.helpers.tolerances import U32
 
 pytestmark = [
@@ -131,3 +132,26 @@ def test_mxfp4_experts_stay_mxfp4_and_score_the_dequantized_model(tmp_path, rng)
             assert torch.equal(on_gpu, dequantize_mxfp4(blocks.cpu(), scales.cpu(), torch.bfloat16))
     sequences = random_sequences(rng, 8, max_len=40)
     ScoreReference(reference, sequences, temperature=0.9, dtype=torch.bfloat16).check(_score(model, sequences))
+
+
+@pytest.mark.parametrize("layout", ["fp8-blocks", "ct-channel"])
+def test_fp8_expert_banks_stay_fp8_and_score_the_dequantized_experts(tmp_path, layout, rng):
+    """Qwen3-MoE with FP8 experts on the GPU: the banks hold FP8 codes on the device, dequantized
+    per bank inside its forward (the Triton kernel); scores within bf16's criterion of the float64
+    forward of the dequantized model."""
+    dense = make_model("qwen3_moe", tied=False, seed=int(rng.integers(1 << 30)), dims=MOE_DIMS)
+    reference = write_checkpoint(tmp_path, dense, layout)
+    model = load_causal_lm(str(tmp_path), device=CUDA, dtype=torch.bfloat16)
+    banks = [m for m in quantized_layers(model) if isinstance(m, Fp8Experts)]
+    assert len(banks) == dense.config.num_hidden_layers
+    assert all(b.gate_up_proj.dtype == FP8 and b.gate_up_proj.is_cuda for b in banks)
+    sequences = random_sequences(rng, 8, max_len=40)
+    ScoreReference(reference, sequences, temperature=0.9, dtype=torch.bfloat16).check(_score(model, sequences))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_a_dense_push_into_a_quantized_model_on_the_gpu_serves_as_a_reload(tmp_path, case, rng):
+    """The push is quantized on the device (the GPU kernels), the reload on the host from the file:
+    the same codes and scales, so the same scores bit for bit and the same fingerprint."""
+    pushed, reloaded = await push_serves_as_reload(tmp_path, case, rng, device="cuda:0", dtype="bfloat16")
+    assert pushed == reloaded

@@ -14,45 +14,15 @@ from logprob_client import AsyncLogprobClient
 from safetensors.torch import load_file
 
 from tests.helpers.models import make_model, random_sequences
-from tests.helpers.quantized import FP8_DIMS, write_checkpoint, write_mxfp4_checkpoint
-from tests.helpers.server import as_lists, live, new_seed, settings, start, stop
-
-
-async def _scores_and_fingerprint(target: str, model: str, sequences) -> tuple[list, str]:
-    async with AsyncLogprobClient(target, model=model) as client:
-        scores = await client.score(*as_lists(sequences))
-        return [list(s) for s in scores], (await live(client, model)).fingerprint
-
-
-MOE_DIMS = {**FP8_DIMS, "moe_intermediate_size": 128}
-CASES = {  # name: (architecture, layout, dims)
-    "llama-fp8-blocks": ("llama", "fp8-blocks", FP8_DIMS),
-    "llama-ct-channel": ("llama", "ct-channel", FP8_DIMS),
-    "qwen3-moe-fp8-blocks": ("qwen3_moe", "fp8-blocks", MOE_DIMS),
-    "gpt-oss-mxfp4": ("gpt_oss", "mxfp4", None),
-}
+from tests.helpers.quantized import FP8_DIMS, write_checkpoint
+from tests.helpers.quantized_pushes import CASES, push_serves_as_reload, scores_and_fingerprint
+from tests.helpers.server import new_seed, settings, start, stop
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_a_dense_push_serves_as_a_reload_of_the_pushed_weights_quantized(tmp_path, case, rng):
-    arch, layout, dims = CASES[case]
-    old, new = (make_model(arch, tied=False, seed=new_seed(rng), dims=dims) for _ in range(2))
-    for name, model in (("old", old), ("new", new)):
-        if layout == "mxfp4":
-            write_mxfp4_checkpoint(tmp_path / name, model)
-        else:
-            write_checkpoint(tmp_path / name, model, layout)
-    running = await start(settings({"pushed": str(tmp_path / "old"), "reloaded": str(tmp_path / "new")}))
-    try:
-        sequences = random_sequences(rng, 4, max_len=24)
-        async with AsyncLogprobClient(running.target, model="pushed") as client:
-            result = await client.update_weights("pushed", new.state_dict())  # dense, as a trainer holds it
-            assert result.version == 1
-        pushed = await _scores_and_fingerprint(running.target, "pushed", sequences)
-        reloaded = await _scores_and_fingerprint(running.target, "reloaded", sequences)
-        assert pushed == reloaded
-    finally:
-        await stop(running)
+    pushed, reloaded = await push_serves_as_reload(tmp_path, case, rng)
+    assert pushed == reloaded
 
 
 async def test_fp8_tensors_with_their_scales_are_taken_as_they_are(tmp_path, rng):
@@ -66,7 +36,7 @@ async def test_fp8_tensors_with_their_scales_are_taken_as_they_are(tmp_path, rng
         sequences = random_sequences(rng, 4, max_len=24)
         async with AsyncLogprobClient(running.target, model="pushed") as client:
             assert (await client.update_weights("pushed", quantized)).version == 1
-        assert await _scores_and_fingerprint(running.target, "pushed", sequences) == await _scores_and_fingerprint(
+        assert await scores_and_fingerprint(running.target, "pushed", sequences) == await scores_and_fingerprint(
             running.target, "reloaded", sequences
         )
     finally:
