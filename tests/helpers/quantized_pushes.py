@@ -9,6 +9,7 @@ a dense push is quantized on arrival with the checkpoint's own scheme.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from logprob_client import AsyncLogprobClient
 
 from tests.helpers.models import make_model, random_sequences
@@ -32,9 +33,12 @@ async def scores_and_fingerprint(target: str, model: str, sequences) -> tuple[li
 
 async def push_serves_as_reload(tmp_path, case: str, rng: np.random.Generator, **overrides) -> tuple[tuple, tuple]:
     """(scores, fingerprint) of the pushed model and of the reloaded one; ``overrides`` go to the
-    server's settings (``device="cuda"``, ``dtype="bfloat16"``)."""
+    server's settings (``device="cuda"``, ``dtype="bfloat16"``). Both models are made in the served
+    dtype: a push sends the dense weights in it, as a trainer does, and the reload's checkpoint is
+    quantized from those same values."""
     arch, layout, dims = CASES[case]
-    old, new = (make_model(arch, tied=False, seed=new_seed(rng), dims=dims) for _ in range(2))
+    dtype = getattr(torch, overrides.get("dtype", "float32"))
+    old, new = (make_model(arch, tied=False, seed=new_seed(rng), dims=dims).to(dtype) for _ in range(2))
     for name, model in (("old", old), ("new", new)):
         if layout == "mxfp4":
             write_mxfp4_checkpoint(tmp_path / name, model)
