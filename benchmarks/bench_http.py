@@ -120,13 +120,18 @@ def sglang_request(group: list[TokenSequence]) -> tuple[str, dict[str, Any]]:
         "input_ids": [np.concatenate([s.prompt_ids, s.completion_ids]).tolist() for s in group],
         "sampling_params": {"max_new_tokens": 0},
         "return_logprob": True,
-        "logprob_start_len": [len(s.prompt_ids) for s in group],
+        # SGLang scores the tokens after position logprob_start_len (its entry there is null): the
+        # prompt's last position, so the entries after it are the completion's.
+        "logprob_start_len": [len(s.prompt_ids) - 1 for s in group],
     }
     return "/generate", body
 
 
 def sglang_answer(answer: list[dict[str, Any]], group: list[TokenSequence]) -> list[np.ndarray]:
-    return [np.array([item[0] for item in a["meta_info"]["input_token_logprobs"]], dtype=np.float32) for a in answer]
+    """The completion's log-probs: every entry of ``input_token_logprobs`` after the null first one."""
+    return [
+        np.array([item[0] for item in a["meta_info"]["input_token_logprobs"][1:]], dtype=np.float32) for a in answer
+    ]
 
 
 def completions_request(group: list[TokenSequence]) -> tuple[str, dict[str, Any]]:
