@@ -155,3 +155,15 @@ async def test_a_dense_push_into_a_quantized_model_on_the_gpu_serves_as_a_reload
     the same codes and scales, so the same scores bit for bit and the same fingerprint."""
     pushed, reloaded = await push_serves_as_reload(tmp_path, case, rng, device="cuda:0", dtype="bfloat16")
     assert pushed == reloaded
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 4096), (1024, 4096)])
+def test_a_weight_quantizes_on_the_gpu_as_on_the_cpu(block, seed):
+    """Codes and scales bit for bit: a push quantized on the device must equal a checkpoint
+    quantized on a host (the scale's division is IEEE's on both)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(1024, 4096, generator=g) * 0.02).to(torch.bfloat16)
+    q_cpu, s_cpu = quantize(w, block)
+    q_gpu, s_gpu = quantize(w.to(CUDA), block)
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))

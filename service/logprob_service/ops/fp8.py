@@ -70,6 +70,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return (weight.to(work) * full.to(work)).to(dtype)
 
 
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, the IEEE quotient on every device. CUDA divides by a Python number as a product
+    with its rounded reciprocal (one ulp off the quotient for some amax), so a GPU's scales would
+    differ from a CPU's, and from a checkpoint's; a 0-d tensor on the same device is divided."""
+    return amax / amax.new_full((), FP8_MAX)
+
+
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, S) of ``weight`` in blocks of ``block``: S = max|W_block| / 448 (1 for an all-zero
     block), Q = W / S rounded to e4m3; as DeepSeek's and transformers' FP8 quantizers do, so a
@@ -80,7 +87,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     padded = F.pad(weight.float(), (0, cols * bk - k, 0, rows * bn - n))
     blocks = padded.view(rows, bn, cols, bk)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _over_fp8_max(amax), torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(rows * bn, cols * bk)[:n, :k].contiguous(), scale
 
@@ -94,7 +101,7 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
 
         return quantize_groups(x, group, MIN_AMAX, FP8_MAX)
     grouped = x.float().view(m, k // group, group)
-    scale = grouped.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    scale = _over_fp8_max(grouped.abs().amax(dim=-1).clamp(min=MIN_AMAX))
     q = (grouped / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(m, k), scale
 
