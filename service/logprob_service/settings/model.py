@@ -41,7 +41,7 @@ DEFAULT_LONG_SEQUENCE_TOKENS = 65536
 DEFAULT_CHUNK_TOKENS = 32768
 # One packed micro-batch: as many tokens as the longest sequence run whole, so packing adds no
 # peak memory that one such sequence does not already take (1.5% more tokens/s than 32768 on the
-# GRPO workload at the 0.5B shape, H200; benchmarks/RESULTS.md).
+# GRPO workload at the 0.5B shape, H200; benchmarks/history/2026-11-21--2026-11-28.md).
 DEFAULT_MAX_BATCH_TOKENS = DEFAULT_LONG_SEQUENCE_TOKENS
 DEFAULT_MAX_BATCH_SEQUENCES = 256
 
