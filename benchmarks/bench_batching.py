@@ -86,13 +86,13 @@ from common import (
 )
 from harness import peak_allocated, publish, release, reset_peak, run_environment, synchronize
 from logprob_client import LogprobClient, Overloaded
-from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.compiled import eager_layers
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
+from logprob_service.settings.model import DEFAULT_MAX_BATCH_TOKENS, Settings
 from transformers import PreTrainedModel
 
 GiB = 1024**3

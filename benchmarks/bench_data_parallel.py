@@ -27,10 +27,10 @@ import torch
 from bench_batching import MODEL_NAME, Workload, make_workload, timed_passes
 from common import SHAPES, TINY, LoopbackServer, ModelShape, add_scoring_arguments, build_model, scoring_options
 from harness import publish, run_environment
-from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
+from logprob_service.settings.model import Settings
 
 
 def serve(shape: ModelShape, devices: list[torch.device], args: argparse.Namespace) -> tuple[Settings, ModelRegistry]:

@@ -23,10 +23,10 @@ from common import LoopbackServer, ModelShape, build_model
 from harness import publish, run_environment
 from logprob_client import LogprobClient
 from logprob_client.weights import WeightDeltas
-from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
+from logprob_service.settings.model import Settings
 
 SHAPE = ModelShape("Qwen2.5-0.5B-like, vocab 32000", 896, 4864, 24, 14, 2, 32000, 4096)
 MODEL = "policy"

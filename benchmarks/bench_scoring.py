@@ -57,7 +57,6 @@ from common import (
 )
 from harness import GiB, publish, release, run_environment, time_calls
 from logprob_client import LogprobClient, Overloaded
-from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import SequenceScores, TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.compiled import eager_layers
@@ -67,6 +66,7 @@ from logprob_service.offline import OfflineScorer
 from logprob_service.ops.attention import packed_forward_kwargs
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import DEFAULT_LM_HEAD_CHUNK_BYTES
+from logprob_service.settings.model import DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.worker.packing import pack
 from transformers import PreTrainedModel
 

@@ -42,12 +42,12 @@ from bench_batching import (
 )
 from common import SHAPES, TINY, LoopbackServer, ModelShape, add_scoring_arguments, build_model, scoring_options
 from harness import publish, run_environment
-from logprob_service.config import DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
+from logprob_service.settings.model import DEFAULT_MAX_BATCH_TOKENS, Settings
 from transformers import PreTrainedModel
 
 MODEL_NAME = "bench"

@@ -30,10 +30,10 @@ import time
 import torch
 from common import SHAPES, TINY, LoopbackServer, build_model
 from harness import publish, run_environment
-from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
+from logprob_service.settings.model import Settings
 
 MODEL = "policy"
 

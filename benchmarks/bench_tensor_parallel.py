@@ -45,12 +45,12 @@ from common import (
     shape_config,
 )
 from harness import publish, run_environment
-from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import ServedModel, serve_model
 from logprob_service.models.tensor_parallel import TensorParallel, fill_shards_, run_locally_, sharded_skeleton
 from logprob_service.ops.dispatch import select_logprob_op
+from logprob_service.settings.model import Settings
 
 SEED = 0
 

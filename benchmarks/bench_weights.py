@@ -48,10 +48,10 @@ from harness import peak_allocated, publish, reset_peak, run_environment
 from logprob_client.pushes import STREAMS_PER_RECEIVER
 from logprob_client.weights import DEFAULT_CHUNK_BYTES, DEFAULT_STREAMS
 from logprob_service import host_malloc
-from logprob_service.config import Settings
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer
 from logprob_service.models.served import serve_model
+from logprob_service.settings.model import Settings
 
 QWEN25_15B = ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, 131072)
 TINY = ModelShape("tiny Qwen2", 64, 128, 2, 4, 2, 1000, 256)

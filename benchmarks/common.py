@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from logprob_service.config import Settings
+from logprob_service import host_malloc
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.loading import to_serving_dtype
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
+from logprob_service.settings.model import Settings
 from logprob_service.startup import Service
 from logprob_service.worker.tensor_parallel import Build
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
@@ -165,7 +166,8 @@ class LoopbackServer:
     """The real grpc.aio server of this service, on an asyncio loop in a background thread.
 
     The model and the device are shared with the rest of this process, so the device's memory
-    statistics cover the server's work too. ``with LoopbackServer(...) as target: ...``
+    statistics cover the server's work too, and this process takes the server's process-wide
+    allocator setting (``host_malloc``) as ``serve`` would. ``with LoopbackServer(...) as target: ...``
     """
 
     def __init__(self, settings: Settings, registry: ModelRegistry, build: Build | None = None) -> None:
@@ -183,6 +185,7 @@ class LoopbackServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _start(self) -> int:
+        host_malloc.apply(self._settings.keep_freed_host_memory)
         self._service = Service.create(self._settings, self._registry, self._build)
         if self._build is not None:
             await self._service.load_models()

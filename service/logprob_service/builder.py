@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from logprob_service.config import Settings
 from logprob_service.engine.engine import EngineConfig, LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.build import build_models, logprob_op
 from logprob_service.models.loading import resolve_devices
+from logprob_service.settings.model import Settings
 from logprob_service.stats import NO_STATS, MemorySnapshot, StatsSink
 from logprob_service.worker import gpu_memory
 from logprob_service.worker.collectives import WeightGroup

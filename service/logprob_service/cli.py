@@ -1,4 +1,4 @@
-"""``logprob-service serve`` (every setting is a flag, derived from config.Settings) and ``logprob-service probe``.
+"""``logprob-service serve`` (every setting is a flag, derived from the settings model) and ``logprob-service probe``.
 
 Nothing of the server's dependencies is imported before ``main`` has checked they are installed:
 the client-only install has this command too, and says what to install instead of a traceback.
@@ -22,7 +22,7 @@ from pathlib import Path
 from logprob_service import __version__
 
 if typing.TYPE_CHECKING:
-    from logprob_service.config import Settings
+    from logprob_service.settings.model import Settings
 
 _MODEL_FLAG_HELP = (
     "NAME=SOURCE of a model to serve; repeat for several. "
@@ -151,7 +151,7 @@ class _Parser(argparse.ArgumentParser):
         flags = [arg.partition("=")[0] for arg in extra if arg.startswith("-")]
         if not flags:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
-        from logprob_service.settings_sources import ENV_ONLY_SETTINGS, env_variable
+        from logprob_service.settings.sources import ENV_ONLY_SETTINGS, env_variable
 
         known = [option for action in self._actions for option in action.option_strings]
         hints = []
@@ -187,8 +187,8 @@ def grouped_settings(names: typing.Iterable[str]) -> list[tuple[str, str, list[s
 
 
 def build_parser() -> _Parser:
-    from logprob_service.config import Settings
-    from logprob_service.settings_sources import ENV_ONLY_SETTINGS, env_variable, flag
+    from logprob_service.settings.model import Settings
+    from logprob_service.settings.sources import ENV_ONLY_SETTINGS, env_variable, flag
 
     parser = _Parser(prog="logprob-service", description="Token log-prob scoring service.")
     parser.add_argument("--version", action="version", version=f"logprob-service {__version__}")
@@ -261,8 +261,8 @@ def build_parser() -> _Parser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The settings of ``serve``'s flags, environment and config file (config.load_settings)."""
-    from logprob_service.config import Settings, load_settings
+    """The settings of ``serve``'s flags, environment and config file (settings.model.load_settings)."""
+    from logprob_service.settings.model import Settings, load_settings
 
     overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     return load_settings(getattr(args, "config", None), **overrides)
@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         parser.commands[args.command].unrecognized(extra)
-    from logprob_service.settings_sources import StartupError
+    from logprob_service.settings.errors import StartupError
 
     try:
         if args.command == "probe":
@@ -310,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from logprob_service.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
+    from logprob_service import host_malloc
+
+    host_malloc.apply(settings.keep_freed_host_memory)  # before any thread starts or any weight arrives
     from logprob_service.models.loading import ModelLoadError
     from logprob_service.security.bearer_tokens import TokenConfigError
     from logprob_service.startup import serve

@@ -12,11 +12,17 @@ threshold, so the other stays at its small default): the two are set together or
 
 The price: up to ``TRIM_THRESHOLD`` of freed memory stays in the process (its resident size), and
 blocks under 32 MiB come from the heap, where they can fragment it.
+
+A whole-process setting: each process that receives weights applies it once at its start-up
+(``apply``: the server's ``serve`` command, each weight receiver), before its first message.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+
+log = logging.getLogger(__name__)
 
 # mallopt's parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -37,3 +43,10 @@ def keep_freed_blocks() -> bool:
     # The mmap threshold first: it is the one glibc may refuse, and the trim threshold alone is
     # worse than neither.
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def apply(keep_freed_host_memory: bool) -> None:
+    """The setting ``keep_freed_host_memory`` for this process, at its start-up; said in the log
+    where the C library cannot (its allocator is then left as it is)."""
+    if keep_freed_host_memory and not keep_freed_blocks():
+        log.info("keep_freed_host_memory: this C library has no glibc mallopt; its allocator is left as it is")

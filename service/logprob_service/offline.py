@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 from transformers import PreTrainedModel
 
 from logprob_service.builder import engine_on
-from logprob_service.config import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS
 from logprob_service.domain import ScoreJob, SequenceScores, TokenSequence
 from logprob_service.engine.engine import EngineConfig, LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.served import ServedModel, serve_model
 from logprob_service.ops.dispatch import LogprobOp
+from logprob_service.settings.model import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS
 from logprob_service.stats import NO_STATS, StatsSink
 
 T = TypeVar("T")

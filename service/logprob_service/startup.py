@@ -22,7 +22,6 @@ import torch
 from logprob_service.api.receivers import WeightReceivers
 from logprob_service.api.server import GrpcEdge, create_server
 from logprob_service.builder import build_engine, load_models, server_devices
-from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
@@ -33,6 +32,7 @@ from logprob_service.models.build import build_rank
 from logprob_service.models.loading import resolve_devices
 from logprob_service.observability import metrics
 from logprob_service.security.bearer_tokens import TokenTable, load_token_table
+from logprob_service.settings.model import Settings
 from logprob_service.worker.pinned import page_lock
 from logprob_service.worker.tensor_parallel import Build, GroupLost, Leader
 

@@ -9,13 +9,13 @@ import secrets
 
 import pytest
 from logprob_proto import logprob_pb2 as pb
-from logprob_service.api.security.auth import METHOD_SCOPES, authorize, required_scope
-from logprob_service.config import Settings
+from logprob_service.api.auth import METHOD_SCOPES, authorize, required_scope
 from logprob_service.errors import PermissionDenied, Unauthenticated
 from logprob_service.security import bearer_tokens as tokens_module
 from logprob_service.security.bearer_tokens import TokenConfigError, load_token_table
 from logprob_service.security.caller import peer_host
 from logprob_service.security.exposure import exposure_warnings, is_loopback
+from logprob_service.settings.model import Settings
 
 
 def fresh_token() -> str:

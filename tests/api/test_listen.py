@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 from logprob_service.api.server_options import listen, server_options
-from logprob_service.config import Settings
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.model import Settings
 
 
 def try_to_bind(server: grpc.aio.Server, address: str) -> int:

@@ -15,7 +15,7 @@ from logprob_client.channel import SERVICE, channel_options, channel_target, ser
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.server_options import server_options
-from logprob_service.config import Settings
+from logprob_service.settings.model import Settings
 
 from tests.helpers.fake_server import HealthServicer, sequences_of, serving
 from tests.helpers.waiting import wait_until

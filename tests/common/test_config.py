@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from logprob_service import __version__
 from logprob_service.cli import SERVER_MODULES, build_parser, main, settings_from_args
-from logprob_service.config import Settings, load_settings
-from logprob_service.settings_sources import ENV_ONLY_SETTINGS, StartupError, parse_model_specs
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.model import Settings, load_settings
+from logprob_service.settings.sources import ENV_ONLY_SETTINGS, parse_model_specs
 
 
 def test_defaults_serve_the_builtin_model_on_loopback():
@@ -226,6 +227,18 @@ def test_model_paths_that_do_not_exist_are_refused(tmp_path):
     for source in ("Qwen/Qwen2.5-0.5B", "gpt2", "builtin:tiny-llama"):
         assert load_settings(models=[f"ref={source}"]).models == {"ref": source}
     assert load_settings(models=[f"ref={tmp_path}", f"policy=ref+{tmp_path}"]).models["policy"] == f"ref+{tmp_path}"
+
+
+@pytest.mark.parametrize("spelling", ["{a}, {b}", "{a},{b},", '["{a}", "{b}"]'])
+def test_list_settings_are_spelled_alike(spelling, tmp_path, monkeypatch):
+    """http_trusted_proxies and load_weights_roots read a variable's list with one parser."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    monkeypatch.setenv("LOGPROB_HTTP_TRUSTED_PROXIES", spelling.format(a="10.0.0.1", b="10.1.0.0/16"))
+    monkeypatch.setenv("LOGPROB_LOAD_WEIGHTS_ROOTS", spelling.format(a=a, b=b))
+    settings = load_settings()
+    assert settings.http_trusted_proxies == ("10.0.0.1", "10.1.0.0/16")
+    assert settings.load_weights_roots == (a.resolve(), b.resolve())
 
 
 def test_settings_from_a_config_file_pickle(tmp_path):

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-from logprob_service.config import Settings
 from logprob_service.observability import metrics  # noqa: F401  (registers the series)
+from logprob_service.settings.model import Settings
 from prometheus_client import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from logprob_service.cli import SETTING_GROUPS, build_parser, grouped_settings
-from logprob_service.config import Settings
+from logprob_service.settings.model import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ["models", "network", "security", "limits", "weights", "performance", "advanced"]

@@ -1,4 +1,5 @@
-"""host_malloc.keep_freed_blocks: a weight push's large message copies reuse warm pages."""
+"""host_malloc.keep_freed_blocks: a weight push's large message copies reuse warm pages; the
+setting applied once, at the start of the ``serve`` command."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import sys
 import textwrap
 
 import pytest
+from logprob_service import host_malloc, logs, startup
+from logprob_service.cli import main
 
 # 16 blocks of 4 MiB written and freed together, round after round: a push's messages in flight.
 # With glibc's defaults the freed heap top (64 MiB) is handed back each round and every page of the
@@ -41,3 +44,17 @@ def faults_a_round(mode: str) -> float:
 def test_kept_blocks_are_reused_without_page_faults() -> None:
     # At most 1/16 of the round's pages fault in anew (none did here); glibc's defaults fault all.
     assert faults_a_round("keep") < PAGES_A_ROUND / 16
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_serve_sets_the_allocator_at_start_up_before_the_server(keep, monkeypatch):
+    done = []
+    monkeypatch.setattr(host_malloc, "keep_freed_blocks", lambda: done.append("keep freed blocks") or True)
+    monkeypatch.setattr(logs, "configure_logging", lambda *args: None)
+
+    async def serve(settings):
+        done.append("serve")
+
+    monkeypatch.setattr(startup, "serve", serve)
+    assert main(["serve", "--keep-freed-host-memory" if keep else "--no-keep-freed-host-memory"]) == 0
+    assert done == (["keep freed blocks", "serve"] if keep else ["serve"])

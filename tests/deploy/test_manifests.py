@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 import yaml
-from logprob_service.config import Settings
+from logprob_service.settings.model import Settings
 
 from tests.helpers.deploy import (
     COMPOSE,

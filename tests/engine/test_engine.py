@@ -141,7 +141,7 @@ async def test_update_headers_refuse_negative_versions():
 
 
 def test_engine_config_takes_the_settings_it_names():
-    from logprob_service.config import Settings
+    from logprob_service.settings.model import Settings
 
     settings = Settings.model_validate({"max_batch_tokens": 1234, "share_prompts": True, "max_wait_ms": 7.0})
     config = EngineConfig.from_settings(settings)

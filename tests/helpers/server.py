@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from logprob_client import AsyncLogprobClient
-from logprob_service.config import Settings
+from logprob_service.settings.model import Settings
 from logprob_service.startup import Service
 
 from tests.helpers.models import assert_scores_close

@@ -275,7 +275,7 @@ def test_half_open_connections_past_the_open_file_limit_leave_grpc_and_the_log_a
 
 
 def test_settings_name_the_http_limits_and_refuse_a_buffer_smaller_than_a_body():
-    from logprob_service.config import Settings
+    from logprob_service.settings.model import Settings
 
     settings = Settings(http_trusted_proxies="10.0.0.1, 10.1.0.0/16", http_max_connections=100)
     assert settings.http_trusted_proxies == ("10.0.0.1", "10.1.0.0/16") and settings.http_max_connections == 100

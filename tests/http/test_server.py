@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
 
 from tests.helpers.processes import free_port, launch, wait_serving
 from tests.helpers.server import settings, start, stop

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from logprob_service.config import Settings
+from logprob_service.settings.model import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "grpo_remote_reference.py"

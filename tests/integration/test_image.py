@@ -45,9 +45,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from logprob_client import LogprobClient
-from logprob_service.config import Settings
 from logprob_service.models.builtin import build_builtin
 from logprob_service.models.weights import model_fingerprint
+from logprob_service.settings.model import Settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.models import ScoreReference, as_sequences

@@ -24,7 +24,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api.probe import check as health_check
 from logprob_service.cli import build_parser, settings_from_args
-from logprob_service.config import Settings
+from logprob_service.settings.model import Settings
 
 from tests.helpers.models import make_model, random_sequences
 from tests.helpers.processes import free_port, launch, wait_serving

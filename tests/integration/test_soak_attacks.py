@@ -27,7 +27,7 @@ The memory bound, from the limits this server runs with (the flags below):
 
 - HTTP bodies held at once: at most ``http_max_buffered_body_bytes`` (32 MiB);
 - answers: one request's at most ``max_answer_bytes`` (4 MiB) by its estimate; a JSON answer
-  takes up to 6x its size while it is built (config.py's ``max_answer_bytes``) and one is built
+  takes up to 6x its size while it is built (the settings model's ``max_answer_bytes``) and one is built
   at a time (on the event loop), so 24 MiB; the flood's two HTTP calls and the good clients'
   answers in flight or in the transport: 4 more, 16 MiB;
 - the unread stream: its pending answers at most ``max_stream_answer_bytes`` (4 MiB), and what

@@ -25,10 +25,10 @@ import torch
 from logprob_client import AsyncLogprobClient, InvalidRequest, LogprobClient
 from logprob_proto import logprob_pb2 as pb
 from logprob_service.api import receiver_process, receivers, wire
-from logprob_service.config import Settings
 from logprob_service.models.builtin import build_builtin
 from logprob_service.models.weights import model_fingerprint
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.model import Settings
 from prometheus_client import REGISTRY
 
 from tests.helpers.calls import update_calls

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from logprob_service.config import Settings, load_settings
+from logprob_service.settings.model import Settings, load_settings
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 

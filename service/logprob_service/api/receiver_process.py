@@ -47,11 +47,11 @@ from typing import Any
 import grpc
 
 from logprob_service import host_malloc
-from logprob_service.api.security import tls
+from logprob_service.api import tls
 from logprob_service.api.server_options import listen, server_options
-from logprob_service.config import Settings
 from logprob_service.logs import configure_logging
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.model import Settings
 
 SERVICE = "logprob.v1.LogprobService"
 # A slot holds one message of this project's client (4 MiB of a tensor's bytes and their framing);
@@ -194,8 +194,7 @@ def main(conn_fd: int, memory_fd: int) -> None:
     conn = Connection(conn_fd)
     settings, port, slots, slot_bytes = conn.recv()
     configure_logging(settings.log_level, settings.log_format)
-    if settings.keep_freed_host_memory:  # gRPC's copies of each message land in warm pages, as in the server
-        host_malloc.keep_freed_blocks()
+    host_malloc.apply(settings.keep_freed_host_memory)  # gRPC's copies of each message land in warm pages
     try:
         asyncio.run(_serve(conn, SharedMemory(slots, slot_bytes, memory_fd), settings, port))
     except StartupError as err:  # its port is taken: the serving process says so, naming the flag

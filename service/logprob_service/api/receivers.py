@@ -41,8 +41,8 @@ import numpy as np
 
 from logprob_service.api import handlers
 from logprob_service.api.receiver_process import RECEIVER_SLOT_BYTES, SLOTS, SharedMemory
-from logprob_service.config import Settings
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.model import Settings
 
 log = logging.getLogger(__name__)
 

@@ -12,20 +12,18 @@ from grpc_reflection.v1alpha import reflection
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
-from logprob_service import host_malloc
-from logprob_service.api import handlers
+from logprob_service.api import handlers, tls
+from logprob_service.api.auth import AuthInterceptor
 from logprob_service.api.health import SERVICE_NAME, HealthMirror
 from logprob_service.api.interceptors import ExceptionToStatusInterceptor, TensorPieceViews
 from logprob_service.api.malformed import MalformedMessageInterceptor
 from logprob_service.api.receivers import PageLock, WeightReceivers
-from logprob_service.api.security import tls
-from logprob_service.api.security.auth import AuthInterceptor
 from logprob_service.api.server_options import listen, server_options
 from logprob_service.api.servicer import LogprobServicer
-from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
 from logprob_service.security.bearer_tokens import TokenTable
 from logprob_service.security.exposure import exposure_warnings
+from logprob_service.settings.model import Settings
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +57,6 @@ async def create_server(
 
     Health mirrors the engine's phase: NOT_SERVING until it serves.
     """
-    if settings.keep_freed_host_memory and not host_malloc.keep_freed_blocks():
-        log.info("keep_freed_host_memory: this C library has no glibc mallopt; its allocator is left as it is")
     # Outermost first: credentials are checked before anything else, then undecodable bytes are
     # refused, then the handler's own errors are mapped to statuses; weight pieces are read with
     # their bytes as views. Calls the weight receivers forward go through the same ones.

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from logprob_service.config import Settings
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.model import Settings
 
 # The server's own keepalive pings (docs/security.md).
 KEEPALIVE_TIME_MS = 60_000

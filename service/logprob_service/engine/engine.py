@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from logprob_service.config import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS, Settings
 from logprob_service.domain import (
     GroupSpec,
     ModelInfo,
@@ -44,8 +43,9 @@ from logprob_service.engine.scheduler import Scheduler
 from logprob_service.engine.validation import UNLIMITED, RequestCounts, RequestLimits, check_counts, validate_job
 from logprob_service.engine.weights.updater import WeightUpdater
 from logprob_service.errors import Unavailable
+from logprob_service.settings.model import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS, Settings
+from logprob_service.settings.weight_updates import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 from logprob_service.stats import NO_STATS, MemorySnapshot, StatsSink
-from logprob_service.weight_settings import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from logprob_service.config import Settings
 from logprob_service.domain import ScoreResult
 from logprob_service.engine.engine import LogprobEngine
 from logprob_service.errors import DeadlineExceeded, ErrorCode, InvalidArgument, LogprobError, PermissionDenied
@@ -61,6 +60,7 @@ from logprob_service.logs import shown_id
 from logprob_service.observability import metrics
 from logprob_service.security.bearer_tokens import Scope, TokenTable, check_bearer
 from logprob_service.security.caller import current_client, set_client
+from logprob_service.settings.model import Settings
 
 log = logging.getLogger("logprob_service.requests")
 

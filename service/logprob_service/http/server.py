@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.routing import Route
 
-from logprob_service.config import Settings
 from logprob_service.engine.engine import LogprobEngine
 from logprob_service.http import sglang, trl, vllm
 from logprob_service.http.app import BodyLimits, Edge
 from logprob_service.http.connections import ConnectionLimits, connection_cap, guarded, quiet_accept_errors
 from logprob_service.security.bearer_tokens import TokenTable
 from logprob_service.security.exposure import exposure_warnings
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.model import Settings
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ import functools
 
 import torch
 
-from logprob_service.config import Settings
 from logprob_service.models.loading import ModelLoadError, resolve_dtype
 from logprob_service.models.lora import split_lora_source
 from logprob_service.models.scorer import scoring_options
 from logprob_service.models.served import ServedModel, load_served_model, serve_lora_model
 from logprob_service.models.tensor_parallel import TensorParallel
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
+from logprob_service.settings.model import Settings
 
 
 def logprob_op(settings: Settings, device: torch.device) -> LogprobOp:

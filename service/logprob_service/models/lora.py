@@ -16,8 +16,8 @@ from transformers import PreTrainedModel
 
 from logprob_service.models.loading import ModelLoadError
 
-# Defined in settings_sources, which checks that adapter directories exist before anything loads.
-from logprob_service.settings_sources import split_lora_source as split_lora_source
+# Defined in settings.sources, which checks that adapter directories exist before anything loads.
+from logprob_service.settings.sources import split_lora_source as split_lora_source
 
 
 class AdapterHost:

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from logprob_service.config import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS, Settings
 from logprob_service.domain import SequenceScores
 from logprob_service.errors import LogprobError
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
@@ -40,6 +39,7 @@ from logprob_service.ops.attention import (
 from logprob_service.ops.determinism import pin_matmul_reductions
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
 from logprob_service.ops.logprobs import LogitTransform
+from logprob_service.settings.model import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SEQUENCE_TOKENS, Settings
 
 log = logging.getLogger(__name__)
 

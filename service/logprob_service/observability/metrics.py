@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from logprob_service import __version__
 from logprob_service.domain import ModelInfo
-from logprob_service.settings_sources import StartupError
+from logprob_service.settings.errors import StartupError
 from logprob_service.stats import (
     BatchLaunched,
     BatchMemory,

@@ -28,8 +28,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from logprob_service.config import Settings
 from logprob_service.errors import PermissionDenied, Unauthenticated
+from logprob_service.settings.model import Settings
 
 Scope = Literal["score", "admin"]
 MIN_TOKEN_CHARS = 16

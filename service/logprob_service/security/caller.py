@@ -1,6 +1,6 @@
 """Who is calling: the client identity the fair share, the logs and error messages use.
 
-Set once per call, before the handler runs, by the gRPC edge (``api.security.auth.AuthInterceptor``)
+Set once per call, before the handler runs, by the gRPC edge (``api.auth.AuthInterceptor``)
 and the HTTP edge (``http.app``), and read anywhere below it in the same call (tasks the handler
 starts inherit it):
 

@@ -43,8 +43,8 @@ from logprob_service.errors import (
     Overloaded,
     Unavailable,
 )
+from logprob_service.settings.weight_updates import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 from logprob_service.stats import NO_STATS, StatsSink, WeightsUpdated
-from logprob_service.weight_settings import DEFAULT_MAX_GROUP_TIMEOUT_S, DEFAULT_UPDATE_IDLE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

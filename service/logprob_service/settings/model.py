@@ -1,22 +1,21 @@
-"""Server settings: one pydantic-settings model (its weight-update group in ``weight_settings``).
+"""The server's settings model, ``Settings``, and ``load_settings``, which reads it as the CLI does.
 
-Precedence, lowest first: defaults < YAML config file < environment (``LOGPROB_*``) < CLI flags.
 Every field is also a CLI flag (``cli.py`` derives the flags from this model), so the field's
-description is the one piece of documentation for both.
+description is the one piece of documentation for both. The weight-update fields are a group of
+their own (``weight_updates``) that ``Settings`` takes in by inheritance: one flat model, so each
+of them, like every other setting, has one flag, one ``LOGPROB_*`` variable and one file key.
 
-``load_settings`` reads them as the CLI does and refuses, before anything starts, what the model
-cannot: an unknown ``LOGPROB_*`` variable, a malformed config file, a model path that does not
-exist. Its errors name the setting as the user wrote it: the flag, the variable or the file
-(``settings_sources`` holds that machinery: the sources, the errors, the model specs).
+``load_settings`` refuses, before anything starts, what the model cannot: an unknown ``LOGPROB_*``
+variable, a malformed config file, a model path that does not exist. Its errors name the setting
+as the user wrote it: the flag, the variable or the file (``sources`` holds that machinery).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, FilePath, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -25,16 +24,15 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from logprob_service.settings_sources import (
+from logprob_service.settings.errors import StartupError
+from logprob_service.settings.sources import (
     ENV_PREFIX,
     Origins,
-    StartupError,
     model_source_problems,
     parse_model_specs,
+    split_list,
 )
-from logprob_service.weight_settings import (
-    WeightUpdateSettings,
-)
+from logprob_service.settings.weight_updates import WeightUpdateSettings
 
 MiB = 1024**2
 DEFAULT_MODEL_SOURCE = "builtin:tiny-llama"
@@ -43,7 +41,7 @@ DEFAULT_LONG_SEQUENCE_TOKENS = 65536
 DEFAULT_CHUNK_TOKENS = 32768
 # One packed micro-batch: as many tokens as the longest sequence run whole, so packing adds no
 # peak memory that one such sequence does not already take (1.5% more tokens/s than 32768 on the
-# GRPO workload at the 0.5B shape, H200; benchmarks/RESULTS.md).
+# GRPO workload at the 0.5B shape, H200; benchmarks/history/2026-11-21--2026-11-28.md).
 DEFAULT_MAX_BATCH_TOKENS = DEFAULT_LONG_SEQUENCE_TOKENS
 DEFAULT_MAX_BATCH_SEQUENCES = 256
 
@@ -110,7 +108,7 @@ class Settings(WeightUpdateSettings):
         gt=0,
         description="Longest an HTTP request may take to send its whole body; past it: 408, and the connection closed.",
     )
-    http_trusted_proxies: Annotated[tuple[str, ...], NoDecode] = Field(
+    http_trusted_proxies: Annotated[tuple[str, ...], NoDecode, BeforeValidator(split_list)] = Field(
         (),
         description=(
             "Addresses (or networks, or *) of reverse proxies whose X-Forwarded-For and X-Forwarded-Proto the HTTP "
@@ -397,16 +395,6 @@ class Settings(WeightUpdateSettings):
                 f"http_max_body_bytes ({self.http_max_body_bytes}): a body of the largest size could never be read"
             )
         return self
-
-    @field_validator("http_trusted_proxies", mode="before")
-    @classmethod
-    def _parse_proxies(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
 
     @field_validator("models", mode="before")
     @classmethod

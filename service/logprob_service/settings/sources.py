@@ -1,9 +1,9 @@
 """Where the server's settings come from, and how a problem with one is told: the ``LOGPROB_*``
-variables (an unknown one is refused), the YAML config file, the flags; ``StartupError``, whose
-lines name the setting as the user wrote it (``Origins``); the ``NAME=SOURCE`` model specs and the
-check that their paths exist.
+variables (an unknown one is refused), the YAML config file, the flags; a ``StartupError``'s lines
+name the setting as the user wrote it (``Origins``); list settings as the environment and flags
+spell them (``split_list``); the ``NAME=SOURCE`` model specs and the check that their paths exist.
 
-``config.Settings`` is the one settings model and ``config.load_settings`` reads it with this.
+``model.Settings`` is the one settings model and ``model.load_settings`` reads it with this.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 from pydantic_core import ErrorDetails
+
+from logprob_service.settings.errors import StartupError
 
 # Settings that hold secrets: read from the environment (or the config file), never from a flag,
 # which would show in `ps`, shell history and process listings.
@@ -43,11 +45,6 @@ LORA_SEPARATOR = "+"
 _MODEL_SPEC_FORM = "NAME=SOURCE, e.g. ref=/models/Qwen2.5-7B-Instruct or ref=builtin:tiny-llama"
 
 
-class StartupError(Exception):
-    """The server cannot start as configured. Each line of the message is one problem, naming the
-    flag, environment variable or file to fix; the CLI prints them alone and exits 2."""
-
-
 def flag(name: str) -> str:
     """The command-line flag of setting ``name``."""
     return "--model" if name == "models" else "--" + name.replace("_", "-")
@@ -56,6 +53,17 @@ def flag(name: str) -> str:
 def env_variable(name: str) -> str:
     """The environment variable of setting ``name``."""
     return ENV_PREFIX + name.upper()
+
+
+def split_list(value: Any) -> Any:
+    """A list setting as a flag or variable spells it, a comma-separated string (or a JSON list),
+    as its items; anything else (the config file's YAML list) unchanged, for the field's type to check."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
 
 
 def parse_model_specs(value: Any) -> dict[str, str]:
@@ -67,10 +75,9 @@ def parse_model_specs(value: Any) -> dict[str, str]:
     if isinstance(value, dict):
         value = [f"{k}={'' if v is None else v}" for k, v in value.items()]
     elif isinstance(value, str):
-        text = value.strip()
-        if text.startswith(("{", "[")):
-            return parse_model_specs(json.loads(text))
-        value = [part for part in text.split(",") if part.strip()]
+        if value.strip().startswith("{"):
+            return parse_model_specs(json.loads(value))
+        value = split_list(value)
     models: dict[str, str] = {}
     for spec in value:
         name, sep, source = str(spec).strip().partition("=")
@@ -122,7 +129,7 @@ def _shown(value: Any) -> str:
 class Origins:
     """Where each setting's value came from (a flag, a ``LOGPROB_*`` variable, the config file or
     the default), to name it in an error as the user wrote it. ``settings``: the names of the
-    settings model's fields (passed in: the model, in ``config``, is built on this module)."""
+    settings model's fields (passed in: the model, in ``model``, is built on this module)."""
 
     def __init__(self, settings: Collection[str], flags: Mapping[str, Any], config_file: Path | str | None) -> None:
         self.settings = settings

@@ -1,16 +1,18 @@
-"""The weight-update settings: the group of the server's ``config.Settings`` (which derives from
-this class, so they are fields, flags, variables and file keys like every other setting) that says
-how updates are received, checked and staged, in a module of its own to keep ``config`` readable.
+"""The weight-update settings: how updates are received, checked and staged.
+
+A group of fields that ``model.Settings`` takes in by inheriting this class, so they are flags,
+variables and file keys like every other setting; a module of its own keeps the model readable.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode
+
+from logprob_service.settings.sources import split_list
 
 # Defaults shared with the engine, which runs without settings (tests, OfflineScorer).
 DEFAULT_UPDATE_IDLE_TIMEOUT_S = 30.0
@@ -35,7 +37,7 @@ class WeightUpdateSettings(BaseSettings):
             "digest (benchmarks/bench_finite_check.py measures the cost)."
         ),
     )
-    load_weights_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
+    load_weights_roots: Annotated[tuple[Path, ...], NoDecode, BeforeValidator(split_list)] = Field(
         (),
         description=(
             "Directories LoadWeights may read files under (comma-separated), with the served checkpoints' own "
@@ -115,16 +117,6 @@ class WeightUpdateSettings(BaseSettings):
         ge=0,
         description="Longest a request with min_version waits for that version (its deadline, if sooner, wins).",
     )
-
-    @field_validator("load_weights_roots", mode="before")
-    @classmethod
-    def _parse_roots(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
 
     @field_validator("load_weights_roots")
     @classmethod

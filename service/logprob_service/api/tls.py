@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from logprob_service.config import Settings
+from logprob_service.settings.model import Settings
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
