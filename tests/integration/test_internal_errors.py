@@ -63,15 +63,6 @@ async def test_an_internal_answer_names_the_request_id_of_its_one_log_line(tiny,
     assert len(set(ids)) == len(ids), "each request's own id"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a stream whose answer write is blocked (a full window) when its client cancels is still counted "
-        "INTERNAL: gRPC raises ExecuteBatchError (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS) before the context "
-        "reads as cancelled. With the window free to grow the answers went and the test passed by chance "
-        "(it failed once in a CI run); the fixed window makes the case certain"
-    ),
-)
 async def test_a_stream_its_client_cancels_is_cancelled_in_one_info_line(tiny, caplog):
     """A stream cancelled while the server writes answers its client does not read: the write to
     the gone call raised ExecuteBatchError, which was counted INTERNAL and logged as an ERROR with

@@ -61,6 +61,27 @@ def cancellation_reason(context: grpc.aio.ServicerContext) -> str:
     )
 
 
+# How long a failed write waits for the cancellation it may be the sign of (the event that marks the
+# context cancelled is delivered on the event loop, after the write's own failure).
+CANCEL_NOTICE_S = 1.0
+
+
+async def _cancelled(context: grpc.aio.ServicerContext, err: BaseException) -> bool:
+    """Whether the call was cancelled by its client. A write to a call the client has just
+    cancelled fails with gRPC's ExecuteBatchError before the context says it is cancelled; such a
+    failure waits (at most CANCEL_NOTICE_S) for the context to say so, or for gRPC to cancel the
+    handler. On a live call it stays what it is: a bug, INTERNAL."""
+    if context.cancelled() or type(err).__name__ != "ExecuteBatchError":
+        return context.cancelled()
+    deadline = time.monotonic() + CANCEL_NOTICE_S
+    try:
+        while not context.cancelled() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    except asyncio.CancelledError:  # gRPC cancels the handler of a call its client cancelled
+        return True
+    return context.cancelled()
+
+
 @contextlib.asynccontextmanager
 async def _guarded(
     context: grpc.aio.ServicerContext,
@@ -98,7 +119,7 @@ async def _guarded(
     except BaseException as err:
         # A call its client cancelled is CANCELLED however its handler's last step then fails (a
         # response written to the gone call raises ExecuteBatchError): no bug of the server's.
-        code = grpc.StatusCode.CANCELLED if context.cancelled() else status_of(err)
+        code = grpc.StatusCode.CANCELLED if await _cancelled(context, err) else status_of(err)
         # An INTERNAL answer names the log line that holds the traceback: by the request's own id,
         # or (a request without one: a weight update, LoadWeights) one made for it here.
         request_id = ""
