@@ -4,24 +4,31 @@ Workload: ``bench_batching``'s (256 sequences, prompts ~ U[256, 1024], completio
 tokens, random ids), model Qwen2 at the 0.5B shape, random weights, bf16. One server in this
 process serves both edges over one engine (``common.LoopbackServer`` with the HTTP edge started
 beside gRPC). Methods, on the same sequences, alternating pass by pass (gRPC, then each HTTP route,
-then again), so drift of the machine hits all alike:
+then again), so drift of the machine hits all alike; each client pulls requests of 8 sequences
+from one shared queue, 8 clients:
 
-* gRPC: ``bench_batching.grpc_pass``: 8 client threads, each its own ``LogprobClient``, pulling
-  requests of 8 sequences from a shared queue.
-* HTTP, TRL's ``/get_sequence_logprobs/`` (``response_format: binary``, ``top_logprobs: 0``): the
-  same 8 threads and requests, each thread its own ``httpx.Client``; a request's
-  ``prompt_lengths`` make the same split as gRPC's prompt / completion.
-* HTTP, SGLang's ``/generate`` (a batch of 8 ``input_ids``, ``logprob_start_len`` each prompt's
-  length): JSON numbers, the heavier answer.
-* HTTP, vLLM's ``/v1/completions`` as TRL 1.16 calls it (``--routes`` adds ``completions``; not
-  run by default): every position from the second scored, an object per token in the answer.
+* gRPC: each client its own ``LogprobClient``, prompt and completion as the workload splits them.
+* gRPC whole: the same, each sequence split after its first token: every position from the second
+  scored, as vLLM's prompt log-probs do (what ``completions`` and ``generate`` are compared with).
+* HTTP ``trl``: TRL <= 1.9's ``/get_sequence_logprobs/`` (``response_format: binary``), a request's
+  ``prompt_lengths`` making gRPC's split; ``trl-json``: the same with ``response_format: json``.
+* HTTP ``sglang``: SGLang's ``/generate`` (a batch of 8 ``input_ids``, ``logprob_start_len`` each
+  prompt's last position).
+* HTTP ``completions``: vLLM's ``/v1/completions`` with ``prompt_logprobs``, as TRL 1.16 calls it.
+* HTTP ``generate``: vLLM's ``/inference/v1/generate`` with ``prompt_logprobs`` (prime-rl's), one
+  sequence a request, a client's 8 sent at once.
 
-The clients run in this process, so their decoding of JSON answers shares the interpreter with the
-server (a trainer's runs in its own).
+``--top-k K`` asks every method for the top K too: gRPC's ``top_k``, TRL's ``top_logprobs``,
+SGLang's ``top_logprobs_num``, vLLM's ``prompt_logprobs``.
+
+Each client is a process of its own (a trainer's clients are), so that reading the answers (JSON,
+by pydantic-core) does not share the server's interpreter; ``--in-process-clients`` makes them
+threads of the server's process instead.
 
 Reported per method: tokens/s (real prompt + completion tokens of a pass over its median time), the
-ratio to gRPC's, p50/p99 ms of one request as its client sees it (8 in flight), and whether the
-first request's log-probs equal gRPC's bit for bit.
+ratio to the gRPC method scoring the same positions, p50/p99 ms of one request as its client sees
+it, and whether every request's values of the last pass (log-probs, and with top-k the ids and
+their log-probs, as the route's caller reads them) equal that gRPC method's bit for bit.
 
 ``--asgi`` instead measures the ASGI stacks' own overhead: a JSON echo route of 1,000 token ids
 called in-process (no sockets), Starlette (what the edge runs) against FastAPI with a pydantic
@@ -33,7 +40,8 @@ token (the edge writes them on the event loop's thread, holding the GIL the devi
 
 On a GPU:
 
-    PYTHONPATH=service:client python3 benchmarks/bench_http.py
+    PYTHONPATH=service:client python3 benchmarks/bench_http.py --repeats 3 --top-k 0
+    PYTHONPATH=service:client python3 benchmarks/bench_http.py --repeats 3 --top-k 20
 
 Smoke test on a CPU (tiny Qwen2, float32, 16 short sequences, 2 clients):
 
@@ -49,31 +57,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
+import hashlib
+import multiprocessing
 import queue
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import numpy as np
+import pydantic_core
 import torch
 from bench_batching import (
     MODEL_NAME,
-    PassResult,
     Workload,
     fill_workload_defaults,
-    grpc_pass,
     make_workload,
-    open_clients,
     percentile,
     resolve_device,
     server_settings,
 )
 from common import SHAPES, TINY, LoopbackServer, add_scoring_arguments, build_model, scoring_options
 from harness import publish, run_environment, synchronize
+from logprob_client import LogprobClient
 from logprob_service.domain import TokenSequence
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.served import serve_model
@@ -93,106 +104,295 @@ class BothEdges(LoopbackServer):
         return port
 
 
-# ----------------------------------------------------------------------------- HTTP passes
+# ----------------------------------------------------------------------------- the methods
+
+# A sequence's scores as a caller reads them from an answer: the log-probs of the positions gRPC
+# returns for the same split, float64 (a JSON number read as Python reads it; gRPC's float32
+# widened), and with top-k its [C, k] ids (int64) and log-probs (float64); None without.
+Scores = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 
 
-def trl_request(group: list[TokenSequence]) -> tuple[str, dict[str, Any]]:
+def _whole(sequence: TokenSequence) -> np.ndarray:
+    return np.concatenate([sequence.prompt_ids, sequence.completion_ids])
+
+
+def _scores(logprobs: Any, top_ids: Any = None, top_logprobs: Any = None) -> Scores:
+    if top_ids is None:
+        return np.asarray(logprobs, dtype=np.float64), None, None
+    k = np.shape(top_ids)[-1] if len(top_ids) else 0
+    return (
+        np.asarray(logprobs, dtype=np.float64),
+        np.asarray(top_ids, dtype=np.int64).reshape(-1, k),
+        np.asarray(top_logprobs, dtype=np.float64).reshape(-1, k),
+    )
+
+
+def _body(path: str, body: dict[str, Any]) -> tuple[str, bytes]:
+    return path, pydantic_core.to_json(body)
+
+
+def trl_request(group: list[TokenSequence], k: int, response_format: str = "binary") -> list[tuple[str, bytes]]:
     body = {
-        "sequences": [np.concatenate([s.prompt_ids, s.completion_ids]).tolist() for s in group],
+        "sequences": [_whole(s).tolist() for s in group],
         "prompt_lengths": [len(s.prompt_ids) for s in group],
-        "top_logprobs": 0,
+        "top_logprobs": k,
         "temperature": 1.0,
-        "response_format": "binary",
+        "response_format": response_format,
     }
-    return "/get_sequence_logprobs/", body
+    return [_body("/get_sequence_logprobs/", body)]
 
 
-def trl_answer(answer: dict[str, Any], group: list[TokenSequence]) -> list[np.ndarray]:
-    """TRL 1.9's decoding of the binary answer: the token's own log-probs, trimmed to each completion."""
-    shape = answer["shape"]
-    actual = np.frombuffer(base64.b64decode(answer["actual_logprobs_b64"]), dtype=np.float32)
-    actual = actual.reshape(shape[0], shape[1], 1)
-    return [actual[i, :length, 0] for i, length in enumerate(answer["completion_lengths"])]
+def trl_answer(answers: list[Any], group: list[TokenSequence], k: int) -> list[Scores]:
+    """TRL 1.9's decoding of the binary answer: the token's own log-probs and the top k, trimmed
+    to each completion."""
+    (answer,) = answers
+    rows, longest, _ = answer["shape"]
+
+    def array(key: str, dtype: str, width: int) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(answer[key]), dtype=dtype).reshape(rows, longest, width)
+
+    actual = array("actual_logprobs_b64", "<f4", 1)
+    top_ids, top = array("token_ids_b64", "<i4", k), array("logprobs_b64", "<f4", k)
+    lengths = answer["completion_lengths"]
+    return [_scores(actual[i, :n, 0], *((top_ids[i, :n], top[i, :n]) if k else ())) for i, n in enumerate(lengths)]
 
 
-def sglang_request(group: list[TokenSequence]) -> tuple[str, dict[str, Any]]:
+def trl_json_answer(answers: list[Any], group: list[TokenSequence], k: int) -> list[Scores]:
+    """TRL 1.9's JSON answer: per position the entries by rank, the top k, then the token's own
+    where it is not among them."""
+    (answer,) = answers
+    decoded = []
+    for lps, ids, sequence in zip(answer["logprobs"], answer["logprob_token_ids"], group):
+        own = sequence.completion_ids.tolist()
+        values = [row_lps[row_ids.index(t)] for row_lps, row_ids, t in zip(lps, ids, own)]
+        decoded.append(_scores(values, *(([r[:k] for r in ids], [r[:k] for r in lps]) if k else ())))
+    return decoded
+
+
+def sglang_request(group: list[TokenSequence], k: int) -> list[tuple[str, bytes]]:
     body = {
-        "input_ids": [np.concatenate([s.prompt_ids, s.completion_ids]).tolist() for s in group],
+        "input_ids": [_whole(s).tolist() for s in group],
         "sampling_params": {"max_new_tokens": 0},
         "return_logprob": True,
         # SGLang scores the tokens after position logprob_start_len (its entry there is null): the
         # prompt's last position, so the entries after it are the completion's.
         "logprob_start_len": [len(s.prompt_ids) - 1 for s in group],
+        "top_logprobs_num": k,
     }
-    return "/generate", body
+    return [_body("/generate", body)]
 
 
-def sglang_answer(answer: list[dict[str, Any]], group: list[TokenSequence]) -> list[np.ndarray]:
-    """The completion's log-probs: every entry of ``input_token_logprobs`` after the null first one."""
-    return [
-        np.array([item[0] for item in a["meta_info"]["input_token_logprobs"][1:]], dtype=np.float32) for a in answer
-    ]
+def sglang_answer(answers: list[Any], group: list[TokenSequence], k: int) -> list[Scores]:
+    """Every entry of ``input_token_logprobs`` (and row of ``input_top_logprobs``) after the null
+    first one."""
+    decoded = []
+    for answer in answers[0]:
+        meta = answer["meta_info"]
+        values = [entry[0] for entry in meta["input_token_logprobs"][1:]]
+        if not k:
+            decoded.append(_scores(values))
+            continue
+        rows = meta["input_top_logprobs"][1:]
+        decoded.append(_scores(values, [[e[1] for e in r] for r in rows], [[e[0] for e in r] for r in rows]))
+    return decoded
 
 
-def completions_request(group: list[TokenSequence]) -> tuple[str, dict[str, Any]]:
+def completions_request(group: list[TokenSequence], k: int) -> list[tuple[str, bytes]]:
     """TRL 1.16's ``get_sequence_logprobs`` body: whole sequences as token-id prompts."""
     body = {
         "model": MODEL_NAME,
-        "prompt": [np.concatenate([s.prompt_ids, s.completion_ids]).tolist() for s in group],
+        "prompt": [_whole(s).tolist() for s in group],
         "max_tokens": 1,
         "temperature": 1.0,
-        "prompt_logprobs": 0,
+        "prompt_logprobs": k,
     }
-    return "/v1/completions", body
+    return [_body("/v1/completions", body)]
 
 
-def completions_answer(answer: dict[str, Any], group: list[TokenSequence]) -> list[np.ndarray]:
-    """The completion positions of each choice's ``prompt_logprobs``, as TRL 1.16 slices them."""
-    return [
-        np.array(
-            [next(iter(e.values()))["logprob"] for e in choice["prompt_logprobs"][len(s.prompt_ids) :]],
-            dtype=np.float32,
-        )
-        for choice, s in zip(answer["choices"], group)
-    ]
+def prompt_logprobs_scores(positions: list[Any], k: int) -> Scores:
+    """vLLM's ``prompt_logprobs`` from the second position on: each position's first entry is the
+    token's own; the top k are the entries of rank 1..k (the token's own among them when it is)."""
+    values, top_ids, top_lps = [], [], []
+    for entries in positions[1:]:
+        values.append(next(iter(entries.values()))["logprob"])
+        if k:
+            ranked = sorted((e["rank"], int(t), e["logprob"]) for t, e in entries.items() if e["rank"] <= k)
+            top_ids.append([t for _, t, _ in ranked])
+            top_lps.append([lp for _, _, lp in ranked])
+    return _scores(values, *((top_ids, top_lps) if k else ()))
 
 
-# Route: (request, answer decoding, whether it splits each sequence where gRPC does). /v1/completions
-# scores every position from the second (vLLM's prompt log-probs): the same tokens run, more
-# log-prob rows, and a different split, so its log-probs need not equal gRPC's bit for bit.
-ROUTES: dict[str, tuple[Callable, Callable, bool]] = {
-    "trl": (trl_request, trl_answer, True),
-    "sglang": (sglang_request, sglang_answer, True),
-    "completions": (completions_request, completions_answer, False),
+def completions_answer(answers: list[Any], group: list[TokenSequence], k: int) -> list[Scores]:
+    return [prompt_logprobs_scores(choice["prompt_logprobs"], k) for choice in answers[0]["choices"]]
+
+
+def generate_request(group: list[TokenSequence], k: int) -> list[tuple[str, bytes]]:
+    """vLLM's ``/inference/v1/generate`` (prime-rl's ``prefill_logprobs``): one sequence a request."""
+    params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k}
+    bodies = [{"model": MODEL_NAME, "token_ids": _whole(s).tolist(), "sampling_params": params} for s in group]
+    return [_body("/inference/v1/generate", body) for body in bodies]
+
+
+def generate_answer(answers: list[Any], group: list[TokenSequence], k: int) -> list[Scores]:
+    return [prompt_logprobs_scores(answer["prompt_logprobs"], k) for answer in answers]
+
+
+@dataclass(frozen=True)
+class Route:
+    """An HTTP route as the benchmark calls it: the requests of a group (several are sent at once),
+    their answers read as a caller does, and whether it scores every position from the second
+    (vLLM's prompt log-probs), so that the gRPC method it is compared with splits each sequence
+    after its first token, not between prompt and completion."""
+
+    request: Callable[[list[TokenSequence], int], list[tuple[str, bytes]]]
+    decode: Callable[[list[Any], list[TokenSequence], int], list[Scores]]
+    whole: bool = False
+
+
+ROUTES: dict[str, Route] = {
+    "trl": Route(trl_request, trl_answer),
+    "trl-json": Route(functools.partial(trl_request, response_format="json"), trl_json_answer),
+    "sglang": Route(sglang_request, sglang_answer),
+    "completions": Route(completions_request, completions_answer, whole=True),
+    "generate": Route(generate_request, generate_answer, whole=True),
 }
+GRPC, GRPC_WHOLE = "gRPC", "gRPC whole"
 
 
-def http_pass(sessions: list[httpx.Client], workload: Workload, route: str) -> PassResult:
-    """As ``grpc_pass``: every client thread pulls requests of ``group_size`` sequences from one queue."""
-    request, decode, _ = ROUTES[route]
-    work: queue.SimpleQueue[tuple[int, list[TokenSequence]]] = queue.SimpleQueue()
-    for item in enumerate(workload.groups):
-        work.put(item)
-    latencies: list[float] = []
-    results: dict[int, list[np.ndarray]] = {}
+def baseline(method: str) -> str:
+    """The gRPC method an HTTP method is compared with: the one scoring the same positions."""
+    return GRPC_WHOLE if ROUTES[method.removeprefix("HTTP ")].whole else GRPC
 
-    def drain(session: httpx.Client) -> None:
-        while True:
-            try:
-                index, group = work.get_nowait()
-            except queue.Empty:
-                return
-            path, body = request(group)
-            start = time.perf_counter()
-            response = session.post(path, json=body)
-            response.raise_for_status()
-            results[index] = decode(response.json(), group)
-            latencies.append((time.perf_counter() - start) * 1e3)
 
-    with ThreadPoolExecutor(len(sessions), thread_name_prefix="bench-http") as pool:
-        for future in [pool.submit(drain, session) for session in sessions]:
-            future.result()
-    return PassResult(latencies, [lp.astype(np.float64) for lp in results[0]], results)
+def digest(scores: list[Scores]) -> str:
+    """One request's values, every bit of them."""
+    hashed = hashlib.sha256()
+    for values in scores:
+        for array in values:
+            if array is not None:
+                hashed.update(np.ascontiguousarray(array).tobytes())
+    return hashed.hexdigest()
+
+
+class Caller:
+    """One client, of every method: a ``LogprobClient`` and an ``httpx.Client`` (its connections
+    kept between requests), taking the workload's groups from a shared queue until a None."""
+
+    def __init__(self, target: str, http_base: str, workload: Workload, k: int) -> None:
+        options = [("grpc.use_local_subchannel_pool", 1)]  # its own connection, as a trainer's
+        self.grpc = LogprobClient(target, model=MODEL_NAME, timeout=600.0, options=options)
+        self.http = httpx.Client(base_url=http_base, timeout=600.0, limits=httpx.Limits(max_connections=64))
+        self.groups = workload.groups
+        self.k = k
+        self.results: dict[int, list[Scores]] = {}
+        self._sends = ThreadPoolExecutor(workload.group_size, thread_name_prefix="bench-send")
+
+    def drain(self, method: str, work: Any) -> list[float]:
+        """Score groups from ``work`` by ``method`` until a None; each request's milliseconds."""
+        self.results = {}
+        latencies = []
+        while (index := work.get()) is not None:
+            group = self.groups[index]
+            begun = time.perf_counter()
+            self.results[index] = self._one(method, group)
+            latencies.append((time.perf_counter() - begun) * 1e3)
+        return latencies
+
+    def _one(self, method: str, group: list[TokenSequence]) -> list[Scores]:
+        if method in (GRPC, GRPC_WHOLE):
+            if method == GRPC_WHOLE:
+                prompts, completions = [_whole(s)[:1] for s in group], [_whole(s)[1:] for s in group]
+            else:
+                prompts, completions = [s.prompt_ids for s in group], [s.completion_ids for s in group]
+            answer = self.grpc.score(prompts, completions, top_k=self.k)
+            if not self.k:
+                return [_scores(lp) for lp in answer]
+            return [_scores(*values) for values in zip(answer.logprobs, answer.top_ids, answer.top_logprobs)]
+        route = ROUTES[method.removeprefix("HTTP ")]
+        requests = route.request(group, self.k)
+        answers = list(self._sends.map(self._post, requests)) if len(requests) > 1 else [self._post(requests[0])]
+        return route.decode(answers, group, self.k)
+
+    def _post(self, request: tuple[str, bytes]) -> Any:
+        path, body = request
+        response = self.http.post(path, content=body, headers={"content-type": "application/json"})
+        response.raise_for_status()
+        return pydantic_core.from_json(response.content, allow_inf_nan=True)
+
+    def digests(self) -> dict[int, str]:
+        return {index: digest(scores) for index, scores in self.results.items()}
+
+    def close(self) -> None:
+        self.grpc.close()
+        self.http.close()
+        self._sends.shutdown()
+
+
+def _caller_process(connection: Any, work: Any, target: str, http_base: str, workload: Workload, k: int) -> None:
+    """A client in its own process (``--client-processes``): runs the parent's commands."""
+    caller = Caller(target, http_base, workload, k)
+    try:
+        while (command := connection.recv()) is not None:
+            connection.send(caller.drain(command, work) if command != "digests" else caller.digests())
+    finally:
+        caller.close()
+
+
+class Callers:
+    """The benchmark's clients: threads of this process (a trainer's clients would share the
+    server's interpreter), or each a process of its own (as a trainer's are): a pass is every
+    client draining one queue of the workload's groups."""
+
+    def __init__(self, count: int, processes: bool, target: str, http_base: str, workload: Workload, k: int) -> None:
+        self.count, self.groups = count, len(workload.groups)
+        if processes:
+            context = multiprocessing.get_context("spawn")
+            self.work: Any = context.Queue()
+            self.pipes = []
+            self.processes = []
+            for _ in range(count):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=_caller_process, args=(theirs, self.work, target, http_base, workload, k), daemon=True
+                )
+                process.start()
+                self.pipes.append(ours)
+                self.processes.append(process)
+        else:
+            self.work = queue.SimpleQueue()
+            self.callers = [Caller(target, http_base, workload, k) for _ in range(count)]
+            self.pool = ThreadPoolExecutor(count, thread_name_prefix="bench-client")
+        self.in_processes = processes
+
+    def run_pass(self, method: str) -> list[float]:
+        """One pass of ``method`` over the workload; every request's milliseconds."""
+        for item in [*range(self.groups), *[None] * self.count]:
+            self.work.put(item)
+        if self.in_processes:
+            for pipe in self.pipes:
+                pipe.send(method)
+            return [ms for pipe in self.pipes for ms in pipe.recv()]
+        futures = [self.pool.submit(caller.drain, method, self.work) for caller in self.callers]
+        return [ms for future in futures for ms in future.result()]
+
+    def digests(self) -> dict[int, str]:
+        """Every request's values of the last pass, by group."""
+        if not self.in_processes:
+            return {i: d for caller in self.callers for i, d in caller.digests().items()}
+        for pipe in self.pipes:
+            pipe.send("digests")
+        return {i: d for pipe in self.pipes for i, d in pipe.recv().items()}
+
+    def close(self) -> None:
+        if self.in_processes:
+            for pipe in self.pipes:
+                pipe.send(None)
+            for process in self.processes:
+                process.join(timeout=30)
+        else:
+            for caller in self.callers:
+                caller.close()
+            self.pool.shutdown()
 
 
 # ----------------------------------------------------------------------------- the run
@@ -206,10 +406,11 @@ def run(args: argparse.Namespace) -> str:
         args.sequences, args.prompt_range, args.completion_range, shape.vocab, args.group_size, args.seed + 1
     )
     model = build_model(shape, device, dtype, args.seed)
-    methods = ["gRPC", *(f"HTTP {route}" for route in args.routes)]
+    whole = any(ROUTES[route].whole for route in args.routes)
+    methods = [GRPC, *([GRPC_WHOLE] if whole else []), *(f"HTTP {route}" for route in args.routes)]
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     latencies: dict[str, list[float]] = {m: [] for m in methods}
-    first: dict[str, list[np.ndarray]] = {}
+    digests: dict[str, dict[int, str]] = {}
     with OfflineScorer(
         model, options=scoring_options(args, deterministic=True), max_batch_tokens=args.max_batch_tokens
     ) as scorer:
@@ -217,38 +418,29 @@ def run(args: argparse.Namespace) -> str:
         registry.add(serve_model(MODEL_NAME, "random", scorer.scorer))
         server = BothEdges(server_settings(args, device), registry)
         with server as target:
-            clients = open_clients(target, args.clients)
-            sessions = [
-                httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=600.0)
-                for _ in range(args.clients)
-            ]
-            passes: dict[str, Callable[[], PassResult]] = {"gRPC": lambda: grpc_pass(clients, workload)}
-            for route in args.routes:
-                passes[f"HTTP {route}"] = lambda route=route: http_pass(sessions, workload, route)
+            http_base = f"http://127.0.0.1:{server.http_port}"
+            callers = Callers(args.clients, args.client_processes, target, http_base, workload, args.top_k)
             try:
                 for method in methods:  # warm-up: compiled layers, allocator, connections
-                    passes[method]()
+                    callers.run_pass(method)
                 for i in range(args.repeats):
                     for method in methods:
                         synchronize(device)
                         start = time.perf_counter()
-                        result = passes[method]()
+                        latencies[method] += callers.run_pass(method)
                         synchronize(device)
                         seconds[method].append(time.perf_counter() - start)
-                        latencies[method] += result.latencies_ms
-                        first[method] = result.first
+                        digests[method] = callers.digests()
                         print(f"pass {i + 1}/{args.repeats} {method}: {seconds[method][-1]:.2f} s", file=sys.stderr)
             finally:
-                for client in clients:
-                    client.close()
-                for session in sessions:
-                    session.close()
-    return report(args, device, shape.name, workload, methods, seconds, latencies, first)
+                callers.close()
+    return report(args, device, shape.name, workload, methods, seconds, latencies, digests)
 
 
-def report(args, device, shape, workload, methods, seconds, latencies, first) -> str:
+def report(args, device, shape, workload, methods, seconds, latencies, digests) -> str:
     tokens = workload.real_tokens
-    grpc_rate = tokens / statistics.median(seconds["gRPC"])
+    rates = {method: tokens / statistics.median(seconds[method]) for method in methods}
+    clients = "each in a process of its own" if args.client_processes else "threads of the server's process"
     lines = [
         "# bench_http: the GRPO-like workload through HTTP and gRPC, one server, one run",
         "",
@@ -256,19 +448,22 @@ def report(args, device, shape, workload, methods, seconds, latencies, first) ->
         f"model: Qwen2 {shape} shape, random weights, {args.dtype}; deterministic on; "
         f"max_batch_tokens {args.max_batch_tokens}",
         f"workload: {len(workload.sequences)} sequences, prompts {args.prompt_range}, completions "
-        f"{args.completion_range}, {tokens} tokens a pass; {args.clients} clients, requests of {args.group_size}; "
-        f"{args.repeats} timed passes per method, methods alternating",
+        f"{args.completion_range}, {tokens} tokens a pass; {args.clients} clients ({clients}), requests of "
+        f"{args.group_size}; top-k {args.top_k}; {args.repeats} timed passes per method, methods alternating",
+        f"{GRPC_WHOLE}: gRPC scoring every position from the second (each sequence split after its first token), "
+        "as vLLM's prompt log-probs do: what the vLLM routes are compared with",
         "",
-        "| method | tokens/s (median pass) | vs gRPC | p50 ms | p99 ms | first request bitwise = gRPC |",
+        "| method | tokens/s (median pass) | vs gRPC | p50 ms | p99 ms | every value bitwise = gRPC |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for method in methods:
-        rate = tokens / statistics.median(seconds[method])
-        same = all(np.array_equal(a, b) for a, b in zip(first[method], first["gRPC"], strict=True))
-        comparable = method == "gRPC" or ROUTES[method.removeprefix("HTTP ")][2]
-        verdict = ("yes" if same else "NO") if comparable else f"n/a (another split; {'equal' if same else 'differs'})"
+        base = method if method in (GRPC, GRPC_WHOLE) else baseline(method)
+        differ = sum(digests[method].get(i) != d for i, d in digests[base].items())
+        compared = len(digests[base])
+        verdict = "(itself)" if base == method else "yes" if not differ else f"NO ({differ} of {compared} requests)"
+        versus = f"{rates[method] / rates[base]:.3f}" + ("" if base == GRPC else f" ({base})")
         lines.append(
-            f"| {method} | {rate:,.0f} | {rate / grpc_rate:.3f} | {percentile(latencies[method], 50):.1f} | "
+            f"| {method} | {rates[method]:,.0f} | {versus} | {percentile(latencies[method], 50):.1f} | "
             f"{percentile(latencies[method], 99):.1f} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
@@ -443,7 +638,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--asgi-calls", type=int, default=2000, help="calls per timed run of --asgi")
     add("--encode", action="store_true", help="only the cost of writing the JSON answers (CPU)")
     add("--shape", default="0.5b", choices=sorted(SHAPES), help="the model shape (ignored with --smoke)")
-    add("--routes", default="trl,sglang", help=f"HTTP routes to run, of: {', '.join(ROUTES)}")
+    add("--routes", default="all", help=f"HTTP routes to run: all, or some of {', '.join(ROUTES)}")
+    add("--top-k", type=int, default=0, help="top-k asked of every method, as each route's field names it")
+    add(
+        "--in-process-clients",
+        dest="client_processes",
+        action="store_false",
+        help="the clients as threads of the server's process (default: each client a process of its own)",
+    )
     add("--device", default=None, help="torch device (default: cuda, or cpu with --smoke)")
     add("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on cuda, else fp32")
     add("--sequences", type=int, default=None, help="sequences in the workload (default 256; 16 with --smoke)")
@@ -460,7 +662,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fill_workload_defaults(args, args.smoke, repeats=2 if args.smoke else 5)
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
-    args.routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    args.routes = list(ROUTES) if args.routes == "all" else [r.strip() for r in args.routes.split(",") if r.strip()]
     if unknown := set(args.routes) - set(ROUTES):
         parser.error(f"--routes: unknown {sorted(unknown)}; of: {', '.join(ROUTES)}")
     return args

@@ -191,3 +191,13 @@ def test_sglang_answer_equals_it_built_as_objects(rng, length, start, k, candida
         )
     written = sglang.input_answer(item, start, "rid", scores, k, 0.25)
     assert written == sglang_answer_as_objects(item, start, scores, k)
+
+
+def test_integers_are_written_as_pydantic_core_writes_them(rng):
+    """From the kept texts (grown as larger ones are asked), and past them or below 0 written."""
+    for high in (10, 70_000, 151_936):
+        values = rng.integers(0, high, 500)
+        assert encoding.integers(values) == numbers(values)
+    outside = np.array([-1, 0, encoding.KEPT_INTEGERS, 2**40])
+    assert encoding.integers(outside) == numbers(outside)
+    assert encoding.integers(np.zeros(0, np.int64)) == []

@@ -22,6 +22,27 @@ def numbers(values: Sequence[float] | Sequence[int]) -> list[bytes]:
     return pydantic_core.to_json(list(values))[1:-1].split(b",") if len(values) else []
 
 
+# The texts of the integers below this many are kept (``integers``): a vocabulary's ids and ranks.
+KEPT_INTEGERS = 1 << 22
+_texts = np.empty(0, dtype=object)
+
+
+def integers(values: np.ndarray) -> list[bytes]:
+    """Each integer of ``values`` as JSON text: token ids and ranks, taken from a table of their
+    texts kept from call to call (grown to the largest asked, up to ``KEPT_INTEGERS``), which costs
+    a reference a number instead of writing it and cutting it out of the list's text."""
+    global _texts
+    if not values.size:
+        return []
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= KEPT_INTEGERS:
+        return numbers(values.tolist())
+    if high >= len(_texts):
+        size = min(max(high + 1, 2 * len(_texts), 1 << 16), KEPT_INTEGERS)
+        _texts = np.array(numbers(range(size)), dtype=object)
+    return _texts[values].tolist()
+
+
 def interleave(*columns: Sequence[bytes] | bytes, head: bytes = b"", tail: bytes = b"", block: int = 1024) -> bytes:
     """The columns' items joined in turn (the first of each column, then the second of each, and
     so on), with a lone ``bytes`` standing for a column of it, between ``head`` and ``tail``:

@@ -58,8 +58,9 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
     entry), else its vocabulary rank (``SequenceScores.ranks``; over a split vocabulary, which
     does not count them, k + 1, a lower bound).
 
-    Written as one ``bytes.join`` of the entries' numbers (each list written by pydantic-core in
-    one call) between constant texts, not as a formatted bytes object per entry."""
+    Written as one ``bytes.join`` of the entries' numbers (log-probs written by pydantic-core in
+    one call; ids and ranks, with top-k, taken from ``encoding.integers``' kept texts) between
+    constant texts, not as a formatted bytes object per entry."""
     nulls = b"null," * item.start
     if scores is None:
         return b"[" + nulls[:-1] + b"]"
@@ -84,13 +85,16 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
         ends_array[np.cumsum(kept.sum(axis=1)) - 1] = b'"}},{"'
         ends = ends_array.tolist()
     ends[-1] = b'"}}'  # the last position's
-    id_texts = encoding.numbers(ids.tolist())
+    # At top-k the kept texts cost less than writing them; a table look-up a token, with its
+    # cache miss, costs more than writing one id and one rank (bench_http.py --encode).
+    write = encoding.integers if k else lambda values: encoding.numbers(values.tolist())
+    id_texts = write(ids)
     columns = (
         id_texts,
         b'":{"logprob":',
         encoding.numbers(lps.tolist()),
         b',"rank":',
-        encoding.numbers(ranks.tolist()),
+        write(ranks),
         b',"decoded_token":"token_id:',
         id_texts,
         ends,
