@@ -2,8 +2,9 @@
 
 A fake client stands in for the service: it records which push each step used, and refuses IPC
 (FAILED_PRECONDITION, as a service on another host does) when told to. The weights are marked as
-GPU tensors by a subclass, so the choice runs here without a GPU; the pushes themselves are tested
-against a real service (tests/integration/test_trl.py over gRPC, tests/gpu for IPC).
+GPU tensors by a subclass, so the choice runs here without a GPU; the pushes themselves are
+``_push.WeightPusher``'s, tested against a real service (test_trl.py over gRPC,
+tests/gpu/test_verl_push_cuda.py by CUDA IPC).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from logprob_client.integrations.trl_teacher import ServiceTeacher, check_teache
 from trl.experimental.server_distillation import ServerDistillationTrainer
 from trl.trainer.distillation_trainer import DistillationTrainer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 async def test_get_sequence_logprobs_in_vllm_format(running, rng):
