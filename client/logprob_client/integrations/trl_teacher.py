@@ -130,7 +130,7 @@ class ServiceDistillationTrainer(ServerDistillationTrainer):
         check_teacher_compatible()
         named = inspect.signature(ServerDistillationTrainer.__init__).bind(self, *args, **kwargs).arguments
         del named["self"]
-        config = named["args"]
+        config = named.get("args")
         if config is None:
             raise ValueError("args: a ServerDistillationConfig is needed (TRL's config for this trainer)")
         DistillationTrainer.__init__(self, teacher_model=None, **named)  # what TRL's super().__init__ runs

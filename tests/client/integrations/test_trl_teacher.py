@@ -87,3 +87,10 @@ def test_a_moved_trainer_init_is_refused_naming_what_moved(trainer_cls, problem)
         check_teacher_compatible(trainer_cls)
     for fragment in (problem, f"TRL {trl.__version__}", f"checked against TRL {CHECKED_TRL_VERSION}"):
         assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_the_trainer_is_refused_without_its_config():
+    from logprob_client.integrations.trl_teacher import ServiceDistillationTrainer
+
+    with pytest.raises(ValueError, match="args: a ServerDistillationConfig is needed"):
+        ServiceDistillationTrainer(model="never-loaded", teacher=ServiceTeacher(None))
