@@ -333,7 +333,9 @@ class FallbackCase:
 
 
 @dataclass(frozen=True)
-class Call:
+class Variant:
+    """One way of computing a case's attention, timed against the others."""
+
     label: str
     fn: Callable[[], object]
     flops: float | None  # the FLOPs its output needs; None: not attention (the cut alone)
@@ -385,7 +387,7 @@ def backend_label(label: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return f"{label} ({backend})"
 
 
-def chunked_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> list[Call]:
+def chunked_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> list[Variant]:
     """(f): ``packed_attention`` with ``attention_chunk`` (one causal segment per chunk); the same
     rows as plain causal attention (the same work when no sequence crosses a chunk, more when one
     does); and the cut alone: ``chunk_segments`` on the host from host bounds (two small pinned
@@ -418,9 +420,9 @@ def chunked_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch
 
     crosses = len(pieces_q) > len(case.lq)
     return [
-        Call(backend_label("chunked", q, k, v, len(pieces_q)), chunked, flops(pieces_q, pieces_k)),
-        Call(backend_label("plain causal", q, k, v, len(case.lq)), plain, flops(case.lq, case.lk), not crosses),
-        Call("the cut alone (host segments + K/V gather)", cut, None),
+        Variant(backend_label("chunked", q, k, v, len(pieces_q)), chunked, flops(pieces_q, pieces_k)),
+        Variant(backend_label("plain causal", q, k, v, len(case.lq)), plain, flops(case.lq, case.lk), not crosses),
+        Variant("the cut alone (host segments + K/V gather)", cut, None),
     ]
 
 
@@ -436,7 +438,7 @@ def efficient_attention(
     return out[0]
 
 
-def mla_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[Call]:
+def mla_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[Variant]:
     """(g): ``packed_attention`` with MLA's narrower values (zero-padded to Dqk, the Dqk kernel,
     the output sliced back); the same with the values already Dqk wide (the same values and zero
     columns: no pad, no slice); and torch's memory-efficient kernel at Dv = 128 and at Dv = 192,
@@ -459,14 +461,16 @@ def mla_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     n = len(case.lq)
     return [
-        Call(backend_label(f"Dv {case.v_dim}, padded to {case.qk_dim}", q, k, v, n), attention(v), flops(case.v_dim)),
-        Call(backend_label(f"Dv {case.qk_dim} given", q, k, wide, n), attention(wide), flops(case.qk_dim), True),
-        Call(f"mem-efficient kernel, Dv {case.v_dim}", efficient(v), flops(case.v_dim), True),
-        Call(f"mem-efficient kernel, Dv {case.qk_dim}", efficient(wide), flops(case.qk_dim), True),
+        Variant(
+            backend_label(f"Dv {case.v_dim}, padded to {case.qk_dim}", q, k, v, n), attention(v), flops(case.v_dim)
+        ),
+        Variant(backend_label(f"Dv {case.qk_dim} given", q, k, wide, n), attention(wide), flops(case.qk_dim), True),
+        Variant(f"mem-efficient kernel, Dv {case.v_dim}", efficient(v), flops(case.v_dim), True),
+        Variant(f"mem-efficient kernel, Dv {case.qk_dim}", efficient(wide), flops(case.qk_dim), True),
     ]
 
 
-def fallback_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[Call]:
+def fallback_calls(case: FallbackCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[Variant]:
     return chunked_calls(case, q, k, v, LLAMA4_CHUNK) if case.name.startswith("(f)") else mla_calls(case, q, k, v)
 
 

@@ -43,8 +43,8 @@ Smoke test on a CPU (tiny Qwen2, float32, 16 short sequences, 2 clients; memory 
 
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_batching.py --smoke
 
-``--top-k 20,256`` also runs (c) asking each of those top-k per completion position (issue 43:
-a teacher's distribution for distillation), with a table of tokens/s against (c) without, and
+``--top-k 20,256`` also runs (c) asking each of those top-k per completion position (a
+teacher's distribution for distillation), with a table of tokens/s against (c) without, and
 the answers' packed bytes per pass (4 bytes of log-prob + 8 K of ids and log-probs per token):
 
     PYTHONPATH=service:client python3 benchmarks/bench_batching.py --top-k 20,256
@@ -539,10 +539,10 @@ def log(message: str) -> None:
 # ----------------------------------------------------------------------------- one shape
 
 
-# Issue 15's goals: (c) tokens/s over (a)'s, per shape; and the GPU kept busy through gRPC.
+# The service's goals: (c) tokens/s over (a)'s, per shape; and the GPU kept busy through gRPC.
 SPEEDUP_GOALS = {"Qwen2.5-0.5B": 3.0, "Qwen2.5-1.5B": 2.5}
 BUSY_GOAL_PERCENT = 90
-DETERMINISTIC_COST_GOAL = 0.03  # issue 17: tokens/s with --deterministic on vs off
+DETERMINISTIC_COST_GOAL = 0.03  # at most 3% of tokens/s lost with --deterministic on
 
 
 @dataclass
@@ -693,7 +693,7 @@ def format_sweep(sweep: list[tuple[int, Measured]], workload: Workload) -> str:
     return "\n".join(lines)
 
 
-TOP_K_COST_GOAL = {20: 0.15}  # issue 43: top_k 20 costs at most 15% of (c)'s tokens/s
+TOP_K_COST_GOAL = {20: 0.15}  # the goal: top_k 20 costs at most 15% of (c)'s tokens/s
 
 
 def format_top_k(top_k: list[tuple[int, Measured]], workload: Workload) -> str:
@@ -719,7 +719,7 @@ def format_top_k(top_k: list[tuple[int, Measured]], workload: Workload) -> str:
 
 
 def format_checks(shape: ModelShape, rows: list[Measured], workload: Workload) -> str:
-    """The sanity check against (a) and the issue's goals, as plain lines."""
+    """The sanity check against (a) and the goals, as plain lines."""
     baseline, in_process, via_grpc = rows[:3]  # with --deterministic both, (b) and (c) with it on follow
     n = workload.group_size
     diffs = ", ".join(f"{m.method[:3]} {_num(max_abs_diff(m, baseline), '.3g')}" for m in (in_process, via_grpc))
@@ -861,7 +861,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-batch-tokens", type=int, default=None, help="the service's budget of real tokens per micro-batch")
     add("--max-batch-sequences", type=int, default=256, help="the service's sequences per micro-batch")
     add("--sweep-batch-tokens", type=int_list, default=[], help="also run (b) with each, e.g. 16384,32768,65536")
-    add("--top-k", type=int_list, default=[], help="also run (c) asking each top_k, e.g. 20,256 (issue 43)")
+    add("--top-k", type=int_list, default=[], help="also run (c) asking each top_k, e.g. 20,256")
     add("--warmup", type=int, default=1, help="untimed passes per method first")
     add("--repeats", type=int, default=None, help="timed passes per method (default 3; 2 with --smoke)")
     add("--sample-ms", type=float, default=100.0, help="GPU utilization sampling interval")

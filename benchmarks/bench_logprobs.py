@@ -21,7 +21,7 @@ On a GPU (the run that counts; liger-kernel installed):
     PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py
 
 ``--sweep`` also times a grid of kernel tile configurations at every shape (how the defaults in
-``ops/fused_logprobs.py`` were picked). ``--top-k`` also times the teacher outputs (issue 43) at
+``ops/fused_logprobs.py`` were picked). ``--top-k`` also times the teacher outputs at
 every shape and at 8,192 x 3,584 x 152,064: the fused kernel with ``top_k`` 20, 128 and 256 and
 with 256 candidate ids per row, against the plain fused kernel, the matmul limit, the eager 256 MiB
 chunks with the same ``top_k`` (what served top-k on CUDA while ``ops.dispatch.FUSED_TOP_K`` was
@@ -60,8 +60,8 @@ GOAL_PEAK_GIB = 0.25
 GOAL_ERR = 1e-4
 TOP_KS = (20, 128, 256)
 CANDIDATES = 256
-TOPK_MEMORY_SHAPE = (8192, 3584, 152064)  # the issue's memory goal: >= 10x less than full logits + topk
-# The issue's goals, in multiples of the plain fused kernel's time.
+TOPK_MEMORY_SHAPE = (8192, 3584, 152064)  # the memory goal: >= 10x less than full logits + topk
+# The goals, in multiples of the plain fused kernel's time.
 GOAL_TOPK_X_FUSED = {20: 1.25, 256: 2.0, "candidates": 1.5}
 
 
@@ -347,12 +347,12 @@ def goal_lines(per_shape: list[tuple[tuple[int, int, int], list[Result]]]) -> li
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=None, help="N,H,V;N,H,V;... (default: the three issue shapes)")
+    parser.add_argument("--shapes", default=None, help="N,H,V;N,H,V;... (default: the three reference shapes)")
     parser.add_argument("--ref-rows", type=int, default=512, help="rows checked against the float64 reference")
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of kernel tile configurations")
-    parser.add_argument("--top-k", action="store_true", help="also time top-k and candidate outputs (issue 43)")
+    parser.add_argument("--top-k", action="store_true", help="also time top-k and candidate outputs")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.shapes:

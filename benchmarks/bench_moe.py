@@ -272,7 +272,7 @@ def run_shape(key: str, args: argparse.Namespace, harness: Harness, dtype: torch
 
 
 def checks(shape: MoeShape, layers: int, rows: list[Measured], workload: Workload) -> list[str]:
-    """The issue's goals: (c) >= 3x (a), and (c)'s whole pass <= the best (h) body pass."""
+    """The goals: (c) >= 3x (a), and (c)'s whole pass <= the best (h) body pass."""
     baseline, grpc, packed = rows[0], rows[1], [m for m in rows[2:] if m.seconds]
     rate = tokens_per_s(grpc, workload)
     lines = []

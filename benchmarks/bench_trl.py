@@ -226,8 +226,9 @@ def main() -> None:
                     reference=RemoteReference(client, model="ref"),
                     old_policy=old_policy,
                 )
-                pushes = old_policy.pushed.version
-                transport = "CUDA IPC" if old_policy.pushed.ipc else "gRPC (dense, then sparse deltas)"
+                pushes = old_policy.served.version
+                by_ipc = old_policy.served.pusher is not None and old_policy.served.pusher.last_transport == "ipc"
+                transport = "CUDA IPC" if by_ipc else "gRPC (dense, then sparse deltas)"
         finally:
             server.terminate()
             server.wait(timeout=60)

@@ -148,19 +148,19 @@ class AsyncLogprobClient(ClientBase):
             weights = list(named_tensors(weights))
         while True:
             try:
-                listed = await self._listed(keywords.get("timeout") or self.timeout)
+                listed = await self._listing_before_push(keywords.get("timeout") or self.timeout)
             except LogprobError as err:
                 raise unsent_error(err, model, keywords.get("version", 0)) from None
             ports, live = ports_and_live(listed, model)
             try:
                 update = self.update(model, weights, ports, live=live, **keywords)
-                return self._pushed(model, keywords, await self._push(update))
+                return self._push_result(model, keywords, await self._push(update))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
 
-    async def _listed(self, timeout: float) -> pb.ListModelsResponse | None:
-        """See ``LogprobClient._listed``."""
+    async def _listing_before_push(self, timeout: float) -> pb.ListModelsResponse | None:
+        """See ``LogprobClient._listing_before_push``."""
         if self._receivers_host is None:
             return None
         try:
@@ -181,7 +181,7 @@ class AsyncLogprobClient(ClientBase):
                 push.cancel()
                 raise
             except LogprobError as err:
-                raise await self._told(update, err, []) from None
+                raise await self._failed_push_error(update, err, []) from None
         channels = self._stream_channels(len(update.calls), update.targets)
         deadline = time.monotonic() + update.timeout
         calls = [self._pusher(c)(stream, timeout=update.timeout) for c, stream in zip(channels, update.calls)]
@@ -190,7 +190,7 @@ class AsyncLogprobClient(ClientBase):
         except grpc.RpcError as err:
             for call in calls:
                 call.cancel()
-            raise await self._told(update, push_error(err, deadline), channels) from None
+            raise await self._failed_push_error(update, push_error(err, deadline), channels) from None
         except asyncio.CancelledError:
             for call in calls:
                 call.cancel()
@@ -201,15 +201,15 @@ class AsyncLogprobClient(ClientBase):
             # message fails, the deadline having just passed, and its awaiter then sees
             # CancelledError in place of the deadline.
             cancelled = Cancelled("a call of the push was cancelled", grpc.StatusCode.CANCELLED)
-            raise await self._told(update, push_error(cancelled, deadline), channels) from None
+            raise await self._failed_push_error(update, push_error(cancelled, deadline), channels) from None
 
-    async def _told(self, update: PreparedPush, error: LogprobError, channels: list[Any]) -> LogprobError:
-        """See ``LogprobClient._told``."""
+    async def _failed_push_error(self, update: PreparedPush, error: LogprobError, channels: list[Any]) -> LogprobError:
+        """See ``LogprobClient._failed_push_error``."""
         if not was_interrupted(error):
             return error
         asks = [
             pb_grpc.LogprobServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=self.timeout)
-            for channel in self._asked_after(update, channels)
+            for channel in self._outcome_channels(update, channels)
         ]
         answers = await asyncio.gather(*asks, return_exceptions=True)
         return update.interrupted(error, [a for a in answers if isinstance(a, pb.ListModelsResponse)])

@@ -233,7 +233,7 @@ class ClientBase:
             UPDATE_WEIGHTS, request_serializer=join, response_deserializer=pb.UpdateWeightsResponse.FromString
         )
 
-    def _asked_after(self, update: PreparedPush, channels: list[Any]) -> list[Any]:
+    def _outcome_channels(self, update: PreparedPush, channels: list[Any]) -> list[Any]:
         """Where ListModels is asked after a push cancelled or past its deadline: the push's own
         connections where they lead to the serving port, as each answers only after what came
         before on it (the ends of the push's calls included); else (weight receivers, push
@@ -401,7 +401,7 @@ class ClientBase:
         targets = self._push_targets(len(calls), receiver_ports)
         return PreparedPush(calls, targets, timeout or self.timeout, chunk_bytes, model, version, live)
 
-    def _pushed(self, model: str, keywords: UpdateKeywords, response: pb.UpdateWeightsResponse) -> UpdateResult:
+    def _push_result(self, model: str, keywords: UpdateKeywords, response: pb.UpdateWeightsResponse) -> UpdateResult:
         """A push's result; a delta push's also becomes what the server holds."""
         result = UpdateResult.from_proto(response)
         if keywords.get("delta"):

@@ -158,18 +158,18 @@ class LogprobClient(ClientBase):
             weights = list(named_tensors(weights))  # read again if the server left the base
         while True:
             try:
-                listed = self._listed(keywords.get("timeout") or self.timeout)
+                listed = self._listing_before_push(keywords.get("timeout") or self.timeout)
             except LogprobError as err:
                 raise unsent_error(err, model, keywords.get("version", 0)) from None
             ports, live = ports_and_live(listed, model)
             try:
                 update = self.update(model, weights, ports, live=live, **keywords)
-                return self._pushed(model, keywords, self._push(update))
+                return self._push_result(model, keywords, self._push(update))
             except LogprobError as err:
                 if not self._again_dense(model, keywords, err):
                     raise
 
-    def _listed(self, timeout: float) -> pb.ListModelsResponse | None:
+    def _listing_before_push(self, timeout: float) -> pb.ListModelsResponse | None:
         """ListModels before a push, for the ports of the server's weight receivers, where a push
         can use them; None when it cannot (a given channel, replicas), or this client's token may
         not list models (the score scope): it pushes to the target."""
@@ -189,7 +189,7 @@ class LogprobClient(ClientBase):
             try:
                 return pb.UpdateWeightsResponse.FromString(push.wait())
             except LogprobError as err:
-                raise self._told(update, err, []) from None
+                raise self._failed_push_error(update, err, []) from None
         channels = self._stream_channels(len(update.calls), update.targets)
         deadline = time.monotonic() + update.timeout
         calls = [self._pusher(c).future(stream, timeout=update.timeout) for c, stream in zip(channels, update.calls)]
@@ -199,16 +199,16 @@ class LogprobClient(ClientBase):
         except grpc.RpcError as err:
             for call in calls:
                 call.cancel()
-            raise self._told(update, push_error(err, deadline), channels) from None
+            raise self._failed_push_error(update, push_error(err, deadline), channels) from None
 
-    def _told(self, update: PreparedPush, error: LogprobError, channels: list[Any]) -> LogprobError:
+    def _failed_push_error(self, update: PreparedPush, error: LogprobError, channels: list[Any]) -> LogprobError:
         """A failed push's error; of one cancelled or past its deadline, saying whether it went live
-        all the same (ListModels, asked as ``_asked_after`` says, with the client's timeout: the
+        all the same (ListModels, asked as ``_outcome_channels`` says, with the client's timeout: the
         push's may have passed, and the answer waits for a commit the server had in progress)."""
         if not was_interrupted(error):
             return error
         listed = []
-        for channel in self._asked_after(update, channels):
+        for channel in self._outcome_channels(update, channels):
             with contextlib.suppress(grpc.RpcError):  # the error then says the outcome is unknown
                 ask = pb_grpc.LogprobServiceStub(channel).ListModels
                 listed.append(ask(pb.ListModelsRequest(), timeout=self.timeout))

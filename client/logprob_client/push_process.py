@@ -4,8 +4,8 @@ its messages handed over through shared memory (``push_processes``, the client's
 
 Why a process: gRPC Python copies each message it sends (into a slice of its own) and runs each
 stream's sending loop in Python, under the sending process's one interpreter lock. A push of four
-streams from one process spent 1.3-1.7 cores' worth and moved 2.1-2.9 GB/s on H100 hosts; the
-server had time to spare (benchmarks/RESULTS.md, session 10). Here the client copies each message
+streams from one process spends 1.3-1.7 cores' worth and moves 2.1-2.9 GB/s on H100 hosts, the
+server with time to spare (benchmarks/RESULTS.md). Here the client copies each message
 into a slot of memory it shares with this process and sends the slot's number over a pipe; this
 process copies the message out (gRPC needs ``bytes``), gives the slot back, and sends it.
 

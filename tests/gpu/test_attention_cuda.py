@@ -52,7 +52,7 @@ SLIDING = 8
 
 
 def make_any(arch: str, *, seed: int, dtype: torch.dtype, max_positions: int = MAX_POSITIONS) -> PreTrainedModel:
-    """tests.models.make_model, plus ``qwen2-sliding`` (a window of 8 on every layer, no softcap:
+    """tests.helpers.models.make_model, plus ``qwen2-sliding`` (a window of 8 on every layer, no softcap:
     the only way the varlen fast path meets a sliding window here), on CUDA."""
     if arch != "qwen2-sliding":
         tied = arch in ("gemma2", "qwen2")

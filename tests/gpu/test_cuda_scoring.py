@@ -1,7 +1,7 @@
 """The CUDA paths, at realistic vocabulary sizes. Skipped without a GPU.
 
 Tolerances (nats, absolute), against the float64 forward of the same weights:
-* float32 model: as exact as the model's own float32 computation (``tests.models.ScoreReference``;
+* float32 model: as exact as the model's own float32 computation (``tests.helpers.models.ScoreReference``;
   TF32 stays off: fp32 GEMMs).
 * bf16 model: as exact as the model's own bfloat16 computation, the same way.
 * the lm_head stage alone gets 1e-4 against float64 logits of the same bf16 hidden states

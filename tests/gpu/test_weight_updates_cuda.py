@@ -188,7 +188,7 @@ async def test_lora_on_cuda_against_peft_forward(tmp_path, rng):
         sequences = random_sequences(rng, 6)
         async with AsyncLogprobClient(running.target, model="policy") as client:
             got = await client.score(*as_lists(sequences))
-        # As exact as PEFT's own bfloat16 forward of base + adapter (tests/tolerances.py).
+        # As exact as PEFT's own bfloat16 forward of base + adapter (tests/helpers/tolerances.py).
         ScoreReference(peft, sequences, dtype=torch.bfloat16).check(got)
     finally:
         await stop(running)

@@ -333,7 +333,7 @@ class ScoreReference:
 
     The error of a path's scores against the float64 forward (``reference_scores``) may be at most
     ``tolerances.scores(own_error)``, ``own_error`` being the largest error of the model's own
-    computation in ``dtype`` on the same sequences (tests/tolerances.py says why)."""
+    computation in ``dtype`` on the same sequences (tests/helpers/tolerances.py says why)."""
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ carries a rounding error up to u * m, and a sum of K terms of magnitude m up to 
 sqrt(K) * u * m when the roundings are independent (K * u * m in the worst case).
 
 Every scoring tolerance compares against the exact answer (a float64 forward of the same
-weights, ``tests.models.reference_scores``), never against another float32 computation whose own
+weights, ``tests.helpers.models.reference_scores``), never against another float32 computation whose own
 error would hide or add to the error under test. The numbers quoted as measured come from
 sweeps of that many models at the test shapes; ``make test-sweep`` (200 seeds per test) must pass.
 """

@@ -1,7 +1,8 @@
 """LoRA models served on a shared base (NAME=BASE+ADAPTER_DIR), through a real server (CPU, float32).
 
 References: the base model, and PEFT's own model of base + adapter (unmerged, as the server runs it),
-each scored by a float64 forward (``tests.models.reference_scores``). Tolerance: see tests/tolerances.py.
+each scored by a float64 forward (``tests.helpers.models.reference_scores``). Tolerance: see
+tests/helpers/tolerances.py.
 (A merged model is not the right reference: folding B A into W rounds W + s B A to float32, an error
 the served, unmerged model does not make.)
 """

@@ -1,7 +1,7 @@
 """UpdateWeights / LoadWeights / min_version through a real server on loopback (CPU, float32).
 
 Reference for every score: a model freshly loaded with the same weights, scored in float64 from
-its own full logits (``tests.models.reference_scores``). Tolerance 1e-5 (float32 on the CPU).
+its own full logits (``tests.helpers.models.reference_scores``). Tolerance 1e-5 (float32 on the CPU).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reference: ``model(ids).logits.double() / T`` then ``log_softmax``, one unpadded
 time. The service path: packed forward of the body, completion rows only, then each lm_head
 implementation: eager fp32 chunks, and the fused Triton kernel (in Triton's interpreter on a
 CPU, tests/conftest.py). Reference: the float64 forward of the same weights; tolerance: as exact as
-the model's own float32 forward (``tests.models.ScoreReference``, tests/tolerances.py).
+the model's own float32 forward (``tests.helpers.models.ScoreReference``, tests/helpers/tolerances.py).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def _qwen2_sliding(tied: bool) -> PreTrainedModel:
 
 
 def make_any(arch: str, *, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """tests.models.make_model, plus ``qwen2-sliding`` initialized the same way."""
+    """tests.helpers.models.make_model, plus ``qwen2-sliding`` initialized the same way."""
     if arch != "qwen2-sliding":
         return make_model(arch, tied=arch in ("gemma2", "qwen2"), seed=seed, dtype=dtype)
     torch.manual_seed(seed)

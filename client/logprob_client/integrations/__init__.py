@@ -1,7 +1,8 @@
 """Integrations with trainers; each is an optional dependency, imported only when its module is.
 
 ``logprob_client.integrations.trl``: TRL's GRPOTrainer with the reference served remotely
-(the ``[trl]`` extra: ``pip install trl==1.16.0``).
+(the ``[trl]`` extra: ``pip install trl==1.16.0``); ``.trl_teacher``: the service as the teacher
+of TRL's ServerDistillationTrainer (docs/distillation.md).
 ``logprob_client.integrations.verl``: verl's reference worker scoring with the service (an
 engine in verl's EngineRegistry; the ``[verl]`` extra, docs/verl.md), and its
 old-policy log-probs (``ServiceActorConfig``) with the actor's weights pushed by

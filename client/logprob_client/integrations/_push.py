@@ -78,6 +78,7 @@ class WeightPusher:
         self.dtype_name = normalize_dtype(dtype)
         self.master_address, self.master_port, self.timeout_s = master_address, int(master_port), timeout_s
         self._ipc_refused = False  # auto: the server could not map this process's CUDA tensors
+        self.last_transport = ""  # the transport the last push went by ("" before the first)
         self._broadcaster: WeightBroadcaster | None = None
 
     def resolve(self, tensor: Any) -> str:
@@ -107,6 +108,7 @@ class WeightPusher:
         return self.push_staged(staged, transport)
 
     def push_staged(self, staged: list[tuple[str, Any]], transport: str) -> UpdateResult:
+        self.last_transport = transport
         if transport == "ipc":
             try:
                 return self.client.update_weights_ipc(self.model, staged, timeout=self.timeout_s)

@@ -60,7 +60,9 @@ except ImportError as err:  # an optional dependency
     ) from err
 
 from ..client import LogprobClient
-from ..errors import FailedPrecondition
+from ..wire import ModelInfo
+from ._push import WeightPusher
+from ._served import Expected, check_served_model
 
 CHECKED_TRL_VERSION = "1.16.0"
 _HOOK = "_get_per_token_logps_and_entropies"
@@ -114,10 +116,12 @@ class RemoteReference:
 
 
 @dataclass
-class _Pushed:
+class _PolicyOnService:
+    """What the service holds of the policy, and how it gets there."""
+
     step: int | None = None  # the optimizer step whose weights the service holds
     version: int = 0  # the version they went live as
-    ipc: bool | None = None  # whether CUDA IPC pushes reach the service (None: not tried yet)
+    pusher: WeightPusher | None = None  # made at the first push, in the served model's dtype
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,8 @@ class RemotePolicy(RemoteReference):
 
     ``model``: the name the service serves it under, loaded from the policy's starting checkpoint
     (or any weights of its shape). Before TRL first needs old-policy log-probs after an optimizer
-    step, the policy's weights are pushed, in the served model's dtype, by the fastest path there
-    is, and the scoring waits for that version (``min_version``). ``transport``: "auto" pushes a
+    step, the policy's weights are pushed, in the served model's dtype, by ``_push.WeightPusher``,
+    and the scoring waits for that version (``min_version``). ``transport``: "auto" pushes a
     policy on a GPU by CUDA IPC (``update_weights_ipc``: a device-to-device copy by a service on
     this host), and falls back for good to gRPC when the service refuses it (another host, no
     peer access); "grpc" always sends sparse deltas over gRPC (``update_weights(..., delta=True)``:
@@ -136,33 +140,28 @@ class RemotePolicy(RemoteReference):
 
     model: str = "policy"
     transport: str = "auto"
-    pushed: _Pushed = field(default_factory=_Pushed)
+    served: _PolicyOnService = field(default_factory=_PolicyOnService)
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "ipc", "grpc"):
             raise ValueError(f"transport must be 'auto', 'ipc' or 'grpc', got {self.transport!r}")
 
-    def sync(self, policy: torch.nn.Module, step: int, dtype: torch.dtype) -> int:
-        """Push ``policy``'s weights unless the service holds those of ``step``; the live version."""
-        if self.pushed.step != step:
-            weights = {name: t.detach().to(dtype) for name, t in policy.state_dict().items()}
-            self.pushed.version = self._push(weights)
-            self.pushed.step = step
-        return self.pushed.version
-
-    def _push(self, weights: dict[str, torch.Tensor]) -> int:
-        on_gpu = all(t.is_cuda for t in weights.values())
-        if self.transport == "ipc" or (self.transport == "auto" and on_gpu and self.pushed.ipc is not False):
-            try:
-                version = self.client.update_weights_ipc(self.model, weights).version
-                self.pushed.ipc = True
-                return version
-            except FailedPrecondition as err:
-                if self.transport == "ipc":
-                    raise
-                self.pushed.ipc = False
-                warnings.warn(f"old-policy weights go over gRPC from now on: {err.message}", stacklevel=3)
-        return self.client.update_weights(self.model, weights, delta=True).version
+    def sync(self, policy: torch.nn.Module, step: int, dtype: str) -> int:
+        """Push ``policy``'s weights, cast to ``dtype`` (the served model's), unless the service
+        holds those of ``step``; the live version."""
+        if self.served.pusher is None:
+            self.served.pusher = WeightPusher(
+                self.client,
+                self.model,
+                dtype,
+                transport=self.transport,
+                timeout_s=self.client.timeout,
+                setting="RemotePolicy",
+            )
+        if self.served.step != step:
+            self.served.version = self.served.pusher.push(policy.state_dict().items()).version
+            self.served.step = step
+        return self.served.version
 
 
 def check_trl_compatible(trainer_cls: type = GRPOTrainer) -> None:
@@ -242,7 +241,7 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
         self.old_policy = old_policy
         self._generating = False  # inside _generate_and_score_completions, where TRL scores the old policy
         if old_policy is not None:
-            self._old_policy_dtype = getattr(torch, self._check_served_model(old_policy).dtype)
+            self._old_policy_dtype = self._check_served_model(old_policy, "old_policy").dtype
         if beta == 0.0:
             if old_policy is None:
                 warnings.warn(
@@ -252,20 +251,21 @@ class RemoteReferenceGRPOTrainer(GRPOTrainer):
                 )
             return
         self.ref_model = reference
-        self._check_served_model(reference)
+        self._check_served_model(reference, "reference")
 
-    def _check_served_model(self, served_model: RemoteReference) -> Any:
-        """The served model's ``ModelInfo``, once checked to exist and to share the policy's vocabulary."""
-        served = {m.name: m for m in served_model.client.list_models()}
-        if served_model.model not in served:
-            raise ValueError(f"the service serves no model {served_model.model!r}; it serves {', '.join(served)}")
-        policy_vocab = self.model.config.get_text_config().vocab_size
-        if served[served_model.model].vocab_size != policy_vocab:
-            raise ValueError(
-                f"served model {served_model.model!r} has a vocabulary of {served[served_model.model].vocab_size} "
-                f"tokens, the policy {policy_vocab}: it must share the policy's tokenizer"
-            )
-        return served[served_model.model]
+    def _check_served_model(self, served_model: RemoteReference, argument: str) -> ModelInfo:
+        """The served model's ``ModelInfo``, once checked to exist and to share the policy's
+        vocabulary (``_served.check_served_model``: a ``ServiceConfigError`` naming ``argument``)."""
+        return check_served_model(
+            served_model.client,
+            Expected(
+                model=served_model.model,
+                model_setting=f"{argument}.model",
+                address_setting=f"{argument}.client",
+                vocab_size=self.model.config.get_text_config().vocab_size,
+                vocab_setting="the policy's config",
+            ),
+        )
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         self._generating = True

@@ -17,22 +17,28 @@ actual token's log-prob exact whether or not it is among the top-k (vLLM answers
         ...,
     )
 
-``ServiceDistillationTrainer`` is TRL's trainer, built with ``ServiceTeacher`` where TRL's
-``__init__`` makes its ``VLLMClient`` (which needs vLLM installed, and a URL): the one attribute
-TRL reads the teacher from. ``examples/distill_trl.py`` runs it end to end.
+``ServiceDistillationTrainer`` is TRL's trainer with ``ServiceTeacher`` as its ``teacher_client``,
+the one attribute TRL reads the teacher from. TRL's ``__init__`` is ``DistillationTrainer``'s with
+no local teacher, three settings copied from ``args``, and a ``VLLMClient`` made from
+``args.teacher_model_server_url`` (which needs vLLM installed, and a server answering there). This
+subclass runs the same ``__init__`` with the teacher in place of that client; a TRL whose
+``__init__`` does more is refused when the trainer is built (``check_teacher_compatible``), so it
+fails at once rather than train with a setting left unset. ``examples/distill_trl.py`` runs it end
+to end. docs/distillation.md says when to use this or TRL's own trainer against the HTTP edge.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Sequence
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
 try:
-    import trl.generation.vllm_client as vllm_client
+    import trl
+    from trl.trainer.distillation_trainer import DistillationTrainer
 
     with warnings.catch_warnings():  # "importing from trl.experimental": this module pins what it uses (TRL 1.16)
         warnings.simplefilter("ignore")
@@ -43,6 +49,16 @@ except ImportError as err:  # an optional dependency
     ) from err
 
 from ..client import LogprobClient
+from .trl import CHECKED_TRL_VERSION, TRLVersionError
+
+# The settings ServerDistillationTrainer.__init__ copies from its config onto the trainer.
+_SETTINGS = ("reverse_kl_top_1_mode", "loss_top_k", "loss_add_tail")
+# Every name its code uses (co_names): DistillationTrainer's __init__ (``super().__init__``), the
+# settings, and the VLLMClient made from the URL and kept as ``teacher_client``.
+_INIT_NAMES = frozenset(
+    {"ServerDistillationConfig", "super", "__init__", *_SETTINGS}
+    | {"generation.vllm_client", "VLLMClient", "teacher_model_server_url", "teacher_client"}
+)
 
 
 class ServiceTeacher:
@@ -87,17 +103,37 @@ class ServiceTeacher:
         return out
 
 
+def check_teacher_compatible(trainer_cls: type = ServerDistillationTrainer) -> None:
+    """Raise ``TRLVersionError`` unless ``trainer_cls.__init__`` is ``DistillationTrainer``'s, the
+    settings in ``_SETTINGS`` and the ``teacher_client``, as ``ServiceDistillationTrainer`` runs it."""
+    problem = ""
+    if trainer_cls.__mro__[1] is not DistillationTrainer:
+        problem = f"{trainer_cls.__name__} no longer derives from DistillationTrainer"
+    else:
+        extra = set(trainer_cls.__init__.__code__.co_names) - _INIT_NAMES
+        if extra:
+            problem = f"{trainer_cls.__name__}.__init__ now also uses {', '.join(sorted(extra))}"
+    if problem:
+        raise TRLVersionError(
+            f"logprob_client.integrations.trl_teacher cannot build TRL {trl.__version__}'s trainer: {problem}. "
+            f"It was checked against TRL {CHECKED_TRL_VERSION}: install that "
+            f"(pip install trl=={CHECKED_TRL_VERSION}), or adapt ServiceDistillationTrainer to the new __init__."
+        )
+
+
 class ServiceDistillationTrainer(ServerDistillationTrainer):
     """TRL's ``ServerDistillationTrainer`` whose teacher is ``teacher`` (a ``ServiceTeacher``); every
-        other argument is TRL's. ``args.teacher_model_server_url`` must be set (TRL's config checks it)
+    other argument is TRL's. ``args.teacher_model_server_url`` must be set (TRL's config checks it)
     but is not used."""
 
     def __init__(self, *args: Any, teacher: ServiceTeacher, **kwargs: Any) -> None:
-        # TRL's __init__ imports VLLMClient from its module and builds it from the URL: hand it ours.
-        with mock.patch.object(vllm_client, "VLLMClient", lambda **_: teacher):
-            super().__init__(*args, **kwargs)
-        if self.teacher_client is not teacher:
-            raise RuntimeError(
-                "this TRL's ServerDistillationTrainer no longer builds its teacher_client from "
-                "trl.generation.vllm_client.VLLMClient: logprob_client.integrations.trl_teacher needs updating"
-            )
+        check_teacher_compatible()
+        named = inspect.signature(ServerDistillationTrainer.__init__).bind(self, *args, **kwargs).arguments
+        del named["self"]
+        config = named.get("args")
+        if config is None:
+            raise ValueError("args: a ServerDistillationConfig is needed (TRL's config for this trainer)")
+        DistillationTrainer.__init__(self, teacher_model=None, **named)  # what TRL's super().__init__ runs
+        for setting in _SETTINGS:
+            setattr(self, setting, getattr(config, setting))
+        self.teacher_client = teacher

@@ -70,7 +70,7 @@ BUFFERED_RETRY_S = 1.0
 
 
 @dataclass
-class Call:
+class RouteRequest:
     """One request as a route sees it: its body, read whole, and what the wrapper knows of it."""
 
     engine: LogprobEngine
@@ -86,7 +86,7 @@ class Call:
 
 
 @dataclass
-class Answer:
+class RouteAnswer:
     """A route's answer: its JSON (a value, or bytes already written: ``encoding``), and for the
     log line the model and result it scored with."""
 
@@ -102,7 +102,7 @@ class Answer:
         return Response(content, media_type=JSON, headers=headers)
 
 
-Handler = Callable[[Call], Awaitable[Answer]]
+Handler = Callable[[RouteRequest], Awaitable[RouteAnswer]]
 
 
 def json_error(err: LogprobError, request_id: str = "") -> Response:
@@ -203,8 +203,8 @@ class Edge:
         async def endpoint(request: Request) -> Response:
             start = time.perf_counter_ns()
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            answer: Answer | None = None
-            call: Call | None = None
+            answer: RouteAnswer | None = None
+            call: RouteRequest | None = None
             error: BaseException | None = None
             try:
                 set_client(request.client.host if request.client is not None else "")
@@ -215,7 +215,7 @@ class Edge:
                 deadline = None if seconds is None else time.monotonic() + seconds
                 try:
                     async with asyncio.timeout(seconds), self._body(request) as body:
-                        call = Call(self.engine, body, request_id, deadline, request)
+                        call = RouteRequest(self.engine, body, request_id, deadline, request)
                         answer = await handler(call)
                 except TimeoutError:
                     if deadline is None or time.monotonic() < deadline:
@@ -281,7 +281,7 @@ def _level(code: str) -> int:
 
 
 def _account(
-    path: str, request_id: str, model: str, answer: Answer | None, error: BaseException | None, elapsed_ns: int
+    path: str, request_id: str, model: str, answer: RouteAnswer | None, error: BaseException | None, elapsed_ns: int
 ) -> None:
     code = _code(error)
     metrics.observe_request(model, path, code, "http")

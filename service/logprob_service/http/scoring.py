@@ -21,7 +21,7 @@ import numpy as np
 from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreResult, SequenceScores, TokenSequence
 from logprob_service.engine.validation import RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
-from logprob_service.http.app import Call
+from logprob_service.http.app import RouteRequest
 from logprob_service.http.errors import CallerGone, Naming
 
 
@@ -110,7 +110,7 @@ def top_k_counted(k: int | None) -> int:
 
 
 def check_counts(
-    call: Call, batch_field: str, prompts: Sequence[int], completions: Sequence[int], answer_bytes: int
+    call: RouteRequest, batch_field: str, prompts: Sequence[int], completions: Sequence[int], answer_bytes: int
 ) -> None:
     """Refuse a request whose counts pass a limit (``InvalidArgument`` naming ``batch_field``, the
     count and the limit) before any of its items is built. ``prompts``, ``completions``: the
@@ -147,7 +147,7 @@ async def _until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
 
 
 async def score_items(
-    call: Call,
+    call: RouteRequest,
     items: Sequence[Item],
     *,
     model: str,

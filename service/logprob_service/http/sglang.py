@@ -23,7 +23,7 @@ import numpy as np
 from logprob_service.domain import SequenceScores
 from logprob_service.errors import InvalidArgument
 from logprob_service.http import encoding
-from logprob_service.http.app import Answer, Call
+from logprob_service.http.app import RouteAnswer, RouteRequest
 from logprob_service.http.bodies import Strict, generates_none, no_streaming, parse, served_model, text_refused
 from logprob_service.http.scoring import (
     AnswerSize,
@@ -90,7 +90,7 @@ def _counted(request: GenerateRequest, batch: list[list[int]], single: bool) -> 
     return prompts, completions, ANSWER.of(len(batch), entries) + sum(map(len, rids))
 
 
-async def generate(call: Call) -> Answer:
+async def generate(call: RouteRequest) -> RouteAnswer:
     request = parse(call.body, GenerateRequest, call.engine.limits, "input_ids")
     if request.text is not None:
         raise text_refused("text")
@@ -150,7 +150,7 @@ async def generate(call: Call) -> Answer:
         input_answer(item, start, rid, scores, k, latency)
         for item, start, rid, scores in zip(items, starts, rids, scored.scores)
     ]
-    return Answer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
+    return RouteAnswer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
 
 
 def input_answer(item: Item, start: int, rid: str, scores: SequenceScores | None, k: int, latency: float) -> bytes:
@@ -189,10 +189,10 @@ def _positions(ids: np.ndarray, logprobs: np.ndarray) -> bytes:
     return encoding.prepend(b"null", encoding.triples(logprobs, ids))
 
 
-async def model_info(call: Call) -> Answer:
+async def model_info(call: RouteRequest) -> RouteAnswer:
     """SGLang's ``/get_model_info`` of the model ``/generate`` scores with."""
     info = next(m for m in await call.engine.list_models() if m.name == served_model(call.engine, None))
-    return Answer(
+    return RouteAnswer(
         {
             "model_path": info.source,
             "tokenizer_path": info.source,

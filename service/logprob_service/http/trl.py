@@ -20,7 +20,7 @@ import numpy as np
 
 from logprob_service.domain import SequenceScores
 from logprob_service.errors import InvalidArgument
-from logprob_service.http.app import Answer, Call
+from logprob_service.http.app import RouteAnswer, RouteRequest
 from logprob_service.http.bodies import Strict, parse, served_model
 from logprob_service.http.scoring import (
     AnswerSize,
@@ -76,7 +76,7 @@ def _answer_bytes(request: SequenceLogprobsRequest, completions: list[int]) -> i
     return BINARY_ANSWER.of(len(request.sequences), len(request.sequences) * longest * entries)
 
 
-async def sequence_logprobs(call: Call) -> Answer:
+async def sequence_logprobs(call: RouteRequest) -> RouteAnswer:
     request = parse(call.body, SequenceLogprobsRequest, call.engine.limits, "sequences")
     if len(request.sequences) != len(request.prompt_lengths):
         raise InvalidArgument(
@@ -115,7 +115,7 @@ async def sequence_logprobs(call: Call) -> Answer:
             lps, ids = _by_rank(item, scores, k)
             logprobs.append(empty + lps)
             token_ids.append(empty + ids)
-        return Answer({"logprobs": logprobs, "logprob_token_ids": token_ids}, scored.model, scored.result)
+        return RouteAnswer({"logprobs": logprobs, "logprob_token_ids": token_ids}, scored.model, scored.result)
     longest = max(lengths, default=0)
     actual = np.full((len(items), longest, 1), -np.inf, dtype=np.float32)
     actual_ids = np.zeros((len(items), longest, 1), dtype=np.int32)
@@ -137,4 +137,4 @@ async def sequence_logprobs(call: Call) -> Answer:
         "shape": [len(items), longest, k],
         "completion_lengths": lengths,
     }
-    return Answer(payload, scored.model, scored.result)
+    return RouteAnswer(payload, scored.model, scored.result)

@@ -24,7 +24,7 @@ from logprob_service.domain import MAX_TOP_K, SequenceScores
 from logprob_service.engine.engine import LogprobEngine, Phase
 from logprob_service.errors import InvalidArgument, Unavailable
 from logprob_service.http import encoding
-from logprob_service.http.app import Answer, Call
+from logprob_service.http.app import RouteAnswer, RouteRequest
 from logprob_service.http.bodies import (
     Strict,
     generates_none,
@@ -140,7 +140,7 @@ class CompletionRequest(Strict):
     stream: bool | None = False
 
 
-async def completions(call: Call) -> Answer:
+async def completions(call: RouteRequest) -> RouteAnswer:
     request = parse(call.body, CompletionRequest, call.engine.limits, "prompt")
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
@@ -177,11 +177,11 @@ async def completions(call: Call) -> Answer:
         "model": scored.model,
         "usage": usage(sum(len(item.ids) for item in items)),
     }
-    return Answer(encoding.with_raw(payload, choices=encoding.array(choices)), scored.model, scored.result)
+    return RouteAnswer(encoding.with_raw(payload, choices=encoding.array(choices)), scored.model, scored.result)
 
 
 async def _score(
-    call: Call,
+    call: RouteRequest,
     items: list[Item],
     model: str | None,
     temperature: float | None,
@@ -241,7 +241,7 @@ def _positions(engine: LogprobEngine) -> int:
     return max(longest) if longest else engine.limits.max_tokens_per_request
 
 
-async def generate(call: Call) -> Answer:
+async def generate(call: RouteRequest) -> RouteAnswer:
     request = parse(call.body, GenerateRequest, call.engine.limits, "token_ids", rows=_positions(call.engine))
     params = request.sampling_params
     no_streaming(request.stream)
@@ -317,14 +317,14 @@ async def generate(call: Call) -> Answer:
     }
     if k is not None:
         answered = encoding.with_raw(payload, prompt_logprobs=prompt_logprobs(item, scores, k))
-        return Answer(answered, scored.model, scored.result)
-    return Answer(payload, scored.model, scored.result)
+        return RouteAnswer(answered, scored.model, scored.result)
+    return RouteAnswer(payload, scored.model, scored.result)
 
 
 # --------------------------------------------------------------------------- /v1/models, /health
 
 
-async def models(call: Call) -> Answer:
+async def models(call: RouteRequest) -> RouteAnswer:
     """vLLM's model list (TRL's ``VLLMClient`` takes ``data[0]["id"]``), once the weight updates
     committed before have settled (the engine's ``list_models``)."""
     created = int(time.time())
@@ -341,12 +341,12 @@ async def models(call: Call) -> Answer:
         }
         for info in await call.engine.list_models()
     ]
-    return Answer({"object": "list", "data": data})
+    return RouteAnswer({"object": "list", "data": data})
 
 
-async def health(call: Call) -> Answer:
+async def health(call: RouteRequest) -> RouteAnswer:
     """200 with an empty body while the engine serves (vLLM's and SGLang's answer); 503 while it
     loads, warms up or drains (readiness probes and TRL's ``check_server`` wait on it)."""
     if call.engine.phase is not Phase.SERVING:
         raise Unavailable(f"server is {call.engine.phase.value}")
-    return Answer(None)
+    return RouteAnswer(None)

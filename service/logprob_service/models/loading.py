@@ -30,8 +30,8 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_B
 # How long the hub may take to answer before a hub id is looked up in the local cache alone.
 HUB_ANSWER_TIMEOUT_S = 10.0
 
-# huggingface_hub gives its logger a stderr handler of its own and lets records propagate as well:
-# with the server's handler, each of its warnings was printed twice. The server's prints them once.
+# huggingface_hub gives its logger a stderr handler of its own and lets records propagate as well,
+# so that beside the server's handler each of its warnings would print twice: the server's alone prints them.
 logging.getLogger("huggingface_hub").handlers.clear()
 log = logging.getLogger(__name__)
 

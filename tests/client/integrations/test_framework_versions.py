@@ -24,7 +24,7 @@ def test_the_tested_release_and_an_absent_framework_say_nothing():
 def test_the_verl_and_openrlhf_modules_check_at_start_up():
     from pathlib import Path
 
-    integrations = Path(__file__).resolve().parents[2] / "client" / "logprob_client" / "integrations"
+    integrations = Path(__file__).resolve().parents[3] / "client" / "logprob_client" / "integrations"
     assert 'warn_untested_version("verl", CHECKED_VERL_VERSION)' in (integrations / "verl.py").read_text()
     assert 'warn_untested_version("openrlhf", CHECKED_OPENRLHF_VERSION)' in (integrations / "openrlhf.py").read_text()
 
@@ -33,7 +33,7 @@ def test_the_verl_guide_says_what_a_verl_user_would_otherwise_guess():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     guide = (root / "docs" / "verl.md").read_text()
     (pins,) = re.findall(r'"(transformers>=[^"]+)"', (root / "scripts" / "install-frameworks.sh").read_text())
     assert pins in guide  # verl's transformers range, as CI installs it

@@ -220,7 +220,10 @@ async def tiny_and_gemma(gemma_checkpoint):
 
 @pytest.mark.parametrize(
     "served,match",
-    [("nope", "serves no model 'nope'"), ("gemma", "vocabulary of 517 tokens, the policy 4096")],
+    [
+        ("nope", "reference.model='nope': the service serves no such model"),
+        ("gemma", "vocabulary of 517 tokens but the policy's config has 4096"),
+    ],
 )
 async def test_served_model_is_checked_at_construction(tiny_and_gemma, policy_dir, tmp_path, served, match):
     def build():
@@ -277,7 +280,7 @@ async def test_old_policy_logps_scored_by_the_service_match_trl_s_own(gemma_chec
     generations = len(remote.old_logps)
     assert generations == len(local.old_logps) >= 2 and len(remote.losses) == len(local.losses) == STEPS
     # One push per generation (the first: the starting weights, dense; then deltas).
-    assert served.version == old_policy.pushed.version == generations
+    assert served.version == old_policy.served.version == generations
     temperature = grpo_args(tmp_path).temperature
     old_error, reference_atol = [], []
     for g in range(generations):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from logprob_service.settings.model import Settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "grpo_remote_reference.py"
 STEP_LINE = re.compile(r"^step +(\d+) +kl ([0-9.]+) +loss ([-+][0-9.]+)(?: +reward ([0-9.]+))?$", re.M)
 
