@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.testing
 from harness import GiB, peak_extra_bytes, publish, release, run_environment, time_kernel
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.fused_logprobs import (
     KernelConfig,
     LaunchPlan,
@@ -147,7 +148,7 @@ def run_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Result]:
         measure("fused Triton kernel", lambda: fused_token_logprobs(hidden, weight, targets).logprobs, ref, **timing),
         measure(
             "fused Triton kernel + entropy",
-            lambda: fused_token_logprobs(hidden, weight, targets, return_entropy=True).logprobs,
+            lambda: fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(return_entropy=True)).logprobs,
             ref,
             **timing,
         ),
@@ -191,7 +192,7 @@ def run_top_k_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Re
         results.append(
             measure(
                 f"fused Triton kernel, top_k={k}",
-                lambda k=k: fused_token_logprobs(hidden, weight, targets, top_k=k).top_logprobs,
+                lambda k=k: fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=k)).top_logprobs,
                 ref,
                 **timing,
             )
@@ -199,7 +200,7 @@ def run_top_k_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Re
         results.append(
             measure(
                 f"eager 256 MiB chunks, top_k={k}",
-                lambda k=k: chunked_token_logprobs(hidden, weight, targets, top_k=k).top_logprobs,
+                lambda k=k: chunked_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=k)).top_logprobs,
                 ref,
                 **timing,
             )
@@ -224,7 +225,11 @@ def run_top_k_shape(n: int, h: int, v: int, args: argparse.Namespace) -> list[Re
     results.append(
         measure(
             "fused Triton kernel, top_k=20, batch-invariant plan",
-            lambda: fused_token_logprobs(hidden, weight, targets, top_k=20, invariant=True).top_logprobs,
+            lambda: (
+                fused_token_logprobs(
+                    hidden, weight, targets, options=ScoreOptions(top_k=20), invariant=True
+                ).top_logprobs
+            ),
             None,
             **timing,
         )

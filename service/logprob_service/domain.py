@@ -7,7 +7,7 @@ executor converts these to tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from logprob_service.errors import InvalidArgument
 
-# The most top-k ids, and candidate ids, a completion position may ask for (issue 43).
+# The most top-k ids, and candidate ids, a completion position may ask for.
 MAX_TOP_K = 256
 
 # The weight dtypes the server serves and takes in updates, by name, with their element size.
@@ -49,75 +49,21 @@ def prompt_groups(sequences: Sequence[TokenSequence]) -> list[list[int]]:
     return list(groups.values())
 
 
-def prompt_once(sequences: Iterable[TokenSequence]) -> Iterator[tuple[TokenSequence, int]]:
-    """Each sequence with its share of the tokens ``sequences`` run together with shared prompts
-    (``worker.packing``): its completion, plus its prompt where it is the first with that prompt.
-    Lazy, so an edge can count a request's tokens while it builds its sequences."""
-    seen: set[bytes] = set()
-    for seq in sequences:
-        yield seq, len(seq.completion_ids) + (0 if seq.prompt_key in seen else len(seq.prompt_ids))
-        seen.add(seq.prompt_key)
+@dataclass(frozen=True)
+class ScoreOptions:
+    """What a request asks of its scoring beside its sequences: built once with its job, and carried
+    unchanged to the log-prob op (micro-batches mix only work of one model and equal options; each
+    layer reads the fields it acts on). A sequence's candidate ids are its own (``TokenSequence``)."""
+
+    temperature: float = 1.0  # logits are divided by it (0 from an edge: unset, which validation makes 1.0)
+    return_entropy: bool = False  # each completion position's entropy
+    top_k: int = 0  # 0-MAX_TOP_K: each completion position's K most likely ids and their log-probs
+    # each completion token's vocabulary rank (SequenceScores.ranks; the HTTP edge's vLLM routes)
+    return_ranks: bool = False
+    return_routed_experts: bool = False  # each completion position's MoE router choices (SequenceScores)
 
 
-def tokens_run(sequences: Sequence[TokenSequence]) -> int:
-    """Tokens a micro-batch of ``sequences`` runs, each distinct prompt once (``worker.packing``)."""
-    return sum(cost for _, cost in prompt_once(sequences))
-
-
-# What a completion's reads of a shared prompt cost (the cost model, in token-equivalents).
-#
-# The queue's limits count tokens: an ordinary sequence of P + C tokens costs P + C, its attention
-# included. A completion that shares its prompt with others in a micro-batch (``worker.packing``)
-# does not run the prompt again, but its C rows still read the prompt's P keys and values (a
-# gathered copy of them each): C x P key reads that no token pays for. So a further completion of a
-# shared prompt costs C + ceil(C x P / KEYS_PER_TOKEN), and never more than it costs run alone
-# (P + C). Measured: the group's time, in tokens of its sequences run alone (their time alone per
-# token), less the tokens it runs, per key read:
-# - CPU, builtin tiny-llama, one thread, exact attention (two runs; noisy, on 2 shared
-#   cores): completions of 32-256 tokens 1/230 (P 256) and 1/1900-1/2400 (P 1024), too little to
-#   tell from noise at P 2048; one-token completions 1/6-1/500, most of it the exact backend's
-#   fixed cost of a segment (~0.5 ms, 15 tokens' time), which an ordinary short sequence pays too.
-# - NVIDIA H200, Qwen2.5-0.5B shape (benchmarks/RESULTS.md, shared prompts): 1/3600 (P 1024,
-#   R 512, G 16) to 1/30000 (P 16384, R 1024, G 8).
-# One key read in 4096 tokens' worth lies between, near the GPU's: a 4096-token prompt read by
-# a completion token costs a second token. It must not be heavier: the micro-batch budget counts
-# these costs, and a group cut into more micro-batches runs its prompt again in each (at 1/2048,
-# P 16384, R 1024, G 8 would no longer fit the default 65,536 and run its prompt twice).
-KEYS_PER_TOKEN = 4096
-
-
-def shared_prompt_cost(seq: TokenSequence) -> int:
-    """Token-equivalents of ``seq`` in a micro-batch that already runs its prompt: its completion,
-    plus its reads of the prompt (``KEYS_PER_TOKEN``), never more than ``seq`` alone."""
-    prompt, completion = len(seq.prompt_ids), len(seq.completion_ids)
-    return completion + min(prompt, -(-completion * prompt // KEYS_PER_TOKEN))
-
-
-# What a completion position's extra outputs cost, in token-equivalents (admission only): this
-# many top-k or candidate log-probs (8 bytes each on the wire with their ids, and the kernel's
-# top-k merges, at most ~1x the lm_head's time at K 256) count as one more token. An estimate
-# that errs high: a token of a 0.5B model costs about 4x its lm_head.
-OUTPUTS_PER_TOKEN = 256
-
-
-def output_cost(seq: TokenSequence, top_k: int) -> int:
-    """Token-equivalents of ``seq``'s top-k and candidate log-probs (``OUTPUTS_PER_TOKEN``)."""
-    candidates = 0 if seq.candidate_ids is None else seq.candidate_ids.shape[1]
-    return -(-len(seq.completion_ids) * (top_k + candidates) // OUTPUTS_PER_TOKEN)
-
-
-def run_costs(sequences: Sequence[TokenSequence], *, share_prompts: bool = True) -> list[int]:
-    """Each sequence's share, in token-equivalents, of what one micro-batch of ``sequences`` costs:
-    with ``share_prompts`` (``worker.packing``), the first with its prompt costs its tokens, each
-    further one ``shared_prompt_cost``; without, every sequence its tokens."""
-    if not share_prompts:
-        return [seq.num_tokens for seq in sequences]
-    seen: set[bytes] = set()
-    costs = []
-    for seq in sequences:
-        costs.append(shared_prompt_cost(seq) if seq.prompt_key in seen else seq.num_tokens)
-        seen.add(seq.prompt_key)
-    return costs
+DEFAULT_OPTIONS = ScoreOptions()  # log-probs alone, at temperature 1
 
 
 @dataclass(frozen=True)
@@ -132,16 +78,11 @@ class ScoreJob:
     request_id: str
     model: str
     sequences: list[TokenSequence]
-    temperature: float = 1.0
-    return_entropy: bool = False
+    options: ScoreOptions = DEFAULT_OPTIONS
     deadline: float | None = None  # time.monotonic() after which the work is useless
     min_version: int = 0  # score only with weights of at least this version
-    client: str = ""  # who asked (api/security/caller.py): the fair share counts queued token-equivalents per client
+    client: str = ""  # who asked (security.caller): the fair share counts queued token-equivalents per client
     group_sizes: tuple[int, ...] = ()
-    top_k: int = 0  # 0-MAX_TOP_K: each completion position's K most likely ids and their log-probs
-    # each completion token's vocabulary rank (SequenceScores.ranks; the HTTP edge's vLLM routes)
-    return_ranks: bool = False
-    return_routed_experts: bool = False  # each completion position's MoE router choices (SequenceScores)
     answer_bytes: int = 0  # the edge's estimate of its answer's size, checked against max_answer_bytes
 
     @property
@@ -149,26 +90,20 @@ class ScoreJob:
         """Prompt + completion tokens of every sequence: the tokens it scores for its caller."""
         return sum(s.num_tokens for s in self.sequences)
 
-    @property
-    def cost(self) -> int:
-        """Tokens the request counts for against ``max_tokens_per_request``: each distinct prompt
-        once, plus every completion. (The queue counts what it costs as it runs: ``run_costs``.)"""
-        return tokens_run(self.sequences)
-
 
 @dataclass(frozen=True)
 class SequenceScores:
     logprobs: np.ndarray  # [C] float32
     entropies: np.ndarray | None = None  # [C] float32 when asked for
-    # With ScoreJob.top_k = K: [C, K] int32 ids, by descending log-prob (ties: smaller id first),
+    # With ScoreOptions.top_k = K: [C, K] int32 ids, by descending log-prob (ties: smaller id first),
     # and their [C, K] float32 log-probs.
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     candidate_logprobs: np.ndarray | None = None  # [C, Kc] float32: of TokenSequence.candidate_ids
-    # With ScoreJob.return_ranks: [C] int32, each token's rank in its row's vocabulary, vLLM's: how
+    # With ScoreOptions.return_ranks: [C] int32, each token's rank in its row's vocabulary, vLLM's: how
     # many ids have a transformed logit at least its own, itself included (1: the most likely).
     ranks: np.ndarray | None = None
-    # With ScoreJob.return_routed_experts: [C, MoE layers, top_k] expert ids (int16 for a model of at
+    # With ScoreOptions.return_routed_experts: [C, MoE layers, top_k] expert ids (int16 for a model of at
     # most 32,768 experts, else int32), the routing of the row predicting each completion token.
     routed_experts: np.ndarray | None = None
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from transformers import PreTrainedModel
 
 from logprob_service.builder import engine_on
-from logprob_service.domain import ScoreJob, SequenceScores, TokenSequence
+from logprob_service.domain import ScoreJob, ScoreOptions, SequenceScores, TokenSequence
 from logprob_service.engine.engine import EngineConfig, LogprobEngine
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
@@ -103,9 +103,7 @@ class OfflineScorer:
             request_id=f"offline-{uuid.uuid4()}",
             model=self.served.info.name,
             sequences=list(sequences),
-            temperature=temperature,
-            return_entropy=return_entropy,
-            top_k=top_k,
+            options=ScoreOptions(temperature=temperature, return_entropy=return_entropy, top_k=top_k),
         )
         return self._run(self.engine.score(job)).scores
 

@@ -15,6 +15,7 @@ from logprob_service.engine.admission import (
     Admission,
 )
 from logprob_service.engine.batch_queue import BatchQueue, Request
+from logprob_service.engine.costs import tokens_run
 from logprob_service.errors import InvalidArgument, Overloaded
 from logprob_service.stats import QueueChanged
 
@@ -42,7 +43,7 @@ def admission_of(max_queued_tokens: int, max_queued_tokens_per_client: int, **se
 
 
 def admit(admission: Admission, j: ScoreJob, now: float = NOW) -> None:
-    admission.admit(j, j.cost, now)  # one ordinary sequence costs its tokens
+    admission.admit(j, tokens_run(j.sequences), now)  # one ordinary sequence costs its tokens
 
 
 def measured(admission: Admission, tokens_per_s: float, batches: int = 3, cost: int = 1000) -> Admission:
@@ -160,7 +161,9 @@ def test_a_shared_prompt_group_counts_its_prompt_in_each_micro_batch_and_its_rea
     plain = ScoreJob(
         "plain", "m", [TokenSequence(rng.integers(0, 100, 511), rng.integers(0, 100, 1)) for _ in "ab"], client="g"
     )
-    assert group.cost == plain.cost == 1024  # the tokens of the request (max_tokens_per_request)
+    assert (
+        tokens_run(group.sequences) == tokens_run(plain.sequences) == 1024
+    )  # the request's tokens (max_tokens_per_request)
     queue = BatchQueue(max_batch_tokens=65536, max_batch_sequences=256, share_prompts=True)
     costs = {}
     for j in (group, plain):

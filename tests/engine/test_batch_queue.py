@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from logprob_service.domain import KEYS_PER_TOKEN, ScoreJob, TokenSequence
+from logprob_service.domain import ScoreJob, ScoreOptions, TokenSequence
 from logprob_service.engine.batch_queue import BatchQueue, Request
+from logprob_service.engine.costs import KEYS_PER_TOKEN
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.engine.scheduler import Scheduler
 from logprob_service.errors import DeadlineExceeded
@@ -26,7 +27,7 @@ def job(
         request_id=request_id,
         model=model,
         sequences=[TokenSequence(rng.integers(0, 100, n - 1), rng.integers(0, 100, 1)) for n in lengths],
-        temperature=temperature,
+        options=ScoreOptions(temperature=temperature),
         deadline=deadline,
         client=client,
     )

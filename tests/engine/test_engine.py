@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from logprob_service.domain import ModelInfo, ScoreJob, SequenceScores, TokenSequence, UpdateHeader
+from logprob_service.domain import ModelInfo, ScoreJob, ScoreOptions, SequenceScores, TokenSequence, UpdateHeader
 from logprob_service.engine.engine import EngineConfig, LogprobEngine, Phase
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.errors import InvalidArgument, ModelNotFound, Unavailable
@@ -37,19 +37,9 @@ class FakeLane:
     launched: list[tuple[int, float]] = field(default_factory=list)  # (sequences, temperature)
     shut: bool = False
 
-    async def launch(
-        self,
-        served,
-        sequences,
-        *,
-        temperature,
-        return_entropy,
-        top_k=0,
-        return_routed_experts=False,
-        return_ranks=False,
-    ):
-        self.launched.append((len(sequences), temperature))
-        scores = [SequenceScores(np.full(len(s.completion_ids), -temperature, np.float32)) for s in sequences]
+    async def launch(self, served, sequences, options):
+        self.launched.append((len(sequences), options.temperature))
+        scores = [SequenceScores(np.full(len(s.completion_ids), -options.temperature, np.float32)) for s in sequences]
         return [Part(list(range(len(sequences))), scores)]
 
     async def fetch(self, launched):
@@ -74,7 +64,8 @@ def engine_of(lane: FakeLane, **config) -> LogprobEngine:
 
 def job(rng: np.random.Generator, *, model: str = "m", temperature: float = 0.0, completion_ids=None) -> ScoreJob:
     completion = rng.integers(0, 50, 3) if completion_ids is None else np.asarray(completion_ids)
-    return ScoreJob("r", model, [TokenSequence(rng.integers(0, 50, 4), completion)], temperature=temperature)
+    sequences = [TokenSequence(rng.integers(0, 50, 4), completion)]
+    return ScoreJob("r", model, sequences, ScoreOptions(temperature=temperature))
 
 
 async def serving(lane: FakeLane, **config) -> LogprobEngine:

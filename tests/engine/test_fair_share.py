@@ -64,17 +64,7 @@ class FakeDevice:
     launched: list[list[TokenSequence]] = field(default_factory=list)
     pending: list[tuple[asyncio.Future, list[TokenSequence]]] = field(default_factory=list)
 
-    async def launch(
-        self,
-        served,
-        sequences,
-        *,
-        temperature,
-        return_entropy,
-        top_k=0,
-        return_routed_experts=False,
-        return_ranks=False,
-    ):
+    async def launch(self, served, sequences, options):
         future = asyncio.get_running_loop().create_future()
         self.launched.append(list(sequences))
         self.pending.append((future, list(sequences)))

@@ -51,17 +51,7 @@ class FakeDevice:
     pending: list[asyncio.Future] = field(default_factory=list)
     ran: list[str] = field(default_factory=list)
 
-    async def launch(
-        self,
-        served,
-        sequences,
-        *,
-        temperature,
-        return_entropy,
-        top_k=0,
-        return_routed_experts=False,
-        return_ranks=False,
-    ):
+    async def launch(self, served, sequences, options):
         future = asyncio.get_running_loop().create_future()
         self.launched.append((served.info.version, sum(s.num_tokens for s in sequences)))
         self.pending.append((future, [len(s.completion_ids) for s in sequences], served.info.version))

@@ -52,17 +52,7 @@ class HeldDevice:
         self.release = asyncio.Event()
         self.fail_launch = False
 
-    async def launch(
-        self,
-        served,
-        sequences,
-        *,
-        temperature,
-        return_entropy,
-        top_k=0,
-        return_routed_experts=False,
-        return_ranks=False,
-    ):
+    async def launch(self, served, sequences, options):
         self.launching.set()
         await self.release.wait()
         if self.fail_launch:

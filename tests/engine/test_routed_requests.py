@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from logprob_service.domain import ModelInfo, ScoreJob, TokenSequence
+from logprob_service.domain import ModelInfo, ScoreJob, ScoreOptions, TokenSequence
 from logprob_service.engine.batch_queue import BatchQueue, Request
 from logprob_service.engine.validation import RequestLimits, validate_job
 from logprob_service.errors import InvalidArgument
@@ -18,7 +18,7 @@ LIMITS = RequestLimits(max_sequences_per_request=100, max_tokens_per_request=10_
 
 def job(rng, model: str, *, routed: bool) -> ScoreJob:
     seq = TokenSequence(rng.integers(0, 1000, 3), rng.integers(0, 1000, 5))
-    return ScoreJob("r", model, [seq], return_routed_experts=routed)
+    return ScoreJob("r", model, [seq], ScoreOptions(return_routed_experts=routed))
 
 
 def test_a_model_with_routers_takes_the_flag_and_a_dense_one_refuses_it_by_name(rng):
@@ -37,5 +37,5 @@ def test_requests_batch_only_with_requests_asking_the_same(rng):
     for request in requests:
         queue.plan(request)
     assert requests[0].key != requests[1].key and requests[1].key == requests[2].key
-    assert requests[1].key.return_routed_experts and not requests[0].key.return_routed_experts
+    assert requests[1].key.options.return_routed_experts and not requests[0].key.options.return_routed_experts
     assert requests[0].cost == requests[1].cost  # admission: the ids cost no token-equivalents

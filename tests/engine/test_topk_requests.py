@@ -7,8 +7,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from logprob_service.domain import MAX_TOP_K, OUTPUTS_PER_TOKEN, ModelInfo, ScoreJob, TokenSequence, output_cost
+from logprob_service.domain import MAX_TOP_K, ModelInfo, ScoreJob, ScoreOptions, TokenSequence
 from logprob_service.engine.batch_queue import BatchQueue, Request
+from logprob_service.engine.costs import OUTPUTS_PER_TOKEN, output_cost
 from logprob_service.engine.validation import RequestLimits, validate_job
 from logprob_service.errors import InvalidArgument
 
@@ -22,7 +23,7 @@ def seq(rng, completion: int = 5, candidates: int | None = None) -> TokenSequenc
 
 
 def job(sequences, *, top_k: int = 0, group_sizes=()) -> ScoreJob:
-    return ScoreJob("r", "m", list(sequences), top_k=top_k, group_sizes=tuple(group_sizes))
+    return ScoreJob("r", "m", list(sequences), ScoreOptions(top_k=top_k), group_sizes=tuple(group_sizes))
 
 
 def test_valid_requests_pass(rng):
@@ -75,14 +76,14 @@ def test_candidates_per_position_are_limited(rng, width):
 
 
 def test_admission_counts_the_extra_outputs_and_batches_by_top_k(rng):
-    plain, asking = [seq(rng, completion=10), seq(rng, completion=10, candidates=100)], job([], top_k=200)
+    plain = [seq(rng, completion=10), seq(rng, completion=10, candidates=100)]
     assert output_cost(plain[0], 0) == 0
     assert output_cost(plain[0], 200) == -(-10 * 200 // OUTPUTS_PER_TOKEN)
     assert output_cost(plain[1], 200) == -(-10 * 300 // OUTPUTS_PER_TOKEN)
     queue = BatchQueue(max_batch_tokens=1000, max_batch_sequences=10)
     requests = []
     for top_k in (0, 200):
-        request = Request(dataclasses.replace(asking, sequences=plain, top_k=top_k), lambda: False, print, print)
+        request = Request(job(plain, top_k=top_k), lambda: False, print, print)
         (unit,) = queue.plan(request)
         assert unit.cost == 26  # micro-batches are cut by the tokens they run
         requests.append(request)

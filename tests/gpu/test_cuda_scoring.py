@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.offline import OfflineScorer
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import chunked_token_logprobs
@@ -42,7 +43,9 @@ def test_bf16_lm_head_stage_keeps_fp32_logits(n, h, v, seed):
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(v, h, device="cuda", generator=g) * 2.5 / h**0.5).bfloat16()  # logits std ~2.5
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
-    out = chunked_token_logprobs(hidden, weight, targets, return_entropy=True, chunk_bytes=64 * 1024**2)
+    out = chunked_token_logprobs(
+        hidden, weight, targets, options=ScoreOptions(return_entropy=True), chunk_bytes=64 * 1024**2
+    )
     logp = (hidden.double() @ weight.double().T).log_softmax(-1)
     ref = logp.gather(1, targets[:, None]).squeeze(1)
     ref_ent = -(logp.exp() * logp).sum(-1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs
 
@@ -45,7 +46,7 @@ def max_errors(out, hidden, weight, targets, b, transform, rows=256):
 @pytest.mark.parametrize("n,h,v", [(1, 896, 151936), (3001, 896, 151936), (777, 3584, 152064), (300, 4096, 128257)])
 def test_matches_float64_at_real_shapes(dtype, n, h, v, seed):
     hidden, weight, targets, _ = cuda_case(n, h, v, dtype, seed=seed)
-    out = fused_token_logprobs(hidden, weight, targets, return_entropy=True)
+    out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(return_entropy=True))
     err_lp, err_ent = max_errors(out, hidden, weight, targets, None, LogitTransform())
     assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
 
@@ -57,7 +58,9 @@ def test_matches_float64_at_real_shapes(dtype, n, h, v, seed):
 )
 def test_transforms_and_bias(transform, seed):
     hidden, weight, targets, b = cuda_case(1000, 2304, 256000, torch.bfloat16, bias=True, seed=seed)  # Gemma 2 vocab
-    out = fused_token_logprobs(hidden, weight, targets, bias=b, transform=transform, return_entropy=True)
+    out = fused_token_logprobs(
+        hidden, weight, targets, bias=b, transform=transform, options=ScoreOptions(return_entropy=True)
+    )
     err_lp, err_ent = max_errors(out, hidden, weight, targets, b, transform)
     assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
 
@@ -78,7 +81,7 @@ def test_more_rows_than_one_grid_dimension_of_old_kernels(seed):
 def test_grid_plans_agree(splits, group_rows, seed):
     hidden, weight, targets, _ = cuda_case(513, 1024, 50_257, torch.bfloat16, seed=seed)
     plan = LaunchPlan(splits=splits, group_rows=group_rows)
-    out = fused_token_logprobs(hidden, weight, targets, return_entropy=True, plan=plan)
+    out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(return_entropy=True), plan=plan)
     err_lp, err_ent = max_errors(out, hidden, weight, targets, None, LogitTransform(), rows=513)
     assert err_lp < 1e-4 and err_ent < ENTROPY_TOL, (err_lp, err_ent)
 
@@ -97,7 +100,7 @@ def test_memory_is_partials_only(seed):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fused_token_logprobs(hidden, weight, targets, return_entropy=True)
+    fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(return_entropy=True))
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 64 * 1024**2, extra  # (m, s, t) partials + outputs; a logit slab would be 9.3 GiB

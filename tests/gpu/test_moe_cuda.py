@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 from logprob_client import LogprobClient
+from logprob_service.domain import ScoreOptions
 from logprob_service.models.loading import use_experts_implementation
 from logprob_service.models.routed_llama4 import routed_forward
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
@@ -179,8 +180,9 @@ def test_moe_scores_are_batch_invariant(rng, seed):
         for scorer in scorers:
             scorer.close()
     scorer = CausalLMScorer(model, options=options)
-    routed_alone = [scorer.launch(pack([s]), return_routed_experts=True).fetch_routed_experts()[0] for s in seqs[:12]]
-    mixed = scorer.launch(pack(seqs[:12][::-1]), return_routed_experts=True).fetch_routed_experts()[::-1]
+    routed = ScoreOptions(return_routed_experts=True)
+    routed_alone = [scorer.launch(pack([s]), routed).fetch_routed_experts()[0] for s in seqs[:12]]
+    mixed = scorer.launch(pack(seqs[:12][::-1]), routed).fetch_routed_experts()[::-1]
     for i, (got, want) in enumerate(zip(mixed, routed_alone, strict=True)):
         np.testing.assert_array_equal(got, want, err_msg=f"sequence {i}")
 

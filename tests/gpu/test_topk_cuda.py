@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops import fused_logprobs, fused_topk
 from logprob_service.ops.fused_logprobs import fused_token_logprobs
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, chunked_token_logprobs
@@ -45,7 +46,7 @@ def reference_logp(hidden, weight, transform=IDENTITY, rows=128):
 @pytest.mark.parametrize("n,h,v", [(1, 896, 151936), (1025, 3584, 152064), (300, 4096, 128256)])
 def test_top_k_matches_float64(k, n, h, v, seed):
     hidden, weight, targets, candidates = cuda_case(n, h, v, seed=seed)
-    out = fused_token_logprobs(hidden, weight, targets, top_k=k, candidates=candidates)
+    out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=k), candidates=candidates)
     logp = reference_logp(hidden, weight)
     rows = len(logp)
     assert_top_k(out.top_ids[:rows].cpu().numpy(), out.top_logprobs[:rows].cpu().numpy(), logp.cpu().numpy(), k, TOL)
@@ -59,7 +60,9 @@ def test_top_k_matches_float64(k, n, h, v, seed):
 def test_other_dtypes_and_softcap(dtype, seed):
     hidden, weight, targets, candidates = cuda_case(513, 2304, 256000, dtype, seed=seed)  # Gemma 2's vocabulary
     transform = LogitTransform(softcap=30.0, temperature=0.7)
-    out = fused_token_logprobs(hidden, weight, targets, transform=transform, top_k=64, candidates=candidates[:, :17])
+    out = fused_token_logprobs(
+        hidden, weight, targets, transform=transform, options=ScoreOptions(top_k=64), candidates=candidates[:, :17]
+    )
     logp = reference_logp(hidden, weight, transform)
     rows = len(logp)
     assert_top_k(out.top_ids[:rows].cpu().numpy(), out.top_logprobs[:rows].cpu().numpy(), logp.cpu().numpy(), 64, TOL)
@@ -68,8 +71,8 @@ def test_other_dtypes_and_softcap(dtype, seed):
 
 def test_eager_and_fused_agree(seed):
     hidden, weight, targets, candidates = cuda_case(2000, 896, 151936, seed=seed)
-    fused = fused_token_logprobs(hidden, weight, targets, top_k=20, candidates=candidates)
-    eager = chunked_token_logprobs(hidden, weight, targets, top_k=20, candidates=candidates)
+    fused = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20), candidates=candidates)
+    eager = chunked_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20), candidates=candidates)
     assert (fused.top_logprobs - eager.top_logprobs).abs().max().item() < TOL
     assert (fused.candidate_logprobs - eager.candidate_logprobs).abs().max().item() < TOL
 
@@ -77,7 +80,7 @@ def test_eager_and_fused_agree(seed):
 @pytest.mark.parametrize("k", [20, 256])
 def test_batch_invariant_bit_for_bit(k, seed):
     hidden, weight, targets, candidates = cuda_case(4099, 3584, 152064, seed=seed)
-    kw = {"top_k": k, "invariant": True}
+    kw = {"options": ScoreOptions(top_k=k), "invariant": True}
     whole = fused_token_logprobs(hidden, weight, targets, candidates=candidates, **kw)
     for rows in (slice(0, 1), slice(1000, 1003), slice(4000, 4099)):
         part = fused_token_logprobs(hidden[rows], weight, targets[rows], candidates=candidates[rows], **kw)
@@ -96,7 +99,7 @@ def test_memory_grows_as_n_times_k(k, seed):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    fused_token_logprobs(hidden, weight, targets, top_k=k)
+    fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=k))
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     full_logits = 8192 * 152064 * (2 + 4)  # bf16 logits and their fp32 copy, as full logits + topk holds them
@@ -108,12 +111,12 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
     # a few slots a row: the atomics and the compaction of a compiled kernel under reruns, bit for bit the
     # answer with the normal slots
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
-    want = fused_token_logprobs(hidden, weight, targets, top_k=20)
+    want = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
     # 41 slots for about 256 survivors: each round leaves about K / CAP of them, more rounds than the
     # real capacity's (fused_topk, 4.)
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)
-    out = fused_token_logprobs(hidden, weight, targets, top_k=20)
+    out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
     assert not out.top_k_incomplete and not want.top_k_incomplete
 
@@ -125,10 +128,10 @@ def test_rows_with_too_few_survivors_are_repaired_on_the_gpu(k, seed, monkeypatc
     # survive), then twice at most with the K-th of their kept keys (fused_topk, 4.: the 5 rounds
     # cover it); bit for bit the normal answer
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
-    want = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
+    want = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=k, return_entropy=True))
     # row blocks with and without rows in need
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([0, 1, 150, 299]))
-    out = fused_token_logprobs(hidden, weight, targets, top_k=k, return_entropy=True)
+    out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=k, return_entropy=True))
     assert not out.top_k_incomplete
     for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
         assert torch.equal(getattr(out, field), getattr(want, field)), field
@@ -141,7 +144,7 @@ def test_no_host_synchronization(seed, monkeypatch):
     # little, and one round repairs them (fused_topk, 4.); the answer is the normal slots'.
     hidden, weight, targets, candidates = cuda_case(1025, 3584, 152064, seed=seed)
     for k in (20, 256):
-        kw = {"top_k": k, "candidates": candidates, "invariant": True}
+        kw = {"options": ScoreOptions(top_k=k), "candidates": candidates, "invariant": True}
         want = fused_token_logprobs(hidden, weight, targets, **kw)
         with monkeypatch.context() as patch:
             patch.setattr(
@@ -168,11 +171,11 @@ def test_the_compiled_compaction_keeps_distinct_keys(seed, monkeypatch):
     seen = []
     real = fused_logprobs.select_top_k
     monkeypatch.setattr(fused_logprobs, "select_top_k", lambda keys, *a: seen.append(keys.clone()) or real(keys, *a))
-    out = fused_token_logprobs(hidden, weight, targets, top_k=20)
+    out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     (slots,) = seen
     written = slots != fused_logprobs.MIN_KEY
     assert (written.sum(1) >= 20).all()
     ordered = slots.sort(dim=1).values
     assert not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != fused_logprobs.MIN_KEY)).any()
-    eager = chunked_token_logprobs(hidden, weight, targets, top_k=20)
+    eager = chunked_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     assert (out.top_logprobs - eager.top_logprobs).abs().max().item() < TOL

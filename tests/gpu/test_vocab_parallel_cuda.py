@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import LogitTransform
 from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
@@ -52,9 +53,9 @@ def run_rank(rank: int, port: int, out: str) -> None:
             group=dist.group.WORLD,
             op=op,
             transform=transform,
-            return_entropy=True,
+            options=ScoreOptions(return_entropy=True),
         )
-        whole = op(hidden, weight, targets, transform=transform, return_entropy=True)
+        whole = op(hidden, weight, targets, transform=transform, options=ScoreOptions(return_entropy=True))
         results.append([t.cpu() for t in (split.logprobs, split.entropies, whole.logprobs, whole.entropies)])
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()

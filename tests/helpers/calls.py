@@ -90,11 +90,11 @@ class Gate:
         """Return once a micro-batch of the model has reached the gate."""
         assert await asyncio.to_thread(self.entered.wait, TIMEOUT_S), "no micro-batch reached the model"
 
-    def _launch(self, batch, **kwargs):
+    def _launch(self, batch, options):
         self.calls.append(len(batch.completion_lengths))
         self.entered.set()
         assert self.release.wait(TIMEOUT_S), "test never released the gate"
-        return self.original(batch, **kwargs)
+        return self.original(batch, options)
 
     def restore(self):
         self.release.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores
 
 
@@ -39,7 +40,7 @@ def reference_lse(
 
 
 # What the ops return beside log-probs, all asked for where ``assert_matches_reference`` checks them.
-ALL_OUTPUTS = {"return_entropy": True, "return_lse": True}
+ALL_OUTPUTS = {"options": ScoreOptions(return_entropy=True), "return_lse": True}
 
 
 def assert_matches_reference(

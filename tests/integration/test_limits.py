@@ -146,7 +146,7 @@ def pushback_s(err: grpc.aio.AioRpcError) -> float:
 # The case scaled down: a 512-token prompt with 512 one-token completions is 1,024 tokens,
 # as are two plain sequences of 512. It runs as two micro-batches of 256 completions (the default
 # max_batch_sequences), each running the prompt (513 with its first completion), and each further
-# completion reads the prompt's 512 keys, a token's worth (domain.KEYS_PER_TOKEN): 2 x (513 + 255 x 2).
+# completion reads the prompt's 512 keys, a token's worth (engine.costs.KEYS_PER_TOKEN): 2 x (513 + 255 x 2).
 GROUP_COST = 2 * (513 + 255 * 2)
 
 

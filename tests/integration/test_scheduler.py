@@ -23,9 +23,9 @@ class LaunchSpy:
         self.batches: list[tuple[int, int, float]] = []
         scorer.launch = self._launch
 
-    def _launch(self, batch, **kwargs):
-        self.batches.append((len(batch.completion_lengths), batch.num_tokens, kwargs["temperature"]))
-        return self.original(batch, **kwargs)
+    def _launch(self, batch, options):
+        self.batches.append((len(batch.completion_lengths), batch.num_tokens, options.temperature))
+        return self.original(batch, options)
 
     def restore(self):
         self.scorer.launch = self.original
@@ -128,11 +128,11 @@ class OomAbove:
         self.attempts: list[int] = []
         scorer.launch = self._launch
 
-    def _launch(self, batch, **kwargs):
+    def _launch(self, batch, options):
         self.attempts.append(batch.num_tokens)
         if batch.num_tokens > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return self.original(batch, **kwargs)
+        return self.original(batch, options)
 
     def restore(self):
         self.scorer.launch = self.original

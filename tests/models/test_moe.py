@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from logprob_service.domain import TokenSequence
+from logprob_service.domain import ScoreOptions, TokenSequence
 from logprob_service.models.compiled import fusable_modules
 from logprob_service.models.loading import expert_modules, load_causal_lm, use_experts_implementation
 from logprob_service.models.routing import RoutedExperts, RoutingUnsupported, expert_count
@@ -98,7 +98,7 @@ def test_moe_scores_are_exact_packed_and_with_shared_prompts(share_prompts, rng,
     model = make_moe_model("qwen3_moe", seed=seed)
     seqs = grouped_sequences(rng)
     launched = scorer_for(model, share_prompts=share_prompts).launch(
-        pack(seqs, share_prompts=share_prompts), return_entropy=True
+        pack(seqs, share_prompts=share_prompts), ScoreOptions(return_entropy=True)
     )
     scores = launched.fetch()
     ScoreReference(model, seqs).check([s.logprobs for s in scores], [s.entropies for s in scores])
@@ -112,8 +112,8 @@ def test_routed_experts_are_the_models_own_router_choices(arch, rng, seed):
     seqs = grouped_sequences(rng)
     long = TokenSequence(rng.integers(0, VOCAB, 30), rng.integers(0, VOCAB, 50))
     scorer = scorer_for(model, long_sequence_tokens=64, chunk_tokens=23)
-    routed = scorer.launch(pack(seqs), return_routed_experts=True).fetch_routed_experts()
-    routed += scorer.launch(pack([long]), return_routed_experts=True).fetch_routed_experts()
+    routed = scorer.launch(pack(seqs), ScoreOptions(return_routed_experts=True)).fetch_routed_experts()
+    routed += scorer.launch(pack([long]), ScoreOptions(return_routed_experts=True)).fetch_routed_experts()
     for i, (got, seq) in enumerate(zip(routed, [*seqs, long], strict=True)):
         want = hf_router_choices(model, seq)
         assert got.dtype == np.int16 and got.shape == (len(seq.completion_ids), 2, TOP_K), (i, got.shape)
@@ -128,7 +128,7 @@ def test_llama4_routed_experts_are_its_routers_choices(rng, seed):
     seqs = grouped_sequences(rng)
     scorer = scorer_for(model)
     assert scorer.num_experts == model.config.num_local_experts
-    routed = scorer.launch(pack(seqs), return_routed_experts=True).fetch_routed_experts()
+    routed = scorer.launch(pack(seqs), ScoreOptions(return_routed_experts=True)).fetch_routed_experts()
     for i, (got, seq) in enumerate(zip(routed, seqs, strict=True)):
         assert got.shape == (len(seq.completion_ids), 1, 1), (i, got.shape)  # one MoE layer, top-1
         np.testing.assert_array_equal(got, hf_router_choices(model, seq), err_msg=f"sequence {i}")
@@ -156,7 +156,7 @@ def test_routing_and_scores_do_not_depend_on_the_micro_batch(rng, seed):
 
     def run(chosen: list[int], share: bool) -> list[tuple[np.ndarray, np.ndarray]]:
         batch = [seqs[i] for i in chosen]
-        launched = scorers[share].launch(pack(batch, share_prompts=share), return_routed_experts=True)
+        launched = scorers[share].launch(pack(batch, share_prompts=share), ScoreOptions(return_routed_experts=True))
         return [(s.logprobs, r) for s, r in zip(launched.fetch(), launched.fetch_routed_experts(), strict=True)]
 
     alone = [run([i], True)[0] for i in range(len(seqs))]
@@ -172,7 +172,7 @@ def test_routed_experts_of_a_dense_model_or_of_a_launch_without_them_are_refused
     dense = CausalLMScorer(make_model("llama", tied=False, seed=seed), options=EAGER)
     seqs = random_sequences(rng, 2)
     with pytest.raises(RoutingUnsupported, match="LlamaForCausalLM has no mixture-of-experts router"):
-        dense.launch(pack(seqs), return_routed_experts=True)
+        dense.launch(pack(seqs), ScoreOptions(return_routed_experts=True))
     moe = scorer_for(make_moe_model("qwen3_moe", seed=seed))
     with pytest.raises(ValueError, match="launched without return_routed_experts"):
         moe.launch(pack(seqs)).fetch_routed_experts()

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from logprob_service.domain import TokenSequence
+from logprob_service.domain import ScoreOptions, TokenSequence
 from logprob_service.models.loading import ModelLoadError, expert_modules
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.models.tensor_parallel import TensorParallel, body_plan, load_sharded_causal_lm
@@ -46,7 +46,7 @@ def _rank(rank: int, directory: str, dtype: torch.dtype, sequences: list[list[To
         assert scorer.num_experts == EXPERTS  # the router's choices are capturable on every rank (ListModels)
         results = []
         for batch in sequences:
-            launched = scorer.launch(pack(batch), return_routed_experts=True)
+            launched = scorer.launch(pack(batch), ScoreOptions(return_routed_experts=True))
             results.append(([s.logprobs for s in launched.fetch()], launched.fetch_routed_experts()))
         held = [experts.gate_up_proj.to_local().shape[0] for experts in expert_modules(model.base_model)]
         if rank == 0:

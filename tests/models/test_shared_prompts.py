@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from logprob_service.domain import TokenSequence
+from logprob_service.domain import ScoreOptions, TokenSequence
 from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
 from logprob_service.offline import OfflineScorer
 from logprob_service.worker.packing import pack
@@ -50,8 +50,8 @@ def test_shared_prompts_score_as_the_sequences_alone(arch, rng, seed):
     seqs = grpo_mix(rng)
     shared_batch = pack(seqs)
     assert shared_batch.num_tokens == sum(s.num_tokens for s in seqs) - 2 * 20 - 13  # a twice, b once saved
-    shared = scorer.launch(shared_batch, return_entropy=True).fetch()
-    whole = scorer.launch(pack(seqs, share_prompts=False), return_entropy=True).fetch()
+    shared = scorer.launch(shared_batch, ScoreOptions(return_entropy=True)).fetch()
+    whole = scorer.launch(pack(seqs, share_prompts=False), ScoreOptions(return_entropy=True)).fetch()
     reference = ScoreReference(model, seqs)
     reference.check([s.logprobs for s in shared], [s.entropies for s in shared])
     reference.check([s.logprobs for s in whole], [s.entropies for s in whole])
@@ -72,7 +72,7 @@ def test_groups_split_across_micro_batches_and_alone_score_exactly(share, rng, s
     options = ScoringOptions(compile_layers="off", share_prompts=share)
     with OfflineScorer(model, options=options, max_batch_tokens=60, max_batch_sequences=8) as offline:
         launch = offline.scorer.launch
-        offline.scorer.launch = lambda batch, **kw: launched.append(batch.num_tokens) or launch(batch, **kw)
+        offline.scorer.launch = lambda batch, options: launched.append(batch.num_tokens) or launch(batch, options)
         out = offline.score(seqs, return_entropy=True)
         assert offline.engine.scheduler.admission.queued_tokens == 0  # released as admitted, not as run
     assert max(launched) <= 60 or not share  # the budget counts the tokens run

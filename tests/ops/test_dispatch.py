@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.dispatch import LogprobOp, select_logprob_op
 from logprob_service.ops.logprobs import LogitTransform
 
@@ -47,7 +48,7 @@ def test_both_implementations_answer_the_same(kernel, monkeypatch):
     assert op.kernel == kernel
     hidden, weight, targets, b = random_case(21, 40, 333, bias=True, device=device)
     transform = LogitTransform(scale=0.5, softcap=8.0, temperature=0.8)
-    out = op(hidden, weight, targets, bias=b, transform=transform, return_entropy=True)
+    out = op(hidden, weight, targets, bias=b, transform=transform, options=ScoreOptions(return_entropy=True))
     ref_lp, ref_ent = reference(hidden, weight, targets, b, transform)
     torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=tolerances.OP_FP32, rtol=0)
     torch.testing.assert_close(out.entropies.double(), ref_ent, atol=tolerances.OP_FP32, rtol=0)
@@ -60,15 +61,17 @@ def test_top_k_follows_the_fused_top_k_switch(fused_top_k, monkeypatch, rng):
     from logprob_service.ops import dispatch, fused_logprobs
 
     calls = []
-    monkeypatch.setattr(fused_logprobs, "fused_token_logprobs", lambda *a, **kw: calls.append(kw) or "fused")
+    monkeypatch.setattr(
+        fused_logprobs, "fused_token_logprobs", lambda h, w, t, options, **kw: calls.append(options) or "fused"
+    )
     monkeypatch.setattr(dispatch, "FUSED_TOP_K", fused_top_k)
     hidden = torch.from_numpy(rng.standard_normal((5, 8)).astype(np.float32))
     weight = torch.from_numpy(rng.standard_normal((11, 8)).astype(np.float32))
     targets = torch.from_numpy(rng.integers(0, 11, 5))
     op = LogprobOp("triton")
-    out = op(hidden, weight, targets, top_k=3)
+    out = op(hidden, weight, targets, options=ScoreOptions(top_k=3))
     if fused_top_k:
-        assert out == "fused" and calls[-1]["top_k"] == 3
+        assert out == "fused" and calls[-1].top_k == 3
     else:
         assert not calls and out.top_ids.shape == (5, 3)  # the eager chunks answered
         assert torch.equal(out.top_ids[:, 0], (hidden @ weight.T).argmax(-1).to(out.top_ids.dtype))

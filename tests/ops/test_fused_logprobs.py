@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 
 triton = pytest.importorskip("triton")
 
@@ -59,7 +60,9 @@ def test_matches_float64_reference(dtype, n, h, v, transform, bias):
 def test_any_launch_plan_gives_the_same_scores(plan):
     # 100 splits of 8 vocabulary tiles: the plan is clamped to one tile per split, none empty.
     hidden, weight, targets, _ = random_case(50, 48, 251, device=DEVICE)
-    out = fused_token_logprobs(hidden, weight, targets, return_entropy=True, config=SMALL, plan=plan)
+    out = fused_token_logprobs(
+        hidden, weight, targets, options=ScoreOptions(return_entropy=True), config=SMALL, plan=plan
+    )
     ref_lp, ref_ent = reference(hidden, weight, targets)
     torch.testing.assert_close(out.logprobs.double(), ref_lp, atol=tolerances.OP_FP32, rtol=0)
     torch.testing.assert_close(out.entropies.double(), ref_ent, atol=tolerances.OP_FP32, rtol=0)
@@ -83,7 +86,7 @@ def test_no_rows():
 def test_extreme_logits_stay_finite():
     # Logits of +-1e4: exp would overflow without the running max; -inf never appears.
     hidden, weight, targets, _ = random_case(20, 32, 300, device=DEVICE)
-    out = fused_token_logprobs(hidden * 3000, weight, targets, return_entropy=True, config=SMALL)
+    out = fused_token_logprobs(hidden * 3000, weight, targets, options=ScoreOptions(return_entropy=True), config=SMALL)
     ref_lp, ref_ent = reference(hidden * 3000, weight, targets)
     assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.entropies).all()
     # fp32 logits of magnitude 1e4 carry ~1e-3 of rounding: the bound scales with them.
@@ -141,6 +144,10 @@ def test_an_invariant_launch_scores_each_row_alike_whatever_the_batch():
     hidden, weight, targets, _ = random_case(200, 33, 1000, dtype=torch.float32, bias=False, device=DEVICE)
     dev = device_info(hidden.device)
     assert plan_launch(3, 33, 1000, 4, SMALL, dev).splits != plan_launch(200, 33, 1000, 4, SMALL, dev).splits
-    alone = fused_token_logprobs(hidden[:3], weight, targets[:3], return_entropy=True, config=SMALL, invariant=True)
-    packed = fused_token_logprobs(hidden, weight, targets, return_entropy=True, config=SMALL, invariant=True)
+    alone = fused_token_logprobs(
+        hidden[:3], weight, targets[:3], options=ScoreOptions(return_entropy=True), config=SMALL, invariant=True
+    )
+    packed = fused_token_logprobs(
+        hidden, weight, targets, options=ScoreOptions(return_entropy=True), config=SMALL, invariant=True
+    )
     assert torch.equal(alone.logprobs, packed.logprobs[:3]) and torch.equal(alone.entropies, packed.entropies[:3])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, rows_per_chunk
 
 from tests.helpers import tolerances
@@ -43,8 +44,10 @@ def test_half_precision_inputs_accumulate_in_float32(dtype):
 
 def test_chunking_does_not_change_results():
     hidden, weight, targets, _ = random_case(33, 16, 257)
-    whole = chunked_token_logprobs(hidden, weight, targets, return_entropy=True, chunk_bytes=1 << 30)
-    rowwise = chunked_token_logprobs(hidden, weight, targets, return_entropy=True, chunk_bytes=1)
+    whole = chunked_token_logprobs(
+        hidden, weight, targets, options=ScoreOptions(return_entropy=True), chunk_bytes=1 << 30
+    )
+    rowwise = chunked_token_logprobs(hidden, weight, targets, options=ScoreOptions(return_entropy=True), chunk_bytes=1)
     # Chunks change only how the float32 sums are blocked: both are as exact as the op itself.
     ref_lp, ref_ent = reference(hidden, weight, targets)
     for out in (whole, rowwise):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs
 
 from tests.helpers.op_reference import random_case, transformed_logits
@@ -46,11 +47,13 @@ def reference_ranks(hidden, weight, targets, bias, transform) -> torch.Tensor:
 def test_ranks_match_float64(op, top_k, transform):
     hidden, weight, targets, bias = random_case(37, 33, 250, bias=True, device=DEVICE)
     targets[::3] = transformed_logits(hidden, weight, bias, transform)[::3].argmax(dim=1).to(targets)  # rank 1
-    out = OPS[op](hidden, weight, targets, bias=bias, transform=transform, top_k=top_k, return_ranks=True)
+    out = OPS[op](
+        hidden, weight, targets, bias=bias, transform=transform, options=ScoreOptions(top_k=top_k, return_ranks=True)
+    )
     assert out.ranks.dtype == torch.int32
     assert out.ranks.cpu().tolist() == reference_ranks(hidden, weight, targets, bias, transform).cpu().tolist()
     assert (out.ranks[::3] == 1).all()
-    plain = OPS[op](hidden, weight, targets, bias=bias, transform=transform, top_k=top_k)
+    plain = OPS[op](hidden, weight, targets, bias=bias, transform=transform, options=ScoreOptions(top_k=top_k))
     assert plain.ranks is None and torch.equal(plain.logprobs, out.logprobs)  # counting changes no log-prob
 
 
@@ -62,7 +65,7 @@ def test_tied_logits_count_as_vllm_counts_them(op):
     hidden = torch.randint(-3, 4, (20, 16), generator=g).float().to(DEVICE)
     weight = torch.randint(-2, 3, (200, 16), generator=g).float().to(DEVICE)
     targets = torch.randint(0, 200, (20,), generator=g).to(DEVICE)
-    out = OPS[op](hidden, weight, targets, return_ranks=True)
+    out = OPS[op](hidden, weight, targets, options=ScoreOptions(return_ranks=True))
     expected = reference_ranks(hidden, weight, targets, None, LogitTransform())
     x = hidden.double() @ weight.double().T
     assert ((x == x.gather(1, targets[:, None])).sum(1) > 1).float().mean() > 0.5  # ties are there
@@ -75,8 +78,8 @@ def test_ranks_of_top_k_chunks_and_no_rows(monkeypatch):
 
     hidden, weight, targets, _ = random_case(40, 32, 128, device=DEVICE)
     monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 1)  # one row a chunk
-    out = fused(hidden, weight, targets, top_k=2, return_ranks=True)
+    out = fused(hidden, weight, targets, options=ScoreOptions(top_k=2, return_ranks=True))
     expected = reference_ranks(hidden, weight, targets, None, LogitTransform())
     assert out.ranks.cpu().tolist() == expected.cpu().tolist()
-    empty = fused(hidden[:0], weight, targets[:0], return_ranks=True)
+    empty = fused(hidden[:0], weight, targets[:0], options=ScoreOptions(return_ranks=True))
     assert empty.ranks.shape == (0,)

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs, key_ids, key_values, topk_keys
 
 from tests.helpers import tolerances
@@ -80,7 +81,9 @@ CASES = [  # (dtype, k, transform): k 100 is wider than SMALL's tiles
 def test_top_k_matches_float64(op, dtype, k, transform):
     transform = TRANSFORMS[transform]
     hidden, weight, targets, bias = random_case(21, 24, 301, dtype=dtype, bias=True, device=DEVICE)
-    out = OPS[op](hidden, weight, targets, bias=bias, transform=transform, top_k=k, return_entropy=True)
+    out = OPS[op](
+        hidden, weight, targets, bias=bias, transform=transform, options=ScoreOptions(top_k=k, return_entropy=True)
+    )
     assert_topk_matches(out, hidden, weight, bias, transform, k)
     # the log-probs of the targets are those of the same op without top-k
     plain = OPS[op](hidden, weight, targets, bias=bias, transform=transform)
@@ -96,7 +99,7 @@ def test_stage_one_by_rounds_matches_float64(k, monkeypatch):
     assert not fused_topk.uses_chunks(k, 16)
     transform = TRANSFORMS["scale+softcap+temperature"]
     hidden, weight, targets, bias = random_case(37, 16, 301, bias=True, device=DEVICE)
-    out = fused(hidden, weight, targets, bias=bias, transform=transform, top_k=k)
+    out = fused(hidden, weight, targets, bias=bias, transform=transform, options=ScoreOptions(top_k=k))
     assert_topk_matches(out, hidden, weight, bias, transform, k)
 
 
@@ -105,7 +108,9 @@ def test_top_k_of_the_whole_vocabulary_and_a_ragged_one(op):
     # K = V: every column survives; K = 3: some
     hidden, weight, targets, _ = random_case(9, 16, 70, device=DEVICE)
     for k in (70, 3):
-        assert_topk_matches(OPS[op](hidden, weight, targets, top_k=k), hidden, weight, None, LogitTransform(), k)
+        assert_topk_matches(
+            OPS[op](hidden, weight, targets, options=ScoreOptions(top_k=k)), hidden, weight, None, LogitTransform(), k
+        )
 
 
 @pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
@@ -114,7 +119,7 @@ def test_ties_go_to_the_smaller_id(op):
     # ids 90 and 20 (different tiles and splits), and 7 and 8, have the same row: equal logits
     weight[90] = weight[20]
     weight[7] = weight[8]
-    out = OPS[op](hidden, weight, targets, top_k=100)
+    out = OPS[op](hidden, weight, targets, options=ScoreOptions(top_k=100))
     ids = out.top_ids.long()
     pos = {i: (ids == i).int().argmax(-1) for i in (7, 8, 20, 90)}
     assert (pos[20] + 1 == pos[90]).all() and (pos[7] + 1 == pos[8]).all()
@@ -128,7 +133,9 @@ def test_candidate_logprobs_match_float64(op, transform):
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     candidates = torch.randint(0, 257, (23, 19), generator=g).to(DEVICE)
     candidates[:, 0] = targets  # a candidate that is the target: the same log-prob
-    out = OPS[op](hidden, weight, targets, bias=bias, transform=transform, candidates=candidates, top_k=4)
+    out = OPS[op](
+        hidden, weight, targets, bias=bias, transform=transform, candidates=candidates, options=ScoreOptions(top_k=4)
+    )
     logp = transformed_logits(hidden, weight, bias, transform).log_softmax(-1)
     assert out.candidate_logprobs.dtype == torch.float32 and out.candidate_logprobs.shape == (23, 19)
     torch.testing.assert_close(
@@ -142,7 +149,13 @@ def test_candidate_logprobs_match_float64(op, transform):
 @pytest.mark.parametrize("op", list(OPS), ids=list(OPS))
 def test_no_rows_and_no_candidates(op):
     hidden, weight, targets, _ = random_case(3, 16, 40, device=DEVICE)
-    out = OPS[op](hidden[:0], weight, targets[:0], top_k=5, candidates=torch.zeros((0, 4), dtype=torch.int64))
+    out = OPS[op](
+        hidden[:0],
+        weight,
+        targets[:0],
+        options=ScoreOptions(top_k=5),
+        candidates=torch.zeros((0, 4), dtype=torch.int64),
+    )
     assert out.top_ids.shape == (0, 5) and out.candidate_logprobs.shape == (0, 4)
     out = OPS[op](hidden, weight, targets, candidates=torch.zeros((3, 0), dtype=torch.int64))
     assert out.candidate_logprobs.shape == (3, 0) and out.top_ids is None
@@ -152,7 +165,7 @@ def test_no_rows_and_no_candidates(op):
 def test_bad_arguments_are_refused(op):
     hidden, weight, targets, _ = random_case(3, 16, 40, device=DEVICE)
     with pytest.raises(ValueError, match="top_k 41 must lie in"):
-        OPS[op](hidden, weight, targets, top_k=41)
+        OPS[op](hidden, weight, targets, options=ScoreOptions(top_k=41))
     with pytest.raises(ValueError, match=r"candidates must be \[3, Kc\]"):
         OPS[op](hidden, weight, targets, candidates=torch.zeros((2, 4), dtype=torch.int64))
 
@@ -162,7 +175,7 @@ def test_fused_top_k_is_batch_invariant():
     hidden, weight, targets, _ = random_case(40, 32, 200, device=DEVICE)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     candidates = torch.randint(0, 200, (40, 9), generator=g).to(DEVICE)
-    kw = {"top_k": 7, "invariant": True, "config": SMALL}
+    kw = {"options": ScoreOptions(top_k=7), "invariant": True, "config": SMALL}
     whole = fused_token_logprobs(hidden, weight, targets, candidates=candidates, **kw)
     part = fused_token_logprobs(hidden[5:8], weight, targets[5:8], candidates=candidates[5:8], **kw)
     assert torch.equal(whole.top_ids[5:8], part.top_ids)
@@ -209,12 +222,12 @@ def test_a_sampled_threshold_keeps_the_whole_top_k(k, monkeypatch):
     # the one without any threshold (every key a survivor, all V slots)
     hidden, weight, targets, _ = sampled_case(9, k)
     needs = stage_one_needs(monkeypatch)
-    out = fused(hidden, weight, targets, top_k=k)
+    out = fused(hidden, weight, targets, options=ScoreOptions(top_k=k))
     assert_topk_matches(out, hidden, weight, None, LogitTransform(), k)
     assert len(needs) == 1 and not needs[0].any() and not out.top_k_incomplete
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", no_threshold)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: v)
-    exact = fused(hidden, weight, targets, top_k=k)
+    exact = fused(hidden, weight, targets, options=ScoreOptions(top_k=k))
     assert torch.equal(out.top_ids, exact.top_ids) and torch.equal(out.top_logprobs, exact.top_logprobs)
 
 
@@ -243,11 +256,11 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     t = torch.where(t_hi < 0, t_hi ^ 0x7FFFFFFF, t_hi).view(torch.float32).double()
     assert (t < kth).all() and ((kth - t) < 1e-3 * (kth.abs() + 1)).all()  # below, by a few rounding errors
     needs = stage_one_needs(monkeypatch)
-    out = fused(hidden, weight, targets, top_k=3)
+    out = fused(hidden, weight, targets, options=ScoreOptions(top_k=3))
     assert len(needs) == 1 and not needs[0].any()
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", no_threshold)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: v)
-    exact = fused(hidden, weight, targets, top_k=3)
+    exact = fused(hidden, weight, targets, options=ScoreOptions(top_k=3))
     assert torch.equal(out.top_ids, exact.top_ids) and torch.equal(out.top_logprobs, exact.top_logprobs)
 
 
@@ -256,11 +269,11 @@ def test_rows_that_overflow_their_slots_run_again(k, monkeypatch):
     # 2 K + 1 slots a row for about 8 K survivors: rows overflow and run again in the device's
     # repair rounds, which leave the partials (log-probs, entropies) of stage 1 as they were
     hidden, weight, targets, _ = sampled_case(13, k, stride=8)
-    want = fused(hidden, weight, targets, top_k=k, return_entropy=True)
+    want = fused(hidden, weight, targets, options=ScoreOptions(top_k=k, return_entropy=True))
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
     needs = stage_one_needs(monkeypatch)
-    out = fused(hidden, weight, targets, top_k=k, return_entropy=True)
+    out = fused(hidden, weight, targets, options=ScoreOptions(top_k=k, return_entropy=True))
     assert needs[0].any() and not out.top_k_incomplete
     assert_topk_matches(out, hidden, weight, None, LogitTransform(), k)
     for field in ("top_ids", "top_logprobs", "logprobs", "entropies"):
@@ -276,7 +289,7 @@ def test_rows_with_fewer_finite_logits_than_k_get_the_smallest_ids_at_minus_inf(
     finite = torch.tensor([3, 400, weight.shape[0] - 1], device=DEVICE)
     bias[finite] = 0.0
     needs = stage_one_needs(monkeypatch)
-    out = fused(hidden, weight, targets, bias=bias, top_k=5)
+    out = fused(hidden, weight, targets, bias=bias, options=ScoreOptions(top_k=5))
     assert needs[0].all() and not out.top_k_incomplete
     logits = (hidden.double() @ weight.double().T)[:, finite]
     order = logits.argsort(dim=1, descending=True, stable=True)
@@ -325,7 +338,7 @@ def test_rows_whose_top_k_the_sample_holds_are_repaired_by_their_fallback_in_one
     weight[torch.arange(weight.shape[0], device=DEVICE) % stride != 0] /= 20
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
     needs = stage_one_needs(monkeypatch)
-    out = fused(hidden, weight, targets, top_k=8)
+    out = fused(hidden, weight, targets, options=ScoreOptions(top_k=8))
     assert needs[0].all() and not out.top_k_incomplete
     assert_topk_matches(out, hidden, weight, None, LogitTransform(), 8)
 
@@ -339,14 +352,14 @@ def test_rows_of_equal_values_give_the_smallest_ids(cap, monkeypatch):
     hidden[4] = 0
     if cap is not None:
         monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: cap)
-    out = fused(hidden, weight, targets, top_k=7)
+    out = fused(hidden, weight, targets, options=ScoreOptions(top_k=7))
     for row in (2, 4):
         assert out.top_ids[row].tolist() == list(range(7))
         torch.testing.assert_close(
             out.top_logprobs[row].double(), torch.full((7,), -math.log(200), dtype=torch.float64, device=DEVICE)
         )
     rest = [0, 1, 3, 5]  # the other rows: as alone
-    alone = fused(hidden[rest], weight, targets[rest], top_k=7)
+    alone = fused(hidden[rest], weight, targets[rest], options=ScoreOptions(top_k=7))
     assert torch.equal(out.top_ids[rest], alone.top_ids)
     assert_topk_matches(alone, hidden[rest], weight, None, LogitTransform(), 7)
 
@@ -357,14 +370,14 @@ def test_a_missed_row_takes_its_fallback_and_a_failed_fallback_no_threshold(monk
     # round is not enough (the flag says so) and two are (as below). (K 10 of 301: stride 1, and
     # 298 slots, fewer than V.)
     hidden, weight, targets, _ = random_case(6, 16, 301, device=DEVICE)
-    want = fused(hidden, weight, targets, top_k=10)
+    want = fused(hidden, weight, targets, options=ScoreOptions(top_k=10))
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4], fallbacks_too=False))
-    out = fused(hidden, weight, targets, top_k=10)
+    out = fused(hidden, weight, targets, options=ScoreOptions(top_k=10))
     assert not out.top_k_incomplete
     assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4]))
-    assert fused(hidden, weight, targets, top_k=10).top_k_incomplete
+    assert fused(hidden, weight, targets, options=ScoreOptions(top_k=10)).top_k_incomplete
 
 
 def test_rows_with_too_few_survivors_are_repaired_on_the_device(monkeypatch):
@@ -372,7 +385,7 @@ def test_rows_with_too_few_survivors_are_repaired_on_the_device(monkeypatch):
     # repair rounds run them with no threshold (all 301 keys survive, past their 298 slots), then
     # with the K-th of the keys they kept: bit for bit the normal answer, the partials unchanged.
     hidden, weight, targets, bias = random_case(37, 16, 301, bias=True, device=DEVICE)
-    kw = {"bias": bias, "top_k": 10, "return_entropy": True}
+    kw = {"bias": bias, "options": ScoreOptions(top_k=10, return_entropy=True)}
     want = fused(hidden, weight, targets, **kw)
     assert fused_topk.sample_stride(301, 10) == 1 and fused_topk.capacity(301, 10) == 298
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4, 20]))
@@ -392,20 +405,22 @@ def test_rows_left_in_need_flag_the_scores(rounds, monkeypatch):
     hidden, weight, targets, _ = random_case(13, 16, 301, device=DEVICE)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([4]))
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", rounds)
-    flag = fused(hidden, weight, targets, top_k=10).top_k_incomplete
+    flag = fused(hidden, weight, targets, options=ScoreOptions(top_k=10)).top_k_incomplete
     assert flag.dtype == torch.bool and flag.shape == () and flag
     monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 10, 3, CHUNK, True))
-    assert fused(hidden, weight, targets, top_k=10).top_k_incomplete
-    assert not fused(hidden[10:], weight, targets[10:], top_k=10).top_k_incomplete  # the third chunk alone
+    assert fused(hidden, weight, targets, options=ScoreOptions(top_k=10)).top_k_incomplete
+    assert not fused(
+        hidden[10:], weight, targets[10:], options=ScoreOptions(top_k=10)
+    ).top_k_incomplete  # the third chunk alone
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 2)
-    assert not fused(hidden, weight, targets, top_k=10).top_k_incomplete
+    assert not fused(hidden, weight, targets, options=ScoreOptions(top_k=10)).top_k_incomplete
 
 
 def test_repaired_rows_are_batch_invariant(monkeypatch):
     # 2 K + 1 slots: rows overflow and are repaired; a row's top-k bit for bit the same in a batch
     # and alone (invariant plan), and as with the normal slots
     hidden, weight, targets, _ = sampled_case(12, 4, stride=8)
-    kw = {"top_k": 4, "invariant": True, "config": SMALL}
+    kw = {"options": ScoreOptions(top_k=4), "invariant": True, "config": SMALL}
     want = fused_token_logprobs(hidden, weight, targets, **kw)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
     monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
@@ -423,7 +438,12 @@ def test_row_chunks_give_the_same_answer(monkeypatch):
     hidden, weight, targets, bias = random_case(23, 16, 301, bias=True, device=DEVICE)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     candidates = torch.randint(0, 301, (23, 4), generator=g).to(DEVICE)
-    kw = {"bias": bias, "top_k": 6, "candidates": candidates, "return_entropy": True, "return_lse": True}
+    kw = {
+        "bias": bias,
+        "options": ScoreOptions(top_k=6, return_entropy=True),
+        "candidates": candidates,
+        "return_lse": True,
+    }
     whole = fused(hidden, weight, targets, **kw)
     monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 6, 3, CHUNK, True))
     assert fused_logprobs.topk_chunk_rows(301, 6, 3, CHUNK, True) == 5

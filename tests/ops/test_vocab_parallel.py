@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from logprob_service.domain import ScoreOptions
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import LogitTransform
 from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
@@ -92,12 +93,12 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
     results = []
     for case in cases():
-        scores = shard_scores(case, return_entropy=True)
+        scores = shard_scores(case, options=ScoreOptions(return_entropy=True))
         results.append((scores.logprobs, scores.entropies))
     topk = []  # eager only: the fused top-k is slow in the interpreter (tests/ops/test_topk.py has it)
     for case in cases():
         if case.kernel == "eager":
-            scores = shard_scores(case, top_k=TOP_K, candidates=candidates(case))
+            scores = shard_scores(case, options=ScoreOptions(top_k=TOP_K), candidates=candidates(case))
             topk.append((scores.top_ids, scores.top_logprobs, scores.candidate_logprobs))
     torch.save((results, topk, unfinished_flags(rank, start, stop)), Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -123,7 +124,7 @@ def unfinished_flags(rank: int, start: int, stop: int) -> list[bool]:
             vocab_start=start,
             group=dist.group.WORLD,
             op=LogprobOp("triton"),
-            top_k=5,
+            options=ScoreOptions(top_k=5),
         )
         fused_logprobs.sample_thresholds = real
         flags.append(bool(scores.top_k_incomplete))

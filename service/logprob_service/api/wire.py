@@ -20,6 +20,7 @@ from logprob_service.domain import (
     ModelInfo,
     Ready,
     ScoreJob,
+    ScoreOptions,
     ScoreResult,
     SequenceScores,
     SharedTensor,
@@ -30,8 +31,8 @@ from logprob_service.domain import (
     UpdateHeader,
     UpdateMessage,
     UpdateOutcome,
-    prompt_once,
 )
+from logprob_service.engine.costs import prompt_once
 from logprob_service.engine.interfaces import WeightGroup
 from logprob_service.engine.validation import RequestCounts, RequestLimits, check_counts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument, LogprobError
@@ -229,14 +230,16 @@ def job_from_request(
         request_id=request.request_id,
         model=model_name(request),
         sequences=sequences,
-        temperature=request.temperature,  # 0: unset (the engine resolves it)
-        return_entropy=request.return_entropy,
+        options=ScoreOptions(
+            temperature=request.temperature,  # 0: unset (the engine resolves it)
+            return_entropy=request.return_entropy,
+            top_k=request.top_k,
+            return_routed_experts=request.return_routed_experts,
+        ),
         deadline=deadline,
         min_version=request.min_version,
         client=client,
         group_sizes=tuple(len(group.completions) for group in request.groups),
-        top_k=request.top_k,
-        return_routed_experts=request.return_routed_experts,
         answer_bytes=answer_bytes,
     )
 

@@ -1,10 +1,10 @@
 """Admission control: the queue's budget, each client's fair share, deadlines, and retry hints.
 
 Every request counts what it costs as it will run (``BatchQueue.plan``, in token-equivalents:
-``domain.run_costs``; an ordinary sequence its tokens, a shared prompt once in each micro-batch
+``costs.run_costs``; an ordinary sequence its tokens, a shared prompt once in each micro-batch
 that holds some of its completions, plus each further completion's reads of it) from admission
 until it is scored or dropped. The queue holds at most ``max_queued_tokens`` of them, and each
-client identity (``api.security.caller``) at most ``max_queued_tokens_per_client``, so one trainer
+client identity (``security.caller``) at most ``max_queued_tokens_per_client``, so one trainer
 cannot fill the queue and starve the others. Past either limit a request is refused at once
 (``Overloaded``, RESOURCE_EXHAUSTED at the edge) with a message naming the limit and a retry hint:
 the excess over the measured throughput. A request that could never be admitted (costs more than
@@ -27,7 +27,8 @@ from __future__ import annotations
 import statistics
 from collections import Counter, deque
 
-from logprob_service.domain import OUTPUTS_PER_TOKEN, ScoreJob
+from logprob_service.domain import ScoreJob
+from logprob_service.engine.costs import OUTPUTS_PER_TOKEN, tokens_run
 from logprob_service.errors import InvalidArgument, Overloaded
 from logprob_service.stats import NO_STATS, QueueChanged, StatsSink
 
@@ -158,6 +159,7 @@ class Admission:
 
 def _counted(job: ScoreJob, cost: int) -> str:
     """``cost``, and where it is not the request's tokens, why."""
-    if cost == job.cost:
+    tokens = tokens_run(job.sequences)
+    if cost == tokens:
         return str(cost)
-    return f"{cost} (as it runs; {job.cost} tokens with each distinct prompt once)"
+    return f"{cost} (as it runs; {tokens} tokens with each distinct prompt once)"

@@ -20,7 +20,7 @@ work, one client alone gets full micro-batches, and a client that queued its who
 another's small call by about one turn (a micro-batch) and what is in flight, not by its backlog.
 Forming one costs O(clients + units taken): nothing scans the queue.
 
-Work is counted as it runs, in token-equivalents (``domain.run_costs``): real tokens (no padding:
+Work is counted as it runs, in token-equivalents (``costs.run_costs``): real tokens (no padding:
 the batch is packed) for an ordinary sequence. With ``share_prompts`` (the worker runs each
 distinct prompt of a micro-batch once), a unit's sequences that share a prompt count it once, and
 each further one its reads of the prompt's keys; a request larger than a micro-batch is cut along
@@ -50,31 +50,18 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from logprob_service.domain import (
-    ScoreJob,
-    ScoreResult,
-    SequenceScores,
-    TokenSequence,
-    output_cost,
-    prompt_groups,
-    run_costs,
-    shared_prompt_cost,
-    tokens_run,
-)
+from logprob_service.domain import ScoreJob, ScoreOptions, ScoreResult, SequenceScores, TokenSequence, prompt_groups
+from logprob_service.engine.costs import output_cost, run_costs, shared_prompt_cost, tokens_run
 from logprob_service.engine.partition import plan_micro_batches
 from logprob_service.errors import DeadlineExceeded
 
 
 @dataclass(frozen=True)
 class BatchKey:
-    """Work batches together only when all of these match."""
+    """Work batches together only when both match; its ``options`` go to the device as they are."""
 
     model: str
-    temperature: float
-    return_entropy: bool
-    top_k: int = 0
-    return_routed_experts: bool = False
-    return_ranks: bool = False
+    options: ScoreOptions
 
 
 @dataclass(eq=False)
@@ -104,10 +91,7 @@ class Request:
 
     @property
     def key(self) -> BatchKey:
-        job = self.job
-        return BatchKey(
-            job.model, job.temperature, job.return_entropy, job.top_k, job.return_routed_experts, job.return_ranks
-        )
+        return BatchKey(self.job.model, self.job.options)
 
     @property
     def started(self) -> bool:
@@ -125,7 +109,7 @@ class Unit:
 
     request: Request
     indices: list[int]
-    cost: int  # token-equivalents as it runs (domain.run_costs): with share_prompts, a prompt its sequences share once
+    cost: int  # token-equivalents as it runs (costs.run_costs): with share_prompts, a prompt its sequences share once
 
     @property
     def admitted(self) -> int:
@@ -201,7 +185,7 @@ class BatchQueue:
         return tokens_run(sequences) if self.share_prompts else sum(s.num_tokens for s in sequences)
 
     def costs(self, sequences: list[TokenSequence]) -> list[int]:
-        """Each sequence's share of what a micro-batch of ``sequences`` costs (``domain.run_costs``)."""
+        """Each sequence's share of what a micro-batch of ``sequences`` costs (``costs.run_costs``)."""
         return run_costs(sequences, share_prompts=self.share_prompts)
 
     def cost(self, sequences: list[TokenSequence]) -> int:
@@ -229,7 +213,7 @@ class BatchQueue:
             costs = self.costs([seqs[i] for i in indices])
             for i, cost in zip(indices, costs):
                 # admission counts the extra outputs too; micro-batches are cut by the tokens they run
-                request.costs[i] = cost + output_cost(seqs[i], request.job.top_k)
+                request.costs[i] = cost + output_cost(seqs[i], request.job.options.top_k)
             units.append(Unit(request, indices, sum(costs)))
         # A part over the budget runs as a micro-batch of its own, which it must start: first, it
         # holds up none of the request's other parts behind it.

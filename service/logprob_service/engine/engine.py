@@ -1,17 +1,15 @@
 """The engine facade: the one way into scoring and weight updates for every edge.
 
-Every edge (the gRPC servicer, the weight receivers, ``OfflineScorer``, and later the HTTP routes
-and the trainer-framework workers) turns its input into domain objects and calls a
-``LogprobEngine``: ``score(job)`` checks the job against its model and the limits and queues it,
-``list_models()`` describes what is served, the weight-update calls check and stage tensors and
-swap them in. None of them builds a scheduler or an updater, validates a job or loads a model
-itself.
+Every edge (the gRPC servicer, the weight receivers, the HTTP routes and ``OfflineScorer``) turns
+its input into domain objects and calls a ``LogprobEngine``: ``score(job)`` checks the job against
+its model and the limits and queues it, ``list_models()`` describes what is served, the
+weight-update calls check and stage tensors and swap them in. None of them builds a scheduler or
+an updater, validates a job or loads a model itself.
 
 The engine owns the registry, the scheduler (one lane per device executor) and the weight
 updater, and the serving phase (starting -> serving -> draining), which edges mirror (the gRPC
-health service) and which every call checks first. It imports no torch: the start-up module
-(``logprob_service.startup``) or ``OfflineScorer`` loads the models and makes the device workers,
-and hands them in.
+health service) and which every call checks first. It imports no torch: the builder
+(``logprob_service.builder``) loads the models and makes the device workers, and hands them in.
 """
 
 from __future__ import annotations

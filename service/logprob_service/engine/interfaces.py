@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from logprob_service.domain import ModelInfo, SequenceScores, SharedTensor, SparseChanges, TokenSequence
+from logprob_service.domain import ModelInfo, ScoreOptions, SequenceScores, SharedTensor, SparseChanges, TokenSequence
 
 T = TypeVar("T")
 
@@ -61,18 +61,8 @@ class Launch(Protocol):
 class Executor(Protocol):
     """The device worker: every call on the device runs on its one thread, in order."""
 
-    async def launch(
-        self,
-        served: Any,
-        sequences: Sequence[TokenSequence],
-        *,
-        temperature: float,
-        return_entropy: bool,
-        top_k: int = 0,
-        return_routed_experts: bool = False,
-        return_ranks: bool = False,
-    ) -> list[Launch]:
-        """Enqueue a micro-batch's scoring on the device; returns once it is enqueued."""
+    async def launch(self, served: Any, sequences: Sequence[TokenSequence], options: ScoreOptions) -> list[Launch]:
+        """Enqueue a micro-batch's scoring with ``options`` on the device; returns once it is enqueued."""
 
     async def fetch(self, launched: Any) -> list[SequenceScores]:
         """Wait for a launched part's results."""

@@ -96,7 +96,7 @@ class _Launched:
 
     units: list[Unit]
     tokens: int = 0  # run on the device (a prompt shared by several sequences once)
-    cost: int = 0  # token-equivalents (domain.run_costs)
+    cost: int = 0  # token-equivalents (costs.run_costs)
     start_ns: int = field(default_factory=time.perf_counter_ns)
     model_version: int = 0
     parts: list[Launch] = field(default_factory=list)
@@ -365,15 +365,7 @@ class Scheduler:
             device = str(served.device)
             self._stats.record(BatchLaunched(key.model, batch.tokens, len(sequences), shared, device))
             batch.model_version = served.info.version
-            batch.parts = await lane.executor.launch(
-                served,
-                sequences,
-                temperature=key.temperature,
-                return_entropy=key.return_entropy,
-                top_k=key.top_k,
-                return_routed_experts=key.return_routed_experts,
-                return_ranks=key.return_ranks,
-            )
+            batch.parts = await lane.executor.launch(served, sequences, key.options)
         except Exception as err:
             batch.error = err
         finally:

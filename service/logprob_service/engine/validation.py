@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, ModelInfo, ScoreJob, TokenSequence, validate_version
+from logprob_service.engine.costs import tokens_run
 from logprob_service.errors import InvalidArgument
 
 # The smallest temperature (as a float32, the wire's type). Logits divided by a much smaller one
@@ -143,11 +144,12 @@ def _check_candidates(name: str, seq: TokenSequence, info: ModelInfo) -> None:
 def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> ScoreJob:
     """``job`` checked against its model ``info`` and ``limits``, with its temperature resolved
     (0: the default 1.0); ``InvalidArgument`` naming the field, index and limit otherwise."""
-    temperature = validate_temperature(job.temperature)
+    options = job.options
+    temperature = validate_temperature(options.temperature)
     validate_version("min_version", job.min_version)
-    if not 0 <= job.top_k <= min(MAX_TOP_K, info.vocab_size):
-        raise InvalidArgument(f"top_k: {job.top_k} must lie in [0, {min(MAX_TOP_K, info.vocab_size)}] (0: none)")
-    if job.return_routed_experts and not info.num_experts:
+    if not 0 <= options.top_k <= min(MAX_TOP_K, info.vocab_size):
+        raise InvalidArgument(f"top_k: {options.top_k} must lie in [0, {min(MAX_TOP_K, info.vocab_size)}] (0: none)")
+    if options.return_routed_experts and not info.num_experts:
         raise InvalidArgument(
             f"return_routed_experts: model {info.name!r} ({info.architecture}) has no mixture-of-experts "
             "routers whose choices could be returned"
@@ -157,7 +159,7 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> Score
             raise InvalidArgument(f"groups[{g}].completions: the group has none; at least 1 completion is required")
     if not job.sequences:
         raise InvalidArgument("sequences: the request has no sequences and no groups; at least 1 sequence is required")
-    check_counts(RequestCounts(len(job.sequences), job.cost, job.answer_bytes), limits)
+    check_counts(RequestCounts(len(job.sequences), tokens_run(job.sequences), job.answer_bytes), limits)
     for seq, (name, prompt_field) in zip(job.sequences, _names(job), strict=True):
         if prompt_field is not None:
             _check_ids(prompt_field, seq.prompt_ids, info)
@@ -168,4 +170,6 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> Score
                 f"{name}: {len(seq.prompt_ids)} prompt + {len(seq.completion_ids)} completion = "
                 f"{seq.num_tokens} tokens exceed the {info.max_positions} positions of model {info.name!r}"
             )
-    return job if temperature == job.temperature else dataclasses.replace(job, temperature=temperature)
+    if temperature == options.temperature:
+        return job
+    return dataclasses.replace(job, options=dataclasses.replace(options, temperature=temperature))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreOptions, ScoreResult, SequenceScores, TokenSequence
 from logprob_service.engine.validation import RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import RouteRequest
@@ -171,12 +171,10 @@ async def score_items(
         request_id=call.request_id,
         model=model,
         sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :], item.candidates) for item in scored],
-        temperature=_as_float32(temperature),
+        options=ScoreOptions(temperature=_as_float32(temperature), top_k=top_k, return_ranks=return_ranks),
         deadline=call.deadline,
         client=call.client,
-        top_k=top_k,
         answer_bytes=answer_bytes,
-        return_ranks=return_ranks,
     )
     naming = Naming(
         [(item.field, item.start, item.candidates_field, item.candidates_rows) for item in scored],

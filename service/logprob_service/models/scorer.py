@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from logprob_service.domain import SequenceScores
+from logprob_service.domain import DEFAULT_OPTIONS, ScoreOptions, SequenceScores
 from logprob_service.errors import LogprobError
 from logprob_service.models.chunked import CHUNK_KWARG, install_chunking
 from logprob_service.models.compiled import compile_layers, layers_compiled, uncompile_layers
@@ -363,23 +363,14 @@ class CausalLMScorer:
         return tensor.to(self.device)
 
     @torch.inference_mode()
-    def launch(
-        self,
-        batch: PackedBatch,
-        *,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        return_routed_experts: bool = False,
-        top_k: int = 0,
-        return_ranks: bool = False,
-    ) -> Launched:
-        """Enqueue the scoring of one packed micro-batch; returns before the device is done.
-        ``return_routed_experts``: keep a mixture-of-experts model's router choices for the
+    def launch(self, batch: PackedBatch, options: ScoreOptions = DEFAULT_OPTIONS) -> Launched:
+        """Enqueue the scoring of one packed micro-batch with ``options``; returns before the device
+        is done. The temperature joins the model's own logit transform, and the log-prob op returns
+        the outputs ``options`` ask for (and the batch's ``candidates``' log-probs where it has
+        some). ``return_routed_experts``: keep a mixture-of-experts model's router choices for the
         completion rows (``Launched.fetch_routed_experts``; ``routing.RoutingUnsupported`` for a
-        model without routers). ``top_k``: each completion position's K most likely ids and their
-        log-probs too; the batch's ``candidates``' log-probs where it has some. ``return_ranks``: each
-        completion token's vocabulary rank (``TokenScores.ranks``)."""
-        routing = RoutedExperts(self.model) if return_routed_experts else None
+        model without routers)."""
+        routing = RoutedExperts(self.model) if options.return_routed_experts else None
         input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
         position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
         cu_seqlens = self._to_device(batch.cu_seqlens)  # [n + 1]
@@ -411,17 +402,15 @@ class CausalLMScorer:
         else:
             rows = hidden.index_select(0, row_index)  # [N, H]
         del hidden  # the index_select copy frees the [T, H] states before the lm_head slabs are allocated
-        transform = LogitTransform(self.transform.scale, self.transform.softcap, temperature)
+        transform = LogitTransform(self.transform.scale, self.transform.softcap, options.temperature)
         scores = self.logprob_op(
             rows,
             self.head_weight,
             self._to_device(batch.targets),
+            options,
             bias=self.head_bias,
             transform=transform,
-            return_entropy=return_entropy,
-            top_k=top_k,
             candidates=self._to_device(batch.candidates) if batch.candidates is not None else None,
-            return_ranks=return_ranks,
         )
         return Launched(
             logprobs=self._to_host(scores.logprobs),

@@ -33,7 +33,6 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Unpack
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from logprob_service.domain import ScoreOptions
 from logprob_service.models.builtin import BUILTIN_PREFIX, build_builtin
 from logprob_service.models.checkpoint import (
     SafetensorsSource,
@@ -56,8 +56,8 @@ from logprob_service.models.checkpoint import (
 )
 from logprob_service.models.loading import ModelLoadError, attention_implementation, expert_modules, to_serving_dtype
 from logprob_service.models.quantized import weight_format
-from logprob_service.ops.dispatch import LogprobOp, OpOptions
-from logprob_service.ops.logprobs import TokenScores
+from logprob_service.ops.dispatch import LogprobOp
+from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores
 from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
 
 # The plan styles of transformers' base_model_tp_plan this module knows, as torch's DTensor styles.
@@ -291,15 +291,25 @@ class VocabParallelOp:
         return self.op.kernel
 
     def __call__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Unpack[OpOptions]
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        options: ScoreOptions,
+        *,
+        bias: torch.Tensor | None = None,
+        transform: LogitTransform = IDENTITY,
+        candidates: torch.Tensor | None = None,
     ) -> TokenScores:
         return vocab_parallel_logprobs(
             hidden,
             weight,
             targets,
+            options,
             vocab_start=self.vocab_start,
             group=self.tp.group,
             op=self.op,
-            bias_shard=options.get("bias"),
-            **{k: v for k, v in options.items() if k != "bias"},
+            bias_shard=bias,
+            transform=transform,
+            candidates=candidates,
         )

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Literal, TypedDict, Unpack
+from typing import Literal
 
 import torch
 
+from logprob_service.domain import DEFAULT_OPTIONS, ScoreOptions
 from logprob_service.ops.logprobs import (
     DEFAULT_LM_HEAD_CHUNK_BYTES,
+    IDENTITY,
     LogitTransform,
     TokenScores,
     chunked_token_logprobs,
@@ -27,31 +29,18 @@ log = logging.getLogger(__name__)
 LogprobKernel = Literal["auto", "triton", "eager"]
 
 
-class OpOptions(TypedDict, total=False):
-    """What every implementation of the op takes beside its three tensors."""
-
-    bias: torch.Tensor | None  # [V], or None
-    transform: LogitTransform  # scale, softcap, temperature (default: none)
-    return_entropy: bool
-    return_lse: bool  # each row's log-sum-exp too (TokenScores.lse)
-    top_k: int  # each row's K most likely ids and their log-probs (TokenScores.top_ids, .top_logprobs)
-    candidates: torch.Tensor | None  # [N, Kc] ids whose log-probs to return (TokenScores.candidate_logprobs)
-    return_ranks: bool  # each target's vocabulary rank (TokenScores.ranks)
-
-
 # Whether top-k (``top_k`` > 0) runs in the fused kernel (``fused_topk``: a threshold from a strided
-# sample of the vocabulary, survivors compacted to [N, CAP] slots, then ``torch.topk``). On an H200
-# (2026-11-26, benchmarks/RESULTS.md) it took 1.5-1.6x the plain kernel at K 20 and 1.9-2.7x at
-# K 256 for H 3,584-4,096 (2.8x and 4.6x at H 896), against 5.8-23x for the eager chunks
-# (``logprobs``, [chunk, V] fp32 slabs), which it replaces on CUDA: 2.3-8.1x faster, less memory.
-# Issue 43's goals (K 20 <= 1.25x, K 256 <= 2.0x) are not all met yet. Off, the eager chunks serve
-# top-k on CUDA too. Candidate ids are fused either way (1.22-1.31x the plain kernel).
+# sample of the vocabulary, survivors compacted to [N, CAP] slots, then the K largest of those). On
+# an H200 (benchmarks/RESULTS.md, "the top-k's stage 1 as chunks") it takes 1.09-1.19x the plain
+# kernel at K 20 and 1.35-1.52x at K 256, several times faster than the eager chunks (``logprobs``,
+# [chunk, V] fp32 slabs) and in far less memory. Off, the eager chunks serve top-k on CUDA too.
+# Candidate ids are fused either way (1.28-1.39x the plain kernel).
 FUSED_TOP_K = True
 
 
 @dataclass(frozen=True)
 class LogprobOp:
-    """The log-prob stage with its implementation fixed: ``op(hidden, weight, targets, ...)``."""
+    """The log-prob stage with its implementation fixed: ``op(hidden, weight, targets, options, ...)``."""
 
     kernel: Literal["triton", "eager"]
     chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES  # eager only
@@ -61,16 +50,47 @@ class LogprobOp:
     invariant: bool = False
 
     def __call__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Unpack[OpOptions]
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        options: ScoreOptions = DEFAULT_OPTIONS,
+        *,
+        bias: torch.Tensor | None = None,
+        transform: LogitTransform = IDENTITY,
+        candidates: torch.Tensor | None = None,
+        return_lse: bool = False,
     ) -> TokenScores:
-        """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs (and entropies);
-        ``options``: ``bias``, ``transform``, ``return_entropy``, ``top_k``, ``candidates``
+        """hidden: [N, H]; weight: [V, H]; targets: [N] -> float32 [N] log-probs, and the outputs
+        ``options`` ask for (entropies, top-k, ranks); bias: [V] or None; ``transform``: the model's
+        scale and softcap and the request's temperature (the caller folds ``options.temperature`` in);
+        candidates: [N, Kc] ids whose log-probs to return; ``return_lse``: each row's log-sum-exp
         (``logprobs.chunked_token_logprobs``)."""
-        if self.kernel == "triton" and not (options.get("top_k") and not FUSED_TOP_K):
+        if self.kernel == "triton" and not (options.top_k and not FUSED_TOP_K):
             from logprob_service.ops.fused_logprobs import fused_token_logprobs
 
-            return fused_token_logprobs(hidden, weight, targets, invariant=self.invariant, **options)
-        return chunked_token_logprobs(hidden, weight, targets, chunk_bytes=self.chunk_bytes, **options)
+            return fused_token_logprobs(
+                hidden,
+                weight,
+                targets,
+                options,
+                bias=bias,
+                transform=transform,
+                candidates=candidates,
+                return_lse=return_lse,
+                invariant=self.invariant,
+            )
+        return chunked_token_logprobs(
+            hidden,
+            weight,
+            targets,
+            options,
+            bias=bias,
+            transform=transform,
+            candidates=candidates,
+            return_lse=return_lse,
+            chunk_bytes=self.chunk_bytes,
+        )
 
 
 def _triton_importable() -> bool:

@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from logprob_service.domain import DEFAULT_OPTIONS, ScoreOptions
 from logprob_service.ops.fused_topk import (
     MIN_KEY,
     THREADS_A_ROW,
@@ -440,14 +441,12 @@ def fused_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
+    options: ScoreOptions = DEFAULT_OPTIONS,
     *,
     bias: torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
-    return_entropy: bool = False,
     return_lse: bool = False,
-    top_k: int = 0,
     candidates: torch.Tensor | None = None,
-    return_ranks: bool = False,
     config: KernelConfig | None = None,
     plan: LaunchPlan | None = None,
     invariant: bool = False,
@@ -455,21 +454,23 @@ def fused_token_logprobs(
     """Log-prob of ``targets`` under ``hidden @ weight.T`` with the fused kernel; see the module doc.
 
     hidden: [N, H] and weight: [V, H], both bf16, fp16 or fp32 (hidden is cast to weight's dtype);
-    targets: [N] integer in [0, V); bias: [V] or None. Returns float32 [N] log-probs (and
-    entropies, and each row's log-sum-exp of its transformed logits, when asked). ``top_k``: each
-    row's K most likely ids ([N, K] int32, descending, ties by id) and their log-probs ([N, K]
-    float32); ``candidates``: [N, Kc] ids whose log-probs to return ([N, Kc] float32); see
-    ``fused_topk``; ``return_ranks``: each target's rank ([N] int32, ``TokenScores.ranks``), counted
-    in stage 1 against the target's z from a pass before it (``_targets_kernel``). ``invariant``:
-    each row's result bit for bit the same whatever the other rows (``invariant_plan``). ``config``
-    and ``plan`` override the tiles and the grid (tests use them to exercise several tiles, groups
-    and splits at small shapes).
+    targets: [N] integer in [0, V); bias: [V] or None; ``transform``: temperature included
+    (``options.temperature`` is not read here). Returns float32 [N] log-probs (and entropies, with
+    ``options.return_entropy``, and each row's log-sum-exp of its transformed logits, with
+    ``return_lse``). ``options.top_k``: each row's K most likely ids ([N, K] int32, descending, ties
+    by id) and their log-probs ([N, K] float32); ``candidates``: [N, Kc] ids whose log-probs to
+    return ([N, Kc] float32); see ``fused_topk``; ``options.return_ranks``: each target's rank ([N]
+    int32, ``TokenScores.ranks``), counted in stage 1 against the target's z from a pass before it
+    (``_targets_kernel``). ``invariant``: each row's result bit for bit the same whatever the other
+    rows (``invariant_plan``). ``config`` and ``plan`` override the tiles and the grid (tests use
+    them to exercise several tiles, groups and splits at small shapes).
     """
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused log-probs support {SUPPORTED_DTYPES} weights, not {weight.dtype}")
     if not weight.is_cuda and weight.dtype == torch.bfloat16:
         # Triton's CPU interpreter runs dots in numpy, which has no bfloat16: the results are wrong.
         raise NotImplementedError("the fused kernel on the CPU (Triton's interpreter) supports float16 and float32")
+    return_entropy, top_k, return_ranks = options.return_entropy, options.top_k, options.return_ranks
     n, hdim = hidden.shape
     vocab = weight.shape[0]
     check_topk_arguments(n, vocab, top_k, candidates)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from logprob_service.domain import DEFAULT_OPTIONS, ScoreOptions
+
 DEFAULT_LM_HEAD_CHUNK_BYTES = 256 * 1024**2
 
 
@@ -128,24 +130,24 @@ def chunked_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
+    options: ScoreOptions = DEFAULT_OPTIONS,
     *,
     bias: torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
-    return_entropy: bool = False,
     return_lse: bool = False,
-    top_k: int = 0,
     candidates: torch.Tensor | None = None,
-    return_ranks: bool = False,
     chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES,
 ) -> TokenScores:
     """Log-prob of ``targets`` under ``hidden @ weight.T``, in row chunks under ``chunk_bytes``.
 
     hidden: [N, H] rows that predict the targets (any float dtype); weight: [V, H] (the lm_head,
-    or the input embedding when tied); targets: [N] int64 in [0, V); bias: [V] or None.
-    Returns float32 [N] log-probs (and entropies, and log-sum-exps, when asked; and with
-    ``top_k``, each row's K most likely ids and their log-probs; with ``candidates`` [N, Kc], the
-    log-probs of those ids; with ``return_ranks``, each target's rank).
+    or the input embedding when tied); targets: [N] int64 in [0, V); bias: [V] or None;
+    ``transform``: temperature included (``options.temperature`` is not read here).
+    Returns float32 [N] log-probs (and log-sum-exps, with ``return_lse``; and what ``options``
+    ask: entropies, each row's ``top_k`` most likely ids and their log-probs, each target's rank;
+    with ``candidates`` [N, Kc], the log-probs of those ids).
     """
+    return_entropy, top_k, return_ranks = options.return_entropy, options.top_k, options.return_ranks
     n, vocab = hidden.shape[0], weight.shape[0]
     check_topk_arguments(n, vocab, top_k, candidates)
     if not hidden.is_cuda and weight.dtype != torch.float32:

@@ -26,9 +26,12 @@ the combination adds a few roundings of values of the size of lse (|lse| ~ 10-20
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
+from logprob_service.domain import DEFAULT_OPTIONS, ScoreOptions
 from logprob_service.ops.dispatch import LogprobOp
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores, topk_keys
 
@@ -40,24 +43,22 @@ def vocab_parallel_logprobs(
     hidden: torch.Tensor,
     weight_shard: torch.Tensor,
     targets: torch.Tensor,
+    options: ScoreOptions = DEFAULT_OPTIONS,
     *,
     vocab_start: int,
     group: dist.ProcessGroup,
     op: LogprobOp,
     bias_shard: torch.Tensor | None = None,
     transform: LogitTransform = IDENTITY,
-    return_entropy: bool = False,
-    top_k: int = 0,
     candidates: torch.Tensor | None = None,
-    return_ranks: bool = False,
 ) -> TokenScores:
     """Log-probs of ``targets`` (ids of the whole vocabulary) under the lm_head whose rows
     ``vocab_start`` + [0, V_r) are ``weight_shard`` here and the rest on the other ranks of
     ``group``; every rank calls this with the same ``hidden`` and ``targets`` and gets the same
     result. hidden: [N, H]; weight_shard: [V_r, H]; targets: [N]; candidates: [N, Kc] global ids.
-    ``return_ranks`` is not served over a split vocabulary (each rank would need the target's logit
-    before its pass): ``ranks`` stays None, and the caller answers without them."""
-    del return_ranks
+    ``options.return_ranks`` is not served over a split vocabulary (each rank would need the target's
+    logit before its pass): ``ranks`` stays None, and the caller answers without them."""
+    top_k = options.top_k
     rows = weight_shard.shape[0]
     local = targets - vocab_start
     mine = (local >= 0) & (local < rows)
@@ -70,11 +71,10 @@ def vocab_parallel_logprobs(
         hidden,
         weight_shard,
         local.clamp(0, rows - 1),  # a target of another rank's: any id of ours, its result masked
+        replace(options, top_k=min(top_k, rows), return_ranks=False),
         bias=bias_shard,
         transform=transform,
-        return_entropy=return_entropy,
         return_lse=True,
-        top_k=min(top_k, rows),
         candidates=local_candidates,
     )
     lse_r = scores.lse
@@ -93,7 +93,7 @@ def vocab_parallel_logprobs(
     lse = torch.logsumexp(lse_all, dim=0)
     logprobs = z_all.sum(dim=0) - lse
     entropies = None
-    if return_entropy:
+    if options.return_entropy:
         entropies = lse - (torch.exp(lse_all - lse) * e_all).sum(dim=0)
     top_ids = top_lps = cand_lps = None
     if top_k and scores.top_ids is not None and scores.top_logprobs is not None:

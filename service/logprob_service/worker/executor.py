@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import torch
 
-from logprob_service.domain import SequenceScores, TokenSequence
+from logprob_service.domain import ScoreOptions, SequenceScores, TokenSequence
 from logprob_service.errors import LogprobError, Overloaded
 from logprob_service.models.scorer import CausalLMScorer, Launched
 from logprob_service.models.served import ServedModel
@@ -50,29 +50,12 @@ def launch_splitting_on_oom(
     scorer: CausalLMScorer,
     sequences: Sequence[TokenSequence],
     indices: list[int],
-    *,
-    temperature: float,
-    return_entropy: bool,
-    top_k: int = 0,
-    return_routed_experts: bool = False,
-    return_ranks: bool = False,
+    options: ScoreOptions,
 ) -> list[Part]:
     """Launch ``sequences[indices]`` as one packed batch, halving it on out-of-memory."""
     try:
         batch = pack([sequences[i] for i in indices], share_prompts=scorer.options.share_prompts)
-        return [
-            Part(
-                indices,
-                launched=scorer.launch(
-                    batch,
-                    temperature=temperature,
-                    return_entropy=return_entropy,
-                    top_k=top_k,
-                    return_routed_experts=return_routed_experts,
-                    return_ranks=return_ranks,
-                ),
-            )
-        ]
+        return [Part(indices, launched=scorer.launch(batch, options))]
     except torch.OutOfMemoryError:
         pass  # handled below, once the traceback no longer holds the failed attempt's tensors
     if torch.cuda.is_available():
@@ -95,41 +78,21 @@ def launch_splitting_on_oom(
         ]
     half = len(indices) // 2
     log.warning("out of device memory on %d sequences: retrying as two halves", len(indices))
-    kwargs = {
-        "temperature": temperature,
-        "return_entropy": return_entropy,
-        "top_k": top_k,
-        "return_routed_experts": return_routed_experts,
-        "return_ranks": return_ranks,
-    }
-    return launch_splitting_on_oom(scorer, sequences, indices[:half], **kwargs) + launch_splitting_on_oom(
-        scorer, sequences, indices[half:], **kwargs
+    return launch_splitting_on_oom(scorer, sequences, indices[:half], options) + launch_splitting_on_oom(
+        scorer, sequences, indices[half:], options
     )
 
 
 def launch_measured(
     scorer: CausalLMScorer,
     sequences: Sequence[TokenSequence],
+    options: ScoreOptions,
     *,
-    temperature: float,
-    return_entropy: bool,
-    top_k: int = 0,
-    return_routed_experts: bool = False,
-    return_ranks: bool = False,
     stats: StatsSink = NO_STATS,
 ) -> list[Part]:
     """``launch_splitting_on_oom`` over all of ``sequences``, observing its peak device memory."""
     with gpu_memory.micro_batch_peak(scorer.device) as peak:
-        parts = launch_splitting_on_oom(
-            scorer,
-            sequences,
-            list(range(len(sequences))),
-            temperature=temperature,
-            return_entropy=return_entropy,
-            top_k=top_k,
-            return_routed_experts=return_routed_experts,
-            return_ranks=return_ranks,
-        )
+        parts = launch_splitting_on_oom(scorer, sequences, list(range(len(sequences))), options)
     if peak.bytes is not None:
         stats.record(BatchMemory(str(scorer.device), peak.bytes))
     return parts
@@ -148,28 +111,11 @@ class DeviceExecutor:
         self._fetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-fetch", initializer=initializer)
 
     async def launch(
-        self,
-        served: ServedModel,
-        sequences: Sequence[TokenSequence],
-        *,
-        temperature: float,
-        return_entropy: bool,
-        top_k: int = 0,
-        return_routed_experts: bool = False,
-        return_ranks: bool = False,
+        self, served: ServedModel, sequences: Sequence[TokenSequence], options: ScoreOptions
     ) -> list[Part]:
         def launch() -> list[Part]:
             served.activate()  # a LoRA model and its base share one model: select which one scores
-            return launch_measured(
-                served.scorer,
-                sequences,
-                temperature=temperature,
-                return_entropy=return_entropy,
-                top_k=top_k,
-                return_routed_experts=return_routed_experts,
-                return_ranks=return_ranks,
-                stats=self._stats,
-            )
+            return launch_measured(served.scorer, sequences, options, stats=self._stats)
 
         return await self.run(launch)
 

@@ -8,7 +8,7 @@ carries rank 0's commands. Every rank then calls the same ``build`` (load the co
 in the same order: loading runs collectives too).
 
 Only rank 0 serves gRPC and schedules. Each micro-batch it launches is first broadcast to the
-followers (``("launch", model, batch, options)``: launch's keyword options), which launch the same
+followers (``("launch", model, batch, options)``: launch's ``ScoreOptions``), which launch the same
 packed batch on their shards, so that every rank issues the same collectives in the same order.
 The followers return nothing: the vocab-parallel lm_head leaves the combined scores on every rank.
 
@@ -28,13 +28,14 @@ import multiprocessing.connection
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from logprob_service.domain import ScoreOptions
 from logprob_service.errors import LogprobError
 from logprob_service.logs import configure_logging
 from logprob_service.models.scorer import CausalLMScorer, Launched, PackedBatch
@@ -108,13 +109,12 @@ class Leader:
         launch = scorer.launch
 
         @functools.wraps(launch)
-        def announced(batch: PackedBatch, **options: Any) -> Launched:
-            # The followers launch with the same options (whatever ``launch`` takes), but routed
-            # experts are rank 0's to keep: the router is replicated, its choices the same on every rank.
-            shared = {key: value for key, value in options.items() if key != "return_routed_experts"}
-            self._announce(("launch", name, batch, shared))
+        def announced(batch: PackedBatch, options: ScoreOptions) -> Launched:
+            # The followers launch with the same options, but routed experts are rank 0's to keep:
+            # the router is replicated, its choices the same on every rank.
+            self._announce(("launch", name, batch, replace(options, return_routed_experts=False)))
             try:
-                return launch(batch, **options)
+                return launch(batch, options)
             except Exception as err:
                 on_failure(f"rank 0 failed in a launch of {name!r}, the ranks are out of step: {err!r}")
                 raise
@@ -170,7 +170,7 @@ def _follow(rank: int, devices: list[torch.device], port: int, build: Build, log
         _, name, batch, options = command
         # Two in flight, as on rank 0: the next launch is queued before this one's end is awaited.
         previous = launched
-        launched = scorers[name].launch(batch, **options)
+        launched = scorers[name].launch(batch, options)
         if previous is not None:
             _wait(previous)
     if launched is not None:
