@@ -387,8 +387,11 @@ class Callers:
         if self.in_processes:
             for pipe in self.pipes:
                 pipe.send(None)
-            for process in self.processes:
-                process.join(timeout=30)
+            deadline = time.monotonic() + 10
+            for process in self.processes:  # a client that does not end in time is stopped
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+                if process.is_alive():
+                    process.terminate()
         else:
             for caller in self.callers:
                 caller.close()
