@@ -163,7 +163,7 @@ class Launched:
 
     def fetch(self) -> list[SequenceScores]:
         """Each sequence's scores, once the device has them. Raises ``LogprobError`` (INTERNAL) for a
-        micro-batch whose fused top-k is not exact (``ops.fused_topk``, 4.): its requests fail rather
+        micro-batch whose fused top-k is not exact (``ops.lm_head.repair``): its requests fail rather
         than get a wrong top-k."""
         if self.ready is not None:
             self.ready.synchronize()

@@ -67,7 +67,7 @@ class LogprobOp:
         ``options``: ``bias``, ``transform``, ``return_entropy``, ``top_k``, ``candidates``
         (``logprobs.chunked_token_logprobs``)."""
         if self.kernel == "triton" and not (options.get("top_k") and not FUSED_TOP_K):
-            from logprob_service.ops.fused_logprobs import fused_token_logprobs
+            from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs
 
             return fused_token_logprobs(hidden, weight, targets, invariant=self.invariant, **options)
         return chunked_token_logprobs(hidden, weight, targets, chunk_bytes=self.chunk_bytes, **options)
