@@ -74,7 +74,7 @@ def _partials_kernel(
     reg_ptr,  # [N, S, 4, CAPQ, CHUNK] fp32 out: stage 1's chunks (only when TOPK and not REPAIR)
     regcol_ptr,  # [N, S, 4, CAPQ] int32 out: each chunk's first column
     regcnt_ptr,  # [N, S, 4] int32 out: chunks per region (past CAPQ: counted, not written)
-    need_ptr,  # [N] int8: the rows that need this repair round (only when REPAIR; repair.repair_survivors)
+    need_ptr,  # [N] int8: the rows that need this repair round (only when REPAIR; repair_survivors)
     y_ptr,  # [N] int64: the targets (only when RANK)
     zy_ptr,  # [N] fp32: the targets' z, as the combine computes it (only when RANK; _targets_kernel)
     above_ptr,  # [S, N] int32 out: the split's other ids with z at least the target's (only when RANK)
@@ -99,7 +99,7 @@ def _partials_kernel(
     BLOCK_K: tl.constexpr,
     TOPK: tl.constexpr,  # also keep the keys at or above each row's threshold (survivors)
     REPAIR: tl.constexpr,  # a repair round (TOPK): only the keys of the rows in need; no partials
-    CHUNKS: tl.constexpr,  # stage 1 (TOPK, not REPAIR) keeps chunks in regions, not keys (survivors.flag_chunks)
+    CHUNKS: tl.constexpr,  # stage 1 (TOPK, not REPAIR) keeps chunks in regions, not keys (flag_chunks)
     CHUNK: tl.constexpr,  # values in a chunk (plans.chunk_width)
     PTX: tl.constexpr,  # compiled for the GPU (inline PTX allowed), not interpreted
     RANK: tl.constexpr,  # also count, per row, the other ids whose z is at least the target's
@@ -469,7 +469,7 @@ def _fused_scores(
         return partial_m, partial_s, partial_t, above
 
     found = fallbacks = None  # the top-k survivors' (thresholds, counters, slots); sample_thresholds' fallbacks
-    chunks = None  # stage 1's regions (``survivors.flag_chunks``): chunks of z, their first columns, counts
+    chunks = None  # stage 1's regions (``flag_chunks``): chunks of z, their first columns, counts
     if top_k:
         softcap = transform.softcap is not None
         thresholds, fallbacks = sample_thresholds(hidden, weight, bias32, top_k, pre, post, softcap)

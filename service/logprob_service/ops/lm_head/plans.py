@@ -7,7 +7,7 @@
   (``capacity``), whether stage 1 keeps chunks (``uses_chunks``) and its regions' slots
   (``region_slots``, ``chunk_width``), and the row chunks a top-k runs in (``topk_chunk_rows``).
 
-Why each size is enough, and what a miss costs: docs/how-it-works.md ("how-it-works" below), "The
+Why each size is enough, and what a miss costs: docs/how-it-works.md, "The
 plain pass" and "Sizes: slots, regions, row chunks".
 """
 
@@ -118,17 +118,19 @@ def sample_stride(vocab: int, k: int) -> int:
     return min(MAX_SAMPLE_STRIDE, max(1, vocab // (16 * k)))
 
 
-# How often stage 1's threshold may miss a row's top-k (how-it-works, "The threshold"), at most, for top values
-# placed independently of the sample's columns: such a row costs one repair round of its row block.
+# How often stage 1's threshold may miss a row's top-k, at most, for top values placed independently
+# of the sample's columns (how-it-works, "The threshold"): such a row costs one repair round of its
+# row block.
 SAMPLE_MISS_RATE = 1e-6
 
 
 @functools.cache
 def sample_rank(vocab: int, k: int) -> int:
-    """R: stage 1's threshold is the R-th largest of the sample's group maxima (how-it-works, "The
-    threshold"), at most its R-th largest value. The smallest R with P(Binomial(K, 1 / stride) >= R) <=
-    ``SAMPLE_MISS_RATE``: the chance that R of a row's top K lie on sampled columns. K where no
-    smaller R does (K never misses: a sample's K-th largest is at most its row's), as at stride 1."""
+    """R: stage 1's threshold is the R-th largest of the sample's group maxima, at most its R-th
+    largest value (how-it-works, "The threshold"). The smallest R with P(Binomial(K, 1 / stride)
+    >= R) <= ``SAMPLE_MISS_RATE``: the chance that R of a row's top K lie on sampled columns. K
+    where no smaller R does (K never misses: a sample's K-th largest is at most its row's), as at
+    stride 1."""
     stride = sample_stride(vocab, k)
     if stride == 1:
         return k
@@ -148,9 +150,9 @@ def expected_survivors(vocab: int, k: int) -> int:
 
 
 def capacity(vocab: int, k: int) -> int:
-    """Slots per row for the survivors of a top-``k`` (how-it-works, "Sizes"): the ``expected_survivors``, room
-    for 8 standard deviations (sqrt(R) stride each) and 256 more; at least K, never more than
-    ``vocab``."""
+    """Slots per row for the survivors of a top-``k``: the ``expected_survivors``, room for 8
+    standard deviations (sqrt(R) stride each) and 256 more; at least K, never more than ``vocab``
+    (how-it-works, "Sizes: slots, regions, row chunks")."""
     stride, rank = sample_stride(vocab, k), sample_rank(vocab, k)
     return min(vocab, max(k, expected_survivors(vocab, k) + 8 * math.isqrt(rank - 1) * stride + 8 * stride + 256))
 
@@ -165,18 +167,20 @@ CHUNKS_ANY_K_MAX_H = 2048
 
 
 def uses_chunks(k: int, hdim: int) -> bool:
-    """Whether stage 1 of a top-``k`` at hidden size ``hdim`` keeps chunks (how-it-works, "Stage 1: the survivors")."""
+    """Whether stage 1 of a top-``k`` at hidden size ``hdim`` keeps chunks, not keys (how-it-works,
+    "Stage 1: the survivors")."""
     return k <= CHUNKS_MAX_K or hdim <= CHUNKS_ANY_K_MAX_H
 
 
-# Regions a (row, split) has: one per thread of a row in the accumulator layout (``survivors.flag_chunks``).
+# Regions a (row, split) has: one per thread of a row in the accumulator layout
+# (``survivors.flag_chunks``).
 THREADS_A_ROW = 4
 
 
 def region_slots(vocab: int, k: int, splits: int) -> int:
     """CAPQ, the chunks a region (row, split, thread) holds. A row's survivors number about R stride
-    (``expected_survivors``), spread like stride times a Gamma(R) (how-it-works, "Sizes");
-    regions are sized for 6 of its standard deviations (sqrt(R) stride) more, at most the row's
+    (``expected_survivors``), spread like stride times a Gamma(R) (how-it-works, "Sizes: slots,
+    regions, row chunks"); regions are sized for 6 of its standard deviations (sqrt(R) stride) more, at most the row's
     ``capacity``, spread evenly over its 4 x splits regions (the splits interleave the
     vocabulary's tiles): mu a region, each kept chunk holding at least one, and 4.5 Poisson
     standard deviations (sqrt(mu)) more. Over that Gamma, a row's regions overflow about once in

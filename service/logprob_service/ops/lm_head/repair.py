@@ -20,10 +20,10 @@ import triton.language as tl
 
 from logprob_service.ops.lm_head.keys import KEY_MAX, KEY_MIN
 
-# Repair rounds after stage 1, each run whether or not a row needs it (how-it-works): enough for
-# a missed sample or an overflow of stage 1 with three to spare, and for a failed margin; a row
-# still in need after them sets ``top_k_incomplete``. Each costs two near-empty launches when no
-# row needs it.
+# Repair rounds after stage 1, each run whether or not a row needs it: enough for a missed sample or
+# an overflow of stage 1 with three to spare, and for a failed margin (how-it-works, "Repair
+# rounds"); a row still in need after them sets ``top_k_incomplete``. Each costs two near-empty
+# launches when no row needs it.
 REPAIR_ROUNDS = 5
 
 
@@ -32,7 +32,7 @@ def _repair_kernel(
     cnt_ptr,  # [N] int32 in/out: each row's survivors; emptied for a row in need
     buf_ptr,  # [N, CAP] int64 in/out: the survivors' keys; emptied (MIN_KEY) for a row in need
     thr_ptr,  # [N] int64 in/out: the row's threshold key; the new one of a row in need
-    fallback_ptr,  # [N] int64: the threshold for a row that got fewer than K (threshold.sample_thresholds)
+    fallback_ptr,  # [N] int64: the threshold for a row that got fewer than K (sample_thresholds)
     need_ptr,  # [N] int8 out: whether the row needs this round (stage 1's REPAIR reads it)
     CAP,
     K,

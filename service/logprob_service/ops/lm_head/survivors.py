@@ -10,7 +10,7 @@ each row's elements whose key is at or above its threshold key survive, kept one
   with one atomic add, and a tile's survivors go in, largest first, over four parts of the tile.
 
 Either way a row's slots hold the first CAP keys at or above its threshold, counted all. Why, and
-the layouts: docs/how-it-works.md ("how-it-works" below), "Stage 1: the survivors".
+the layouts: docs/how-it-works.md, "Stage 1: the survivors".
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def _take_survivors(o, ids, count, most, base, at_row, row_ok, CAP):
 @triton.jit
 def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, CAP, ANY_LOW_WORD: tl.constexpr):
     """Append the keys of a [R, BLOCK_V] tile of z (token ids ``cols``) that are >= their row's
-    threshold key to the row's slots (how-it-works, "Stage 1: the survivors"). The tile is compared as int32
-    ``ordered_bits`` and ids (the key order without an int64 tile in registers). Then its columns
+    threshold key to the row's slots (how-it-works, "Stage 1: the survivors"). The tile is compared
+    as int32 ``ordered_bits`` and ids (the key order without an int64 tile in registers). Then its columns
     go in four parts (``split_columns``: even and odd, each split again on bit 3 of the column),
     and each part's survivors are taken largest first, one max over the part each, as many rounds
     as the part's fullest row has: rows have about a quarter of a tile's survivors in a part, so
@@ -49,7 +49,8 @@ def compact_survivors(z, cols, col_ok, rows, row_ok, thr_ptr, cnt_ptr, buf_ptr, 
     of a quarter against 2.8 of the whole tile for K 20 at a 152K vocabulary).
     Without ``ANY_LOW_WORD`` (stage 1) a threshold's low word is 0, so a key is >= it exactly when
     its high word is >= the threshold's, whatever its id: the ids are not compared; and the
-    threshold is above -inf (``threshold.sample_thresholds``), so the masked columns (z = -inf) never pass."""
+    threshold is above -inf (``threshold.sample_thresholds``), so the masked columns (z = -inf)
+    never pass."""
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0x7FFFFFFFFFFFFFFF)  # no row: nothing survives
     t_o = (thr >> 32).to(tl.int32)[:, None]  # the threshold's high word
     o = ordered_bits(z)

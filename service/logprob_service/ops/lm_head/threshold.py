@@ -9,7 +9,7 @@ maximum (``sample_maxima``); above, an fp32 matmul writes the sample's logits. O
 each row's maxima (``sample_ranks``).
 
 The answer never rests on the threshold: a row it misses runs again (``repair``). The derivation
-of the margin and of R: docs/how-it-works.md ("how-it-works" below), "The threshold".
+of the margin and of R: docs/how-it-works.md, "The threshold".
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ def sample_ranks(
     x: torch.Tensor, r: int, k: int, pre: float, post: float, softcap: bool, *, maxima: bool = False
 ) -> torch.Tensor:
     """[n, 2] float32: the ``r``-th and ``k``-th largest (r <= k <= S) of the ``sample_groups`` group
-    maxima of each row's z, ``to_log2_units`` of ``x`` [n, S] float32 logits (``_sample_ranks_kernel``):
-    how-it-works, "The threshold". With ``maxima``, ``x`` is [n, G] int32, the maxima's ``ordered_bits``
-    (``sample_maxima``)."""
+    maxima of each row's z, ``to_log2_units`` of ``x`` [n, S] float32 logits (``_sample_ranks_kernel``;
+    how-it-works, "The threshold"). With ``maxima``, ``x`` is [n, G] int32, the maxima's
+    ``ordered_bits`` (``sample_maxima``)."""
     n, width = x.shape
     out = torch.empty((n, 2), dtype=torch.float32, device=x.device)
     if n:
@@ -221,8 +221,8 @@ def sample_maxima(
 def threshold_margin(
     hidden: torch.Tensor, sampled: torch.Tensor, s: torch.Tensor, pre: float, post: float, fp32: bool
 ) -> torch.Tensor:
-    """[n] float64: how far the kernel's z of a sampled column may lie below torch's (how-it-works, "The threshold"):
-    H 2^-22 ||h|| max ||W_c|| bounds the two dots' difference (2^-9 more for TF32 with fp32
+    """[n] float64: how far the kernel's z of a sampled column may lie below torch's (how-it-works,
+    "The threshold"): H 2^-22 ||h|| max ||W_c|| bounds the two dots' difference (2^-9 more for TF32 with fp32
     operands), times |pre post|; plus 2^-16 (|z| + |post|) for the transform's own roundings."""
     eps = hidden.shape[1] * 2.0**-22 + (2.0**-9 if fp32 else 0.0)
     h_norm = torch.linalg.vector_norm(hidden, dim=1, dtype=torch.float32).double()
