@@ -21,7 +21,7 @@ On a GPU (the run that counts; liger-kernel installed):
     PYTHONPATH=service:client python3 benchmarks/bench_logprobs.py
 
 ``--sweep`` also times a grid of kernel tile configurations at every shape (how the defaults in
-``ops/fused_logprobs.py`` were picked). ``--top-k`` also times the teacher outputs at
+``ops/lm_head/plans.py`` were picked). ``--top-k`` also times the teacher outputs at
 every shape and at 8,192 x 3,584 x 152,064: the fused kernel with ``top_k`` 20, 128 and 256 and
 with 256 candidate ids per row, against the plain fused kernel, the matmul limit, the eager 256 MiB
 chunks with the same ``top_k`` (what served top-k on CUDA while ``ops.dispatch.FUSED_TOP_K`` was
@@ -45,14 +45,8 @@ import triton
 import triton.testing
 from harness import GiB, peak_extra_bytes, publish, release, run_environment, time_kernel
 from logprob_service.domain import ScoreOptions
-from logprob_service.ops.fused_logprobs import (
-    KernelConfig,
-    LaunchPlan,
-    default_config,
-    device_info,
-    fused_token_logprobs,
-    plan_launch,
-)
+from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs
+from logprob_service.ops.lm_head.plans import KernelConfig, LaunchPlan, default_config, device_info, plan_launch
 from logprob_service.ops.logprobs import DEFAULT_LM_HEAD_CHUNK_BYTES, chunked_token_logprobs
 
 SHAPES = [(24576, 896, 151936), (16384, 3584, 152064), (65536, 4096, 128256)]

@@ -41,7 +41,7 @@ for sub in ("service", "client"):
         sys.path.insert(0, path)
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter. It must be chosen before the
-# kernels are defined (at import of ops.fused_logprobs), hence here.
+# kernels are defined (at import of ops.lm_head), hence here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

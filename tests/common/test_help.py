@@ -77,7 +77,14 @@ def test_the_server_extra_needs_no_triton_so_make_serve_installs_on_macos():
     assert sorted(top_level) == [
         "ops/digest_kernel.py",
         "ops/fp8_kernel.py",
-        "ops/fused_logprobs.py",
-        "ops/fused_topk.py",
+        "ops/lm_head/candidates.py",
+        "ops/lm_head/fused_logprobs.py",
+        "ops/lm_head/keys.py",
+        "ops/lm_head/plans.py",
+        "ops/lm_head/repair.py",
+        "ops/lm_head/selection.py",
+        "ops/lm_head/survivors.py",
+        "ops/lm_head/threshold.py",
+        "ops/lm_head/tiles.py",
         "ops/mxfp4_kernel.py",
     ]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from logprob_service.domain import ScoreOptions
-from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs
+from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs
+from logprob_service.ops.lm_head.plans import KernelConfig, LaunchPlan
 from logprob_service.ops.logprobs import LogitTransform, chunked_token_logprobs
 
 from tests.helpers.op_reference import reference

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from logprob_service.domain import ScoreOptions
-from logprob_service.ops import fused_logprobs, fused_topk
-from logprob_service.ops.fused_logprobs import fused_token_logprobs
+from logprob_service.ops.lm_head import fused_logprobs, plans, repair
+from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs
+from logprob_service.ops.lm_head.keys import MIN_KEY
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, chunked_token_logprobs
 
 from tests.helpers.op_reference import transformed_logits
@@ -94,7 +95,7 @@ def test_batch_invariant_bit_for_bit(k, seed):
 def test_memory_grows_as_n_times_k(k, seed):
     # 8,192 x 152K: the full logits alone are 4.6 GiB in fp32; the top-256 survivor slots are N x CAP x 8
     # bytes, top-20's also stage 1's chunk regions (about 60 KB a row), in row chunks of at most
-    # fused_logprobs.TOPK_CHUNK_BYTES (with the threshold's sample logits)
+    # plans.TOPK_CHUNK_BYTES (with the threshold's sample logits)
     hidden, weight, targets, _ = cuda_case(8192, 3584, 152064, seed=seed)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -104,7 +105,7 @@ def test_memory_grows_as_n_times_k(k, seed):
     extra = torch.cuda.max_memory_allocated() - before
     full_logits = 8192 * 152064 * (2 + 4)  # bf16 logits and their fp32 copy, as full logits + topk holds them
     assert extra * 10 <= full_logits, extra / 2**30
-    assert extra <= 2 * fused_logprobs.TOPK_CHUNK_BYTES, extra / 2**30
+    assert extra <= 2 * plans.TOPK_CHUNK_BYTES, extra / 2**30
 
 
 def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
@@ -114,8 +115,8 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
     want = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
     # 41 slots for about 256 survivors: each round leaves about K / CAP of them, more rounds than the
-    # real capacity's (fused_topk, 4.)
-    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)
+    # real capacity's (ops.lm_head.repair)
+    monkeypatch.setattr(repair, "REPAIR_ROUNDS", 8)
     out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     assert torch.equal(out.top_ids, want.top_ids) and torch.equal(out.top_logprobs, want.top_logprobs)
     assert not out.top_k_incomplete and not want.top_k_incomplete
@@ -125,7 +126,7 @@ def test_rows_that_overflow_run_again_on_the_gpu(seed, monkeypatch):
 def test_rows_with_too_few_survivors_are_repaired_on_the_gpu(k, seed, monkeypatch):
     # No key of some rows survives stage 1, nor with their fallbacks (thresholds above every key, a
     # failed margin): the compiled repair rounds run them with no threshold (all 151,936 keys
-    # survive), then twice at most with the K-th of their kept keys (fused_topk, 4.: the 5 rounds
+    # survive), then twice at most with the K-th of their kept keys (ops.lm_head.repair: the 5 rounds
     # cover it); bit for bit the normal answer
     hidden, weight, targets, _ = cuda_case(300, 896, 151936, seed=seed)
     want = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=k, return_entropy=True))
@@ -141,15 +142,13 @@ def test_no_host_synchronization(seed, monkeypatch):
     # The op queues its work and returns (models.scorer.CausalLMScorer.launch relies on it): no
     # synchronizing CUDA call, also while rows overflow and the repair rounds have work. Slots for
     # the expected R stride survivors only (R the sample rank): about half the rows overflow, by a
-    # little, and one round repairs them (fused_topk, 4.); the answer is the normal slots'.
+    # little, and one round repairs them (ops.lm_head.repair); the answer is the normal slots'.
     hidden, weight, targets, candidates = cuda_case(1025, 3584, 152064, seed=seed)
     for k in (20, 256):
         kw = {"options": ScoreOptions(top_k=k), "candidates": candidates, "invariant": True}
         want = fused_token_logprobs(hidden, weight, targets, **kw)
         with monkeypatch.context() as patch:
-            patch.setattr(
-                fused_logprobs, "capacity", lambda v, k: fused_topk.sample_rank(v, k) * fused_topk.sample_stride(v, k)
-            )
+            patch.setattr(fused_logprobs, "capacity", lambda v, k: plans.sample_rank(v, k) * plans.sample_stride(v, k))
             needs = stage_one_needs(patch)  # after stage 1, each launch's rows in need
             fused_token_logprobs(hidden, weight, targets, **kw)  # compiled outside the check
             torch.cuda.synchronize()
@@ -173,9 +172,9 @@ def test_the_compiled_compaction_keeps_distinct_keys(seed, monkeypatch):
     monkeypatch.setattr(fused_logprobs, "select_top_k", lambda keys, *a: seen.append(keys.clone()) or real(keys, *a))
     out = fused_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     (slots,) = seen
-    written = slots != fused_logprobs.MIN_KEY
+    written = slots != MIN_KEY
     assert (written.sum(1) >= 20).all()
     ordered = slots.sort(dim=1).values
-    assert not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != fused_logprobs.MIN_KEY)).any()
+    assert not ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != MIN_KEY)).any()
     eager = chunked_token_logprobs(hidden, weight, targets, options=ScoreOptions(top_k=20))
     assert (out.top_logprobs - eager.top_logprobs).abs().max().item() < TOL

@@ -1,4 +1,4 @@
-"""Spies and stand-ins for the fused top-k's stages (``ops.fused_topk``): which rows needed repair
+"""Spies and stand-ins for the fused top-k's stages (``ops.lm_head``): which rows needed repair
 after stage 1, and thresholds that let no key of chosen rows survive it. (Imports Triton: for the
 test modules that run the fused op.)"""
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from logprob_service.ops import fused_logprobs, fused_topk
+from logprob_service.ops.lm_head import fused_logprobs, repair
 
 
 def stage_one_needs(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
@@ -18,7 +18,7 @@ def stage_one_needs(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     real = fused_logprobs.repair_survivors
 
     def spy(relaunch, thresholds, fallbacks, counts, slots, k):
-        needs.append(fused_topk.rows_in_need(counts, slots.shape[1], k))
+        needs.append(repair.rows_in_need(counts, slots.shape[1], k))
         return real(relaunch, thresholds, fallbacks, counts, slots, k)
 
     monkeypatch.setattr(fused_logprobs, "repair_survivors", spy)

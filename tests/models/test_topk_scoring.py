@@ -78,7 +78,8 @@ def test_an_incomplete_fused_top_k_fails_its_requests(rng, monkeypatch):
     # fused op's flag is set, Launched.fetch raises, and the engine fails the request with that
     # message (INTERNAL: no change to the request helps), not a wrong top-k and not a hang. The same
     # scorer then answers it exactly with the rounds.
-    from logprob_service.ops import fused_logprobs, fused_topk
+    from logprob_service.ops.lm_head import fused_logprobs, repair
+    from logprob_service.ops.lm_head.keys import MIN_KEY
 
     model = make_model("qwen2", tied=False, seed=int(rng.integers(1 << 30)))
     sequences = random_sequences(rng, 3, max_len=12)
@@ -88,12 +89,10 @@ def test_an_incomplete_fused_top_k_fails_its_requests(rng, monkeypatch):
         monkeypatch.setattr(
             fused_logprobs,
             "sample_thresholds",
-            lambda hidden, *args: (
-                (torch.full((len(hidden),), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device),) * 2
-            ),
+            lambda hidden, *args: (torch.full((len(hidden),), MIN_KEY, dtype=torch.int64, device=hidden.device),) * 2,
         )
         monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k)
-        monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 0)
+        monkeypatch.setattr(repair, "REPAIR_ROUNDS", 0)
         with pytest.raises(
             LogprobError, match=r"top-9 did not finish some rows of this micro-batch of \d+ sequences"
         ) as err:

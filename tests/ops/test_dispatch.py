@@ -58,7 +58,8 @@ def test_both_implementations_answer_the_same(kernel, monkeypatch):
 def test_top_k_follows_the_fused_top_k_switch(fused_top_k, monkeypatch, rng):
     """``dispatch.FUSED_TOP_K`` on: a top-k call of the triton op runs the fused kernel; off, the
     eager chunks. Candidates alone and plain calls stay fused either way."""
-    from logprob_service.ops import dispatch, fused_logprobs
+    from logprob_service.ops import dispatch
+    from logprob_service.ops.lm_head import fused_logprobs
 
     calls = []
     monkeypatch.setattr(

@@ -19,14 +19,8 @@ from logprob_service.domain import ScoreOptions
 
 triton = pytest.importorskip("triton")
 
-from logprob_service.ops.fused_logprobs import (  # noqa: E402  (after the importorskip)
-    DeviceInfo,
-    KernelConfig,
-    LaunchPlan,
-    device_info,
-    fused_token_logprobs,
-    plan_launch,
-)
+from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs  # noqa: E402  (after the importorskip)
+from logprob_service.ops.lm_head.plans import DeviceInfo, KernelConfig, LaunchPlan, device_info, plan_launch  # noqa: E402
 from logprob_service.ops.logprobs import LogitTransform  # noqa: E402
 
 from tests.helpers import tolerances  # noqa: E402

@@ -18,7 +18,8 @@ from tests.helpers.op_reference import random_case, transformed_logits
 pytestmark = pytest.mark.numerical
 triton = pytest.importorskip("triton")
 
-from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs  # noqa: E402
+from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs  # noqa: E402
+from logprob_service.ops.lm_head.plans import KernelConfig, LaunchPlan  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = KernelConfig(block_n=16, block_v=32, block_k=16, num_warps=4, num_stages=2)
@@ -74,10 +75,10 @@ def test_tied_logits_count_as_vllm_counts_them(op):
 
 def test_ranks_of_top_k_chunks_and_no_rows(monkeypatch):
     """A top-k over row chunks (``TOPK_CHUNK_BYTES``) concatenates the chunks' ranks; no rows, none."""
-    from logprob_service.ops import fused_logprobs
+    from logprob_service.ops.lm_head import plans
 
     hidden, weight, targets, _ = random_case(40, 32, 128, device=DEVICE)
-    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 1)  # one row a chunk
+    monkeypatch.setattr(plans, "TOPK_CHUNK_BYTES", 1)  # one row a chunk
     out = fused(hidden, weight, targets, options=ScoreOptions(top_k=2, return_ranks=True))
     expected = reference_ranks(hidden, weight, targets, None, LogitTransform())
     assert out.ranks.cpu().tolist() == expected.cpu().tolist()

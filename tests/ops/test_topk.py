@@ -25,14 +25,16 @@ pytestmark = pytest.mark.numerical
 
 triton = pytest.importorskip("triton")
 
-from logprob_service.ops import fused_logprobs, fused_topk  # noqa: E402
-from logprob_service.ops.fused_logprobs import KernelConfig, LaunchPlan, fused_token_logprobs  # noqa: E402
+from logprob_service.ops.lm_head import fused_logprobs, plans, repair, selection, threshold, tiles  # noqa: E402
+from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs  # noqa: E402
+from logprob_service.ops.lm_head.keys import ABOVE_NEG_INF, MIN_KEY  # noqa: E402
+from logprob_service.ops.lm_head.plans import KernelConfig, LaunchPlan  # noqa: E402
 
 from tests.helpers.topk_rounds import stage_one_needs, too_high  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = KernelConfig(block_n=16, block_v=32, block_k=16, num_warps=4, num_stages=2)
-CHUNK = fused_topk.chunk_width(SMALL.block_v)
+CHUNK = plans.chunk_width(SMALL.block_v)
 TRANSFORMS = {
     "plain": LogitTransform(),
     "scale+softcap+temperature": LogitTransform(scale=0.25, softcap=4.0, temperature=1.7),
@@ -92,11 +94,11 @@ def test_top_k_matches_float64(op, dtype, k, transform):
 
 @pytest.mark.parametrize("k", [5, 100])
 def test_stage_one_by_rounds_matches_float64(k, monkeypatch):
-    # These tests' H 16 takes stage 1's chunks at every K (fused_topk.uses_chunks); with neither
+    # These tests' H 16 takes stage 1's chunks at every K (plans.uses_chunks); with neither
     # limit met, the rounds over the tile's quarters (a 7B model's K 256) keep the keys instead
-    monkeypatch.setattr(fused_topk, "CHUNKS_MAX_K", 0)
-    monkeypatch.setattr(fused_topk, "CHUNKS_ANY_K_MAX_H", 0)
-    assert not fused_topk.uses_chunks(k, 16)
+    monkeypatch.setattr(plans, "CHUNKS_MAX_K", 0)
+    monkeypatch.setattr(plans, "CHUNKS_ANY_K_MAX_H", 0)
+    assert not plans.uses_chunks(k, 16)
     transform = TRANSFORMS["scale+softcap+temperature"]
     hidden, weight, targets, bias = random_case(37, 16, 301, bias=True, device=DEVICE)
     out = fused(hidden, weight, targets, bias=bias, transform=transform, options=ScoreOptions(top_k=k))
@@ -189,14 +191,14 @@ def test_keys_order_by_value_then_id():
     assert order.tolist() == [[6, 0, 2, 4, 5, 1, 7, 3]]
 
 
-# The fused top-k by threshold and compaction (ops.fused_topk): the sampled threshold, the repair
+# The fused top-k by threshold and compaction (ops.lm_head): the sampled threshold, the repair
 # rounds on the device, row chunks. New features: none of these paths existed in the kernel of running lists.
 
 
-def sampled_case(n, k, *, stride=fused_topk.MAX_SAMPLE_STRIDE, h=16, dtype=torch.float32):
+def sampled_case(n, k, *, stride=plans.MAX_SAMPLE_STRIDE, h=16, dtype=torch.float32):
     """A vocabulary wide enough that the threshold samples one column in ``stride``."""
     v = 16 * k * stride + 15  # v // (16 k) == stride
-    assert fused_topk.sample_stride(v, k) == stride
+    assert plans.sample_stride(v, k) == stride
     return random_case(n, h, v, dtype=dtype, device=DEVICE)
 
 
@@ -204,8 +206,8 @@ def no_threshold(hidden, weight, bias, k, pre, post, softcap):
     """Every finite key survives stage 1 (its thresholds stay above -inf), every key a repair round
     (the exact top-k of the kernel's own values, the slow way)."""
     n = hidden.shape[0]
-    finite = torch.full((n,), fused_topk.ABOVE_NEG_INF << 32, dtype=torch.int64, device=hidden.device)
-    return finite, torch.full((n,), fused_topk.MIN_KEY, dtype=torch.int64, device=hidden.device)
+    finite = torch.full((n,), ABOVE_NEG_INF << 32, dtype=torch.int64, device=hidden.device)
+    return finite, torch.full((n,), MIN_KEY, dtype=torch.int64, device=hidden.device)
 
 
 def counting(monkeypatch, name):
@@ -240,18 +242,18 @@ def test_the_margin_covers_values_closer_than_rounding(monkeypatch):
     # rows, fewer than K keys survive and the row runs again.
     hidden, weight, targets, _ = random_case(16, 64, 64 * 3 * 32 + 5, dtype=torch.float16, device=DEVICE)
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-    stride = fused_topk.sample_stride(weight.shape[0], 3)
+    stride = plans.sample_stride(weight.shape[0], 3)
     weight[:] = weight[0].clone()
     steps = torch.randint(-300, 0, (weight.shape[0],), generator=g, dtype=torch.int16)
     steps[::stride] = torch.randint(100, 200, steps[::stride].shape, generator=g, dtype=torch.int16)
     half = torch.tensor(0.5, dtype=torch.float16).view(torch.int16)  # steps of 2^-11 from 0.5 up to 0.6
     weight[:, 0] = (half + steps.to(DEVICE)).view(torch.float16)
     hidden[:, 0] = 2.0**-5
-    pre, post = fused_logprobs.transform_constants(LogitTransform())
-    thr, fallback = fused_topk.sample_thresholds(hidden, weight, None, 3, pre, post, False)
-    assert fused_topk.sample_rank(weight.shape[0], 3) == 3 and torch.equal(thr, fallback)  # stride 1
+    pre, post = tiles.transform_constants(LogitTransform())
+    thr, fallback = threshold.sample_thresholds(hidden, weight, None, 3, pre, post, False)
+    assert plans.sample_rank(weight.shape[0], 3) == 3 and torch.equal(thr, fallback)  # stride 1
     z = (hidden.double() @ weight.double().T) * pre  # float64 z
-    kth = fused_topk.sample_ranks(z.float(), 3, 3, 1.0, 1.0, False)[:, 1].double()  # the threshold column's z
+    kth = threshold.sample_ranks(z.float(), 3, 3, 1.0, 1.0, False)[:, 1].double()  # the threshold column's z
     t_hi = (thr >> 32).to(torch.int32)
     t = torch.where(t_hi < 0, t_hi ^ 0x7FFFFFFF, t_hi).view(torch.float32).double()
     assert (t < kth).all() and ((kth - t) < 1e-3 * (kth.abs() + 1)).all()  # below, by a few rounding errors
@@ -271,7 +273,7 @@ def test_rows_that_overflow_their_slots_run_again(k, monkeypatch):
     hidden, weight, targets, _ = sampled_case(13, k, stride=8)
     want = fused(hidden, weight, targets, options=ScoreOptions(top_k=k, return_entropy=True))
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
-    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
+    monkeypatch.setattr(repair, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
     needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, options=ScoreOptions(top_k=k, return_entropy=True))
     assert needs[0].any() and not out.top_k_incomplete
@@ -307,12 +309,12 @@ def test_the_sample_rank_is_the_smallest_whose_miss_chance_is_small_enough():
     # rational arithmetic, or K where none is; K at stride 1
     from fractions import Fraction
 
-    rate = Fraction(fused_topk.SAMPLE_MISS_RATE)
+    rate = Fraction(plans.SAMPLE_MISS_RATE)
     for v in (70, 4096, 32000, 151936, 262144):
         for k in (1, 2, 20, 128, 256):
             if k > v:
                 continue
-            stride, rank = fused_topk.sample_stride(v, k), fused_topk.sample_rank(v, k)
+            stride, rank = plans.sample_stride(v, k), plans.sample_rank(v, k)
             if stride == 1:
                 assert rank == k
                 continue
@@ -323,7 +325,7 @@ def test_the_sample_rank_is_the_smallest_whose_miss_chance_is_small_enough():
 
             # R = K never misses (a sample's K-th largest is at most its row's), whatever the tail
             assert (rank == k or tail(rank) <= rate) and (rank == 1 or tail(rank - 1) > rate), (v, k, rank)
-    assert fused_topk.sample_rank(151936, 20) == 8 and fused_topk.sample_rank(151936, 256) == 25
+    assert plans.sample_rank(151936, 20) == 8 and plans.sample_rank(151936, 256) == 25
 
 
 def test_rows_whose_top_k_the_sample_holds_are_repaired_by_their_fallback_in_one_round(monkeypatch):
@@ -333,10 +335,10 @@ def test_rows_whose_top_k_the_sample_holds_are_repaired_by_their_fallback_in_one
     # gives the exact answer. (float16: fp32 operands' margin covers TF32, wider than some gaps
     # between a row's R-th and K-th values.)
     hidden, weight, targets, _ = sampled_case(4, 8, dtype=torch.float16)
-    stride = fused_topk.sample_stride(weight.shape[0], 8)
-    assert fused_topk.sample_rank(weight.shape[0], 8) == 6
+    stride = plans.sample_stride(weight.shape[0], 8)
+    assert plans.sample_rank(weight.shape[0], 8) == 6
     weight[torch.arange(weight.shape[0], device=DEVICE) % stride != 0] /= 20
-    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
+    monkeypatch.setattr(repair, "REPAIR_ROUNDS", 1)
     needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, options=ScoreOptions(top_k=8))
     assert needs[0].all() and not out.top_k_incomplete
@@ -371,7 +373,7 @@ def test_a_missed_row_takes_its_fallback_and_a_failed_fallback_no_threshold(monk
     # 298 slots, fewer than V.)
     hidden, weight, targets, _ = random_case(6, 16, 301, device=DEVICE)
     want = fused(hidden, weight, targets, options=ScoreOptions(top_k=10))
-    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 1)
+    monkeypatch.setattr(repair, "REPAIR_ROUNDS", 1)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4], fallbacks_too=False))
     out = fused(hidden, weight, targets, options=ScoreOptions(top_k=10))
     assert not out.top_k_incomplete
@@ -387,7 +389,7 @@ def test_rows_with_too_few_survivors_are_repaired_on_the_device(monkeypatch):
     hidden, weight, targets, bias = random_case(37, 16, 301, bias=True, device=DEVICE)
     kw = {"bias": bias, "options": ScoreOptions(top_k=10, return_entropy=True)}
     want = fused(hidden, weight, targets, **kw)
-    assert fused_topk.sample_stride(301, 10) == 1 and fused_topk.capacity(301, 10) == 298
+    assert plans.sample_stride(301, 10) == 1 and plans.capacity(301, 10) == 298
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([1, 4, 20]))
     needs = stage_one_needs(monkeypatch)
     out = fused(hidden, weight, targets, **kw)
@@ -404,15 +406,15 @@ def test_rows_left_in_need_flag_the_scores(rounds, monkeypatch):
     # third has none) the flag is any chunk's. With two rounds, no flag.
     hidden, weight, targets, _ = random_case(13, 16, 301, device=DEVICE)
     monkeypatch.setattr(fused_logprobs, "sample_thresholds", too_high([4]))
-    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", rounds)
+    monkeypatch.setattr(repair, "REPAIR_ROUNDS", rounds)
     flag = fused(hidden, weight, targets, options=ScoreOptions(top_k=10)).top_k_incomplete
     assert flag.dtype == torch.bool and flag.shape == () and flag
-    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 10, 3, CHUNK, True))
+    monkeypatch.setattr(plans, "TOPK_CHUNK_BYTES", 5 * plans.topk_row_bytes(301, 10, 3, CHUNK, True))
     assert fused(hidden, weight, targets, options=ScoreOptions(top_k=10)).top_k_incomplete
     assert not fused(
         hidden[10:], weight, targets[10:], options=ScoreOptions(top_k=10)
     ).top_k_incomplete  # the third chunk alone
-    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 2)
+    monkeypatch.setattr(repair, "REPAIR_ROUNDS", 2)
     assert not fused(hidden, weight, targets, options=ScoreOptions(top_k=10)).top_k_incomplete
 
 
@@ -423,7 +425,7 @@ def test_repaired_rows_are_batch_invariant(monkeypatch):
     kw = {"options": ScoreOptions(top_k=4), "invariant": True, "config": SMALL}
     want = fused_token_logprobs(hidden, weight, targets, **kw)
     monkeypatch.setattr(fused_logprobs, "capacity", lambda v, k: 2 * k + 1)
-    monkeypatch.setattr(fused_topk, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
+    monkeypatch.setattr(repair, "REPAIR_ROUNDS", 8)  # each leaves about K / CAP of the survivors
     needs = stage_one_needs(monkeypatch)
     whole = fused_token_logprobs(hidden, weight, targets, **kw)
     part = fused_token_logprobs(hidden[5:8], weight, targets[5:8], **kw)
@@ -445,8 +447,8 @@ def test_row_chunks_give_the_same_answer(monkeypatch):
         "return_lse": True,
     }
     whole = fused(hidden, weight, targets, **kw)
-    monkeypatch.setattr(fused_logprobs, "TOPK_CHUNK_BYTES", 5 * fused_logprobs.topk_row_bytes(301, 6, 3, CHUNK, True))
-    assert fused_logprobs.topk_chunk_rows(301, 6, 3, CHUNK, True) == 5
+    monkeypatch.setattr(plans, "TOPK_CHUNK_BYTES", 5 * plans.topk_row_bytes(301, 6, 3, CHUNK, True))
+    assert plans.topk_chunk_rows(301, 6, 3, CHUNK, True) == 5
     launches = counting(monkeypatch, "sample_thresholds")
     chunked = fused(hidden, weight, targets, **kw)
     assert len(launches) == 5  # 23 rows in chunks of 5
@@ -461,9 +463,9 @@ def test_slots_and_sample_sizes():
         for k in (1, 20, 70, 128, 256):
             if k > v:
                 continue
-            stride = fused_topk.sample_stride(v, k)
-            assert 1 <= stride <= fused_topk.MAX_SAMPLE_STRIDE and -(-v // stride) >= k
-            rank, cap = fused_topk.sample_rank(v, k), fused_topk.capacity(v, k)
+            stride = plans.sample_stride(v, k)
+            assert 1 <= stride <= plans.MAX_SAMPLE_STRIDE and -(-v // stride) >= k
+            rank, cap = plans.sample_rank(v, k), plans.capacity(v, k)
             assert cap == v or rank * stride + 256 < cap <= rank * stride * 9 + 256 + 8 * stride or cap == k
             assert cap >= k
 
@@ -478,13 +480,13 @@ def test_the_sample_ranks_are_those_of_group_maxima(width, k):
     z[2, ::3] = float("inf")
     z[3] = float("-inf")
     z[3, :k] = torch.randn(k, generator=g)  # as many finite values as K
-    groups = fused_topk.sample_groups(width, k)
+    groups = threshold.sample_groups(width, k)
     assert groups == min(triton.next_power_of_2(max(256, 2 * k)), triton.next_power_of_2(width))
     padded = torch.nn.functional.pad(z, (0, -width % groups), value=float("-inf"))
     maxima = padded.view(6, -1, groups).amax(dim=1)  # [6, G]
     for r in sorted({1, max(1, k // 3), k}):
         want = maxima.topk(k, dim=1).values[:, [r - 1, k - 1]]
-        got = fused_topk.sample_ranks(z.to(DEVICE), r, k, 1.0, 1.0, False).cpu()  # z = x
+        got = threshold.sample_ranks(z.to(DEVICE), r, k, 1.0, 1.0, False).cpu()  # z = x
         assert torch.equal(got, want), r
         assert (got <= z.topk(k, dim=1).values[:, [r - 1, k - 1]]).all()
     # the kernel's transform on the way: a softcap (its own tanh, within a few ulps of torch's)
@@ -492,8 +494,8 @@ def test_the_sample_ranks_are_those_of_group_maxima(width, k):
     scale, cap, temperature = 0.5, 4.0, 1.3
     pre, post = scale / cap, cap * math.log2(math.e) / temperature
     z = torch.tanh(x.double() * pre) * post
-    want = fused_topk.sample_ranks(z.float().to(DEVICE), 1, k, 1.0, 1.0, False).cpu()
-    got = fused_topk.sample_ranks(x.to(DEVICE), 1, k, pre, post, True).cpu()
+    want = threshold.sample_ranks(z.float().to(DEVICE), 1, k, 1.0, 1.0, False).cpu()
+    got = threshold.sample_ranks(x.to(DEVICE), 1, k, pre, post, True).cpu()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
 
 
@@ -505,12 +507,12 @@ def test_the_sample_kernel_keeps_each_groups_largest_z(transform):
     transform = TRANSFORMS[transform]
     hidden, weight, _, bias = random_case(70, 24, 3001, bias=True, device=DEVICE)
     k, vocab = 20, 3001
-    stride = fused_topk.sample_stride(vocab, k)
+    stride = plans.sample_stride(vocab, k)
     width = -(-vocab // stride)
-    groups = fused_topk.sample_groups(width, k)
+    groups = threshold.sample_groups(width, k)
     assert (stride, groups) == (9, 256) and width > groups  # two tiles of groups, the second partial
-    pre, post = fused_logprobs.transform_constants(transform)
-    got = fused_topk.sample_maxima(hidden, weight, bias, stride, groups, pre, post, transform.softcap is not None)
+    pre, post = tiles.transform_constants(transform)
+    got = threshold.sample_maxima(hidden, weight, bias, stride, groups, pre, post, transform.softcap is not None)
     got = (got ^ ((got >> 31) & 0x7FFFFFFF)).view(torch.float32).double().cpu()  # ordered_bits is its own inverse
     z = transformed_logits(hidden, weight, bias, transform)[:, ::stride].cpu() * math.log2(math.e)
     padded = torch.nn.functional.pad(z, (0, -width % groups), value=float("-inf"))
@@ -546,10 +548,10 @@ def test_stage_two_gives_the_largest_keys_in_order(cap, k, expected):
     counts[0], counts[-1] = k, cap
     if k < cap:  # a row past its slots (the compaction counts what it cannot write): its CAP keys
         counts[1] = cap + 5
-    keys[torch.arange(cap) >= counts[:, None].long()] = fused_topk.MIN_KEY  # slots past the row's survivors
+    keys[torch.arange(cap) >= counts[:, None].long()] = MIN_KEY  # slots past the row's survivors
     keys, counts = keys.to(DEVICE), counts.to(DEVICE)
     lse2 = (torch.randn(9, generator=g) * 10).to(DEVICE)
-    got_ids, got_lps = fused_topk.select_top_k(keys, counts, lse2, k, expected)
+    got_ids, got_lps = selection.select_top_k(keys, counts, lse2, k, expected)
     top = torch.topk(keys, k, dim=1).values
     assert torch.equal(got_ids, key_ids(top).int())
     want = (key_values(top) - lse2[:, None]) * math.log(2)

@@ -105,9 +105,9 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def unfinished_flags(rank: int, start: int, stop: int) -> list[bool]:
-    """The fused top-k's ``top_k_incomplete`` (ops.fused_topk, 4.) as this rank returns it: with no
+    """The fused top-k's ``top_k_incomplete`` (ops.lm_head.repair) as this rank returns it: with no
     repair round and, on rank 1 alone, no key of its shard surviving stage 1; then as normal."""
-    from logprob_service.ops import fused_logprobs, fused_topk
+    from logprob_service.ops.lm_head import fused_logprobs, repair
 
     case = next(c for c in cases() if c.kernel == "triton" and c.n > 1)
     hidden, weight, targets, _ = inputs(case)
@@ -116,7 +116,7 @@ def unfinished_flags(rank: int, start: int, stop: int) -> list[bool]:
     for unfinished in (True, False):
         if unfinished and rank == 1:
             fused_logprobs.sample_thresholds = lambda hidden, *args: (torch.full((len(hidden),), 2**63 - 1),) * 2
-        fused_topk.REPAIR_ROUNDS = 0 if unfinished else 3
+        repair.REPAIR_ROUNDS = 0 if unfinished else 3
         scores = vocab_parallel_logprobs(
             hidden,
             weight[start:stop],

@@ -163,8 +163,8 @@ class Launched:
 
     def fetch(self) -> list[SequenceScores]:
         """Each sequence's scores, once the device has them. Raises ``LogprobError`` (INTERNAL) for a
-        micro-batch whose fused top-k is not exact (a row its repair rounds left unfitted, which only
-        many equal or NaN logits cause): its requests fail rather than get a wrong top-k."""
+        micro-batch whose fused top-k is not exact (``ops.lm_head.repair``): its requests fail rather
+        than get a wrong top-k."""
         if self.ready is not None:
             self.ready.synchronize()
         if self.top_k_incomplete is not None and bool(self.top_k_incomplete):

@@ -10,7 +10,7 @@ twin, in cuBLASLt GEMMs only: torch refuses a plain cuBLAS GEMM under ``allow_sp
 GEMM to cuBLASLt first (``preferred_blas_library``). Without split-K, every output element is one
 thread block's in-order sum over K whatever M, and the body's other reductions (norms, softmax
 rows, attention per query) are per row already. The lm_head stage's own plan is made invariant in
-``fused_logprobs.invariant_plan``, attention by one kernel for every row (``models.scorer``).
+``lm_head.plans.invariant_plan``, attention by one kernel for every row (``models.scorer``).
 tests/gpu/test_batch_invariance_cuda.py checks the whole on each GPU; nothing here can prove it for
 a cuBLAS release it has not run on.
 

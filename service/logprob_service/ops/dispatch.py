@@ -1,6 +1,6 @@
 """Which implementation runs the log-prob stage, chosen once per model at load time.
 
-* ``triton``: the fused kernel (``fused_logprobs``): logits stay in registers; CUDA only (or
+* ``triton``: the fused kernels (``lm_head``): logits stay in registers; CUDA only (or
   Triton's CPU interpreter, ``TRITON_INTERPRET=1``, which tests use).
 * ``eager``: fp32 logit slabs in row chunks under ``chunk_bytes`` (``logprobs``); any device.
 * ``auto``: ``triton`` on CUDA when the triton package imports, else ``eager``.
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 LogprobKernel = Literal["auto", "triton", "eager"]
 
 
-# Whether top-k (``top_k`` > 0) runs in the fused kernel (``fused_topk``: a threshold from a strided
+# Whether top-k (``top_k`` > 0) runs in the fused kernels (``lm_head``: a threshold from a strided
 # sample of the vocabulary, survivors compacted to [N, CAP] slots, then the K largest of those). On
 # an H200 (benchmarks/RESULTS.md, "the top-k's stage 1 as chunks") it takes 1.09-1.19x the plain
 # kernel at K 20 and 1.35-1.52x at K 256, several times faster than the eager chunks (``logprobs``,
@@ -44,7 +44,7 @@ class LogprobOp:
 
     kernel: Literal["triton", "eager"]
     chunk_bytes: int = DEFAULT_LM_HEAD_CHUNK_BYTES  # eager only
-    # triton: a row's result does not depend on the other rows (fused_logprobs.invariant_plan).
+    # triton: a row's result does not depend on the other rows (lm_head.plans.invariant_plan).
     # eager: rows go in chunks of a size fixed by V, but the CPU's matmul picks its kernels by the
     # chunk's rows, so only CUDA with split-K off (ops.determinism) is invariant there.
     invariant: bool = False
@@ -67,7 +67,7 @@ class LogprobOp:
         candidates: [N, Kc] ids whose log-probs to return; ``return_lse``: each row's log-sum-exp
         (``logprobs.chunked_token_logprobs``)."""
         if self.kernel == "triton" and not (options.top_k and not FUSED_TOP_K):
-            from logprob_service.ops.fused_logprobs import fused_token_logprobs
+            from logprob_service.ops.lm_head.fused_logprobs import fused_token_logprobs
 
             return fused_token_logprobs(
                 hidden,

@@ -64,7 +64,7 @@ class TokenScores:
     top_logprobs: torch.Tensor | None = None  # [N, K] float32: their log-probs
     candidate_logprobs: torch.Tensor | None = None  # [N, Kc] float32: log-probs of the asked candidate ids
     # 0-dim bool, on the device: some row's top-k may be wrong, its repair rounds were not enough
-    # (ops.fused_topk, 4.; the caller must check it, models.scorer.Launched.fetch does); None: complete
+    # (ops.lm_head.repair; the caller must check it, models.scorer.Launched.fetch does); None: complete
     top_k_incomplete: torch.Tensor | None = None
     # [N] int32: each target's rank, how many ids have a transformed logit at least its own (itself
     # included: 1 for the most likely), as vLLM counts a token's rank over its log-probs
@@ -83,7 +83,7 @@ def check_topk_arguments(n_rows: int, vocab: int, top_k: int, candidates: torch.
 def topk_keys(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """int64 keys of float32 values ``x`` [n, V] at token ``ids`` (default: the column) whose order
     is (value descending, id ascending): the float's bits made monotonic as a signed int in the
-    high word, 2^31 - 1 - id in the low word (``fused_topk``'s ``keys_of``)."""
+    high word, 2^31 - 1 - id in the low word (``lm_head.keys.keys_of``)."""
     ordered = ordered_words(x).to(torch.int64)
     if ids is None:
         ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
@@ -112,8 +112,8 @@ def rows_per_chunk(vocab_size: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (vocab_size * 4))
 
 
-def _logits_fp32(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # h: [n, H], weight: [V, H] -> [n, V] float32
+def logits_fp32(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """h: [n, H], weight: [V, H] -> [n, V] float32 logits (+ bias), never rounded to 16 bits."""
     if h.dtype == torch.float32:
         logits = h @ weight.T
     elif h.is_cuda:
@@ -169,7 +169,7 @@ def chunked_token_logprobs(
     step = rows_per_chunk(vocab, chunk_bytes // 3 if top_k else chunk_bytes)
     for start in range(0, n, step):
         end = min(start + step, n)
-        x = transform.apply_(_logits_fp32(hidden[start:end], weight, bias))  # [n, V] fp32
+        x = transform.apply_(logits_fp32(hidden[start:end], weight, bias))  # [n, V] fp32
         lse = torch.logsumexp(x, dim=-1)  # [n]
         target = x.gather(1, targets[start:end, None])  # [n, 1]
         logprobs[start:end] = target.squeeze(1) - lse

@@ -1,59 +1,27 @@
-"""Fused Triton kernel: lm_head projection + online log-sum-exp, logits never leave registers.
+"""The fused lm_head pass: log-probs, entropies and ranks of the targets, and the top-k and the
+candidates through the stages of this package, without an [N, V] logits tensor.
 
-For each row i (hidden state h_i predicting token y_i), with the model's transform folded in:
+``fused_token_logprobs`` is the op (``ops.dispatch`` calls it on CUDA). Two kernels:
 
-    x_iv  = h_i . W_v (+ b_v)                              fp32 accumulators (tensor cores)
-    x'_iv = c tanh(scale x_iv / c) / T   or   scale x_iv / T      (softcap only when c is set)
-    log p(y_i) = x'_iy - logsumexp_v x'_iv
-    H_i   = logsumexp_v x'_iv - sum_v p_iv x'_iv
+* ``_partials_kernel``, a 1-D grid over (row block, vocabulary split): each program streams its
+  split's [BLOCK_N, BLOCK_V] tiles of the vocabulary (``tiles.tile_logits``: tensor-core dots
+  into fp32 registers), transforms them to base-2 units z (``tiles.to_log2_units``) and keeps an
+  online max, sum of 2^z and, for the entropy, sum of 2^z z: three floats a row a split. With a
+  top-k it also keeps each row's survivors of the threshold (``survivors``); with ranks it counts
+  the ids whose z is at least the target's.
+* ``_combine_kernel``, one program a row block: merges the splits, adds the target's logit (one
+  fp32 dot a row, ``_target_z``) and writes log p, the entropy and the log-sum-exp.
 
-The kernel works in base 2, z = x' log2(e), because exp2/log2 are the GPU's native
-instructions: logsumexp(x') = ln(2) log2(sum_v 2^z_v), and sum_v p_v x'_v = ln(2) sum_v p_v z_v.
-
-Stage 1 (``_partials_kernel``), a 1-D grid over (row block, vocabulary split). A program owns
-BLOCK_N rows and one split's [BLOCK_N, BLOCK_V] tiles of the vocabulary (every split-th tile, so
-each split sees all of the vocabulary's id ranges: the top-k's survivors, which gather among the
-frequent, small ids, spread over the splits), which it streams in turn: each tile is a K-loop of
-tensor-core dots (operands loaded by TMA where rows are 16-byte aligned) into fp32 registers,
-then the online softmax update
-
-    m' = max(m, max_v z_v)      s' = s 2^(m - m') + sum_v 2^(z_v - m')
-    t' = t 2^(m - m') + sum_v 2^(z_v - m') z_v                       (entropy only)
-
-so after its tiles, s = sum 2^(z - m) and t = sum 2^(z - m) z over those tiles. It writes only
-(m, s, t) per row: three floats. Splitting the vocabulary gives a small N enough programs to fill
-the GPU, and a last wave that is not mostly idle. Programs are ordered in groups of row blocks
-whose hidden states fit in L2, so the programs that run at once share those rows and a few W
-tiles: W streams from HBM about once per group, the rows once in all (``plan_launch``).
-
-Stage 2 (``_combine_kernel``), grid (row blocks): merges the splits,
-
-    M = max_j m_j    S = sum_j s_j 2^(m_j - M)    T = sum_j t_j 2^(m_j - M)    lse2 = M + log2 S
-
-computes the target logit as one fp32 dot h_i . W_{y_i} (a gathered row; N*H work, not N*V*H),
-applies the same transform, and writes log p = ln2 (z_y - lse2) and H = ln2 (lse2 - T / S).
-
-With ``top_k`` (``fused_topk``), stage 1 also keeps each row's logits at or above a threshold
-taken from a strided sample of the vocabulary: up to K 64, and at any K up to H 2,048
-(``fused_topk.uses_chunks``), as chunks of a thread's columns in
-regions of (row, split, thread), which ``fused_topk.gather_survivors`` turns into keys (logit and
-id in one int64) in a [N, CAP] buffer; above, as keys appended to that buffer. The combine kernel
-writes lse2 as well, a fixed number of repair rounds (stage 1 again with REPAIR, for the rows
-whose survivors did not fit) run on the device without waiting for it, and stage 2
-(``fused_topk.select_top_k``) takes the K largest of each row's buffer.
-
-Nothing of size N*V is ever stored, and no logit is rounded to 16 bits: memory is the (m, s, t)
-partials, 12 bytes per row per split. Offsets are int64 and the grid is 1-D (up to 2^31 - 1
-programs), so N has no practical limit. Measured on an H200 (benchmarks/RESULTS.md): 1.02-1.08x
-the time of the bare bf16 matmul h @ W^T at Qwen/Llama shapes.
+A top-k then runs its repair rounds and its selection (``repair``, ``selection``), all queued on
+the device without a host read; candidates are one dot each after the combine (``candidates``).
+The grid, tiles and row chunks come from ``plans``. The maths, the bounds and why each threshold
+is safe: docs/how-it-works.md, "The lm_head kernels, stage by stage".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -61,54 +29,31 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logprob_service.domain import DEFAULT_OPTIONS, ScoreOptions
-from logprob_service.ops.fused_topk import (
-    MIN_KEY,
+from logprob_service.ops.lm_head.candidates import candidate_logprobs
+from logprob_service.ops.lm_head.keys import MIN_KEY, ordered_bits
+from logprob_service.ops.lm_head.plans import (
     THREADS_A_ROW,
-    _candidates_kernel,
+    KernelConfig,
+    LaunchPlan,
     capacity,
     chunk_width,
-    compact_survivors,
+    default_config,
+    device_info,
     expected_survivors,
-    flag_chunks,
-    gather_survivors,
-    ordered_bits,
+    invariant_plan,
+    plan_launch,
     region_slots,
-    repair_survivors,
-    sample_stride,
-    sample_thresholds,
-    select_top_k,
-    tile_logits,
-    to_log2_units,
+    topk_chunk_rows,
     uses_chunks,
 )
+from logprob_service.ops.lm_head.repair import repair_survivors
+from logprob_service.ops.lm_head.selection import select_top_k
+from logprob_service.ops.lm_head.survivors import compact_survivors, flag_chunks, gather_survivors
+from logprob_service.ops.lm_head.threshold import sample_thresholds
+from logprob_service.ops.lm_head.tiles import tile_logits, to_log2_units, transform_constants
 from logprob_service.ops.logprobs import IDENTITY, LogitTransform, TokenScores, check_topk_arguments
 
-LOG2E = 1.4426950408889634
-
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile sizes and launch shape of the partials kernel."""
-
-    block_n: int = 128
-    block_v: int = 256
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-# Hand-picked on an H200 with benchmarks/bench_logprob_op.py --sweep (the table is in
-# benchmarks/RESULTS.md): best or within 2% at every measured shape. fp32 operands take twice
-# the shared memory per element, hence narrower tiles (checked for correctness, not tuned).
-HOPPER_16BIT = KernelConfig()
-HOPPER_FP32 = KernelConfig(block_n=128, block_v=128, block_k=32, num_warps=8, num_stages=3)
-
-
-def default_config(dtype: torch.dtype) -> KernelConfig:
-    return HOPPER_FP32 if dtype == torch.float32 else HOPPER_16BIT
-
 
 # The batch's own sizes are not specialized on (Triton otherwise compiles a variant for each
 # combination of them that is 1 or a multiple of 16): each variant of the top-k kernel costs seconds
@@ -124,13 +69,13 @@ def _partials_kernel(
     m_ptr,  # [S, N] fp32 out: max of z over the split
     s_ptr,  # [S, N] fp32 out: sum 2^(z - m)
     t_ptr,  # [S, N] fp32 out: sum 2^(z - m) z (only when ENTROPY)
-    thr_ptr,  # [N] int64: each row's threshold key (only when TOPK; fused_topk)
+    thr_ptr,  # [N] int64: each row's threshold key (only when TOPK; threshold.sample_thresholds)
     cnt_ptr,  # [N] int32 in/out: each row's survivors so far (only when TOPK)
     buf_ptr,  # [N, CAP] int64 out: the survivors' keys, in any order (only when TOPK)
     reg_ptr,  # [N, S, 4, CAPQ, CHUNK] fp32 out: stage 1's chunks (only when TOPK and not REPAIR)
     regcol_ptr,  # [N, S, 4, CAPQ] int32 out: each chunk's first column
     regcnt_ptr,  # [N, S, 4] int32 out: chunks per region (past CAPQ: counted, not written)
-    need_ptr,  # [N] int8: the rows that need this repair round (only when REPAIR; fused_topk, 4.)
+    need_ptr,  # [N] int8: the rows that need this repair round (only when REPAIR; repair_survivors)
     y_ptr,  # [N] int64: the targets (only when RANK)
     zy_ptr,  # [N] fp32: the targets' z, as the combine computes it (only when RANK; _targets_kernel)
     above_ptr,  # [S, N] int32 out: the split's other ids with z at least the target's (only when RANK)
@@ -153,10 +98,10 @@ def _partials_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    TOPK: tl.constexpr,  # also keep the keys at or above each row's threshold (fused_topk)
+    TOPK: tl.constexpr,  # also keep the keys at or above each row's threshold (survivors)
     REPAIR: tl.constexpr,  # a repair round (TOPK): only the keys of the rows in need; no partials
-    CHUNKS: tl.constexpr,  # stage 1 (TOPK, not REPAIR) keeps chunks in regions, not keys (fused_topk, 2.)
-    CHUNK: tl.constexpr,  # values in a chunk (fused_topk.chunk_width)
+    CHUNKS: tl.constexpr,  # stage 1 (TOPK, not REPAIR) keeps chunks in regions, not keys (flag_chunks)
+    CHUNK: tl.constexpr,  # values in a chunk (plans.chunk_width)
     PTX: tl.constexpr,  # compiled for the GPU (inline PTX allowed), not interpreted
     RANK: tl.constexpr,  # also count, per row, the other ids whose z is at least the target's
 ):
@@ -199,7 +144,7 @@ def _partials_kernel(
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
     # Two nested loops (tiles, then k). Flattening them into one (tile, k) loop, so the pipeline
-    # would prefetch across the softmax update, measured 25-30% slower on an H200.
+    # would prefetch across the softmax update, measured slower on an H200 (benchmarks/RESULTS.md).
     for tile in range(0, n_tiles):
         v0 = (tile * n_splits + pid_s) * BLOCK_V
         acc = tile_logits(
@@ -342,101 +287,6 @@ def _combine_kernel(
         tl.store(lse2_ptr + rows, lse2, mask=row_ok)
 
 
-def transform_constants(transform: LogitTransform) -> tuple[float, float]:
-    """(pre, post) of ``to_log2_units`` for a transform."""
-    if transform.softcap is not None:
-        return transform.scale / transform.softcap, transform.softcap * LOG2E / transform.temperature
-    return transform.scale * LOG2E / transform.temperature, 1.0
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """How the partials grid covers (row blocks x vocabulary): ``splits`` ranges of the vocabulary,
-    programs ordered in groups of ``group_rows`` row blocks."""
-
-    splits: int
-    group_rows: int
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    num_sms: int
-    l2_bytes: int
-
-
-# The interpreter has no device: small figures so that small test shapes get several groups.
-INTERPRETER_DEVICE = DeviceInfo(num_sms=4, l2_bytes=64 * 1024)
-
-
-def device_info(device: torch.device) -> DeviceInfo:
-    if device.type != "cuda":
-        return INTERPRETER_DEVICE
-    props = torch.cuda.get_device_properties(device)
-    return DeviceInfo(num_sms=props.multi_processor_count, l2_bytes=props.L2_cache_size)
-
-
-def plan_launch(n_rows: int, hdim: int, vocab: int, itemsize: int, config: KernelConfig, dev: DeviceInfo) -> LaunchPlan:
-    """Group and split sizes that keep operands in L2 and fill the GPU's last wave.
-
-    * A group's hidden states (group_rows x BLOCK_N x H) take a third of L2, leaving room for
-      the W tiles the group streams.
-    * The programs running at once (one per SM) should be one group's: at least
-      num_sms / group_rows splits, so together they read only that many W tiles at a time.
-    * With P programs, the last wave runs P mod num_sms of them: efficiency P / (ceil(P / num_sms)
-      num_sms). Add splits until it reaches 95% (a split costs 12 bytes per row of partials).
-    """
-    row_blocks = triton.cdiv(n_rows, config.block_n)
-    v_tiles = triton.cdiv(vocab, config.block_v)
-    block_bytes = config.block_n * hdim * itemsize
-    group_rows = max(1, min(row_blocks, dev.l2_bytes // 3 // block_bytes))
-    splits = min(v_tiles, triton.cdiv(dev.num_sms, group_rows))
-    while splits < v_tiles:
-        programs = row_blocks * splits
-        if programs / (math.ceil(programs / dev.num_sms) * dev.num_sms) >= 0.95:
-            break
-        splits += 1
-    return LaunchPlan(splits=splits, group_rows=group_rows)
-
-
-# Rows of the batch whose plan's vocabulary splits a batch-invariant launch uses for every batch.
-INVARIANT_PLAN_ROWS = 8192
-
-
-def invariant_plan(
-    n_rows: int, hdim: int, vocab: int, itemsize: int, config: KernelConfig, dev: DeviceInfo
-) -> LaunchPlan:
-    """A plan whose results do not depend on ``n_rows``: the vocabulary splits are those planned for
-    ``INVARIANT_PLAN_ROWS`` rows, whatever the batch, so every row is reduced over the same ranges in
-    the same order (within a split the tiles run in order; the combine merges splits in order; a
-    row's dot products do not depend on which rows share its block). Only the program order (the
-    groups) follows the batch: it changes the schedule, not the arithmetic."""
-    fixed = plan_launch(INVARIANT_PLAN_ROWS, hdim, vocab, itemsize, config, dev)
-    return LaunchPlan(
-        splits=fixed.splits, group_rows=plan_launch(n_rows, hdim, vocab, itemsize, config, dev).group_rows
-    )
-
-
-# Top-k runs in row chunks whose survivor slots, stage 1's chunk regions and threshold sample stay
-# under about this many bytes (``topk_row_bytes``).
-TOPK_CHUNK_BYTES = 1024**3
-
-
-def topk_row_bytes(vocab: int, k: int, splits: int, chunk: int, chunked: bool) -> int:
-    """Bytes a row of a top-k takes: ``capacity`` int64 slots, the threshold's fp32 sample logits
-    (V / stride), its threshold, fallback and counter; with stage 1's chunks (``uses_chunks``),
-    its regions (``region_slots`` chunks of ``chunk`` fp32 and a column each, and a counter, per
-    region)."""
-    per_row = 8 * capacity(vocab, k) + 4 * triton.cdiv(vocab, sample_stride(vocab, k)) + 20
-    if chunked:
-        per_row += THREADS_A_ROW * splits * (region_slots(vocab, k, splits) * (4 * chunk + 4) + 4)
-    return per_row
-
-
-def topk_chunk_rows(vocab: int, k: int, splits: int, chunk: int, chunked: bool) -> int:
-    """Rows per top-k chunk (``TOPK_CHUNK_BYTES``), at least 1; ``splits``: the plan's."""
-    return max(1, TOPK_CHUNK_BYTES // topk_row_bytes(vocab, k, splits, chunk, chunked))
-
-
 def fused_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -451,19 +301,19 @@ def fused_token_logprobs(
     plan: LaunchPlan | None = None,
     invariant: bool = False,
 ) -> TokenScores:
-    """Log-prob of ``targets`` under ``hidden @ weight.T`` with the fused kernel; see the module doc.
+    """Log-prob of ``targets`` under ``hidden @ weight.T`` with the fused kernels; see the module doc.
 
     hidden: [N, H] and weight: [V, H], both bf16, fp16 or fp32 (hidden is cast to weight's dtype);
     targets: [N] integer in [0, V); bias: [V] or None; ``transform``: temperature included
     (``options.temperature`` is not read here). Returns float32 [N] log-probs (and entropies, with
     ``options.return_entropy``, and each row's log-sum-exp of its transformed logits, with
     ``return_lse``). ``options.top_k``: each row's K most likely ids ([N, K] int32, descending, ties
-    by id) and their log-probs ([N, K] float32); ``candidates``: [N, Kc] ids whose log-probs to
-    return ([N, Kc] float32); see ``fused_topk``; ``options.return_ranks``: each target's rank ([N]
-    int32, ``TokenScores.ranks``), counted in stage 1 against the target's z from a pass before it
-    (``_targets_kernel``). ``invariant``: each row's result bit for bit the same whatever the other
-    rows (``invariant_plan``). ``config`` and ``plan`` override the tiles and the grid (tests use
-    them to exercise several tiles, groups and splits at small shapes).
+    by id) and their log-probs ([N, K] float32), by the package's stages; ``candidates``: [N, Kc]
+    ids whose log-probs to return ([N, Kc] float32); ``options.return_ranks``: each target's rank
+    ([N] int32, ``TokenScores.ranks``), counted in stage 1 against the target's z from a pass before
+    it (``_targets_kernel``). ``invariant``: each row's result bit for bit the same whatever the
+    other rows (``invariant_plan``). ``config`` and ``plan`` override the tiles and the grid (tests
+    use them to exercise several tiles, groups and splits at small shapes).
     """
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"fused log-probs support {SUPPORTED_DTYPES} weights, not {weight.dtype}")
@@ -583,7 +433,7 @@ def _fused_scores(
         """Stage 1 over ``rows`` ([r, H]); with ``survivors`` (thresholds, counters, slots), their
         top-k survivors too, as keys in the slots or, given stage 1's ``chunks`` (values, columns,
         counts of ``flag_chunks``' regions), as chunks. Returns the [splits, r] partials (m, s, t).
-        With ``need`` ([r] int8), a repair round (fused_topk, 4.): the survivors of the rows in
+        With ``need`` ([r] int8), a repair round (``repair``): the survivors of the rows in
         need only, as keys, and no partials. With ``return_ranks`` (not in a repair round), also the
         [splits, r] counts of other ids at or above each target, else None."""
         r = rows.shape[0]
@@ -620,7 +470,7 @@ def _fused_scores(
         return partial_m, partial_s, partial_t, above
 
     found = fallbacks = None  # the top-k survivors' (thresholds, counters, slots); sample_thresholds' fallbacks
-    chunks = None  # stage 1's regions (fused_topk, 2.): chunks of z, their first columns, counts
+    chunks = None  # stage 1's regions (``flag_chunks``): chunks of z, their first columns, counts
     if top_k:
         softcap = transform.softcap is not None
         thresholds, fallbacks = sample_thresholds(hidden, weight, bias32, top_k, pre, post, softcap)
@@ -654,7 +504,7 @@ def _fused_scores(
         if chunks is not None:
             gather_survivors(chunks, thresholds, counts, slots, vocab)
         # Rows with more than CAP survivors run again with a higher threshold, rows with fewer than
-        # K with a lower one, in a fixed number of rounds queued on the device (fused_topk, 4.): nothing
+        # K with a lower one, in a fixed number of rounds queued on the device (``repair``): nothing
         # here waits for the GPU, so the caller can queue its next work while the lm_head runs.
         # A row still in need after them sets ``incomplete``, which the caller checks with the results.
         incomplete = repair_survivors(
@@ -664,12 +514,6 @@ def _fused_scores(
     scores = TokenScores(
         logprobs, entropies, lses if return_lse else None, top_ids, top_lps, cand_lps, incomplete, ranks=ranks
     )
-    if candidates is not None and candidates.shape[1]:
-        block_c = 16
-        _candidates_kernel[(n, triton.cdiv(candidates.shape[1], block_c))](
-            hidden, weight, bias32 if bias32 is not None else logprobs, candidates, lses, cand_lps,
-            candidates.shape[1], hdim, hidden.stride(0), weight.stride(0), pre, post,
-            HAS_BIAS=bias is not None, SOFTCAP=transform.softcap is not None,
-            BLOCK_C=block_c, BLOCK_K=min(128, triton.next_power_of_2(hdim)), num_warps=4,
-        )  # fmt: skip
+    if candidates is not None:
+        candidate_logprobs(hidden, weight, bias32, candidates, lses, cand_lps, pre, post, transform.softcap is not None)
     return scores
