@@ -310,10 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from logprob_service.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    from logprob_service.models.loading import ModelLoadError
+    from logprob_service.builder import GroupLost, ModelLoadError
     from logprob_service.security.bearer_tokens import TokenConfigError
     from logprob_service.startup import serve
-    from logprob_service.worker.tensor_parallel import GroupLost
 
     try:
         asyncio.run(serve(settings))

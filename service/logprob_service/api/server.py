@@ -23,7 +23,7 @@ from logprob_service.api.security.auth import AuthInterceptor
 from logprob_service.api.server_options import listen, server_options
 from logprob_service.api.servicer import LogprobServicer
 from logprob_service.config import Settings
-from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine import LogprobEngine
 from logprob_service.security.bearer_tokens import TokenTable
 from logprob_service.security.exposure import exposure_warnings
 

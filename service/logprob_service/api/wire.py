@@ -32,8 +32,7 @@ from logprob_service.domain import (
     UpdateOutcome,
     prompt_once,
 )
-from logprob_service.engine.interfaces import WeightGroup
-from logprob_service.engine.validation import RequestCounts, RequestLimits, check_counts, distinct_prompt_tokens
+from logprob_service.engine import RequestCounts, RequestLimits, WeightGroup, check_counts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument, LogprobError
 
 DEFAULT_MODEL = "default"
