@@ -2,7 +2,7 @@
 worker, the models or the ops (`make lint`).
 
 - ``engine``: ``engine_on``, the one place a ``LogprobEngine`` gets its device workers and
-  staging (a server, ``OfflineScorer``, tests and benchmarks).
+  staging (a server's, an ``OfflineScorer``'s).
 - ``models``: every model the settings name, on one device or one tensor-parallel rank.
 - ``server``: ``DeviceSide``, a server's engine and its models loaded, a replica a device (data
   parallel) or sharded over a tensor-parallel group; the handles tests reach.

@@ -1,8 +1,8 @@
 """The one place a ``LogprobEngine`` is made from served models and given its device workers.
 
 ``engine_on`` makes it for a server (one lane a device: data parallel, or tensor parallel's rank
-0), for ``OfflineScorer`` and for tests: a ``DeviceExecutor`` a device, the weight staging, the
-trainers' weight groups when asked for. The engine reports its GPUs' memory to the metrics through
+0) and for ``OfflineScorer``: a ``DeviceExecutor`` a device, the weight staging, the trainers'
+weight groups when asked for. The engine reports its GPUs' memory to the metrics through
 ``gpu_memory_of``.
 """
 

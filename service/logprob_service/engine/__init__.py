@@ -1,9 +1,9 @@
 """The engine, protocol-neutral and torch-free: what every edge calls is exported here.
 
-Edges, start-up and the command line import the engine from this package only (`make lint`):
-the facade (``LogprobEngine``, its ``Phase`` and ``EngineConfig``), the registry it serves from,
-the request limits and counts an edge checks before any per-item work, and the types of what an
-edge hands a weight update (``WeightGroup``) or is told by one (``StreamIdle``). Only the builder,
+Above the engine, every module imports the engine from this package only (`make lint`): the
+facade (``LogprobEngine``, its ``Phase`` and ``EngineConfig``), the registry it serves from, the
+request limits and counts an edge checks before any per-item work, and the types of what an edge
+hands a weight update (``WeightGroup``) or is told by one (``StreamIdle``). Only the builder,
 which assembles the engine, reaches its modules.
 """
 
