@@ -313,10 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from logprob_service import host_malloc
 
     host_malloc.apply(settings.keep_freed_host_memory)  # before any thread starts or any weight arrives
-    from logprob_service.models.loading import ModelLoadError
+    from logprob_service.builder import GroupLost, ModelLoadError
     from logprob_service.security.bearer_tokens import TokenConfigError
     from logprob_service.startup import serve
-    from logprob_service.worker.tensor_parallel import GroupLost
 
     try:
         asyncio.run(serve(settings))

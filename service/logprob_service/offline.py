@@ -1,7 +1,7 @@
 """Scoring in this process, without gRPC, through the served path.
 
-``OfflineScorer`` calls the very engine the server runs (``engine.engine.LogprobEngine``, built by
-``builder.engine_on``): the same checks, queue, scheduler loop and device worker; balanced
+``OfflineScorer`` calls the very engine the server runs (``LogprobEngine``, built by the builder:
+``builder.in_process``): the same checks, queue, scheduler loop and device worker; balanced
 micro-batches under the token budget, two in flight, results in order. Tests and benchmarks use it, so what they
 check and time is what the server does, less the wire.
 
@@ -17,15 +17,16 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from transformers import PreTrainedModel
-
-from logprob_service.builder import engine_on
+from logprob_service.builder import (
+    CausalLMScorer,
+    InProcessModel,
+    LogprobOp,
+    ScoringOptions,
+    in_process_engine,
+    serve_in_process,
+)
 from logprob_service.domain import ScoreJob, ScoreOptions, SequenceScores, TokenSequence
-from logprob_service.engine.engine import EngineConfig, LogprobEngine
-from logprob_service.engine.registry import ModelRegistry
-from logprob_service.models.scorer import CausalLMScorer, ScoringOptions
-from logprob_service.models.served import ServedModel, serve_model
-from logprob_service.ops.dispatch import LogprobOp
+from logprob_service.engine import LogprobEngine
 from logprob_service.settings.model import DEFAULT_MAX_BATCH_SEQUENCES, DEFAULT_MAX_BATCH_TOKENS
 from logprob_service.stats import NO_STATS, StatsSink
 
@@ -37,7 +38,7 @@ class OfflineScorer:
 
     def __init__(
         self,
-        model: PreTrainedModel | ServedModel,
+        model: InProcessModel,
         *,
         logprob_op: LogprobOp | None = None,
         options: ScoringOptions | None = None,
@@ -45,32 +46,21 @@ class OfflineScorer:
         max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
         stats: StatsSink = NO_STATS,
     ) -> None:
-        if isinstance(model, ServedModel):
-            self.served = model
-        else:
-            scorer = CausalLMScorer(model, logprob_op=logprob_op, options=options)
-            self.served = serve_model("offline", "in-process", scorer)
-        registry = ModelRegistry()
-        registry.add(self.served)
-        # One caller: no queue limit, and nothing held back for more work (a call's whole job is
-        # queued before the loop looks).
-        config = EngineConfig(
-            max_batch_tokens=max_batch_tokens,
-            max_batch_sequences=max_batch_sequences,
-            share_prompts=self.served.scorer.options.share_prompts,
-        )
+        self.served = serve_in_process(model, logprob_op=logprob_op, options=options)
         # One event loop on a thread of its own, with one engine, for the scorer's life: a call
         # costs a hand-over to it, and works from any thread, a coroutine's included.
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="logprob-offline", daemon=True)
         self._thread.start()
-        self.engine = self._run(self._start(registry, config, stats))
+        self.engine = self._run(self._start(max_batch_tokens, max_batch_sequences, stats))
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _start(self, registry: ModelRegistry, config: EngineConfig, stats: StatsSink) -> LogprobEngine:
-        engine = engine_on(registry, [self.served.device], config, stats=stats)
+    async def _start(self, max_batch_tokens: int, max_batch_sequences: int, stats: StatsSink) -> LogprobEngine:
+        engine = in_process_engine(
+            self.served, max_batch_tokens=max_batch_tokens, max_batch_sequences=max_batch_sequences, stats=stats
+        )
         engine.start()
         await engine.serving()
         return engine

@@ -1,7 +1,7 @@
-"""Start-up: the one module that builds the engine and its edges, and runs them until a signal.
+"""Start-up: the one module that wires the edges over the engine, and runs them until a signal.
 
-``Service`` is a server's whole: its engine (``builder.build_engine``), the models loaded into it
-(one replica per device, or a tensor-parallel group's rank 0), the gRPC edge
+``Service`` is a server's whole: its device side (``builder.DeviceSide``: the engine and the
+models loaded into it, one replica per device or a tensor-parallel group's rank 0), the gRPC edge
 (``api.server.create_server``) and its weight receivers, and the HTTP edge (``http.server``) when
 ``http_port`` is set. ``serve`` binds, loads, warms up and serves until SIGTERM/SIGINT, then drains
 both edges within the grace period.
@@ -10,31 +10,22 @@ both edges within the grace period.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import signal
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from logprob_service.api.receivers import WeightReceivers
 from logprob_service.api.server import GrpcEdge, create_server
-from logprob_service.builder import build_engine, load_models, server_devices
-from logprob_service.engine.engine import LogprobEngine
-from logprob_service.engine.registry import ModelRegistry
-from logprob_service.engine.scheduler import Scheduler
-from logprob_service.engine.weights.updater import WeightUpdater
+from logprob_service.builder import Build, DeviceSide, GroupLost, cuda_version
+from logprob_service.engine import LogprobEngine, ModelRegistry
 from logprob_service.http.connections import raise_open_file_limit
 from logprob_service.http.server import HttpEdge, start_http
-from logprob_service.models.build import build_rank
-from logprob_service.models.loading import resolve_devices
 from logprob_service.observability import metrics
 from logprob_service.security.bearer_tokens import TokenTable, load_token_table
 from logprob_service.settings.model import Settings
-from logprob_service.worker.pinned import page_lock
-from logprob_service.worker.tensor_parallel import Build, GroupLost, Leader
 
 log = logging.getLogger(__name__)
 
@@ -44,57 +35,37 @@ class Service:
     """Everything a server runs; owned by one event loop."""
 
     settings: Settings
-    devices: list[torch.device]  # the engine's lanes, one device each
-    engine: LogprobEngine
+    device_side: DeviceSide  # the engine and its models (also what tests and benchmarks reach)
     tokens: TokenTable | None  # None: authentication off
-    # With tensor_parallel > 1: rank 0's side of the group (started by load_models), and a future
-    # that gets the reason once the group is lost (a rank gone): the server then exits.
-    leader: Leader | None = None
-    lost: asyncio.Future[str] | None = None
-    build: Build | None = None  # what loads each rank's models (default: those the settings name)
     edge: GrpcEdge | None = None  # once the gRPC server started
     http: HttpEdge | None = None  # once the HTTP edge started
 
     @classmethod
     def create(cls, settings: Settings, registry: ModelRegistry | None = None, build: Build | None = None) -> Service:
         """Raises ``TokenConfigError`` for a bad token document and ``ModelLoadError`` for devices
-        this host lacks, before anything starts. A ``registry`` given already filled holds one
-        replica per device of ``settings.device``. ``build``: with tensor parallel, what
-        ``load_models`` runs on every rank instead of loading the settings' models (benchmarks)."""
+        this host lacks, before anything starts. ``registry`` and ``build``: ``DeviceSide.create``'s."""
         tokens = load_token_table(settings)
         stats = metrics.PrometheusStats()
-        devices = server_devices(settings)
-        engine = build_engine(settings, devices, registry=registry, stats=stats)
-        metrics.track(engine)  # for as long as the engine lives
-        metrics.describe_runtime(cuda=torch.version.cuda or "none")
-        return cls(settings, devices, engine, tokens, build=build)
-
-    # What tests and benchmarks reach through a running service.
-    @property
-    def registry(self) -> ModelRegistry:
-        return self.engine.registry
+        device_side = DeviceSide.create(settings, registry=registry, build=build, stats=stats)
+        metrics.track(device_side.engine)  # for as long as the engine lives
+        metrics.describe_runtime(cuda=cuda_version())
+        return cls(settings, device_side, tokens)
 
     @property
-    def scheduler(self) -> Scheduler:
-        return self.engine.scheduler
+    def engine(self) -> LogprobEngine:
+        return self.device_side.engine
 
     @property
-    def updater(self) -> WeightUpdater:
-        return self.engine.updater
-
-    @property
-    def receivers(self) -> WeightReceivers | None:
+    def receivers(self) -> WeightReceivers | None:  # what tests reach through a running service
         return self.edge.receivers if self.edge is not None else None
 
     async def start_grpc(self, address: str) -> tuple[grpc.aio.Server, int]:
         """Bind and start the gRPC edge (health NOT_SERVING until ``warm_up``) and its weight
         receivers; the engine's scheduler starts with it."""
-        on_gpu = any(device.type == "cuda" for device in self.devices)
         self.engine.start()
         try:
-            # On a GPU, receivers' slots are page-locked in place: a dense piece goes from its slot to the device.
             self.edge = await create_server(
-                self.engine, self.settings, address, tokens=self.tokens, page_lock=page_lock if on_gpu else None
+                self.engine, self.settings, address, tokens=self.tokens, page_lock=self.device_side.page_lock
             )
         except BaseException:
             await self.engine.close()
@@ -108,33 +79,8 @@ class Service:
         return self.http.port
 
     async def load_models(self) -> None:
-        """Load every configured model in a worker thread (the loop keeps answering health checks),
-        once per device, or over the tensor-parallel group."""
-        if self.settings.tensor_parallel > 1:
-            await self._load_tensor_parallel()
-        else:
-            await load_models(self.registry, self.settings, self.devices)
-
-    async def _load_tensor_parallel(self) -> None:
-        """Start the group's other ranks and load every model's shards on all of them."""
-        s = self.settings
-        loop = asyncio.get_running_loop()
-        lost = self.lost if self.lost is not None else loop.create_future()
-        self.lost = lost
-
-        def on_lost(reason: str) -> None:  # from any thread; the first reason wins
-            loop.call_soon_threadsafe(lambda: lost.done() or lost.set_result(reason))
-
-        devices = resolve_devices(s.device, s.tensor_parallel)
-        build = self.build or functools.partial(build_rank, s)
-        self.leader = await loop.run_in_executor(
-            None, functools.partial(Leader.start, devices, build, s.log_level, s.log_format)
-        )
-        self.leader.watch(on_lost)
-        served = await loop.run_in_executor(None, build, self.leader.tp, devices[0])
-        for name, model in served.items():
-            self.leader.lead(name, model.scorer, on_lost)
-            self.registry.add(model)
+        """Load every configured model (``DeviceSide.load_models``), the loop answering health checks meanwhile."""
+        await self.device_side.load_models()
 
     async def warm_up(self) -> None:
         """Score a short random sequence with every model through the real path, then SERVE."""
@@ -170,9 +116,7 @@ class Service:
             await self.http.close()
         if self.edge is not None:
             await self.edge.close()
-        await self.engine.close()
-        if self.leader is not None:
-            self.leader.stop()
+        await self.device_side.close()
 
 
 def _freeze_heap() -> None:
@@ -227,19 +171,19 @@ async def _serve(service: Service, settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    service.lost = loop.create_future()
+    lost = service.device_side.lost()
     startup = asyncio.create_task(_start_models(service))
     stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({startup, stopper, service.lost}, return_when=asyncio.FIRST_COMPLETED)
-    if not service.lost.done() and startup.done() and startup.exception() is not None:
+    await asyncio.wait({startup, stopper, lost}, return_when=asyncio.FIRST_COMPLETED)
+    if not lost.done() and startup.done() and startup.exception() is not None:
         stopper.cancel()
         await server.stop(0)
         await service.close()
         raise startup.exception()  # type: ignore[misc]
-    await asyncio.wait({stopper, service.lost}, return_when=asyncio.FIRST_COMPLETED)
-    if service.lost.done():
+    await asyncio.wait({stopper, lost}, return_when=asyncio.FIRST_COMPLETED)
+    if lost.done():
         # Work may be stuck in a collective with the lost rank: nothing is waited for.
-        reason = service.lost.result()
+        reason = lost.result()
         log.error("tensor-parallel group lost: %s; not serving, exiting", reason)
         await service.engine.draining()
         await server.stop(0)
@@ -253,4 +197,4 @@ async def _serve(service: Service, settings: Settings) -> None:
 async def _start_models(service: Service) -> None:
     await service.load_models()
     await service.warm_up()
-    log.info("SERVING models: %s", ", ".join(served.info.name for served in service.registry))
+    log.info("SERVING models: %s", ", ".join(served.info.name for served in service.device_side.registry))

@@ -35,7 +35,9 @@ async def test_a_cancelled_call_logs_whether_its_deadline_passed_or_its_caller_l
             assert (await late.code()) == grpc.StatusCode.DEADLINE_EXCEEDED
             await eventually(lambda: len(failures(caplog)) == 1, "the expired call's log line")
             left = stub.ScoreTokens(request(random_sequence(rng, 4, 4)), timeout=60)
-            await eventually(lambda: running.service.scheduler.admission.queued_tokens > 5, "the call queued")
+            await eventually(
+                lambda: running.service.device_side.scheduler.admission.queued_tokens > 5, "the call queued"
+            )
             left.cancel()
             await eventually(lambda: len(failures(caplog)) == 2, "the cancelled call's log line")
             gate.release.set()

@@ -229,13 +229,13 @@ async def test_with_yielding_off_a_push_is_read_while_a_launch_is_in_progress(ll
     running = await start(settings({"policy": str(llama_checkpoint)}, update_yield_to_launches=False))
     try:
         waits = []
-        between_launches = running.service.scheduler.between_launches
+        between_launches = running.service.device_side.scheduler.between_launches
 
         async def counted(max_wait_s):
             waits.append(max_wait_s)
             await between_launches(max_wait_s)
 
-        running.service.scheduler.between_launches = counted
+        running.service.device_side.scheduler.between_launches = counted
 
         async def all_read(messages):
             await eventually(lambda: len(pieces_read) == len(messages) - 2, "every piece to be read")

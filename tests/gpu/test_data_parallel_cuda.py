@@ -50,7 +50,7 @@ async def test_two_gpus_score_bit_for_bit_as_one_before_and_after_an_update(tmp_
     two = None
     try:
         two = await start(settings({"policy": str(tmp_path)}, device="cuda:0,cuda:1", **cfg))
-        replicas = two.service.registry.replicas("policy")
+        replicas = two.service.device_side.registry.replicas("policy")
         assert [str(r.device) for r in replicas] == ["cuda:0", "cuda:1"]
         counts = [count_launches(r) for r in replicas]
         batches = [random_sequences(rng, 4, max_len=60) for _ in range(48)]

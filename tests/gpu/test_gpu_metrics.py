@@ -33,7 +33,7 @@ def test_micro_batch_peak_forgets_earlier_peaks_but_the_peak_since_start_keeps_t
 
 async def test_gpu_memory_gauges_are_torch_cuda_figures():
     running = await start(test_settings(None, models={"default": "builtin:tiny-llama"}, device="cuda"))
-    info = running.service.registry.get("default").info
+    info = running.service.device_side.registry.get("default").info
     device = torch.device(info.device)
     label = {"device": info.device}
     batches = (

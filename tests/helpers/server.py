@@ -42,7 +42,7 @@ class Running:
         self.target = f"127.0.0.1:{port}"
 
     def scorer(self, name: str):
-        return self.service.registry.get(name).scorer
+        return self.service.device_side.registry.get(name).scorer
 
 
 async def start(settings: Settings, *, warm: bool = True) -> Running:

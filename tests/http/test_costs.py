@@ -147,7 +147,7 @@ async def test_a_top_k_answer_past_max_answer_bytes_is_refused_before_scoring(rn
     both = await serve_both(max_answer_bytes=2**20, max_tokens_per_request=20_000, max_sequences_per_request=16)
     try:
         launched = []
-        scheduler = both.running.service.scheduler
+        scheduler = both.running.service.device_side.scheduler
         body = {
             "input_ids": [rng.integers(3, VOCAB, 4096).tolist() for _ in range(4)],
             "sampling_params": {"max_new_tokens": 0},

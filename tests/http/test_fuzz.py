@@ -176,7 +176,7 @@ async def test_no_body_gets_a_5xx(served, path):
     statuses: dict[int, int] = {}
     await asyncio.to_thread(run)
     assert statuses.get(200, 0) >= 5, statuses  # the fuzzing reaches scoring, not only the parser
-    assert served.running.service.scheduler.admission.queued_tokens == 0, "fuzzed requests left work queued"
+    assert served.running.service.device_side.scheduler.admission.queued_tokens == 0, "fuzzed requests left work queued"
     async with httpx.AsyncClient(base_url=served.base) as http:
         body = {"model": "default", "max_tokens": 1, "prompt_logprobs": 0, "prompt": [1, 2, 3]}
         assert (await http.post("/v1/completions", json=body)).status_code == 200

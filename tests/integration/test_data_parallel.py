@@ -58,7 +58,7 @@ def count_launches(replica, release: threading.Event | None = None) -> list[int]
 
 
 async def test_requests_spread_over_the_replicas_and_score_as_the_model(two_replicas, rng):
-    replicas = two_replicas.service.registry.replicas("default")
+    replicas = two_replicas.service.device_side.registry.replicas("default")
     assert len(replicas) == 2 and replicas[0].scorer.model is not replicas[1].scorer.model
     release = threading.Event()
     counts = [count_launches(replicas[0], release), count_launches(replicas[1])]
@@ -76,7 +76,7 @@ async def test_requests_spread_over_the_replicas_and_score_as_the_model(two_repl
 
 
 async def test_an_update_goes_live_on_every_replica_together(two_replicas, rng):
-    replicas = two_replicas.service.registry.replicas("default")
+    replicas = two_replicas.service.device_side.registry.replicas("default")
     new = make_model("qwen2", tied=True, seed=int(rng.integers(2**31)))
     batches = [random_sequences(rng, 2) for _ in range(8)]
     async with AsyncLogprobClient(two_replicas.target, model="default") as client:
@@ -92,7 +92,7 @@ async def test_a_sparse_delta_reaches_every_replica_bit_for_bit(two_replicas, rn
     """A delta's changed copies are staged for each replica, a few tensors at a time (batches of
     3 here): every replica then holds what a dense push of the same weights would give."""
     monkeypatch.setattr(weights_update, "SPARSE_BATCH_TENSORS", 3)
-    replicas = two_replicas.service.registry.replicas("default")
+    replicas = two_replicas.service.device_side.registry.replicas("default")
     base = {k: v.detach().clone() for k, v in replicas[0].scorer.model.state_dict().items()}
     step, by_storage = {}, {}
     for name, tensor in replicas[0].scorer.model.state_dict().items():  # 2% of each weight's elements

@@ -22,7 +22,7 @@ from tests.helpers.server import start, stop, test_settings
 
 @pytest.mark.parametrize("model_name", ["default", "gemma"])
 async def test_sync_client_lists(running, model_name, rng):
-    vocab = running.service.registry.get(model_name).info.vocab_size
+    vocab = running.service.device_side.registry.get(model_name).info.vocab_size
     prompts, completions = random_batch(rng, 5, vocab)
     with LogprobClient(running.target) as client:
         logprobs, entropies = await asyncio.to_thread(

@@ -252,7 +252,7 @@ async def test_scheduler_reports_deadline_exceeded_for_expired_jobs(running):
         deadline=time.monotonic() - 1,
     )
     with pytest.raises(ServerDeadline, match="late: deadline passed while queued"):
-        await running.service.scheduler.submit(job)
+        await running.service.device_side.scheduler.submit(job)
     assert grpc.StatusCode.DEADLINE_EXCEEDED == status_of(ServerDeadline("late"))
 
 

@@ -103,7 +103,7 @@ def test_server_killed_and_restarted_mid_stream(rng):
 
 async def test_client_disconnecting_mid_request(running, rng):
     gate = Gate(running)
-    scheduler = running.service.scheduler
+    scheduler = running.service.device_side.scheduler
     try:
         held = random_sequence(rng, 3, 2)
         other = asyncio.create_task(score(running.target, held))
@@ -141,7 +141,7 @@ def records_with_tokens(caplog, tokens: int) -> list[logging.LogRecord]:
 
 async def test_deadline_expiring_while_queued_is_not_retried(running, caplog, rng):
     gate = Gate(running)
-    scheduler = running.service.scheduler
+    scheduler = running.service.device_side.scheduler
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         held = asyncio.create_task(score(running.target, random_sequence(rng, 3, 2)))
@@ -166,7 +166,7 @@ async def test_a_full_queue_is_retried_until_admitted(gemma_checkpoint, caplog, 
     gate = Gate(running)
     # The hint the refusal carries (it is derived from the measured throughput): long enough that
     # the queue drains before the client's next attempt, whatever the machine's speed.
-    running.service.scheduler.admission.retry_after_s = lambda excess_tokens: 1.0
+    running.service.device_side.scheduler.admission.retry_after_s = lambda excess_tokens: 1.0
     caplog.set_level(logging.DEBUG, logger="logprob_service.requests")
     try:
         held = asyncio.create_task(score(running.target, random_sequence(rng, 150, 100)))

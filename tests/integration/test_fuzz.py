@@ -56,7 +56,7 @@ async def fuzzed(gemma_checkpoint, rng):
 
 async def check_unharmed(running, rng: np.random.Generator) -> None:
     """Serving, nothing left queued, and a correct request scores correctly."""
-    scheduler = running.service.scheduler
+    scheduler = running.service.device_side.scheduler
     for _ in range(500):  # abandoned calls drain within moments
         if scheduler.admission.queued_tokens == 0:
             break
@@ -77,7 +77,7 @@ async def check_unharmed(running, rng: np.random.Generator) -> None:
 
 
 def vocab_sizes(running) -> dict[str, int]:
-    return {served.info.name: served.info.vocab_size for served in running.service.registry}
+    return {served.info.name: served.info.vocab_size for served in running.service.device_side.registry}
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -244,7 +244,7 @@ def call_raw(channel: grpc.Channel, payload: bytes) -> tuple[grpc.StatusCode, by
 
 async def test_structured_requests_get_the_documented_status(fuzzed):
     vocab = vocab_sizes(fuzzed)
-    positions = {s.info.name: s.info.max_positions for s in fuzzed.service.registry}
+    positions = {s.info.name: s.info.max_positions for s in fuzzed.service.device_side.registry}
 
     @FUZZ
     @given(request=requests)
@@ -327,7 +327,7 @@ async def test_streams_answer_every_readable_request_once(fuzzed):
         assert sorted(answered) == sorted(r.request_id for r in sent)  # each exactly once, none lost
         assert status == (grpc.StatusCode.INVALID_ARGUMENT if len(payloads) > len(sent) else grpc.StatusCode.OK)
 
-    positions = {s.info.name: s.info.max_positions for s in fuzzed.service.registry}
+    positions = {s.info.name: s.info.max_positions for s in fuzzed.service.device_side.registry}
 
     def run() -> None:
         with grpc.insecure_channel(fuzzed.target) as channel:
@@ -528,7 +528,7 @@ async def test_weight_updates_with_any_fields_get_documented_statuses(fuzzed):
     commits: every one answered with a documented status, none INTERNAL, the update slot free."""
     model = fuzzed.scorer("gemma").model
     weights = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in model.state_dict().items()}
-    updater, registry = fuzzed.service.updater, fuzzed.service.registry
+    updater, registry = fuzzed.service.device_side.updater, fuzzed.service.device_side.registry
 
     name = min(weights)
     dtype, shape = weights[name]

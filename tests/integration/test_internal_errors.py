@@ -35,8 +35,8 @@ async def test_an_internal_answer_names_the_request_id_of_its_one_log_line(tiny,
     async def broken(*args, **kwargs):
         raise KeyError(SECRET)
 
-    monkeypatch.setattr(tiny.service.updater, "load", broken)
-    monkeypatch.setattr(tiny.service.scheduler, "submit", broken)
+    monkeypatch.setattr(tiny.service.device_side.updater, "load", broken)
+    monkeypatch.setattr(tiny.service.device_side.scheduler, "submit", broken)
     caplog.set_level(logging.INFO, logger="logprob_service")
     ids = []
     async with grpc.aio.insecure_channel(tiny.target) as channel:
@@ -107,7 +107,7 @@ async def test_long_request_ids_are_cut_in_log_lines_and_answers(tiny, caplog, m
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.ScoreTokens(request(([1], [2]), model="nope", request_id=long_id), timeout=30)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
-        monkeypatch.setattr(tiny.service.scheduler, "submit", broken)
+        monkeypatch.setattr(tiny.service.device_side.scheduler, "submit", broken)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.ScoreTokens(request(([1], [2]), request_id=long_id), timeout=30)
         assert info.value.code() == grpc.StatusCode.INTERNAL and "(60000 characters)" in info.value.details()

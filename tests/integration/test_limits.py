@@ -45,7 +45,7 @@ async def test_fair_share_refuses_a_greedy_client_and_admits_the_others(gemma_ch
     )
     running = await start(settings)
     gate = Gate(running)
-    scheduler = running.service.scheduler
+    scheduler = running.service.device_side.scheduler
     try:
         seqs = [random_sequence(rng, 150, 50) for _ in range(8)]  # 200 tokens each
         # The greedy client queues 1000 tokens (its whole share); the first is held on the device.
@@ -101,7 +101,7 @@ async def test_rpcs_beyond_the_connection_limit_wait_for_a_stream(gemma_checkpoi
     # Three streams a connection: the client's health watch holds one (client.channel), two are left.
     running = await start(test_settings(gemma_checkpoint, max_concurrent_rpcs_per_connection=3))
     gate = Gate(running)
-    scheduler = running.service.scheduler
+    scheduler = running.service.device_side.scheduler
     try:
         seqs = [random_sequence(rng, 3, 2) for _ in range(7)]  # 5 tokens each
         with LogprobClient(running.target) as client:
@@ -164,7 +164,7 @@ async def test_a_shared_prompt_group_counts_what_it_runs_against_the_fair_share(
     )
     running = await start(settings)
     gate = Gate(running)
-    scheduler = running.service.scheduler
+    scheduler = running.service.device_side.scheduler
     try:
         plain = [[random_sequence(rng, 511, 1) for _ in range(2)] for _ in range(3)]  # 1,024 tokens each
         prompt, completions = group_of_one_token_completions(rng)
@@ -226,7 +226,9 @@ async def test_a_fresh_servers_retry_hint_is_modest(gemma_checkpoint, rng):
         seqs = [random_sequence(rng, 499, 1) for _ in range(16)]  # 8,000 tokens: the client's whole share
         held = [asyncio.create_task(score_raw(running.target, request(*seqs[i : i + 8]))) for i in (0, 8)]
         await gate.wait_entered()
-        await eventually(lambda: running.service.scheduler.admission.queued_tokens == 8000, "the share queued")
+        await eventually(
+            lambda: running.service.device_side.scheduler.admission.queued_tokens == 8000, "the share queued"
+        )
         err = await expect(
             running.target,
             request(*[random_sequence(rng, 499, 1) for _ in range(8)]),
@@ -235,7 +237,7 @@ async def test_a_fresh_servers_retry_hint_is_modest(gemma_checkpoint, rng):
         )
         # Past the share by 4,000 tokens: at the rate of the warm-up's 16 tokens, seconds (3 s here).
         assert pushback_s(err) == DEFAULT_RETRY_S
-        assert running.service.scheduler.admission.throughput is None
+        assert running.service.device_side.scheduler.admission.throughput is None
         gate.release.set()
         await asyncio.gather(*held)
     finally:
@@ -248,7 +250,7 @@ async def test_a_request_that_cannot_finish_by_its_deadline_is_refused_and_one_t
 ):
     running = await start(test_settings(gemma_checkpoint, max_batch_tokens=4096, max_tokens_per_request=4000))
     gate = None
-    admission = running.service.scheduler.admission
+    admission = running.service.device_side.scheduler.admission
 
     def full() -> pb.ScoreRequest:  # 4,000 tokens: one micro-batch, measured (a quarter of 4,096 or more)
         return request(*[random_sequence(rng, 499, 1) for _ in range(8)])

@@ -140,7 +140,7 @@ async def test_paths_to_what_is_not_a_regular_file_are_invalid_arguments_logged_
         assert len(failed) == 1 and failed[0].exc_info is None, (what, caplog.records)
         # A long path is cut where it is shown: the log line does not carry its 5,000 characters.
         assert len(failed[0].fields["error"]) < 1000, what
-    assert tiny.service.registry.get("default").info.version == 0
+    assert tiny.service.device_side.registry.get("default").info.version == 0
 
 
 async def test_load_weights_roots_confine_the_files_read_with_the_served_checkpoints(llama_checkpoint, tmp_path, rng):
@@ -215,4 +215,4 @@ async def test_files_with_no_tensors_are_refused_and_the_version_stays(tiny, tmp
     code, details, _ = await load_status(tiny.target, str(empty))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert f"path: {str(empty)!r} holds no tensors" in details
-    assert tiny.service.registry.get("default").info.version == 0
+    assert tiny.service.device_side.registry.get("default").info.version == 0

@@ -63,7 +63,7 @@ async def test_base_and_lora_models_share_one_copy_and_score_as_peft(base_dir, t
         settings({"ref": str(base_dir), "policy": f"ref+{tmp_path / 'a1'}", "other": f"ref+{tmp_path / 'a2'}"})
     )
     try:
-        registry = running.service.registry
+        registry = running.service.device_side.registry
         params = [p for served in registry for p in served.scorer.model.parameters()]
         base_bytes = sum(p.nbytes for p in base.parameters())
         adapter_bytes = sum(p.nbytes for n, p in registry.get("ref").scorer.model.named_parameters() if "lora_" in n)

@@ -169,7 +169,7 @@ async def test_overload_is_counted_and_the_queue_gauges_show_the_backlog(gemma_c
 
 
 async def test_model_and_build_info(running):
-    info = running.service.registry.get("gemma").info
+    info = running.service.device_side.registry.get("gemma").info
     labels = {
         "model": "gemma",
         "architecture": info.architecture,

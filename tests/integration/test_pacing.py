@@ -61,7 +61,7 @@ async def test_a_call_three_times_the_share_is_paced_through_without_refusals(wh
         # Sent all at once, two thirds of the parts were refused (and retried) at least once.
         assert refusals() - before <= 1
         assert_matches_reference(running, "default", prompts, completions, logprobs)
-        assert not running.service.scheduler.admission.client_tokens
+        assert not running.service.device_side.scheduler.admission.client_tokens
         async with AsyncLogprobClient(running.target) as client:
             (model,) = await client.list_models()
         assert (model.limits.max_queued_tokens, model.limits.max_queued_tokens_per_client) == (4 * SHARE, SHARE)

@@ -92,7 +92,7 @@ async def test_large_request_is_split_balanced_and_reassembled_in_order(gemma_ch
 
 async def test_cancelled_rpc_leaves_the_queue_without_compute(running):
     gate = Gate(running)
-    scheduler = running.service.scheduler
+    scheduler = running.service.device_side.scheduler
     try:
         blocker = asyncio.create_task(call(running.target, request(OK)))
         await gate.wait_entered()

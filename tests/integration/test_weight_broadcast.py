@@ -88,7 +88,7 @@ async def test_a_broadcast_update_lands_as_a_grpc_push_of_the_same_weights(serve
 )
 async def test_tensors_the_model_cannot_take_are_refused_before_any_broadcast(served, seed, change, fragment):
     model = served.scorer("policy").model
-    before = served.service.registry.get("policy").info
+    before = served.service.device_side.registry.get("policy").info
 
     def run():
         with LogprobClient(served.target, model="policy", timeout=60) as client, broadcaster(client) as sync:
@@ -103,7 +103,7 @@ async def test_tensors_the_model_cannot_take_are_refused_before_any_broadcast(se
 async def test_a_trainer_that_stops_midway_aborts_the_update_and_the_group(served, seed):
     model = served.scorer("policy").model
     weights = new_weights(model, seed)
-    before = served.service.registry.get("policy").info
+    before = served.service.device_side.registry.get("policy").info
 
     def run():
         with LogprobClient(served.target, model="policy", timeout=60) as client, broadcaster(client) as sync:

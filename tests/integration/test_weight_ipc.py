@@ -67,7 +67,7 @@ async def test_tensors_the_model_cannot_take_are_refused_before_any_handle_is_op
     weights = served.scorer("policy").model.state_dict()
     name = "model.layers.0.mlp.up_proj.weight"
     shape = tuple(weights[name].shape)
-    live = served.service.registry.get("policy").info
+    live = served.service.device_side.registry.get("policy").info
     version, fingerprint = live.version, live.fingerprint
     cases = [
         ([ipc_tensor("model.layers.0.no_such.weight", "float32", shape)], "model.layers.0.no_such.weight"),
@@ -85,7 +85,7 @@ async def test_tensors_the_model_cannot_take_are_refused_before_any_handle_is_op
         err = await push(served.target, good, boot_id)
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "cpu" in err.details()
-    live = served.service.registry.get("policy").info
+    live = served.service.device_side.registry.get("policy").info
     assert (live.version, live.fingerprint) == (version, fingerprint)
 
 

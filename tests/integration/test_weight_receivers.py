@@ -162,11 +162,13 @@ async def test_a_call_broken_off_leaves_the_live_weights_and_the_receiver_servin
         async with grpc.aio.insecure_channel(receiver_target(served)) as channel:
             call = channel.stream_unary(UPDATE_WEIGHTS, request_serializer=None)(half_then_wait(), timeout=TIMEOUT_S)
             await sent.wait()
-            await eventually(lambda: served.service.updater.updating("policy"), "the update to start")
+            await eventually(lambda: served.service.device_side.updater.updating("policy"), "the update to start")
             call.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await call
-        await eventually(lambda: not served.service.updater.updating("policy"), "the broken-off update to end")
+        await eventually(
+            lambda: not served.service.device_side.updater.updating("policy"), "the broken-off update to end"
+        )
         assert (await live(client, "policy")).fingerprint == before.fingerprint
         result = await client.update_weights("policy", state, streams=2, chunk_bytes=SMALL_PIECES)
         assert result.version == before.version + 1

@@ -76,7 +76,7 @@ def fingerprint_of(weights: dict[str, torch.Tensor]) -> str:
 
 def joined(running) -> int:
     """How many streams the update of ``policy`` over several has (0: no such update in progress)."""
-    session = running.service.updater._sessions.get("policy")  # private: the moment of the join
+    session = running.service.device_side.updater._sessions.get("policy")  # private: the moment of the join
     return 0 if session is None else session.joined
 
 
@@ -115,21 +115,21 @@ async def test_a_push_over_three_streams_goes_live_once(served, rng, chunk_bytes
         assert after.version == before.version + 1, "one update, one version"
         assert after.fingerprint == r.fingerprint == model_fingerprint(new) != before.fingerprint
         assert_scores_match(new, sequences, await client.score(*as_lists(sequences)))
-        assert not served.service.updater.updating("policy")
+        assert not served.service.device_side.updater.updating("policy")
 
 
 async def test_an_ended_update_over_several_streams_holds_no_staged_tensors(served, rng, monkeypatch):
     """Once live, an update's staged copies are garbage: the updater remembers an ended update's
     id (for streams that come late), never the update, which holds them (a model's size each)."""
     updates = []
-    start_update = served.service.updater._start_update
+    start_update = served.service.device_side.updater._start_update
 
     def recording(header):
         update = start_update(header)
         updates.append(weakref.ref(update))
         return update
 
-    monkeypatch.setattr(served.service.updater, "_start_update", recording)
+    monkeypatch.setattr(served.service.device_side.updater, "_start_update", recording)
     async with AsyncLogprobClient(served.target, model="policy") as client:
         for _ in range(2):
             state = make_model("llama", tied=False, seed=new_seed(rng)).state_dict()
@@ -170,7 +170,7 @@ async def test_a_bad_tensor_in_one_stream_fails_every_call_and_changes_nothing(s
             assert isinstance(result, grpc.aio.AioRpcError), "every call of the update fails"
             assert result.code() == grpc.StatusCode.INVALID_ARGUMENT and NORM in result.details(), result.details()
         assert await live(client, "policy") == before
-        assert not served.service.updater.updating("policy")
+        assert not served.service.device_side.updater.updating("policy")
 
         result = await client.update_weights("policy", good, streams=3)
         assert result.version == before.version + 1 and result.fingerprint == fingerprint_of(good)
@@ -185,7 +185,9 @@ async def test_a_missing_stream_aborts_the_update_after_the_join_time(served, mo
         (result,) = await answers(channel, calls[:1])  # the other call is never made
         assert_failed(result, grpc.StatusCode.ABORTED, "only 1 of the 2 streams", "0.5 s", "nothing applied")
         assert await live(client, "policy") == before
-        assert not served.service.updater.updating("policy") and joined(served) == 0, "the update slot is free"
+        assert not served.service.device_side.updater.updating("policy") and joined(served) == 0, (
+            "the update slot is free"
+        )
 
         result = await client.update_weights("policy", good, streams=2)
         assert result.version == before.version + 1 and result.fingerprint == fingerprint_of(good)
@@ -212,7 +214,7 @@ async def test_streams_whose_headers_differ_fail_the_update(served, changes):
         for result in results:
             assert_failed(result, grpc.StatusCode.INVALID_ARGUMENT, "header", "nothing applied")
         assert await live(client, "policy") == before
-        assert not served.service.updater.updating("policy")
+        assert not served.service.device_side.updater.updating("policy")
         assert (await client.update_weights("policy", good, streams=2)).fingerprint == fingerprint_of(good)
 
 
@@ -235,7 +237,7 @@ async def test_a_tensor_sent_on_two_streams_of_one_update_is_refused(served, rng
         for result in await answers(channel, calls):
             assert_failed(result, grpc.StatusCode.INVALID_ARGUMENT, NORM, "sent twice")
         assert await live(client, "policy") == before
-        assert not served.service.updater.updating("policy")
+        assert not served.service.device_side.updater.updating("policy")
 
         # The same two streams, each with a tensor of its own, go live together.
         other = "model.layers.0.input_layernorm.weight"
@@ -280,10 +282,10 @@ async def test_a_stream_that_comes_after_its_update_failed_gets_the_updates_fail
         before = await live(client, "policy")
         (failed,) = await answers(channel, [calls[carrier]])  # its partner has not come yet
         assert_failed(failed, grpc.StatusCode.INVALID_ARGUMENT, NORM)
-        assert not served.service.updater.updating("policy")
+        assert not served.service.device_side.updater.updating("policy")
         (late,) = await answers(channel, [calls[1 - carrier]])
         assert await live(client, "policy") == before
-        assert not served.service.updater.updating("policy")
+        assert not served.service.device_side.updater.updating("policy")
         assert_failed(late, grpc.StatusCode.INVALID_ARGUMENT, NORM)
 
 
@@ -312,7 +314,7 @@ async def test_a_stream_cancelled_once_the_swap_has_begun_leaves_the_others_a_tr
         yield messages[-1]
 
     def first_committed() -> bool:
-        session = served.service.updater._sessions.get("policy")  # private: the moment of the commit
+        session = served.service.device_side.updater._sessions.get("policy")  # private: the moment of the commit
         return session is not None and session.committed == 1
 
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
@@ -326,7 +328,7 @@ async def test_a_stream_cancelled_once_the_swap_has_begun_leaves_the_others_a_tr
             assert await asyncio.to_thread(in_apply.wait, TIMEOUT_S), "the swap never began"
             last_call.cancel()
             await asyncio.wait([first_call], timeout=5.0)  # time for the cancellation to reach the server
-            slot_held_during_swap = served.service.updater.updating("policy")
+            slot_held_during_swap = served.service.device_side.updater.updating("policy")
         finally:
             release.set()
         with pytest.raises(asyncio.CancelledError):
@@ -380,14 +382,16 @@ async def test_a_stream_that_sends_only_its_header_is_aborted_after_the_idle_lim
         )
         for answer in answered:
             assert_failed(answer, grpc.StatusCode.ABORTED, f"no message came for {IDLE_S:g} s", "update_idle_timeout_s")
-        assert not served.service.updater.updating("policy") and joined(served) == 0, "the update slot is free"
+        assert not served.service.device_side.updater.updating("policy") and joined(served) == 0, (
+            "the update slot is free"
+        )
         assert await live(client, "policy") == before
 
         (alone,) = update_calls("policy", good, version=0, partial=False, streams=1)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await asyncio.wait_for(update(header_then_nothing(alone), timeout=TIMEOUT_S), TIMEOUT_S)
         assert_failed(caught.value, grpc.StatusCode.ABORTED, "update_idle_timeout_s", "model 'policy'")
-        assert not served.service.updater.updating("policy")
+        assert not served.service.device_side.updater.updating("policy")
 
         result = await client.update_weights("policy", good, streams=2)
         assert result.version == before.version + 1 and result.fingerprint == fingerprint_of(good)

@@ -199,7 +199,7 @@ async def test_a_stream_cut_midway_or_ended_early_changes_nothing(served):
             await asyncio.Event().wait()
 
         call = stub.UpdateWeights(stalls_midway())
-        updater = served.service.updater
+        updater = served.service.device_side.updater
         await eventually(lambda: updater.updating("policy"), "the update to start")
         call.cancel()
         await eventually(lambda: not updater.updating("policy"), "the cancelled update to end")
@@ -310,7 +310,7 @@ async def test_one_update_of_a_model_at_a_time(served):
     async with grpc.aio.insecure_channel(served.target) as channel, AsyncLogprobClient(served.target) as client:
         stub = pb_grpc.LogprobServiceStub(channel)
         first = stub.UpdateWeights(slow())  # the call starts at once
-        await eventually(lambda: served.service.updater.updating("policy"), "the first update to start")
+        await eventually(lambda: served.service.device_side.updater.updating("policy"), "the first update to start")
         with pytest.raises(UpdateAborted, match="another update of 'policy' is in progress"):
             await client.update_weights("policy", state)
         release.set()
@@ -336,7 +336,7 @@ async def test_a_push_cancelled_after_its_commit_goes_live_logged_and_listed(ser
                 await asyncio.Event().wait()
 
             push = stub.UpdateWeights(then_hold())
-            scheduler = served.service.scheduler
+            scheduler = served.service.device_side.scheduler
             await eventually(lambda: "policy" in scheduler.pending_swaps, "the commit, its swap waiting")
             push.cancel()
             listed = asyncio.ensure_future(stub.ListModels(pb.ListModelsRequest(), timeout=60))
@@ -349,7 +349,7 @@ async def test_a_push_cancelled_after_its_commit_goes_live_logged_and_listed(ser
     finally:
         gate.restore()
     assert any("version 7 live" in r.getMessage() for r in caplog.records)
-    await eventually(lambda: not served.service.updater.updating("policy"), "the update slot to be free")
+    await eventually(lambda: not served.service.device_side.updater.updating("policy"), "the update slot to be free")
 
 
 async def test_a_push_past_its_deadline_says_whether_it_went_live(llama_checkpoint):
@@ -391,7 +391,9 @@ async def test_a_push_past_its_deadline_says_whether_it_went_live(llama_checkpoi
             assert "did not go live" in caught.value.message
             gate.release.set()
             await held
-            await eventually(lambda: not running.service.updater.updating("policy"), "the update slot to be free")
+            await eventually(
+                lambda: not running.service.device_side.updater.updating("policy"), "the update slot to be free"
+            )
             assert (await live(client, "policy")).version == 0
     finally:
         gate.restore()

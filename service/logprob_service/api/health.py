@@ -5,7 +5,7 @@ from __future__ import annotations
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from logprob_service.engine.engine import LogprobEngine, Phase
+from logprob_service.engine import LogprobEngine, Phase
 
 SERVICE_NAME = "logprob.v1.LogprobService"
 

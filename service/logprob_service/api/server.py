@@ -20,7 +20,7 @@ from logprob_service.api.malformed import MalformedMessageInterceptor
 from logprob_service.api.receivers import PageLock, WeightReceivers
 from logprob_service.api.server_options import listen, server_options
 from logprob_service.api.servicer import LogprobServicer
-from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine import LogprobEngine
 from logprob_service.security.bearer_tokens import TokenTable
 from logprob_service.security.exposure import exposure_warnings
 from logprob_service.settings.model import Settings

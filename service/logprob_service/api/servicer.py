@@ -14,9 +14,7 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from logprob_service.api import accounting, handlers, wire
 from logprob_service.api.status import status_of
-from logprob_service.engine.engine import LogprobEngine
-from logprob_service.engine.validation import UNLIMITED, RequestCounts
-from logprob_service.engine.weights.session import StreamIdle
+from logprob_service.engine import UNLIMITED, LogprobEngine, RequestCounts, StreamIdle
 from logprob_service.errors import LogprobError
 from logprob_service.security.caller import current_client
 

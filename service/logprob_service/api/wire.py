@@ -32,9 +32,14 @@ from logprob_service.domain import (
     UpdateMessage,
     UpdateOutcome,
 )
-from logprob_service.engine.costs import prompt_once
-from logprob_service.engine.interfaces import WeightGroup
-from logprob_service.engine.validation import RequestCounts, RequestLimits, check_counts, distinct_prompt_tokens
+from logprob_service.engine import (
+    RequestCounts,
+    RequestLimits,
+    WeightGroup,
+    check_counts,
+    distinct_prompt_tokens,
+    prompt_once,
+)
 from logprob_service.errors import InvalidArgument, LogprobError
 
 DEFAULT_MODEL = "default"

@@ -44,7 +44,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from logprob_service.domain import ScoreResult
-from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine import LogprobEngine
 from logprob_service.errors import DeadlineExceeded, ErrorCode, InvalidArgument, LogprobError, PermissionDenied
 from logprob_service.http.errors import (
     BodiesBuffered,

@@ -17,8 +17,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from logprob_service.engine.engine import LogprobEngine
-from logprob_service.engine.validation import RequestLimits
+from logprob_service.engine import LogprobEngine, RequestLimits
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.errors import invalid_body
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreOptions, ScoreResult, SequenceScores, TokenSequence
-from logprob_service.engine.validation import RequestCounts, distinct_prompt_tokens
+from logprob_service.engine import RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import RouteRequest
 from logprob_service.http.errors import CallerGone, Naming

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.routing import Route
 
-from logprob_service.engine.engine import LogprobEngine
+from logprob_service.engine import LogprobEngine
 from logprob_service.http import sglang, trl, vllm
 from logprob_service.http.app import BodyLimits, Edge
 from logprob_service.http.connections import ConnectionLimits, connection_cap, guarded, quiet_accept_errors

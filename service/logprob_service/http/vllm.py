@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, SequenceScores
-from logprob_service.engine.engine import LogprobEngine, Phase
+from logprob_service.engine import LogprobEngine, Phase
 from logprob_service.errors import InvalidArgument, Unavailable
 from logprob_service.http import encoding
 from logprob_service.http.app import RouteAnswer, RouteRequest

@@ -273,7 +273,7 @@ async def test_old_policy_logps_scored_by_the_service_match_trl_s_own(gemma_chec
                 old_policy=old_policy,
                 **run,
             )
-        served = running.service.registry.get("policy").info
+        served = running.service.device_side.registry.get("policy").info
     finally:
         await stop(running)
 
