@@ -271,7 +271,7 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-class Ready:
+class UpdateChecked:
     """An update from a group is checked: rank 0 may broadcast."""
 
 

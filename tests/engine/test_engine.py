@@ -24,7 +24,7 @@ class Served:
 
 
 @dataclass
-class Part:
+class LaunchGroup:
     indices: list[int]
     launched: list[SequenceScores]
     error: Exception | None = None
@@ -40,7 +40,7 @@ class FakeLane:
     async def launch(self, served, sequences, options):
         self.launched.append((len(sequences), options.temperature))
         scores = [SequenceScores(np.full(len(s.completion_ids), -options.temperature, np.float32)) for s in sequences]
-        return [Part(list(range(len(sequences))), scores)]
+        return [LaunchGroup(list(range(len(sequences))), scores)]
 
     async def fetch(self, launched):
         return launched

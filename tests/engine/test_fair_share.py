@@ -35,7 +35,7 @@ class Served:
 
 
 @dataclass
-class Part:
+class LaunchGroup:
     indices: list[int]
     launched: asyncio.Future
     error: Exception | None = None
@@ -68,7 +68,7 @@ class FakeDevice:
         future = asyncio.get_running_loop().create_future()
         self.launched.append(list(sequences))
         self.pending.append((future, list(sequences)))
-        return [Part(list(range(len(sequences))), future)]
+        return [LaunchGroup(list(range(len(sequences))), future)]
 
     async def fetch(self, launched):
         return await launched

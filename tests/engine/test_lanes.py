@@ -35,7 +35,7 @@ class Replica:
 
 
 @dataclass
-class Part:
+class LaunchGroup:
     indices: list[int]
     launched: asyncio.Future
     error: Exception | None = None
@@ -55,7 +55,7 @@ class FakeDevice:
         future = asyncio.get_running_loop().create_future()
         self.launched.append((served.info.version, sum(s.num_tokens for s in sequences)))
         self.pending.append((future, [len(s.completion_ids) for s in sequences], served.info.version))
-        return [Part(list(range(len(sequences))), future)]
+        return [LaunchGroup(list(range(len(sequences))), future)]
 
     async def fetch(self, launched):
         return await launched

@@ -38,7 +38,7 @@ class Replica:
 
 
 @dataclass
-class Part:
+class LaunchGroup:
     indices: list[int]
     launched: asyncio.Future
     error: Exception | None = None
@@ -59,7 +59,7 @@ class HeldDevice:
             raise RuntimeError("the launch failed")
         done = asyncio.get_running_loop().create_future()
         done.set_result([SequenceScores(np.zeros(len(s.completion_ids), np.float32)) for s in sequences])
-        return [Part(list(range(len(sequences))), done)]
+        return [LaunchGroup(list(range(len(sequences))), done)]
 
     async def fetch(self, launched):
         return await launched

@@ -18,7 +18,6 @@ from logprob_service.domain import (
     GroupSpec,
     IpcHandle,
     ModelInfo,
-    Ready,
     ScoreJob,
     ScoreOptions,
     ScoreResult,
@@ -28,6 +27,7 @@ from logprob_service.domain import (
     TensorPiece,
     TensorSpec,
     TokenSequence,
+    UpdateChecked,
     UpdateHeader,
     UpdateMessage,
     UpdateOutcome,
@@ -453,7 +453,7 @@ def ipc_update(request: pb.IpcUpdateRequest) -> tuple[UpdateHeader, str, list[Sh
     return _update_header(request.header), request.boot_id, tensors
 
 
-def distributed_response(event: Ready | UpdateOutcome) -> pb.DistributedUpdateResponse:
-    if isinstance(event, Ready):
+def distributed_response(event: UpdateChecked | UpdateOutcome) -> pb.DistributedUpdateResponse:
+    if isinstance(event, UpdateChecked):
         return pb.DistributedUpdateResponse(ready=pb.DistributedUpdateResponse.Ready())
     return pb.DistributedUpdateResponse(done=update_response(event))

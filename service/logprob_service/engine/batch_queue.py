@@ -1,6 +1,6 @@
 """The queue of scoring work and how micro-batches are formed from it: synchronous, no I/O.
 
-Every admitted request is cut into *units* (some of its sequences, always scored together): one
+Every admitted request is cut into *units* (``RequestSlice``: some of its sequences, always scored together): one
 unit when it fits a micro-batch, else balanced parts (``partition.plan_micro_batches``,
 Karmarkar-Karp), a part over the budget (a sequence longer than it) first. Each client
 (``ScoreJob.client``) has a queue of its units per ``BatchKey``, in arrival order.
@@ -80,8 +80,8 @@ class Request:
     compute_ns: int = 0
     model_version: int = 0
     costs: list[int] = field(default_factory=list)  # each sequence's share of the planned cost (BatchQueue.plan)
-    queued_cost: int = 0  # token-equivalents (Unit.cost) of its units in the queue; 0 once none are
-    taken: int = 0  # its share of the planned cost in the units taken so far (Unit.admitted)
+    queued_cost: int = 0  # token-equivalents (RequestSlice.cost) of its units in the queue; 0 once none are
+    taken: int = 0  # its share of the planned cost in the units taken so far (RequestSlice.admitted)
     scores: list[SequenceScores | None] = field(init=False)
     remaining: int = field(init=False)
 
@@ -104,7 +104,7 @@ class Request:
 
 
 @dataclass(eq=False)
-class Unit:
+class RequestSlice:
     """Some sequences of one request, always scored in the same micro-batch."""
 
     request: Request
@@ -123,7 +123,7 @@ class _Client:
     """One client's queued work and its turn in the round-robin."""
 
     name: str
-    queues: dict[BatchKey, deque[Unit]] = field(default_factory=dict)  # by key, each in arrival order
+    queues: dict[BatchKey, deque[RequestSlice]] = field(default_factory=dict)  # by key, each in arrival order
     cost: int = 0  # token-equivalents of its queued units (those of requests discarded not counted)
     deficit: int = 0  # what its turn may still take
     in_turn: bool = False  # its turn has begun (its quantum given) and is not over
@@ -135,7 +135,7 @@ class _Batch:
 
     budget: int
     max_sequences: int
-    units: list[Unit] = field(default_factory=list)
+    units: list[RequestSlice] = field(default_factory=list)
     cost: int = 0
     sequences: int = 0
 
@@ -151,7 +151,7 @@ class _Batch:
     def full(self) -> bool:
         return self.room <= 0 or self.room_sequences <= 0
 
-    def add(self, unit: Unit) -> None:
+    def add(self, unit: RequestSlice) -> None:
         self.units.append(unit)
         self.cost += unit.cost
         self.sequences += len(unit.indices)
@@ -192,7 +192,7 @@ class BatchQueue:
         """Token-equivalents a micro-batch of ``sequences`` costs."""
         return sum(self.costs(sequences))
 
-    def plan(self, request: Request) -> list[Unit]:
+    def plan(self, request: Request) -> list[RequestSlice]:
         """``request``'s units (one, or balanced parts if it is larger than a micro-batch), not queued
         yet, and each sequence's share of their cost in ``request.costs``."""
         seqs = request.job.sequences
@@ -214,7 +214,7 @@ class BatchQueue:
             for i, cost in zip(indices, costs):
                 # admission counts the extra outputs too; micro-batches are cut by the tokens they run
                 request.costs[i] = cost + output_cost(seqs[i], request.job.options.top_k)
-            units.append(Unit(request, indices, sum(costs)))
+            units.append(RequestSlice(request, indices, sum(costs)))
         # A part over the budget runs as a micro-batch of its own, which it must start: first, it
         # holds up none of the request's other parts behind it.
         units.sort(key=lambda unit: unit.cost <= self.max_batch_tokens)
@@ -224,7 +224,7 @@ class BatchQueue:
         """Queue ``request``'s units (``plan``)."""
         self.add(self.plan(request))
 
-    def add(self, units: list[Unit]) -> None:
+    def add(self, units: list[RequestSlice]) -> None:
         """Queue the units ``plan`` made of one request (once it is admitted)."""
         if not units:
             return
@@ -246,7 +246,7 @@ class BatchQueue:
                 heapq.heapify(self._deadlines)
 
     @property
-    def units(self) -> list[Unit]:
+    def units(self) -> list[RequestSlice]:
         """Every queued unit: client by client in turn order, each client's in arrival order by key."""
         return [
             unit
@@ -256,7 +256,7 @@ class BatchQueue:
             if unit.request.queued_cost
         ]
 
-    def _count(self, client: _Client, unit: Unit, sign: int) -> None:
+    def _count(self, client: _Client, unit: RequestSlice, sign: int) -> None:
         """``unit`` of ``client`` enters the queue (``sign`` 1) or leaves it (-1)."""
         cost, request = sign * unit.cost, unit.request
         queued = bool(request.queued_cost)
@@ -328,12 +328,12 @@ class BatchQueue:
         return dropped
 
     @staticmethod
-    def eligible(unit: Unit, held: Collection[str]) -> bool:
+    def eligible(unit: RequestSlice, held: Collection[str]) -> bool:
         """Whether ``unit`` may be launched now: not when its model is held for a swap and its
         request has not started (a started one must finish on the weights it started with)."""
         return unit.request.job.model not in held or unit.request.started
 
-    def _live(self, unit: Unit) -> bool:
+    def _live(self, unit: RequestSlice) -> bool:
         """Whether ``unit`` is still to run; one of a request that is over is discarded with the
         request's other units (``discard``), for ``drop_dead`` to report."""
         request = unit.request
@@ -341,7 +341,7 @@ class BatchQueue:
             self._dropped.append((request, self.discard(request)))
         return bool(request.queued_cost)
 
-    def _clear_front(self, client: _Client, key: BatchKey) -> deque[Unit] | None:
+    def _clear_front(self, client: _Client, key: BatchKey) -> deque[RequestSlice] | None:
         """``client``'s queue of ``key`` once the units at its front that will not run are
         dropped (None when nothing is left of it)."""
         queue = client.queues.get(key)
@@ -352,7 +352,7 @@ class BatchQueue:
             return None
         return queue
 
-    def _window(self, client: _Client, key: BatchKey, held: Collection[str]) -> Iterator[tuple[int, Unit]]:
+    def _window(self, client: _Client, key: BatchKey, held: Collection[str]) -> Iterator[tuple[int, RequestSlice]]:
         """The units among the first FIT_WINDOW still to run in ``client``'s queue of ``key`` that
         may run now, with their places in it (those that will not run are dropped on the way, so a
         started request always has a unit among them). Stop iterating once the queue changes."""
@@ -368,7 +368,7 @@ class BatchQueue:
                 yield place, unit
             place += 1
 
-    def _next(self, held: Collection[str]) -> tuple[_Client, BatchKey, int, Unit] | None:
+    def _next(self, held: Collection[str]) -> tuple[_Client, BatchKey, int, RequestSlice] | None:
         """Where the next micro-batch starts: the first client in turn order with a unit that may
         run, the key of its oldest such unit, and that unit's place and the unit."""
         for client in list(self._clients.values()):
@@ -379,7 +379,7 @@ class BatchQueue:
                 return client, *min(firsts, key=lambda first: first[2].request.arrived_ns)
         return None
 
-    def first_eligible(self, held: Collection[str] = ()) -> Unit | None:
+    def first_eligible(self, held: Collection[str] = ()) -> RequestSlice | None:
         """The unit the next micro-batch starts with (None: nothing may be launched now)."""
         found = self._next(held)
         return None if found is None else found[3]
@@ -399,11 +399,11 @@ class BatchQueue:
             return self._key_costs[key]
         return sum(unit.cost for client in list(self._clients.values()) for _, unit in self._window(client, key, held))
 
-    def fills_a_batch(self, first: Unit, held: Collection[str] = ()) -> bool:
+    def fills_a_batch(self, first: RequestSlice, held: Collection[str] = ()) -> bool:
         """Whether the eligible work sharing ``first``'s key fills a micro-batch's budget."""
         return self._key_cost(first.request.key, held) >= self.max_batch_tokens
 
-    def take(self, held: Collection[str] = (), spread: int = 1) -> list[Unit]:
+    def take(self, held: Collection[str] = (), spread: int = 1) -> list[RequestSlice]:
         """The next micro-batch (removed from the queue); needs an eligible unit. A unit larger than
         the budget (a sequence longer than it: ``plan_micro_batches`` puts each alone) goes alone,
         when it starts a micro-batch.
@@ -474,7 +474,7 @@ class BatchQueue:
                 return False  # none of it fits the room left: its turn goes on in the next micro-batch
         return client.deficit <= 0
 
-    def _replace(self, client: _Client, key: BatchKey, place: int, left: Unit | None) -> None:
+    def _replace(self, client: _Client, key: BatchKey, place: int, left: RequestSlice | None) -> None:
         """The unit at ``place`` in ``client``'s queue of ``key`` was taken: ``left`` (the sequences
         not taken) takes its place, or none does."""
         queue = client.queues[key]
@@ -495,7 +495,9 @@ class BatchQueue:
         if self._clients.get(client.name) is client:
             self._clients[client.name] = self._clients.pop(client.name)
 
-    def _fit(self, unit: Unit, room: int, room_sequences: int) -> tuple[Unit | None, Unit | None]:
+    def _fit(
+        self, unit: RequestSlice, room: int, room_sequences: int
+    ) -> tuple[RequestSlice | None, RequestSlice | None]:
         """Split ``unit`` into the sequences that fit the room (in order) and the rest."""
         if unit.cost <= room and len(unit.indices) <= room_sequences:
             return unit, None
@@ -515,10 +517,12 @@ class BatchQueue:
         if not taken:
             return None, unit
         left = unit.indices[len(taken) :]
-        return Unit(unit.request, taken, used), Unit(unit.request, left, self.cost([sequences[j] for j in left]))
+        return RequestSlice(unit.request, taken, used), RequestSlice(
+            unit.request, left, self.cost([sequences[j] for j in left])
+        )
 
 
-def owners_of(units: list[Unit]) -> list[tuple[Request, int]]:
+def owners_of(units: list[RequestSlice]) -> list[tuple[Request, int]]:
     """(request, sequence index) of each position in a micro-batch made of ``units``."""
     return [(unit.request, i) for unit in units for i in unit.indices]
 

@@ -25,12 +25,12 @@ import numpy as np
 from logprob_service.domain import (
     GroupSpec,
     ModelInfo,
-    Ready,
     ScoreJob,
     ScoreResult,
     SharedTensor,
     TensorSpec,
     TokenSequence,
+    UpdateChecked,
     UpdateHeader,
     UpdateMessage,
     UpdateOutcome,
@@ -253,6 +253,6 @@ class LogprobEngine:
 
     def update_from_group(
         self, header: UpdateHeader, group_name: str, tensors: list[TensorSpec]
-    ) -> AsyncIterator[Ready | UpdateOutcome]:
+    ) -> AsyncIterator[UpdateChecked | UpdateOutcome]:
         self.check_accepting()
         return self.updater.update_from_group(header, group_name, tensors)

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 
 # A part: (sum of its weights, indices of its items). A partial partition: k parts sorted by
 # decreasing sum (ties: more items first, then by indices), so [0] is the largest, [-1] the smallest.
-Part = tuple[int, tuple[int, ...]]
+WeightedSubset = tuple[int, tuple[int, ...]]
 # Items x parts up to which KK plans (about 20 ms on the 2-core CPU machine; a request of 1,024
 # sequences in 16 micro-batches, as the defaults cut a GRPO step's RPC, is planned by KK).
 KK_MAX_WORK = 1 << 14
 
 
-def _entry(parts: Sequence[Part], order: int) -> tuple[int, int, tuple[Part, ...]]:
+def _entry(parts: Sequence[WeightedSubset], order: int) -> tuple[int, int, tuple[WeightedSubset, ...]]:
     """A heap entry: (-spread, creation order, partition). The order is unique, so partitions
     themselves are never compared and ties in spread go to the older partition."""
     ordered = tuple(sorted(parts, key=lambda p: (-p[0], -len(p[1]), p[1])))
@@ -57,7 +57,7 @@ def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    empty: Part = (0, ())
+    empty: WeightedSubset = (0, ())
     heap = [_entry([(w, (i,))] + [empty] * (k - 1), i) for i, w in enumerate(weights)]
     heapq.heapify(heap)
     for order in range(len(heap), 2 * len(heap) - 1):

@@ -39,7 +39,7 @@ import numpy as np
 
 from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, Timings
 from logprob_service.engine.admission import Admission
-from logprob_service.engine.batch_queue import TAIL_FRACTION, BatchQueue, Request, Unit, owners_of, requests_of
+from logprob_service.engine.batch_queue import TAIL_FRACTION, BatchQueue, Request, RequestSlice, owners_of, requests_of
 from logprob_service.engine.interfaces import Executor, Launch
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.errors import FailedPrecondition, LogprobError, Unavailable
@@ -94,7 +94,7 @@ class _Lane:
 class _Launched:
     """A micro-batch handed to the device: who owns each of its sequences, and its parts."""
 
-    units: list[Unit]
+    units: list[RequestSlice]
     tokens: int = 0  # run on the device (a prompt shared by several sequences once)
     cost: int = 0  # token-equivalents (costs.run_costs)
     start_ns: int = field(default_factory=time.perf_counter_ns)
@@ -293,7 +293,7 @@ class Scheduler:
     def _in_flight(self) -> list[asyncio.Task[None]]:
         return [task for lane in self._lanes for task in lane.in_flight]
 
-    async def _next_batch(self) -> list[Unit]:
+    async def _next_batch(self) -> list[RequestSlice]:
         while True:
             # Cleared before the state is looked at, not after: what comes meanwhile (a swap or a
             # request while a swap runs on the device, below) sets it again and is seen at once.
@@ -348,7 +348,7 @@ class Scheduler:
             else:
                 swap.done.set_result(None)
 
-    async def _launch(self, units: list[Unit], lane: _Lane) -> _Launched:
+    async def _launch(self, units: list[RequestSlice], lane: _Lane) -> _Launched:
         """Hand one micro-batch to ``lane``'s device thread; returns once its work is enqueued."""
         batch = _Launched(units)
         key = units[0].request.key

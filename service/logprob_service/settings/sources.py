@@ -121,7 +121,7 @@ def _closest(word: str, choices: Collection[str]) -> str | None:
     return match[0] if match else None
 
 
-def _shown(value: Any) -> str:
+def _truncated(value: Any) -> str:
     text = str(value)
     return text if len(text) <= 200 else text[:197] + "..."  # a path in full; not a whole document
 
@@ -155,7 +155,7 @@ class Origins:
             return flag(name)
         # No secret is echoed; a list or mapping (--model's) is shown by the message, spec by spec.
         if with_value and name not in ENV_ONLY_SETTINGS and not isinstance(value, list | dict):
-            spelled += sep + _shown(value)
+            spelled += sep + _truncated(value)
         return spelled + after + (f" ({flag(name)})" if with_flag and name not in self.flags else "")
 
     def problem(self, error: ErrorDetails) -> str:

@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Part:
+class LaunchGroup:
     """Some sequences of a micro-batch (by position), launched together or failed together."""
 
     indices: list[int]
@@ -51,11 +51,11 @@ def launch_splitting_on_oom(
     sequences: Sequence[TokenSequence],
     indices: list[int],
     options: ScoreOptions,
-) -> list[Part]:
+) -> list[LaunchGroup]:
     """Launch ``sequences[indices]`` as one packed batch, halving it on out-of-memory."""
     try:
         batch = pack([sequences[i] for i in indices], share_prompts=scorer.options.share_prompts)
-        return [Part(indices, launched=scorer.launch(batch, options))]
+        return [LaunchGroup(indices, launched=scorer.launch(batch, options))]
     except torch.OutOfMemoryError:
         pass  # handled below, once the traceback no longer holds the failed attempt's tensors
     if torch.cuda.is_available():
@@ -67,7 +67,7 @@ def launch_splitting_on_oom(
             free, total = torch.cuda.mem_get_info(scorer.device)
             room = f" ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free on {scorer.device} with the models loaded)"
         return [
-            Part(
+            LaunchGroup(
                 indices,
                 error=Overloaded(
                     f"a sequence of {seq.num_tokens} tokens ({len(seq.prompt_ids)} prompt + "
@@ -89,7 +89,7 @@ def launch_measured(
     options: ScoreOptions,
     *,
     stats: StatsSink = NO_STATS,
-) -> list[Part]:
+) -> list[LaunchGroup]:
     """``launch_splitting_on_oom`` over all of ``sequences``, observing its peak device memory."""
     with gpu_memory.micro_batch_peak(scorer.device) as peak:
         parts = launch_splitting_on_oom(scorer, sequences, list(range(len(sequences))), options)
@@ -112,8 +112,8 @@ class DeviceExecutor:
 
     async def launch(
         self, served: ServedModel, sequences: Sequence[TokenSequence], options: ScoreOptions
-    ) -> list[Part]:
-        def launch() -> list[Part]:
+    ) -> list[LaunchGroup]:
+        def launch() -> list[LaunchGroup]:
             served.activate()  # a LoRA model and its base share one model: select which one scores
             return launch_measured(served.scorer, sequences, options, stats=self._stats)
 

@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 from logprob_service.domain import (
     Commit,
     GroupSpec,
-    Ready,
     SharedTensor,
     SparsePiece,
     TensorPiece,
     TensorSpec,
+    UpdateChecked,
     UpdateHeader,
     UpdateMessage,
     UpdateOutcome,
@@ -345,8 +345,8 @@ class WeightUpdater:
 
     async def update_from_group(
         self, header: UpdateHeader, group_name: str, tensors: list[TensorSpec]
-    ) -> AsyncIterator[Ready | UpdateOutcome]:
-        """An update whose tensors rank 0 of ``group_name`` broadcasts: yields ``Ready`` once every
+    ) -> AsyncIterator[UpdateChecked | UpdateOutcome]:
+        """An update whose tensors rank 0 of ``group_name`` broadcasts: yields ``UpdateChecked`` once every
         tensor is checked, then the outcome once they are live. A broadcast that fails (the trainer
         went away, the group's timeout passed) aborts the update and closes the group."""
         start = time.perf_counter_ns()
@@ -358,7 +358,7 @@ class WeightUpdater:
             )
         with self._updating_model(header) as update:
             update.check_all(tensors)
-            yield Ready()
+            yield UpdateChecked()
             for i, spec in enumerate(tensors):
                 try:
                     received = await asyncio.to_thread(group.receive, spec.dtype, spec.shape)
