@@ -3,7 +3,7 @@
     PYTHONPATH=service:client python benchmarks/load_test.py                          # 60 s at 5x
     PYTHONPATH=service:client python benchmarks/load_test.py --duration-s 4 --measure-s 2   # CI's run
 
-tests/integration/test_load.py runs the short form in CI, and the full 60 s when the environment
+tests/benchmarks/test_load_test.py runs the short form in CI, and the full 60 s when the environment
 sets LOGPROB_LOAD_FULL=1. The steps, all in one run:
 
 1. Start ``logprob-service serve`` (builtin:tiny-llama) as a subprocess on a free loopback port,

@@ -3,7 +3,7 @@
 #
 #   BASE        cuda: the Dockerfile's own base, nvidia/cuda from a registry: the image for GPU nodes
 #               debian: a Debian bookworm base made on this machine (mmdebstrap), for machines
-#               that reach no container registry (CI's image test, tests/integration/test_image.py);
+#               that reach no container registry (CI's image test, tests/deploy/test_image.py);
 #               needs root, podman and mmdebstrap (or debootstrap)                          [cuda]
 #   IMAGE       the tag to build                                                 [logprob-service]
 #   TORCH_SPEC  the torch requirement [cuda: the Dockerfile's default, from PyTorch's index of its

@@ -17,7 +17,7 @@ they run:
   ``logprob-service`` command run and its client imported.
 
 No Docker engine or cluster is needed: no image is built or run and nothing is applied here
-(the image test, tests/integration/test_image.py, builds and runs the image).
+(the image test, tests/deploy/test_image.py, builds and runs the image).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The finiteness check of weight updates on CUDA (``check_finite_weights``; the CPU's paths are in
-tests/integration/test_nonfinite_weights.py): pushes staged on the device and in host memory, and
+tests/integration/weights/test_nonfinite_weights.py): pushes staged on the device and in host memory, and
 a sparse delta (its changed values probed on the device, ``DeviceStager._changed_copies``), through
 a real server in bf16. Skipped without a GPU."""
 

@@ -87,7 +87,7 @@ async def fail(context: grpc.aio.ServicerContext, error: LogprobError) -> None:
     returns (its response, if any, is dropped): grpc.aio keeps an abort's exception on the call's
     state, in a reference cycle with the handler's frames, so an aborted request stays in memory
     until the cyclic garbage collector runs, which under a stream of large bad requests grew the
-    server by 150 MiB (tests/integration/test_fuzz.py)."""
+    server by 150 MiB (tests/integration/limits/test_fuzz.py)."""
     if error.retryable:
         await context.abort(status_of(error), error.message, trailing_metadata=trailing_metadata(error))
     context.set_code(status_of(error))

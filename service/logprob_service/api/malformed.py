@@ -10,7 +10,7 @@ the deserializer returns a ``Malformed`` marker instead, and the handler's behav
   answers are sent), the stream is treated as ending there, and the call then ends with
   INVALID_ARGUMENT naming the message's index. A client stream with one answer (UpdateWeights)
   is read to its end first (``handlers.read_to_end``): answered while its client still sent, a
-  push got INTERNAL instead in a CI run (tests/integration/test_weight_receivers.py).
+  push got INTERNAL instead in a CI run (tests/integration/weights/test_weight_receivers.py).
 
 A single ``ScoreTokens`` request of more plain sequences than ``max_sequences`` is refused the
 same way, counted from its bytes before they are parsed (``wire.count_fields``): protobuf would

@@ -124,7 +124,7 @@ class _Receiver:
                 # What the client still sends is read and dropped before the status goes. Answered
                 # with the reading task cancelled mid-stream, a client still sending got INTERNAL
                 # ("Internal error from Core") instead of the status in about one run of six of
-                # tests/integration/test_weight_receivers.py (cf. grpc/grpc#36066, and
+                # tests/integration/weights/test_weight_receivers.py (cf. grpc/grpc#36066, and
                 # handlers.read_to_end on the server's port).
                 await forward
             else:

@@ -25,7 +25,7 @@ from logprob_service.engine.costs import tokens_run
 from logprob_service.errors import InvalidArgument
 
 # The smallest temperature (as a float32, the wire's type). Logits divided by a much smaller one
-# overflow float32 to inf and the log-probs come out NaN (found by tests/integration/test_fuzz.py);
+# overflow float32 to inf and the log-probs come out NaN (found by tests/integration/limits/test_fuzz.py);
 # no sampler runs anywhere near it.
 MIN_TEMPERATURE = float(np.float32(1e-6))
 
