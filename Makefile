@@ -52,12 +52,12 @@ serve: $(SERVER)  ## serve builtin:tiny-llama: gRPC 127.0.0.1:50051, HTTP :8000,
 
 JOBS ?= $(shell nproc)
 # Over JOBS pytest-xdist workers, a test file to a worker (its module fixtures are made once), each
-# with one OpenMP thread: JOBS processes share the cores instead of fighting over them (torch's
-# threads spin while they wait: beside two busy processes, a tiny-llama reference took 5x as long
-# with two threads as with one). Tests marked
-# `serial` run while no other test does (tests/conftest.py).
+# with one OpenMP thread, so that the processes share the cores rather than fight over them: torch's
+# threads spin while they wait (beside two busy processes, a tiny-llama float64 reference took 5x
+# as long with two threads as with one). The image test goes first, and tests marked `serial` run
+# alone (tests/conftest.py).
 test: install  ## the test suite on the CPU over JOBS processes (GPU tests are skipped without CUDA)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 SEEDS ?= 200
 # One seed of the numerical tests is ~30 s of one core here (2 cores, Triton's CPU interpreter):

@@ -24,6 +24,7 @@ for the other workers' tests in progress, and they wait for it (a lock file per 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import os
@@ -82,6 +83,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     spec = os.environ.get(SWEEP_ENV)
     if spec and metafunc.definition.get_closest_marker("numerical") is not None:
         metafunc.parametrize("seed", sweep_seeds(spec), ids=lambda s: f"seed={s}", indirect=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``: ``--dist loadfile --no-loadscope-reorder``), the order in
+    which files go to the workers: the image test first, since its build takes minutes of one worker
+    that the others' files then fill, then the files of more tests before those of fewer (xdist's
+    own order, which would queue the image's one test last, to run alone at the end)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    per_file = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.get_closest_marker("image") is None, -per_file[item.path]))
 
 
 @contextlib.contextmanager
