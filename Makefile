@@ -50,11 +50,16 @@ install: $(VENV)/.installed-dev  ## create .venv and install the server, client 
 serve: $(SERVER)  ## serve builtin:tiny-llama: gRPC 127.0.0.1:50051, HTTP :8000, /metrics :9481 (flags in SERVE_ARGS)
 	$(BIN)/logprob-service serve --http-port 8000 $(SERVE_ARGS)
 
-test: install  ## the test suite on the CPU (GPU tests are skipped without CUDA)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+JOBS ?= $(shell nproc)
+# Over JOBS pytest-xdist workers, a test file to a worker (its module fixtures are made once), each
+# with one OpenMP thread, so that the processes share the cores rather than fight over them: torch's
+# threads spin while they wait (beside two busy processes, a tiny-llama float64 reference took 5x
+# as long with two threads as with one). The image test goes first, and tests marked `serial` run
+# alone (tests/conftest.py).
+test: install  ## the test suite on the CPU over JOBS processes (GPU tests are skipped without CUDA)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 SEEDS ?= 200
-JOBS ?= $(shell nproc)
 # One seed of the numerical tests is ~30 s of one core here (2 cores, Triton's CPU interpreter):
 # 200 seeds over 2 processes take about an hour on an otherwise idle machine.
 test-sweep: install  ## the numerical tests once per seed in range(SEEDS), over JOBS processes (scripts/test-sweep.sh)

@@ -16,14 +16,22 @@ every failure can be replayed:
 * ``rng``: a ``numpy.random.Generator`` seeded with ``seed``. The global generators of
   ``random``, numpy and torch are seeded from it too, before each test, for code that draws from
   them.
+
+Parallel runs. ``make test`` runs the suite over pytest-xdist workers, a file to a worker. A test
+marked ``serial`` measures time (a latency, a rate, a refusal "at once") and runs alone: it waits
+for the other workers' tests in progress, and they wait for it (a lock file per run, below).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import fcntl
 import os
 import random
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +83,46 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     spec = os.environ.get(SWEEP_ENV)
     if spec and metafunc.definition.get_closest_marker("numerical") is not None:
         metafunc.parametrize("seed", sweep_seeds(spec), ids=lambda s: f"seed={s}", indirect=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``: ``--dist loadfile --no-loadscope-reorder``), the order in
+    which files go to the workers: the image test first, since its build takes minutes of one worker
+    that the others' files then fill, then the files of more tests before those of fewer (xdist's
+    own order, which would queue the image's one test last, to run alone at the end)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    per_file = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.get_closest_marker("image") is None, -per_file[item.path]))
+
+
+@contextlib.contextmanager
+def _run_alone(config: pytest.Config, alone: bool) -> Iterator[None]:
+    """Under pytest-xdist, a reader-writer lock over the run's workers: a ``serial`` test holds it
+    alone, every other test shares it. The gate gives a waiting serial test precedence, so that
+    the other workers' next tests queue behind it rather than keep the lock shared for ever."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing runs beside the test
+        yield
+        return
+    # The run's temporary directory, which its workers share (each has its own below it). POSIX
+    # record locks (lockf), a process's own: a child forked during a test does not hold them on.
+    run = config._tmp_path_factory.getbasetemp().parent
+    with open(run / "serial.gate", "a+") as gate, open(run / "serial.lock", "a+") as lock:
+        if alone:
+            fcntl.lockf(gate, fcntl.LOCK_EX)
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+        else:
+            fcntl.lockf(gate, fcntl.LOCK_SH)
+            fcntl.lockf(lock, fcntl.LOCK_SH)
+            fcntl.lockf(gate, fcntl.LOCK_UN)
+        yield  # closing the files releases the locks
+
+
+# Outside pytest-timeout's wrapper: the wait for the lock is no part of a test's time.
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _run_alone(item.config, item.get_closest_marker("serial") is not None):
+        return (yield)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * PAGE
 
 
+@pytest.mark.serial  # health's answers are timed
 async def test_a_million_sequence_body_is_refused_at_once_and_other_callers_wait_no_longer(served):
     """A 6 MB ``/generate`` body of a million ``[1,2]`` inputs: refused by its count (400 naming
     ``input_ids``, the count and the limit) before pydantic parses it, while ``/health`` keeps

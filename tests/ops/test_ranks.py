@@ -77,8 +77,8 @@ def test_ranks_of_top_k_chunks_and_no_rows(monkeypatch):
     """A top-k over row chunks (``TOPK_CHUNK_BYTES``) concatenates the chunks' ranks; no rows, none."""
     from logprob_service.ops.lm_head import plans
 
-    hidden, weight, targets, _ = random_case(40, 32, 128, device=DEVICE)
-    monkeypatch.setattr(plans, "TOPK_CHUNK_BYTES", 1)  # one row a chunk
+    hidden, weight, targets, _ = random_case(6, 32, 128, device=DEVICE)
+    monkeypatch.setattr(plans, "TOPK_CHUNK_BYTES", 1)  # one row a chunk: six chunks
     out = fused(hidden, weight, targets, options=ScoreOptions(top_k=2, return_ranks=True))
     expected = reference_ranks(hidden, weight, targets, None, LogitTransform())
     assert out.ranks.cpu().tolist() == expected.cpu().tolist()

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
@@ -33,6 +34,7 @@ def _counting(running) -> list:
     return jobs
 
 
+@pytest.mark.serial  # health's answers are timed
 async def test_a_message_of_a_million_sequences_is_refused_by_its_counts_while_health_answers():
     """8 MB of one-token sequences, under the receive limit: INVALID_ARGUMENT naming the limit,
     counted from the bytes before protobuf parses them; health checks meanwhile answer as usual.

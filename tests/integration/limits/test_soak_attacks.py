@@ -15,6 +15,9 @@ process of its own):
 Then SIGTERM, with the attack on. ``LOGPROB_SOAK_ONLY=hog,flood`` runs only those attacks (by
 their functions' names in ``tests/helpers/attacks.py``), to find which one moves a figure.
 
+Marked ``soak``: a strict expected failure taking about 35 s of both cores, which the suite leaves out unless asked
+(``make test PYTEST_ARGS="-m soak"``), and ``serial``: nothing else runs beside it.
+
 The server's micro-batch is 256 tokens (``--max-batch-tokens``): about 20 ms on this CPU, what a
 64 Ki-token micro-batch takes on a GPU, so "a few micro-batches" (what the fair share promises a
 small call behind another client's backlog) is small against a call, as it is there.
@@ -72,6 +75,8 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from tests.helpers.processes import ROOT, free_port, launch, wait_serving
+
+pytestmark = [pytest.mark.soak, pytest.mark.serial]
 
 MiB = 2**20
 VOCAB = 4096  # builtin:tiny-llama's
