@@ -147,10 +147,20 @@ def count_fields(raw: bytes, field: int, more_than: int) -> int:
     count = position = 0
     end = len(raw)
     while position < end and count <= more_than:
-        tag, position = _varint(raw, position)
+        # One-byte varints (tags of fields below 16, lengths below 128: nearly all) read inline:
+        # the loop runs once a field, a few thousand times for a message refused by its count.
+        tag = raw[position]
+        if tag < 0x80:
+            position += 1
+        else:
+            tag, position = _varint(raw, position)
         wire_type = tag & 7
         if wire_type == 2:  # length-delimited: a message, packed ids, a string
-            length, position = _varint(raw, position)
+            length = raw[position] if position < end else 0
+            if length < 0x80:
+                position += 1
+            else:
+                length, position = _varint(raw, position)
             position += length
             count += tag >> 3 == field
         elif wire_type == 0:
