@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from logprob_proto import logprob_pb2 as pb
-from logprob_service.api.wire import SEQUENCES_FIELD, count_fields
+from logprob_service.api.wire import SEQUENCES_FIELD, count_fields, count_sequences
 
 
 def _request(rng: np.random.Generator, sequences: int) -> pb.ScoreRequest:
@@ -44,3 +44,21 @@ def test_malformed_bytes_end_the_count_without_error(rng):
         assert 0 <= count_fields(raw[:cut], SEQUENCES_FIELD, 10**6) <= 50
     noise = rng.integers(0, 256, 10_000, dtype=np.uint8).tobytes()
     assert count_fields(noise, SEQUENCES_FIELD, 10**6) >= 0
+
+
+@pytest.mark.parametrize("sequences", [0, 1, 7, 300])
+def test_a_requests_sequences_count_each_groups_completions_as_the_limit_does(sequences, rng):
+    """``count_sequences``: the plain sequences and every group's completions (what
+    ``max_sequences_per_request`` counts), stopping past the limit inside a group as well."""
+    request = _request(rng, sequences)
+    for _ in range(int(rng.integers(0, 4))):
+        request.groups.append(
+            pb.SequenceGroup(completions=[pb.Completion(completion_ids=[1])] * int(rng.integers(0, 9)))
+        )
+    raw = request.SerializeToString()
+    total = len(request.sequences) + sum(len(group.completions) for group in request.groups)
+    assert count_sequences(raw, 10**6) == total
+    if total > 5:
+        assert count_sequences(raw, 5) == 6  # stopped there
+    many = pb.ScoreRequest(groups=[pb.SequenceGroup(completions=[pb.Completion(completion_ids=[2])] * 1000)] * 1000)
+    assert count_sequences(many.SerializeToString(), 4096) == 4097

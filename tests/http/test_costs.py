@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import time
 
 import httpx
@@ -28,7 +29,8 @@ def resident_bytes() -> int:
 @pytest.mark.serial  # health's answers are timed
 async def test_a_million_sequence_body_is_refused_at_once_and_other_callers_wait_no_longer(served):
     """A 6 MB ``/generate`` body of a million ``[1,2]`` inputs: refused by its count (400 naming
-    ``input_ids``, the count and the limit) before pydantic parses it, while ``/health`` keeps
+    ``input_ids``, the count and the limit) before pydantic parses it, once its first bytes hold
+    more JSON parts than any request within the limits could (the rest is not read), while ``/health`` keeps
     answering within a few milliseconds and the server's memory does not grow with the body's
     lists. (Before: parsed whole and built item by item, 12-15 s in which every caller waited.)"""
     body = b'{"input_ids":[' + b",".join([b"[1,2]"] * 1_000_000) + b'],"return_logprob":true}'
@@ -56,7 +58,12 @@ async def test_a_million_sequence_body_is_refused_at_once_and_other_callers_wait
         refused_s = time.perf_counter() - begun
         done.set()
         await poller
-    refusal(response, 400, "input_ids", "1000004 JSON arrays, objects and strings", "max_sequences_per_request (16)")
+    refusal(response, 400, "input_ids", "JSON arrays, objects and strings", "max_sequences_per_request (16)")
+    # Read only until its count passed the limit, answered whole (not reset while the rest came),
+    # and the rest dropped unparsed as the connection closed.
+    read = int(re.search(r"holds at least \d+ \(in its first (\d+) bytes", response.json()["error"]["message"])[1])
+    assert read < len(body) // 8, read
+    assert response.headers["connection"] == "close"
     assert refused_s < 2.0, refused_s
     assert health_s and max(health_s) < 0.5, max(health_s)
     assert peak - baseline < 64 * 2**20, (peak - baseline) / 2**20

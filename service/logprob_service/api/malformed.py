@@ -12,8 +12,9 @@ the deserializer returns a ``Malformed`` marker instead, and the handler's behav
   is read to its end first (``handlers.read_to_end``): answered while its client still sent, a
   push got INTERNAL instead in a CI run (tests/integration/weights/test_weight_receivers.py).
 
-A single ``ScoreTokens`` request of more plain sequences than ``max_sequences`` is refused the
-same way, counted from its bytes before they are parsed (``wire.count_fields``): protobuf would
+A single ``ScoreTokens`` request of more sequences than ``max_sequences`` (plain ones and groups'
+completions) is refused the same way, counted from its bytes before they are parsed
+(``wire.count_sequences``): protobuf would
 otherwise build an object for each of them first, on the event loop every caller shares.
 """
 
@@ -27,7 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from logprob_service.api import handlers
-from logprob_service.api.wire import SEQUENCES_FIELD, count_fields
+from logprob_service.api.wire import count_sequences
 from logprob_service.errors import InvalidArgument
 
 
@@ -40,14 +41,14 @@ class Malformed:
 
 @dataclass(frozen=True)
 class TooManySequences:
-    """Stands for a ScoreRequest of more plain sequences than ``limit``, not parsed."""
+    """Stands for a ScoreRequest of more sequences than ``limit``, not parsed."""
 
     limit: int
 
 
 def _tolerant(deserializer: Callable[[bytes], Any], max_sequences: int | None) -> Callable[[bytes], Any]:
     def deserialize(raw: bytes) -> Any:
-        if max_sequences is not None and count_fields(raw, SEQUENCES_FIELD, max_sequences) > max_sequences:
+        if max_sequences is not None and count_sequences(raw, max_sequences) > max_sequences:
             return TooManySequences(max_sequences)
         try:
             return deserializer(raw)

@@ -134,25 +134,46 @@ def request_counts(request: pb.ScoreRequest, max_sequences: int) -> RequestCount
     return RequestCounts(sequences, distinct_prompt_tokens(prompts, completions), answer)
 
 
-# ScoreRequest's field numbers (protos/logprob/v1/logprob.proto): its plain sequences.
+# ScoreRequest's field numbers (protos/logprob/v1/logprob.proto): its plain sequences, its groups,
+# and a group's completions.
 SEQUENCES_FIELD = 3
+GROUPS_FIELD = 7
+COMPLETIONS_FIELD = 2
 
 
-def count_fields(raw: bytes, field: int, more_than: int) -> int:
+def count_fields(
+    raw: bytes, field: int, more_than: int, inner: tuple[int, int] | None = None, start: int = 0, stop: int = -1
+) -> int:
     """How many times the top-level length-delimited ``field`` occurs in the serialized message
-    ``raw``, read from the wire format without parsing it, and stopping once past ``more_than``: a
-    message of millions of sequences is refused after ``more_than`` of them, before protobuf builds
-    an object for each (about 160 ms and 160 MB for 1M one-token sequences). Malformed bytes end
-    the count early: the parse that follows refuses them."""
-    count = position = 0
-    end = len(raw)
+    ``raw`` (its bytes ``start:stop``; -1: to the end), read from the wire format without parsing
+    it, and stopping once past ``more_than``: a message of millions of sequences is refused after
+    ``more_than`` of them, before protobuf builds an object for each (about 160 ms and 160 MB for
+    1M one-token sequences). ``inner`` (a field and its own field): each occurrence of the first
+    counts as its occurrences of the second (a group as its completions). Malformed bytes end the
+    count early: the parse that follows refuses them."""
+    count, position = 0, start
+    end = len(raw) if stop < 0 else min(stop, len(raw))
     while position < end and count <= more_than:
-        tag, position = _varint(raw, position)
+        # One-byte varints (tags of fields below 16, lengths below 128: nearly all) read inline:
+        # the loop runs once a field, a few thousand times for a message refused by its count.
+        tag = raw[position]
+        if tag < 0x80:
+            position += 1
+        else:
+            tag, position = _varint(raw, position)
         wire_type = tag & 7
         if wire_type == 2:  # length-delimited: a message, packed ids, a string
-            length, position = _varint(raw, position)
+            length = raw[position] if position < end else 0
+            if length < 0x80:
+                position += 1
+            else:
+                length, position = _varint(raw, position)
+            number = tag >> 3
+            if number == field:
+                count += 1
+            elif inner is not None and number == inner[0]:
+                count += count_fields(raw, inner[1], more_than - count, None, position, min(position + length, end))
             position += length
-            count += tag >> 3 == field
         elif wire_type == 0:
             _, position = _varint(raw, position)
         elif wire_type in (1, 5):  # fixed 64 or 32 bits
@@ -160,6 +181,12 @@ def count_fields(raw: bytes, field: int, more_than: int) -> int:
         else:
             break
     return count
+
+
+def count_sequences(raw: bytes, more_than: int) -> int:
+    """A serialized ScoreRequest's sequences as ``max_sequences_per_request`` counts them (each
+    plain sequence, each group's completions), from its bytes, stopping once past ``more_than``."""
+    return count_fields(raw, SEQUENCES_FIELD, more_than, (GROUPS_FIELD, COMPLETIONS_FIELD))
 
 
 def _varint(raw: bytes, position: int) -> tuple[int, int]:

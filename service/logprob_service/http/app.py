@@ -46,6 +46,7 @@ from starlette.routing import Route
 from logprob_service.domain import ScoreResult
 from logprob_service.engine import LogprobEngine
 from logprob_service.errors import DeadlineExceeded, ErrorCode, InvalidArgument, LogprobError, PermissionDenied
+from logprob_service.http.bodies import Body, PartCount, most_parts, positions
 from logprob_service.http.errors import (
     BodiesBuffered,
     BodyTooLarge,
@@ -74,7 +75,7 @@ class RouteRequest:
     """One request as a route sees it: its body, read whole, and what the wrapper knows of it."""
 
     engine: LogprobEngine
-    body: bytes
+    body: Body
     request_id: str
     deadline: float | None  # time.monotonic() from the X-Request-Timeout header (seconds), if sent
     request: Request
@@ -132,16 +133,19 @@ class BodyLimits:
         return cls(settings.http_max_body_bytes, settings.http_body_timeout_s, settings.http_max_buffered_body_bytes)
 
     @contextlib.asynccontextmanager
-    async def read(self, request: Request) -> AsyncIterator[bytes]:
-        """The whole body, held against ``max_buffered_bytes`` until the block ends; ``BodyTooLarge``
-        as soon as it is known to pass ``max_body_bytes``, ``BodyTooSlow`` past ``body_timeout_s``,
-        ``BodiesBuffered`` when the bytes held would pass ``max_buffered_bytes``, ``CallerGone``
-        when the caller hangs up first."""
+    async def read(self, request: Request, most_parts: int) -> AsyncIterator[Body]:
+        """The whole body, counted (``bodies.PartCount``) and held against ``max_buffered_bytes``
+        until the block ends; ``BodyTooLarge`` as soon as it is known to pass ``max_body_bytes``,
+        ``BodyTooSlow`` past ``body_timeout_s``, ``BodiesBuffered`` when the bytes held would pass
+        ``max_buffered_bytes``, ``CallerGone`` when the caller hangs up first. Once its count of
+        JSON parts passes ``most_parts`` the rest is not read: the body comes without its bytes
+        (``whole`` False), for the route to refuse by its count (uvicorn drops the unread rest)."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(f"body: {int(declared)} bytes exceed the limit of {limit} bytes (http_max_body_bytes)")
         chunks: list[bytes] = []
+        count = PartCount()
         size = 0
         try:
             try:
@@ -152,13 +156,20 @@ class BodyLimits:
                         self._take(len(chunk))
                         size += len(chunk)
                         chunks.append(chunk)
+                        count.add(chunk)
+                        if count.parts > most_parts:
+                            break
             except TimeoutError:
                 raise BodyTooSlow(
                     f"body: not all sent within {self.body_timeout_s:g} s (http_body_timeout_s); {size} bytes came"
                 ) from None
             except ClientDisconnect:
                 raise CallerGone() from None
-            yield b"".join(chunks)
+            if count.parts > most_parts:
+                chunks.clear()
+                yield Body(b"", count.parts, whole=False, read_bytes=size)
+            else:
+                yield Body(b"".join(chunks), count.parts, read_bytes=size)
         finally:
             self.held -= size
 
@@ -226,7 +237,10 @@ class Edge:
                 return answer.response(request_id)
             except LogprobError as err:
                 error = err
-                return json_error(err, request_id)
+                response = json_error(err, request_id)
+                if call is not None and not call.body.whole:  # the unread rest is not taken in: the connection goes
+                    response.headers["connection"] = "close"
+                return response
             except CallerGone as err:  # nobody to answer: the response goes nowhere
                 error = err
                 return Response(status_code=499)
@@ -244,8 +258,11 @@ class Edge:
 
         return Route(path, endpoint, methods=list(methods))
 
-    def _body(self, request: Request) -> contextlib.AbstractAsyncContextManager[bytes]:
-        return self.bodies.read(request) if request.method == "POST" else contextlib.nullcontext(b"")
+    def _body(self, request: Request) -> contextlib.AbstractAsyncContextManager[Body]:
+        if request.method != "POST":
+            return contextlib.nullcontext(Body(b"", 0))
+        # What any route allows: the one taking a row of ids for each position allows the most.
+        return self.bodies.read(request, most_parts(self.engine.limits, positions(self.engine)))
 
     def app(self, routes: list[Route]) -> Starlette:
         async def not_found(request: Request, exc: HTTPException) -> Response:

@@ -10,6 +10,13 @@
   it passes. Once a head is in, the request is the application's: its body has a deadline of its
   own (``http_body_timeout_s``, ``app.read_body``), and idle keep-alive connections are closed by
   uvicorn (``timeout_keep_alive``).
+- **A lingering close for a body answered before it was read**: a request refused by its first
+  bytes (a body of more JSON parts than any request within the limits, ``bodies``) is answered
+  with ``connection: close`` while its client still sends. Closing the socket then would reset
+  the connection (unread data) and its client could lose the answer; reading the rest through
+  the HTTP parser would cost the loop the whole body each time it is sent. So the answer goes
+  out, the connection's sending side is shut, and the rest is read and dropped unparsed until
+  the client closes, for at most ``http_header_timeout_s``.
 - **Accept errors logged once in a while**: out of descriptors anyway, asyncio's accept loop
   reports each retry (a second apart) with its traceback; ``quiet_accept_errors`` makes that one
   line every ``ACCEPT_ERROR_LOG_S``, counting the others.
@@ -78,6 +85,29 @@ def _busy_answer(cap: int) -> bytes:
     return head + body
 
 
+class LingeringClose:
+    """``transport`` as a uvicorn protocol holds it, but closed lingering (the module's docstring)
+    while ``protocol``'s request body is not all in: its sending side shut, what comes in dropped
+    (``Guarded.data_received``), closed once the client closes or after ``linger_s``."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Any, linger_s: float) -> None:
+        self._transport, self._protocol, self._linger_s = transport, protocol, linger_s
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        if self.lingering or self._transport.is_closing() or cycle is None or not cycle.more_body:
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()
+        self._transport.resume_reading()
+        self._protocol.loop.call_later(self._linger_s, self._transport.close)
+
+
 @dataclass
 class ConnectionLimits:
     """The edge's connection cap and head deadline, and what was refused or cut."""
@@ -117,7 +147,7 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
                 transport.close()
                 limits.note_refused()
                 return
-            super().connection_made(transport)
+            super().connection_made(LingeringClose(transport, self, limits.header_timeout_s))
             self._await_head()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -128,8 +158,13 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
+            if not self._refused and not self.transport.lingering:
                 super().data_received(data)
+
+        def eof_received(self) -> bool | None:
+            if self._refused or self.transport.lingering:
+                return None  # the client closed: so does the transport
+            return super().eof_received()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

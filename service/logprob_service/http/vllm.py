@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, SequenceScores
-from logprob_service.engine import LogprobEngine, Phase
+from logprob_service.engine import Phase
 from logprob_service.errors import InvalidArgument, Unavailable
 from logprob_service.http import encoding
 from logprob_service.http.app import RouteAnswer, RouteRequest
@@ -30,6 +30,7 @@ from logprob_service.http.bodies import (
     generates_none,
     no_streaming,
     parse,
+    positions,
     served_model,
     text_refused,
 )
@@ -234,15 +235,8 @@ class GenerateRequest(Strict):
     stream: bool | None = False
 
 
-def _positions(engine: LogprobEngine) -> int:
-    """The most positions one sequence may have: the served models' longest, else the token limit
-    (``/inference/v1/generate`` may send a row of candidate ids for each)."""
-    longest = [info.max_positions for info in engine.models() if info.max_positions is not None]
-    return max(longest) if longest else engine.limits.max_tokens_per_request
-
-
 async def generate(call: RouteRequest) -> RouteAnswer:
-    request = parse(call.body, GenerateRequest, call.engine.limits, "token_ids", rows=_positions(call.engine))
+    request = parse(call.body, GenerateRequest, call.engine.limits, "token_ids", rows=positions(call.engine))
     params = request.sampling_params
     no_streaming(request.stream)
     generates_none(params, "max_tokens", "sampling_params.max_tokens", (0, 1))
