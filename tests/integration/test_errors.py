@@ -74,7 +74,8 @@ GROUP = ([1, 2, 3], [[4, 5], [6]])
         ((), (([], [[3]]),), ["groups[0].prompt_ids", "empty"]),
         ((OK,), (GROUP, ([1], [[3], []])), ["groups[1].completions[1].completion_ids", "empty"]),
         ((), (GROUP, ([1], [])), ["groups[1].completions", "at least 1 completion"]),
-        ((OK,) * 10, (([1], [[2]] * 7),), ["17 sequences", "limit of 16"]),
+        # Counted from the message's bytes before it is parsed, stopping once past the limit.
+        ((OK,) * 10, (([1], [[2]] * 7),), ["sequences: more than 16 sequences", "limit of 16"]),
         # 2000 prompt once + 2001 completion tokens; sent as sequences, the distinct prompts count once too.
         ((), (([1] * 2000, [[2] * 667] * 3),), ["4001 tokens", "limit of 4000"]),
     ],
