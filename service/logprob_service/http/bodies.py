@@ -69,13 +69,6 @@ class Body:
     whole: bool = True
     read_bytes: int = 0  # of a body not read whole: how many bytes were counted
 
-    @classmethod
-    def of(cls, data: bytes) -> Body:
-        """``data`` read whole, counted."""
-        count = PartCount()
-        count.add(data)
-        return cls(data, count.parts, read_bytes=len(data))
-
 
 def most_parts(limits: RequestLimits, rows: int = 0) -> int:
     """The most JSON arrays, objects and strings a body within ``limits`` holds, with ``rows``
