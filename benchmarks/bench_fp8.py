@@ -15,12 +15,14 @@ sequences: ``--sequences``) through the service in-process (``OfflineScorer``):
 3. fp8 weights-only: the same layers as ``models.quantized.Fp8Linear`` (what the loader makes from
    such a checkpoint): FP8 weights and scales in memory, each dequantized inside its layer.
 4. fp8 w8a8: the same layers, activations quantized per token and 128-group, torch's ``_scaled_mm``.
+5. fp8 weights-only with ``input_embeddings=host``: the input embedding table in pinned host memory,
+   each micro-batch's rows gathered there and copied up.
 
 ``--linears`` adds, in the same run, one table of each layer shape of the shapes alone (M tokens,
 ``triton.testing.do_bench``): the bf16 GEMM, weights-only, W8A8 with the activations quantized by
 the Triton pass or by torch's ops, and its parts (the quantization, cuBLAS's block-scaled GEMM).
 
-Reported: tokens/s and its ratio to bf16, weight memory (the model's parameters on the GPU) and its
+Reported: tokens/s and its ratio to bf16, weight memory (the model's parameters in GPU memory) and its
 ratio to bf16, and the largest and mean |difference| of the first group's log-probs from the
 dequantized model's (weights-only is expected to be bitwise equal).
 
@@ -89,7 +91,8 @@ def build(shape: Shape, device: torch.device, seed: int) -> PreTrainedModel:
 
 
 def weight_gib(model: nn.Module) -> float:
-    return sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
+    """The model's parameters in device memory (an input embedding held on the host is not)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda) / GiB
 
 
 @torch.no_grad()
@@ -131,7 +134,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, harness: Harness) -> list[
     workload = make_workload(args.sequences, (256, 1024), (64, 4096), 151936, 8, args.seed + 1)
     options = ScoringOptions(deterministic=True)
 
-    def measure(label: str) -> Measured:
+    def measure(label: str, options: ScoringOptions = options) -> Measured:
         with OfflineScorer(model, options=options, max_batch_tokens=args.max_batch_tokens) as scorer:
             return harness.measure(label, lambda: service_pass(scorer, workload))
 
@@ -144,6 +147,12 @@ def run_shape(shape: Shape, args: argparse.Namespace, harness: Harness) -> list[
     for layer in quantized_layers(model):
         layer.compute = "w8a8"
     rows.append(("fp8 w8a8", measure("fp8 w8a8"), weight_gib(model)))
+    for layer in quantized_layers(model):
+        layer.compute = "weights-only"
+    host = replace(options, input_embeddings="host")  # moves the model's input embedding for good
+    rows.append(
+        ("fp8 weights-only, embedding on host", measure("fp8 weights-only, host embedding", host), weight_gib(model))
+    )
 
     tokens = workload.real_tokens
     base = rows[0]

@@ -103,6 +103,7 @@ SETTING_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "long_sequence_tokens",
             "chunk_tokens",
             "lm_head_chunk_bytes",
+            "input_embeddings",
         ),
     ),
     "advanced": ("logs and memory", ("log_level", "log_format", "keep_freed_host_memory", "gc_freeze")),

@@ -44,6 +44,7 @@ from logprob_service.settings.model import DEFAULT_CHUNK_TOKENS, DEFAULT_LONG_SE
 log = logging.getLogger(__name__)
 
 CompileLayers = Literal["auto", "on", "off"]
+InputEmbeddings = Literal["device", "host"]
 
 
 def config_logit_transform(config: object) -> LogitTransform:
@@ -84,6 +85,8 @@ class ScoringOptions:
     share_prompts: bool = True
     # Bitwise batch-invariant scores on CUDA (ops.determinism): one attention kernel for every row.
     deterministic: bool = True
+    # An untied input embedding in pinned host memory on a GPU (``CausalLMScorer._embedding_on_host``).
+    input_embeddings: InputEmbeddings = "device"
 
 
 def scoring_options(settings: Settings) -> ScoringOptions:
@@ -95,6 +98,7 @@ def scoring_options(settings: Settings) -> ScoringOptions:
         settings.compile_layers,
         settings.share_prompts,
         settings.deterministic,
+        settings.input_embeddings,
     )
 
 
@@ -253,10 +257,49 @@ class CausalLMScorer:
             log.info("mixture-of-experts layers: experts_implementation=%s", self.experts)
         op = logprob_op or select_logprob_op("auto", self.head_weight.device, invariant=options.deterministic)
         self.logprob_op = op if tensor_parallel is None else VocabParallelOp(op, tensor_parallel, vocab_start)
+        self._host_embedding = self._embedding_on_host(model) if options.input_embeddings == "host" else None
         self._matmuls_pinned = None
         if options.deterministic and self.device.type == "cuda":
             self._matmuls_pinned = pin_matmul_reductions()
         self._compile_layers(options.compile_layers)
+
+    def _embedding_on_host(self, model: PreTrainedModel) -> torch.nn.Module | None:
+        """The input embedding moved to pinned host memory, or None where it stays: on the CPU,
+        under tensor parallel (each rank's shard is its own), and when tied (its weight is the
+        lm_head's, which the fused lm_head reads on the device). A lookup copies rows exactly, so
+        the scores are bitwise those with the table on the device; weight updates write it where
+        it lives (``models.weights``)."""
+        embedding = model.get_input_embeddings()
+        where = (
+            "the model runs on the CPU"
+            if self.device.type != "cuda"
+            else "tensor parallel"
+            if self.tensor_parallel is not None
+            else "it is tied to the lm_head"
+            if embedding.weight.data_ptr() == self.head_weight.data_ptr()
+            else None
+        )
+        if where is not None:
+            log.info("input_embeddings=host: the input embedding stays on %s (%s)", self.device, where)
+            return None
+        embedding.to("cpu")
+        for parameter in embedding.parameters():
+            parameter.data = parameter.data.pin_memory()  # so each micro-batch's rows copy up asynchronously
+        torch.cuda.empty_cache()
+        log.info(
+            "input embedding held in host memory: %.2f GiB of %s freed",
+            sum(p.nbytes for p in embedding.parameters()) / 2**30,
+            self.device,
+        )
+        return embedding
+
+    def _token_inputs(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """The body's inputs for the packed token ids [T]: the ids on the device, or, with the
+        input embedding on the host, their rows [1, T, H] gathered there and copied up."""
+        if self._host_embedding is None:
+            return {"input_ids": self._to_device(ids)[None]}
+        rows = self._host_embedding(torch.from_numpy(ids))
+        return {"inputs_embeds": rows.pin_memory().to(self.device, non_blocking=True)[None]}
 
     @property
     def attention_preference(self) -> AttentionBackend:
@@ -315,10 +358,10 @@ class CausalLMScorer:
     def _probe(self) -> None:
         lengths = np.array([0, 5, 16], dtype=np.int32)  # two sequences, so the packed attention path runs
         tokens = int(lengths[-1])
-        ids = torch.arange(1, tokens + 1, device=self.device) % self.vocab_size
+        ids = np.arange(1, tokens + 1) % self.vocab_size
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in np.diff(lengths)])).to(self.device)
         self.body(
-            input_ids=ids[None],
+            **self._token_inputs(ids),
             position_ids=positions[None],
             use_cache=False,
             **packed_forward_kwargs(torch.from_numpy(lengths).to(self.device), int(np.diff(lengths).max())),
@@ -371,7 +414,7 @@ class CausalLMScorer:
         completion rows (``Launched.fetch_routed_experts``; ``routing.RoutingUnsupported`` for a
         model without routers)."""
         routing = RoutedExperts(self.model) if options.return_routed_experts else None
-        input_ids = self._to_device(batch.input_ids)[None]  # [1, T]
+        tokens = self._token_inputs(batch.input_ids)  # input_ids [1, T] or inputs_embeds [1, T, H]
         position_ids = self._to_device(batch.position_ids)[None]  # [1, T]
         cu_seqlens = self._to_device(batch.cu_seqlens)  # [n + 1]
         chunking = {}
@@ -384,7 +427,7 @@ class CausalLMScorer:
             host_bounds = (batch.cu_seqlens, shared.cu_seqlens)
         with routing if routing is not None else contextlib.nullcontext():
             out = self.body(
-                input_ids=input_ids,
+                **tokens,
                 position_ids=position_ids,
                 use_cache=False,
                 **packed_forward_kwargs(cu_seqlens, batch.max_seqlen, keys=keys, host_bounds=host_bounds),

@@ -214,6 +214,15 @@ class Settings(WeightUpdateSettings):
             "Costs 0.2-0.3% of tokens/s on an H200."
         ),
     )
+    input_embeddings: Literal["device", "host"] = Field(
+        "device",
+        description=(
+            "Where an untied model's input embedding table lives on a GPU: device, or host (pinned host memory: each "
+            "micro-batch's rows are gathered there and copied up, which frees vocabulary x hidden x 2 bytes of device "
+            "memory, 1.16 GiB for Qwen3-8B, for a copy of tokens x hidden x 2 bytes a micro-batch). A tied embedding "
+            "is the lm_head's weight and stays on the device; so does one under tensor parallel."
+        ),
+    )
     max_batch_tokens: int = Field(
         DEFAULT_MAX_BATCH_TOKENS,
         ge=1,
