@@ -25,6 +25,7 @@ from logprob_service.http.connections import raise_open_file_limit
 from logprob_service.http.server import HttpEdge, start_http
 from logprob_service.observability import metrics
 from logprob_service.security.bearer_tokens import TokenTable, load_token_table
+from logprob_service.security.refusals import RefusalThrottle
 from logprob_service.settings.model import Settings
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class Service:
     settings: Settings
     device_side: DeviceSide  # the engine and its models (also what tests and benchmarks reach)
     tokens: TokenTable | None  # None: authentication off
+    refusals: RefusalThrottle  # the hold of refused calls, one for both edges: a client is one client on either
     edge: GrpcEdge | None = None  # once the gRPC server started
     http: HttpEdge | None = None  # once the HTTP edge started
 
@@ -49,7 +51,7 @@ class Service:
         device_side = DeviceSide.create(settings, registry=registry, build=build, stats=stats)
         metrics.track(device_side.engine)  # for as long as the engine lives
         metrics.describe_runtime(cuda=cuda_version())
-        return cls(settings, device_side, tokens)
+        return cls(settings, device_side, tokens, RefusalThrottle.of(settings, stats))
 
     @property
     def engine(self) -> LogprobEngine:
@@ -65,7 +67,12 @@ class Service:
         self.engine.start()
         try:
             self.edge = await create_server(
-                self.engine, self.settings, address, tokens=self.tokens, page_lock=self.device_side.page_lock
+                self.engine,
+                self.settings,
+                address,
+                tokens=self.tokens,
+                page_lock=self.device_side.page_lock,
+                refusals=self.refusals,
             )
         except BaseException:
             await self.engine.close()
@@ -75,7 +82,7 @@ class Service:
     async def start_http(self, host: str, port: int) -> int:
         """Bind and start the HTTP edge over the engine (after ``start_grpc``, which starts the
         engine); its port (``port`` 0 picks one). /health answers 503 until ``warm_up``."""
-        self.http = await start_http(self.engine, self.settings, host, port, tokens=self.tokens)
+        self.http = await start_http(self.engine, self.settings, host, port, tokens=self.tokens, refusals=self.refusals)
         return self.http.port
 
     async def load_models(self) -> None:
@@ -90,7 +97,8 @@ class Service:
         await self.engine.serving()
 
     async def drain(self, server: grpc.aio.Server, grace_s: float) -> None:
-        """Health NOT_SERVING and new RPCs UNAVAILABLE at once; in-flight RPCs get ``grace_s`` to finish.
+        """Health NOT_SERVING and new RPCs UNAVAILABLE at once, held refusals answered at once;
+        in-flight RPCs get ``grace_s`` to finish.
 
         The server stops taking calls only after the settings' ``drain_notice_s`` (within
         ``grace_s``): gRPC cancels a call that reached a stopping server before a handler took it
@@ -99,6 +107,7 @@ class Service:
         retry elsewhere, and clients watching health stop sending any.
         """
         await self.engine.draining()
+        self.refusals.release()
         notice_s = min(self.settings.drain_notice_s, grace_s)
         await asyncio.sleep(notice_s)
         stopping = [server.stop(grace_s - notice_s)]

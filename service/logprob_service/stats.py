@@ -68,7 +68,14 @@ class WeightsUpdated:
     swap_ns: int
 
 
-Stat = Limits | QueueChanged | BatchLaunched | RequestScored | BatchMemory | WeightsUpdated
+@dataclass(frozen=True)
+class RefusalHeld:
+    """A refused call held before its answer (``security.refusals``), on its edge ("grpc", "http")."""
+
+    edge: str
+
+
+Stat = Limits | QueueChanged | BatchLaunched | RequestScored | BatchMemory | WeightsUpdated | RefusalHeld
 
 
 class StatsSink(Protocol):

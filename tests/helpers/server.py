@@ -27,6 +27,9 @@ def test_settings(gemma_checkpoint: Path, **overrides) -> Settings:
         grace_period_s=5.0,
         # Many servers start in one test process: what one froze would outlive it (gc_freeze's own test).
         gc_freeze=False,
+        # Tests send many refused calls on purpose, from one address: none is held
+        # (tests/integration/limits/test_refusal_holds.py turns the hold on).
+        refusals_per_s=0,
     )
     values.update(overrides)
     return Settings(**values)
@@ -77,6 +80,7 @@ def settings(models: dict[str, str], **overrides) -> Settings:
         max_batch_tokens=256,
         grace_period_s=5,
         gc_freeze=False,
+        refusals_per_s=0,  # as test_settings: refused calls are answered at once
     )
     return Settings(**(values | overrides))
 

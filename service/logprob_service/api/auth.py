@@ -41,7 +41,8 @@ def authorize(tokens: TokenTable, rpc: str, metadata: Sequence[tuple[str, Any]])
 
 
 class AuthInterceptor(handlers.ServiceInterceptor):
-    """Outermost interceptor: checks credentials (when ``tokens`` is set) and names the client."""
+    """Checks credentials (when ``tokens`` is set) and names the client, before any other
+    interceptor but the hold of refused calls (``interceptors.HeldRefusals``), which reads the name."""
 
     def __init__(self, tokens: TokenTable | None) -> None:
         self._tokens = tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -19,9 +20,13 @@ import grpc
 from logprob_service.api import accounting
 from logprob_service.api.health import SERVICE_NAME
 from logprob_service.api.status import status_of, trailing_metadata
-from logprob_service.errors import LogprobError
+from logprob_service.errors import ErrorCode, LogprobError
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+# The code of the error the current call was answered with (``fail``), for the hold of refused
+# calls (``interceptors.HeldRefusals``, which sets it to None as each call begins).
+REFUSAL: ContextVar[ErrorCode | None] = ContextVar("logprob_refusal", default=None)
 
 _FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -88,6 +93,7 @@ async def fail(context: grpc.aio.ServicerContext, error: LogprobError) -> None:
     state, in a reference cycle with the handler's frames, so an aborted request stays in memory
     until the cyclic garbage collector runs, which under a stream of large bad requests grew the
     server by 150 MiB (tests/integration/limits/test_fuzz.py)."""
+    REFUSAL.set(error.code)
     if error.retryable:
         await context.abort(status_of(error), error.message, trailing_metadata=trailing_metadata(error))
     context.set_code(status_of(error))

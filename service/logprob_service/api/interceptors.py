@@ -1,5 +1,7 @@
 """Interceptors: one that turns exceptions into precise gRPC statuses and accounts for every RPC,
-and one that reads UpdateWeights pieces with their bytes as views (``tensor_pieces``).
+one that holds a refused call before its answer when its client keeps being refused
+(``HeldRefusals``, over ``security.refusals``), and one that reads UpdateWeights pieces with their
+bytes as views (``tensor_pieces``).
 
 Domain errors (``errors.LogprobError``) carry their status and a message for the caller.
 Anything else is a bug: answered INTERNAL (``accounting`` logs it once, with the traceback), and
@@ -20,7 +22,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,8 @@ from logprob_service.api.status import status_of
 from logprob_service.api.tensor_pieces import read_update_request
 from logprob_service.errors import LogprobError
 from logprob_service.logs import shown_id
+from logprob_service.security.caller import current_client
+from logprob_service.security.refusals import RefusalThrottle
 
 
 @dataclass
@@ -162,6 +167,47 @@ class ExceptionToStatusInterceptor(handlers.ServiceInterceptor):
                 return answer.response
 
         return handlers.rebuild(handler, behaviour)
+
+
+# The size on the wire of the current call's request (a single request's; 0 for a stream's), which
+# gRPC keeps until the call is answered.
+_REQUEST_BYTES: ContextVar[int] = ContextVar("logprob_request_bytes", default=0)
+
+
+def _sized(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        _REQUEST_BYTES.set(len(raw))
+        return deserializer(raw)
+
+    return deserialize
+
+
+class HeldRefusals(handlers.ServiceInterceptor):
+    """Outermost: once a call has been refused (``handlers.fail``), holds its answer as ``refusals``
+    says for its client (``security.refusals``: a client past its burst of refusals gets them
+    answered at its rate). The inner interceptors and the handler have returned by then, so nothing
+    of theirs (the exception, its traceback's frames, what the handler built) is kept while the
+    call waits; gRPC itself keeps the request until the answer, which ``refusals`` counts against its
+    bytes. A call its client cancels, or whose deadline passes, is cancelled by gRPC meanwhile."""
+
+    def __init__(self, refusals: RefusalThrottle) -> None:
+        self.refusals = refusals
+
+    def wrap(self, handler: grpc.RpcMethodHandler, rpc: str, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        inner = handlers.behaviour_of(handler)
+
+        async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            handlers.REFUSAL.set(None)
+            response = await handlers.run(inner, request, context)
+            if (code := handlers.REFUSAL.get()) is not None:
+                del request
+                await self.refusals.hold(current_client(), code, "grpc", nbytes=_REQUEST_BYTES.get())
+            return response
+
+        deserializer = handler.request_deserializer
+        if handler.request_streaming or deserializer is None:
+            return handlers.rebuild(handler, behaviour)
+        return handlers.rebuild(handler, behaviour, _sized(deserializer))
 
 
 class TensorPieceViews(handlers.ServiceInterceptor):

@@ -15,7 +15,7 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api import handlers, tls
 from logprob_service.api.auth import AuthInterceptor
 from logprob_service.api.health import SERVICE_NAME, HealthMirror
-from logprob_service.api.interceptors import ExceptionToStatusInterceptor, TensorPieceViews
+from logprob_service.api.interceptors import ExceptionToStatusInterceptor, HeldRefusals, TensorPieceViews
 from logprob_service.api.malformed import MalformedMessageInterceptor
 from logprob_service.api.receivers import PageLock, WeightReceivers
 from logprob_service.api.server_options import listen, server_options
@@ -23,6 +23,7 @@ from logprob_service.api.servicer import LogprobServicer
 from logprob_service.engine import LogprobEngine
 from logprob_service.security.bearer_tokens import TokenTable
 from logprob_service.security.exposure import exposure_warnings
+from logprob_service.security.refusals import RefusalThrottle
 from logprob_service.settings.model import Settings
 
 log = logging.getLogger(__name__)
@@ -50,17 +51,22 @@ async def create_server(
     *,
     tokens: TokenTable | None,
     page_lock: PageLock | None = None,
+    refusals: RefusalThrottle | None = None,
 ) -> GrpcEdge:
     """Build and start the gRPC server over ``engine`` on ``address`` ("host:port"; port 0 picks
     one), with TLS when the settings name a certificate, ``tokens``' authentication (None: off),
     and the settings' weight receivers (their slots page-locked with ``page_lock`` when given).
+    ``refusals``: the throttle of refused calls, shared with the HTTP edge (None: one of the
+    settings' own).
 
     Health mirrors the engine's phase: NOT_SERVING until it serves.
     """
-    # Outermost first: credentials are checked before anything else, then undecodable bytes are
-    # refused, then the handler's own errors are mapped to statuses; weight pieces are read with
-    # their bytes as views. Calls the weight receivers forward go through the same ones.
+    # Outermost first: a refused call is held once all the others have answered it; credentials
+    # are checked before anything else, then undecodable bytes are refused, then the handler's own
+    # errors are mapped to statuses; weight pieces are read with their bytes as views. Calls the
+    # weight receivers forward go through the same ones.
     interceptors: list[handlers.ServiceInterceptor] = [
+        HeldRefusals(refusals or RefusalThrottle.of(settings)),
         AuthInterceptor(tokens),
         MalformedMessageInterceptor(max_sequences=settings.max_sequences_per_request),
         ExceptionToStatusInterceptor(),

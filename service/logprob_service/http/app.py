@@ -19,7 +19,11 @@ The wrapper, for every request:
    request id its log line (with the traceback) carries, and the server serves on;
 6. accounts for the request once: ``logprob_requests_total{protocol="http"}`` and one log line on
    the ``logprob_service.requests`` logger, as the gRPC edge's ``accounting`` does (a caller that
-   hung up: CANCELLED, one INFO line).
+   hung up: CANCELLED, one INFO line);
+7. holds a refusal before it is answered when its client keeps being refused
+   (``security.refusals``: past its burst, at its rate), once the body, the route's objects and
+   the error are let go; the hold ends by the call's X-Request-Timeout and, when its body was read
+   to its end, as soon as the caller hangs up.
 
 Unknown paths get 404 and a wrong method 405, with the same JSON error body; with tokens
 configured, only once the caller's token is valid, so that the route table is not shown to
@@ -30,11 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pydantic_core
 from starlette.applications import Starlette
@@ -61,6 +67,7 @@ from logprob_service.logs import shown_id
 from logprob_service.observability import metrics
 from logprob_service.security.bearer_tokens import Scope, TokenTable, check_bearer
 from logprob_service.security.caller import current_client, set_client
+from logprob_service.security.refusals import RefusalThrottle
 from logprob_service.settings.model import Settings
 
 log = logging.getLogger("logprob_service.requests")
@@ -197,13 +204,35 @@ def _timeout(request: Request) -> float | None:
     return seconds
 
 
-class Edge:
-    """The routes over ``engine``, with ``tokens``' authentication (None: off)."""
+class _Refusal(NamedTuple):
+    """What the hold of a refused call needs (``RefusalThrottle.hold``)."""
 
-    def __init__(self, engine: LogprobEngine, tokens: TokenTable | None, bodies: BodyLimits) -> None:
+    code: ErrorCode
+    deadline: float | None = None  # the call's X-Request-Timeout, on time.monotonic()'s clock
+    gone: Callable[[], Awaitable[None]] | None = None  # returns once the caller has hung up
+
+
+async def _hung_up(request: Request) -> None:
+    """Once the body is read, only a disconnect comes on the ASGI ``receive`` channel."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Edge:
+    """The routes over ``engine``, with ``tokens``' authentication (None: off), and ``refusals``'
+    hold of refused calls (None: answered at once)."""
+
+    def __init__(
+        self,
+        engine: LogprobEngine,
+        tokens: TokenTable | None,
+        bodies: BodyLimits,
+        refusals: RefusalThrottle | None = None,
+    ) -> None:
         self.engine = engine
         self.tokens = tokens
         self.bodies = bodies
+        self.refusals = refusals
 
     def route(
         self, path: str, handler: Handler, *, methods: tuple[str, ...] = ("POST",), scope: Scope | None = "score"
@@ -212,11 +241,22 @@ class Edge:
         and not accounted for: the health checks, which gRPC does not count either)."""
 
         async def endpoint(request: Request) -> Response:
+            response, refusal = await answered(request)
+            if refusal is not None and self.refusals is not None:
+                await self.refusals.hold(
+                    current_client(), refusal.code, "http", deadline=refusal.deadline, gone=refusal.gone
+                )
+            return response
+
+        async def answered(request: Request) -> tuple[Response, _Refusal | None]:
+            """The call's answer, accounted for, and, when it is a refusal, what its hold needs
+            (this frame, and with it the body, the route's objects and the error, is gone by then)."""
             start = time.perf_counter_ns()
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             answer: RouteAnswer | None = None
             call: RouteRequest | None = None
             error: BaseException | None = None
+            deadline: float | None = None
             try:
                 set_client(request.client.host if request.client is not None else "")
                 if self.tokens is not None and scope is not None:
@@ -234,20 +274,23 @@ class Edge:
                     raise DeadlineExceeded(
                         f"X-Request-Timeout: {seconds:g} s passed before the request was answered"
                     ) from None
-                return answer.response(request_id)
+                return answer.response(request_id), None
             except LogprobError as err:
                 error = err
                 response = json_error(err, request_id)
                 if call is not None and not call.body.whole:  # the unread rest is not taken in: the connection goes
                     response.headers["connection"] = "close"
-                return response
+                # Only a caller whose body was read to its end is watched for hanging up while held:
+                # watching reads what comes, which would otherwise be the rest of a body not wanted.
+                read = call is not None and call.body.whole
+                return response, _Refusal(err.code, deadline, functools.partial(_hung_up, request) if read else None)
             except CallerGone as err:  # nobody to answer: the response goes nowhere
                 error = err
-                return Response(status_code=499)
+                return Response(status_code=499), None
             except Exception as err:  # a bug: the caller gets its log line's request id, never its words
                 error = err
                 what = f"internal error ({type(err).__name__}); request_id={shown_id(request_id)} is in the server log"
-                return json_error(LogprobError(what), request_id)
+                return json_error(LogprobError(what), request_id), None
             except BaseException as err:  # the server cancelled the call (it stops): no answer goes
                 error = err
                 raise

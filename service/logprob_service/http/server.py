@@ -26,6 +26,7 @@ from logprob_service.http.app import BodyLimits, Edge
 from logprob_service.http.connections import ConnectionLimits, connection_cap, guarded, quiet_accept_errors
 from logprob_service.security.bearer_tokens import TokenTable
 from logprob_service.security.exposure import exposure_warnings
+from logprob_service.security.refusals import RefusalThrottle
 from logprob_service.settings.errors import StartupError
 from logprob_service.settings.model import Settings
 
@@ -96,12 +97,19 @@ class HttpEdge:
 
 
 async def start_http(
-    engine: LogprobEngine, settings: Settings, host: str, port: int, *, tokens: TokenTable | None
+    engine: LogprobEngine,
+    settings: Settings,
+    host: str,
+    port: int,
+    *,
+    tokens: TokenTable | None,
+    refusals: RefusalThrottle | None = None,
 ) -> HttpEdge:
     """Serve the HTTP edge over ``engine`` on ``host:port`` (0 picks a free port), with TLS when the
-    settings name a certificate (mutual when they name client CAs) and ``tokens``' authentication."""
+    settings name a certificate (mutual when they name client CAs), ``tokens``' authentication and
+    ``refusals``' hold of refused calls, shared with the gRPC edge (None: one of the settings' own)."""
     bodies = BodyLimits.of(settings)
-    edge = Edge(engine, tokens, bodies)
+    edge = Edge(engine, tokens, bodies, refusals or RefusalThrottle.of(settings))
     tls: dict = {}
     if settings.tls_cert_file is not None:
         tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}

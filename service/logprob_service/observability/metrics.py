@@ -38,6 +38,7 @@ from logprob_service.stats import (
     BatchMemory,
     Limits,
     QueueChanged,
+    RefusalHeld,
     RequestScored,
     ServerView,
     Stat,
@@ -80,6 +81,12 @@ QUEUE_DURATION = _latency_seconds(
 COMPUTE_DURATION = _latency_seconds(
     "logprob_request_compute_duration_seconds",
     "Scored requests: device time of the micro-batches holding them, launch to results (metadata.compute_ns).",
+)
+REFUSALS_HELD = Counter(
+    "logprob_refusals_held",
+    "Refused calls held before their answer, their client past its refusal_burst (refusals_per_s), by edge (grpc, "
+    "http).",
+    ["edge"],
 )
 TOKENS_SCORED = Counter("logprob_tokens_scored", "Prompt + completion tokens scored.", ["model"])
 SEQUENCES_SCORED = Counter("logprob_sequences_scored", "Sequences scored.", ["model"])
@@ -292,6 +299,8 @@ class PrometheusStats:
                 WEIGHT_UPDATE_DURATION.labels(model).observe(total_ns / 1e9)
                 WEIGHT_SWAP_DURATION.labels(model).observe(swap_ns / 1e9)
                 WEIGHT_UPDATE_BYTES.labels(model).inc(nbytes)
+            case RefusalHeld(edge):
+                REFUSALS_HELD.labels(edge).inc()
             case Limits(max_batch_tokens, max_batch_sequences, max_queued_tokens):
                 BATCH_TOKENS_LIMIT.set(max_batch_tokens)
                 BATCH_SEQUENCES_LIMIT.set(max_batch_sequences)

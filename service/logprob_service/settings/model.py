@@ -304,6 +304,27 @@ class Settings(WeightUpdateSettings):
             "are still admitted."
         ),
     )
+    refusal_burst: int = Field(
+        20,
+        ge=1,
+        description=(
+            "Refused calls (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED; HTTP 400, 401, 403, "
+            "404, 405, 413) one client (as the fair share names it) may have answered at once; past it, each further "
+            "refusal of that client is held until refusals_per_s allows it, so a client resending refused calls "
+            "as soon as they are answered runs at that rate, not at the server's. The default passes a split call "
+            "whose parts are all refused (the client cancels the rest at the first) and any one-off bad request."
+        ),
+    )
+    refusals_per_s: float = Field(
+        5.0,
+        ge=0,
+        description=(
+            "How fast a client past refusal_burst gets its refused calls answered (its burst refills at this "
+            "rate; a held call waits at most refusal_burst / refusals_per_s, ends when its caller goes or its "
+            "deadline passes, and is answered at once on SIGTERM). At ~1-10 ms of server CPU a refusal, 5 a "
+            "second costs a looping client under 5% of a core. 0: refusals are never held."
+        ),
+    )
     max_message_bytes: int = Field(
         256 * MiB, ge=4 * MiB, description="Largest gRPC message received or sent (gRPC's default is 4 MiB)."
     )

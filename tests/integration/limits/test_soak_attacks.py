@@ -181,11 +181,11 @@ def p99(values: list[float]) -> float:
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "on the 2-core CI machine, calls refused cheaply and resent at once (a closed loop) take the event loop "
-        "and the cores from the good clients: all attacks together move their p99 12-16x (22-28x before "
-        "the edges stopped reading a million-sequence body past its count); alone (LOGPROB_SOAK_ONLY), "
-        "flood 12.5-14x (its gRPC calls refused past max_answer_bytes, ~480/s at ~3 ms of server CPU each), "
-        "hog 3x, big_bodies 3.4x (HTTP or gRPC alone 1.9-2.3x), unread_stream and half_open within 1x"
+        "on the 2-core CI machine all attacks together move the good clients' p99 2.5x (12-16x before refused "
+        "calls were held per client past refusal_burst, 22-28x before the edges stopped reading a "
+        "million-sequence body past its count); alone (LOGPROB_SOAK_ONLY), flood 2-3.5x (its HTTP calls, "
+        "answered; its gRPC calls refused past max_answer_bytes now held to refusals_per_s: 8-13x before), "
+        "hog 3.9x, big_bodies 1.3-1.6x, unread_stream and half_open within 1x"
     ),
 )
 def test_scoring_clients_keep_their_latency_while_the_server_is_attacked(tmp_path, rng):
