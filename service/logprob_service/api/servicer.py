@@ -66,9 +66,10 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self._max_stream_answer_bytes = max_stream_answer_bytes
 
     def _counts(self, request: pb.ScoreRequest) -> RequestCounts:
-        """The request's counts, refused (``InvalidArgument``) past a limit before any of it is built."""
+        """The request's counts, refused past a limit (``InvalidArgument``) or the queue's room
+        (``Overloaded``) before any of it is built."""
         counts = wire.request_counts(request, self._limits.max_sequences_per_request)
-        self._engine.check_counts(counts, self._limits)
+        self._engine.check_counts(counts, self._limits, client=current_client())
         return counts
 
     async def _score(self, request: pb.ScoreRequest, deadline: float | None, counts: RequestCounts) -> pb.ScoreResponse:

@@ -113,11 +113,12 @@ def check_counts(
     call: RouteRequest, batch_field: str, prompts: Sequence[int], completions: Sequence[int], answer_bytes: int
 ) -> None:
     """Refuse a request whose counts pass a limit (``InvalidArgument`` naming ``batch_field``, the
-    count and the limit) before any of its items is built. ``prompts``, ``completions``: the
-    lengths of each sequence to score, as sent; ``answer_bytes``: the peer's ``AnswerSize`` of it."""
+    count and the limit) or the queue's room for its client (``Overloaded``) before any of its items
+    is built. ``prompts``, ``completions``: the lengths of each sequence to score, as sent;
+    ``answer_bytes``: the peer's ``AnswerSize`` of it."""
     counts = RequestCounts(len(completions), distinct_prompt_tokens(prompts, sum(completions)), answer_bytes)
     try:
-        call.engine.check_counts(counts)
+        call.engine.check_counts(counts, client=call.client)
     except InvalidArgument as err:
         raise Naming([], batch_field).renamed(err) from None
 
