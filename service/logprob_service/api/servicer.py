@@ -13,6 +13,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from logprob_service.api import accounting, handlers, wire
+from logprob_service.api.malformed import TooManySequences
 from logprob_service.api.status import status_of
 from logprob_service.engine import UNLIMITED, LogprobEngine, RequestCounts, StreamIdle
 from logprob_service.errors import LogprobError
@@ -102,7 +103,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         return wire.error_response(request, error)
 
     async def ScoreTokensStream(
-        self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ScoreRequest | TooManySequences], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ScoreResponse]:
         """Each request is scored concurrently and answered as soon as it is done; a failed
         request is answered with ``error`` set and does not end the stream. The next request is
@@ -120,9 +121,13 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         async def read_all() -> None:
             try:
                 async with asyncio.TaskGroup() as tasks:
-                    async for request in request_iterator:
+                    async for message in request_iterator:
+                        # A message of too many sequences was counted from its bytes, its head alone parsed.
+                        request = message.head if isinstance(message, TooManySequences) else message
                         wire.ensure_request_id(request)
                         try:
+                            if isinstance(message, TooManySequences):
+                                raise message.error()
                             counts: RequestCounts | LogprobError = self._counts(request)
                             size = counts.answer_bytes
                         except LogprobError as err:

@@ -174,19 +174,43 @@ def count_fields(
             elif inner is not None and number == inner[0]:
                 count += count_fields(raw, inner[1], more_than - count, None, position, min(position + length, end))
             position += length
-        elif wire_type == 0:
-            _, position = _varint(raw, position)
-        elif wire_type in (1, 5):  # fixed 64 or 32 bits
-            position += 8 if wire_type == 1 else 4
-        else:
+        elif (position := _skip(raw, position, wire_type)) < 0:
             break
     return count
+
+
+def request_head(raw: bytes) -> bytes:
+    """The bytes of a serialized ScoreRequest before its first sequence or group, which hold its
+    request id and model where they come first (protobuf writes a message's fields in the order of
+    their numbers): what a refusal by its count names it by, without reading its sequences."""
+    position = 0
+    while position < len(raw):
+        start = position
+        tag, position = _varint(raw, position)
+        if tag >> 3 in (SEQUENCES_FIELD, GROUPS_FIELD):
+            return raw[:start]
+        if (position := _skip(raw, position, tag & 7)) < 0:
+            return raw[:start]
+    return raw
 
 
 def count_sequences(raw: bytes, more_than: int) -> int:
     """A serialized ScoreRequest's sequences as ``max_sequences_per_request`` counts them (each
     plain sequence, each group's completions), from its bytes, stopping once past ``more_than``."""
     return count_fields(raw, SEQUENCES_FIELD, more_than, (GROUPS_FIELD, COMPLETIONS_FIELD))
+
+
+def _skip(raw: bytes, position: int, wire_type: int) -> int:
+    """Where the field value of ``wire_type`` at ``position`` of ``raw`` ends; -1 for a wire type
+    that no field of these messages has (malformed bytes)."""
+    if wire_type == 2:  # length-delimited: a message, packed ids, a string
+        length, position = _varint(raw, position)
+        return position + length
+    if wire_type == 0:
+        return _varint(raw, position)[1]
+    if wire_type in (1, 5):  # fixed 64 or 32 bits
+        return position + (8 if wire_type == 1 else 4)
+    return -1
 
 
 def _varint(raw: bytes, position: int) -> tuple[int, int]:

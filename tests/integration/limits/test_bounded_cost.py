@@ -207,3 +207,40 @@ async def test_a_request_past_its_clients_share_is_refused_by_its_counts_before_
         assert built.count("validate_job") == 2, built
     finally:
         await stop(running)
+
+
+async def test_a_stream_message_of_too_many_sequences_is_answered_with_its_error_unparsed(rng, monkeypatch):
+    """max_sequences_per_request 4: a ScoreTokensStream message of 5 sequences between two of 1 is
+    answered with its error (INVALID_ARGUMENT, its request id) counted from its bytes, protobuf
+    parsing only its head, and the stream goes on. (Before: parsed whole, then refused by its
+    counts.)"""
+    parsed: list[int] = []
+    parse = pb.ScoreRequest.FromString
+
+    def spy(raw: bytes) -> pb.ScoreRequest:
+        parsed.append(len(raw))
+        return parse(raw)
+
+    monkeypatch.setattr(pb.ScoreRequest, "FromString", spy)  # before the server registers its deserializers
+    running = await start(settings({"default": "builtin:tiny-llama"}, max_sequences_per_request=4))
+    try:
+
+        def request(request_id: str, sequences: int) -> pb.ScoreRequest:
+            ids = rng.integers(3, VOCAB, (sequences, 12))
+            return pb.ScoreRequest(
+                request_id=request_id,
+                sequences=[pb.Sequence(prompt_ids=row[:4], completion_ids=row[4:]) for row in ids],
+            )
+
+        requests = [request("a", 1), request("many", 5), request("b", 1)]
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            answers = {
+                a.request_id: a async for a in pb_grpc.LogprobServiceStub(channel).ScoreTokensStream(iter(requests))
+            }
+        assert sorted(answers) == ["a", "b", "many"]
+        assert answers["many"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "more than 4 sequences" in answers["many"].error.message, answers["many"].error.message
+        assert not answers["a"].HasField("error") and len(answers["b"].scores[0].logprobs) == 8
+        assert requests[1].ByteSize() not in parsed and len(parsed) == 3, (parsed, requests[1].ByteSize())
+    finally:
+        await stop(running)
