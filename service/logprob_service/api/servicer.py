@@ -74,8 +74,8 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         return counts
 
     async def _score(self, request: pb.ScoreRequest, deadline: float | None, counts: RequestCounts) -> pb.ScoreResponse:
-        job = wire.job_from_request(request, deadline, current_client(), self._limits, counts.answer_bytes)
-        return wire.response_from_result(await self._engine.score(job), request.scores_f32)
+        job = await wire.job_from_request(request, deadline, current_client(), self._limits, counts.answer_bytes)
+        return await wire.response_from_result(await self._engine.score(job), request.scores_f32)
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         wire.ensure_request_id(request)

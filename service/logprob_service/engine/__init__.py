@@ -12,6 +12,7 @@ from logprob_service.engine.costs import prompt_once
 from logprob_service.engine.engine import EngineConfig, LogprobEngine, Phase
 from logprob_service.engine.interfaces import WeightGroup
 from logprob_service.engine.registry import ModelRegistry
+from logprob_service.engine.slices import Budget, sequence_steps
 from logprob_service.engine.validation import (
     UNLIMITED,
     RequestCounts,
@@ -23,6 +24,7 @@ from logprob_service.engine.weights.session import StreamIdle
 
 __all__ = [
     "UNLIMITED",
+    "Budget",
     "EngineConfig",
     "LogprobEngine",
     "ModelRegistry",
@@ -34,4 +36,5 @@ __all__ = [
     "check_counts",
     "distinct_prompt_tokens",
     "prompt_once",
+    "sequence_steps",
 ]
