@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreOptions, ScoreResult, SequenceScores, TokenSequence
-from logprob_service.engine import RequestCounts, distinct_prompt_tokens
+from logprob_service.engine import SEQUENCE_STEPS, Budget, RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import RouteRequest
 from logprob_service.http.errors import CallerGone, Naming
@@ -168,10 +168,14 @@ async def score_items(
     scored = [item for item in items if item.scored]
     if not scored:
         raise InvalidArgument(f"{batch_field}: no position to score (every sequence is all prompt)")
+    sequences, budget = [], Budget()
+    for item in scored:
+        sequences.append(TokenSequence(item.ids[: item.start], item.ids[item.start :], item.candidates))
+        await budget.pause(SEQUENCE_STEPS)
     job = ScoreJob(
         request_id=call.request_id,
         model=model,
-        sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :], item.candidates) for item in scored],
+        sequences=sequences,
         options=ScoreOptions(temperature=_as_float32(temperature), top_k=top_k, return_ranks=return_ranks),
         deadline=call.deadline,
         client=call.client,
