@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from logprob_proto import logprob_pb2 as pb
-from logprob_service.api.wire import SEQUENCES_FIELD, count_fields, count_sequences
+from logprob_service.api.wire import SEQUENCES_FIELD, count_fields, count_sequences, request_head
 
 
 def _request(rng: np.random.Generator, sequences: int) -> pb.ScoreRequest:
@@ -62,3 +62,11 @@ def test_a_requests_sequences_count_each_groups_completions_as_the_limit_does(se
         assert count_sequences(raw, 5) == 6  # stopped there
     many = pb.ScoreRequest(groups=[pb.SequenceGroup(completions=[pb.Completion(completion_ids=[2])] * 1000)] * 1000)
     assert count_sequences(many.SerializeToString(), 4096) == 4097
+
+
+def test_a_requests_head_holds_its_id_and_model_and_none_of_its_sequences(rng):
+    request = _request(rng, 50)
+    request.request_id, request.model = "r-1", "m-2"
+    head = request_head(request.SerializeToString())
+    assert pb.ScoreRequest.FromString(head) == pb.ScoreRequest(request_id="r-1", model="m-2")
+    assert request_head(b"") == b"" and request_head(pb.ScoreRequest(model="x").SerializeToString()) == b"\x12\x01x"

@@ -25,6 +25,7 @@ from logprob_service.api.wire import response_from_result
 from logprob_service.domain import ScoreResult, SequenceScores, TokenSequence
 
 from tests.helpers.calls import call, expect, trl_layout
+from tests.helpers.fake_server import at_once
 from tests.helpers.models import VOCAB, stock_copy
 from tests.helpers.moe import EXPERTS, TOP_K, hf_router_choices, make_moe_model
 from tests.helpers.seeds import session_seed
@@ -178,7 +179,7 @@ def test_ids_cross_the_wire_as_int16_or_int32_as_the_scorer_holds_them(rng, dtyp
     experts = 40_000 if dtype == np.int32 else EXPERTS
     routed = [rng.integers(0, experts, (c, 3, 4)).astype(dtype) for c in (2, 5)]
     scores = [SequenceScores(np.zeros(len(r), np.float32), routed_experts=r) for r in routed]
-    response = response_from_result(ScoreResult("r", "m", 0, scores, tokens=9), scores_f32=True)
+    response = at_once(response_from_result(ScoreResult("r", "m", 0, scores, tokens=9), scores_f32=True))
     assert [len(s.routed_experts.ids) for s in response.scores] == [r.nbytes for r in routed]
     answer = result(prepare([[1], [2]], [[3, 4], [5, 6, 7, 8, 9]]), [response], False, return_routed_experts=True)
     for got, want in zip(answer.routed_experts, routed, strict=True):

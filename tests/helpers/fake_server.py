@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -13,12 +14,23 @@ from logprob_proto import logprob_pb2_grpc as pb_grpc
 from logprob_service.api import wire
 
 HealthServicer = health_aio.HealthServicer
+T = TypeVar("T")
+
+
+def at_once(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that awaits nothing but ``asyncio.sleep(0)`` (``api.wire``'s, which
+    hand the event loop back between slices), run to its end at once, in a loop or outside one."""
+    try:
+        while True:
+            coroutine.send(None)
+    except StopIteration as done:
+        return done.value
 
 
 def sequences_of(request: pb.ScoreRequest) -> list[pb.Sequence]:
     """A request's sequences as the server reads them (``api.wire``: its own, then each group's
     completions; ids from repeated fields or int32 bytes), as plain v1 ``Sequence`` messages."""
-    job = wire.job_from_request(pb.ScoreRequest(sequences=request.sequences, groups=request.groups), None, "")
+    job = at_once(wire.job_from_request(pb.ScoreRequest(sequences=request.sequences, groups=request.groups), None, ""))
     return [
         pb.Sequence(prompt_ids=s.prompt_ids.tolist(), completion_ids=s.completion_ids.tolist()) for s in job.sequences
     ]

@@ -12,10 +12,12 @@ the deserializer returns a ``Malformed`` marker instead, and the handler's behav
   is read to its end first (``handlers.read_to_end``): answered while its client still sent, a
   push got INTERNAL instead in a CI run (tests/integration/weights/test_weight_receivers.py).
 
-A single ``ScoreTokens`` request of more sequences than ``max_sequences`` (plain ones and groups'
-completions) is refused the same way, counted from its bytes before they are parsed
-(``wire.count_sequences``): protobuf would
-otherwise build an object for each of them first, on the event loop every caller shares.
+A ``ScoreTokens`` request of more sequences than ``max_sequences`` (plain ones and groups'
+completions) is counted from its bytes before they are parsed (``wire.count_sequences``):
+protobuf would otherwise build an object for each of them first, on the event loop every caller
+shares. Only its head is parsed (``wire.request_head``: its request id and model), and it is
+refused the same way; in a ``ScoreTokensStream``, the message is handed on as ``TooManySequences``,
+which the stream answers with its error as it does any request refused by its counts, and goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from logprob_service.api import handlers
-from logprob_service.api.wire import count_sequences
+from logprob_service.api.wire import count_sequences, request_head
 from logprob_service.errors import InvalidArgument
 
 
@@ -41,15 +43,27 @@ class Malformed:
 
 @dataclass(frozen=True)
 class TooManySequences:
-    """Stands for a ScoreRequest of more sequences than ``limit``, not parsed."""
+    """Stands for a ScoreRequest of more sequences than ``limit``, of which only ``head`` was parsed
+    (``wire.request_head``: the fields before its sequences, its request id and model among them)."""
 
     limit: int
+    head: Any
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(
+            f"sequences: more than {self.limit} sequences exceed the limit of {self.limit} per request "
+            "(counted before the message was read whole)"
+        )
 
 
 def _tolerant(deserializer: Callable[[bytes], Any], max_sequences: int | None) -> Callable[[bytes], Any]:
     def deserialize(raw: bytes) -> Any:
         if max_sequences is not None and count_sequences(raw, max_sequences) > max_sequences:
-            return TooManySequences(max_sequences)
+            try:
+                head = deserializer(request_head(raw))
+            except DecodeError:
+                head = deserializer(b"")
+            return TooManySequences(max_sequences, head)
         try:
             return deserializer(raw)
         except DecodeError as err:
@@ -59,8 +73,8 @@ def _tolerant(deserializer: Callable[[bytes], Any], max_sequences: int | None) -
 
 
 class MalformedMessageInterceptor(handlers.ServiceInterceptor):
-    """``max_sequences``: the most sequences a ScoreTokens request may hold (the
-    ``max_sequences_per_request`` setting); None: counted after the parse only."""
+    """``max_sequences``: the most sequences a ScoreTokens or ScoreTokensStream request may hold
+    (the ``max_sequences_per_request`` setting); None: counted after the parse only."""
 
     def __init__(self, max_sequences: int | None = None) -> None:
         self.max_sequences = max_sequences
@@ -69,7 +83,7 @@ class MalformedMessageInterceptor(handlers.ServiceInterceptor):
         if handler.request_deserializer is None:
             return handler
         inner = handlers.behaviour_of(handler)
-        counted = self.max_sequences if rpc == "ScoreTokens" else None
+        counted = self.max_sequences if rpc in ("ScoreTokens", "ScoreTokensStream") else None
         deserializer = _tolerant(handler.request_deserializer, counted)
 
         if not handler.request_streaming:
@@ -80,14 +94,7 @@ class MalformedMessageInterceptor(handlers.ServiceInterceptor):
                         context, rpc, InvalidArgument(f"request: not a valid message ({request.reason})")
                     )
                 if isinstance(request, TooManySequences):
-                    return await handlers.reject(
-                        context,
-                        rpc,
-                        InvalidArgument(
-                            f"sequences: more than {request.limit} sequences exceed the limit of {request.limit} per "
-                            "request (counted before the message was read whole)"
-                        ),
-                    )
+                    return await handlers.reject(context, rpc, request.error())
                 return await handlers.run(inner, request, context)
 
             return handlers.rebuild(handler, single, deserializer)

@@ -13,6 +13,7 @@ from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
 
 from logprob_service.api import accounting, handlers, wire
+from logprob_service.api.malformed import TooManySequences
 from logprob_service.api.status import status_of
 from logprob_service.engine import UNLIMITED, LogprobEngine, RequestCounts, StreamIdle
 from logprob_service.errors import LogprobError
@@ -66,14 +67,15 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         self._max_stream_answer_bytes = max_stream_answer_bytes
 
     def _counts(self, request: pb.ScoreRequest) -> RequestCounts:
-        """The request's counts, refused (``InvalidArgument``) past a limit before any of it is built."""
+        """The request's counts, refused past a limit (``InvalidArgument``) or the queue's room
+        (``Overloaded``) before any of it is built."""
         counts = wire.request_counts(request, self._limits.max_sequences_per_request)
-        self._engine.check_counts(counts, self._limits)
+        self._engine.check_counts(counts, self._limits, client=current_client())
         return counts
 
     async def _score(self, request: pb.ScoreRequest, deadline: float | None, counts: RequestCounts) -> pb.ScoreResponse:
-        job = wire.job_from_request(request, deadline, current_client(), self._limits, counts.answer_bytes)
-        return wire.response_from_result(await self._engine.score(job), request.scores_f32)
+        job = await wire.job_from_request(request, deadline, current_client(), self._limits, counts.answer_bytes)
+        return await wire.response_from_result(await self._engine.score(job), request.scores_f32)
 
     async def ScoreTokens(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         wire.ensure_request_id(request)
@@ -101,7 +103,7 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         return wire.error_response(request, error)
 
     async def ScoreTokensStream(
-        self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ScoreRequest | TooManySequences], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ScoreResponse]:
         """Each request is scored concurrently and answered as soon as it is done; a failed
         request is answered with ``error`` set and does not end the stream. The next request is
@@ -119,9 +121,13 @@ class LogprobServicer(pb_grpc.LogprobServiceServicer):
         async def read_all() -> None:
             try:
                 async with asyncio.TaskGroup() as tasks:
-                    async for request in request_iterator:
+                    async for message in request_iterator:
+                        # A message of too many sequences was counted from its bytes, its head alone parsed.
+                        request = message.head if isinstance(message, TooManySequences) else message
                         wire.ensure_request_id(request)
                         try:
+                            if isinstance(message, TooManySequences):
+                                raise message.error()
                             counts: RequestCounts | LogprobError = self._counts(request)
                             size = counts.answer_bytes
                         except LogprobError as err:

@@ -3,6 +3,7 @@ messages whole: the servicer, the server's assembly, accounting, and ``tensor_pi
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -33,12 +34,14 @@ from logprob_service.domain import (
     UpdateOutcome,
 )
 from logprob_service.engine import (
+    Budget,
     RequestCounts,
     RequestLimits,
     WeightGroup,
     check_counts,
     distinct_prompt_tokens,
     prompt_once,
+    sequence_steps,
 )
 from logprob_service.errors import InvalidArgument, LogprobError
 
@@ -54,26 +57,37 @@ def ensure_request_id(request: pb.ScoreRequest) -> None:
     request.request_id = request.request_id or str(uuid.uuid4())
 
 
-def _ids(message: Message, field: str, name: str) -> np.ndarray:
-    """``message``'s ids in ``field``: its repeated int32 field, or its ``*_i32`` bytes beside it.
-    ``name`` is how errors name the message, e.g. ``groups[2].completions[5]``."""
+# Where a message lies in its request, named only when an error names it: ("sequences", i) or
+# ("groups", g) or ("groups", g, j), e.g. sequences[3] or groups[2].completions[5].
+Where = tuple[str, int] | tuple[str, int, int]
+
+
+def _name(where: Where) -> str:
+    return f"{where[0]}[{where[1]}]" + (f".completions[{where[2]}]" if len(where) == 3 else "")
+
+
+def _ids(message: Message, field: str, where: Where) -> np.ndarray:
+    """``message``'s ids in ``field``: its repeated int32 field, or its ``*_i32`` bytes beside it."""
     raw: bytes = getattr(message, f"{field}_i32")
     repeated = getattr(message, field)
     if not raw:
         return np.asarray(repeated, dtype=np.int64)
     if repeated:
-        raise InvalidArgument(f"{name}.{field}: both {field} and {field}_i32 are set; send the ids in one of them")
+        raise InvalidArgument(
+            f"{_name(where)}.{field}: both {field} and {field}_i32 are set; send the ids in one of them"
+        )
     if len(raw) % 4:
-        raise InvalidArgument(f"{name}.{field}_i32: {len(raw)} bytes are not whole little-endian int32 ids")
+        raise InvalidArgument(f"{_name(where)}.{field}_i32: {len(raw)} bytes are not whole little-endian int32 ids")
     return np.frombuffer(raw, dtype="<i4").astype(np.int64)
 
 
-def _candidates(message: pb.Sequence | pb.Completion, name: str) -> np.ndarray | None:
+def _candidates(message: pb.Sequence | pb.Completion, where: Where) -> np.ndarray | None:
     """``message``'s candidate ids as [rows, num_candidates] (``engine.validation`` checks the rows
     against its completion, the width and the ids), or None when it sends none."""
     raw, width = message.candidate_ids_i32, message.num_candidates
     if not raw and not width:
         return None
+    name = _name(where)
     if width <= 0:
         raise InvalidArgument(f"{name}.num_candidates: {width} must be >= 1 when candidate_ids_i32 is set")
     if len(raw) % 4:
@@ -174,19 +188,43 @@ def count_fields(
             elif inner is not None and number == inner[0]:
                 count += count_fields(raw, inner[1], more_than - count, None, position, min(position + length, end))
             position += length
-        elif wire_type == 0:
-            _, position = _varint(raw, position)
-        elif wire_type in (1, 5):  # fixed 64 or 32 bits
-            position += 8 if wire_type == 1 else 4
-        else:
+        elif (position := _skip(raw, position, wire_type)) < 0:
             break
     return count
+
+
+def request_head(raw: bytes) -> bytes:
+    """The bytes of a serialized ScoreRequest before its first sequence or group, which hold its
+    request id and model where they come first (protobuf writes a message's fields in the order of
+    their numbers): what a refusal by its count names it by, without reading its sequences."""
+    position = 0
+    while position < len(raw):
+        start = position
+        tag, position = _varint(raw, position)
+        if tag >> 3 in (SEQUENCES_FIELD, GROUPS_FIELD):
+            return raw[:start]
+        if (position := _skip(raw, position, tag & 7)) < 0:
+            return raw[:start]
+    return raw
 
 
 def count_sequences(raw: bytes, more_than: int) -> int:
     """A serialized ScoreRequest's sequences as ``max_sequences_per_request`` counts them (each
     plain sequence, each group's completions), from its bytes, stopping once past ``more_than``."""
     return count_fields(raw, SEQUENCES_FIELD, more_than, (GROUPS_FIELD, COMPLETIONS_FIELD))
+
+
+def _skip(raw: bytes, position: int, wire_type: int) -> int:
+    """Where the field value of ``wire_type`` at ``position`` of ``raw`` ends; -1 for a wire type
+    that no field of these messages has (malformed bytes)."""
+    if wire_type == 2:  # length-delimited: a message, packed ids, a string
+        length, position = _varint(raw, position)
+        return position + length
+    if wire_type == 0:
+        return _varint(raw, position)[1]
+    if wire_type in (1, 5):  # fixed 64 or 32 bits
+        return position + (8 if wire_type == 1 else 4)
+    return -1
 
 
 def _varint(raw: bytes, position: int) -> tuple[int, int]:
@@ -224,22 +262,16 @@ def _sequences(request: pb.ScoreRequest) -> Iterator[TokenSequence]:
     """The request's sequences, then each group's completions as sequences sharing one prompt
     array, each converted as it is read."""
     for i, seq in enumerate(request.sequences):
-        yield TokenSequence(
-            _ids(seq, "prompt_ids", f"sequences[{i}]"),
-            _ids(seq, "completion_ids", f"sequences[{i}]"),
-            _candidates(seq, f"sequences[{i}]"),
-        )
+        where = ("sequences", i)
+        yield TokenSequence(_ids(seq, "prompt_ids", where), _ids(seq, "completion_ids", where), _candidates(seq, where))
     for g, group in enumerate(request.groups):
-        prompt = _ids(group, "prompt_ids", f"groups[{g}]")
+        prompt = _ids(group, "prompt_ids", ("groups", g))
         for j, c in enumerate(group.completions):
-            yield TokenSequence(
-                prompt,
-                _ids(c, "completion_ids", f"groups[{g}].completions[{j}]"),
-                _candidates(c, f"groups[{g}].completions[{j}]"),
-            )
+            where = ("groups", g, j)
+            yield TokenSequence(prompt, _ids(c, "completion_ids", where), _candidates(c, where))
 
 
-def job_from_request(
+async def job_from_request(
     request: pb.ScoreRequest,
     deadline: float | None,
     client: str,
@@ -250,14 +282,17 @@ def job_from_request(
 
     Its tokens are counted as its ids are converted, each distinct prompt once, as the job counts
     them: the conversion stops as soon as they pass ``limits``' (``InvalidArgument``), so a request
-    whose prompts the counts could not tell apart costs the limit's tokens, not its message's."""
+    whose prompts the counts could not tell apart costs the limit's tokens, not its message's. Its
+    sequences are converted in slices (``engine.Budget``), the event loop handed back between them."""
     sequences: list[TokenSequence] = []
     tokens = 0
+    budget = Budget()
     for seq, cost in prompt_once(_sequences(request)):
         sequences.append(seq)
         tokens += cost
         if limits is not None and tokens > limits.max_tokens_per_request:
             check_counts(RequestCounts(len(sequences), tokens), limits)
+        await budget.pause(sequence_steps(seq.num_tokens))
     return ScoreJob(
         request_id=request.request_id,
         model=model_name(request),
@@ -302,13 +337,13 @@ def _scores(scores: SequenceScores, as_f32: bool) -> pb.SequenceScores:
     return pb.SequenceScores(logprobs=scores.logprobs.tolist(), entropies=entropies.tolist(), **extra)
 
 
-def response_from_result(result: ScoreResult, scores_f32: bool = False) -> pb.ScoreResponse:
-    """The response; scores as float32 bytes when the request asked ``scores_f32``."""
-    return pb.ScoreResponse(
+async def response_from_result(result: ScoreResult, scores_f32: bool = False) -> pb.ScoreResponse:
+    """The response; scores as float32 bytes when the request asked ``scores_f32``. Its sequences'
+    scores are written in slices (``engine.Budget``), the event loop handed back between them."""
+    response = pb.ScoreResponse(
         request_id=result.request_id,
         model=result.model,
         model_version=result.model_version,
-        scores=[_scores(s, scores_f32) for s in result.scores],
         metadata=pb.Metadata(
             tokens=result.tokens,
             queue_ns=result.timings.queue_ns,
@@ -316,6 +351,21 @@ def response_from_result(result: ScoreResult, scores_f32: bool = False) -> pb.Sc
             total_ns=result.timings.total_ns,
         ),
     )
+    budget, written = Budget(), 0
+    for i, scores in enumerate(result.scores):
+        # ~10 values a step: a top-k entry its id and log-prob, a float's tolist and copy
+        if budget.spent(sequence_steps(scores.logprobs.size + _extra_values(scores))):
+            response.scores.extend(_scores(s, scores_f32) for s in result.scores[written : i + 1])
+            written = i + 1
+            await asyncio.sleep(0)
+    response.scores.extend(_scores(s, scores_f32) for s in result.scores[written:])
+    return response
+
+
+def _extra_values(scores: SequenceScores) -> int:
+    """The values of ``scores`` beside its log-probs: its entropies, top-k and candidates."""
+    arrays = (scores.entropies, scores.top_ids, scores.top_logprobs, scores.candidate_logprobs, scores.routed_experts)
+    return sum(array.size for array in arrays if array is not None)
 
 
 def error_response(request: pb.ScoreRequest, error: LogprobError) -> pb.ScoreResponse:

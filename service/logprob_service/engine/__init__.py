@@ -12,6 +12,7 @@ from logprob_service.engine.costs import prompt_once
 from logprob_service.engine.engine import EngineConfig, LogprobEngine, Phase
 from logprob_service.engine.interfaces import WeightGroup
 from logprob_service.engine.registry import ModelRegistry
+from logprob_service.engine.slices import SEQUENCE_STEPS, Budget, sequence_steps
 from logprob_service.engine.validation import (
     UNLIMITED,
     RequestCounts,
@@ -22,7 +23,9 @@ from logprob_service.engine.validation import (
 from logprob_service.engine.weights.session import StreamIdle
 
 __all__ = [
+    "SEQUENCE_STEPS",
     "UNLIMITED",
+    "Budget",
     "EngineConfig",
     "LogprobEngine",
     "ModelRegistry",
@@ -34,4 +37,5 @@ __all__ = [
     "check_counts",
     "distinct_prompt_tokens",
     "prompt_once",
+    "sequence_steps",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
+from collections.abc import Callable
 
 from logprob_service.domain import ScoreJob
 from logprob_service.engine.costs import OUTPUTS_PER_TOKEN, tokens_run
@@ -84,21 +85,29 @@ class Admission:
                 f"{OUTPUTS_PER_TOKEN} top-k or candidate outputs of a position), more than "
                 f"{limit}={cap} can ever admit; send fewer completions of a prompt (or a smaller top_k) per request"
             )
+        self.check_room(job.client, cost, lambda: _counted(job, cost))
+        self._check_deadline(job, cost, now)
+        self._count(job, cost)
+
+    def check_room(self, client: str, cost: int, counted: Callable[[], str]) -> None:
+        """``Overloaded`` naming the limit, with its retry hint, when ``cost`` more token-equivalents
+        of ``client``'s would pass ``max_queued_tokens`` or its fair share as the queue holds now;
+        ``counted``: the request's cost as its message names it. ``admit`` checks a planned job
+        with it, and an edge a request's counts before it builds the job (``LogprobEngine.check_counts``:
+        its tokens, at most what it costs as it runs, so what that refuses ``admit`` would)."""
         if self.queued_tokens + cost > self.max_queued_tokens:
             raise Overloaded(
-                f"server queue holds {self.queued_tokens} tokens; this request's {_counted(job, cost)} would pass "
+                f"server queue holds {self.queued_tokens} tokens; this request's {counted()} would pass "
                 f"max_queued_tokens={self.max_queued_tokens}",
                 retry_after_s=self.retry_after_s(self.queued_tokens + cost - self.max_queued_tokens),
             )
-        held, share = self.client_tokens[job.client], self.max_queued_tokens_per_client
+        held, share = self.client_tokens[client], self.max_queued_tokens_per_client
         if held + cost > share:
             raise Overloaded(
-                f"client {job.client!r} has {held} tokens queued; this request's {_counted(job, cost)} would pass "
+                f"client {client!r} has {held} tokens queued; this request's {counted()} would pass "
                 f"max_queued_tokens_per_client={share}",
                 retry_after_s=self.retry_after_s(held + cost - share),
             )
-        self._check_deadline(job, cost, now)
-        self._count(job, cost)
 
     def _check_deadline(self, job: ScoreJob, cost: int, now: float) -> None:
         throughput = self.throughput

@@ -52,7 +52,8 @@ from typing import Any
 
 from logprob_service.domain import ScoreJob, ScoreOptions, ScoreResult, SequenceScores, TokenSequence, prompt_groups
 from logprob_service.engine.costs import output_cost, run_costs, shared_prompt_cost, tokens_run
-from logprob_service.engine.partition import plan_micro_batches
+from logprob_service.engine.partition import plan_micro_batches_steps
+from logprob_service.engine.slices import SEQUENCE_STEPS, Budget, Steps, finish
 from logprob_service.errors import DeadlineExceeded
 
 
@@ -195,18 +196,26 @@ class BatchQueue:
     def plan(self, request: Request) -> list[RequestSlice]:
         """``request``'s units (one, or balanced parts if it is larger than a micro-batch), not queued
         yet, and each sequence's share of their cost in ``request.costs``."""
+        return finish(self.plan_steps(request))
+
+    def plan_steps(self, request: Request) -> Steps[list[RequestSlice]]:
+        """``plan`` as ``slices.Steps``: a request of thousands of sequences is planned in slices,
+        between which the scheduler hands the event loop back. Reads only ``request``, so the
+        queue may change between them."""
         seqs = request.job.sequences
-        if self.cost(seqs) <= self.max_batch_tokens and len(seqs) <= self.max_batch_sequences:
+        budget = Budget()
+        if len(seqs) <= self.max_batch_sequences and self.cost(seqs) <= self.max_batch_tokens:
             parts = [list(range(len(seqs)))]
         else:
-            items = self._items(seqs)
-            planned = plan_micro_batches(
-                [self.cost([seqs[i] for i in item]) for item in items],
+            items, costs = yield from self._items(seqs, budget)
+            planned = yield from plan_micro_batches_steps(
+                costs,
                 max_tokens=self.max_batch_tokens,
                 max_sequences=self.max_batch_sequences,
                 sizes=[len(item) for item in items],
             )
             parts = [sorted(i for j in part for i in items[j]) for part in planned]
+            yield
         request.costs = [0] * len(seqs)
         units = []
         for indices in parts:
@@ -215,6 +224,8 @@ class BatchQueue:
                 # admission counts the extra outputs too; micro-batches are cut by the tokens they run
                 request.costs[i] = cost + output_cost(seqs[i], request.job.options.top_k)
             units.append(RequestSlice(request, indices, sum(costs)))
+            if budget.spent(SEQUENCE_STEPS * len(indices)):
+                yield
         # A part over the budget runs as a micro-batch of its own, which it must start: first, it
         # holds up none of the request's other parts behind it.
         units.sort(key=lambda unit: unit.cost <= self.max_batch_tokens)
@@ -269,12 +280,13 @@ class BatchQueue:
         if not client.cost:  # no work left: it leaves the round-robin, and what its turn had left lapses
             self._clients.pop(client.name, None)
 
-    def _items(self, seqs: list[TokenSequence]) -> list[list[int]]:
-        """What a large request is cut along: its sequences one by one, or with ``share_prompts`` its
-        prompt groups, each cut into runs that fit a micro-batch (a sequence too long to fit: alone)."""
+    def _items(self, seqs: list[TokenSequence], budget: Budget) -> Steps[tuple[list[list[int]], list[int]]]:
+        """What a large request is cut along, and what each costs: its sequences one by one, or with
+        ``share_prompts`` its prompt groups, each cut into runs that fit a micro-batch (a sequence
+        too long to fit: alone)."""
         if not self.share_prompts:
-            return [[i] for i in range(len(seqs))]
-        items = []
+            return [[i] for i in range(len(seqs))], [seq.num_tokens for seq in seqs]
+        items, costs = [], []
         for group in prompt_groups(seqs):
             item: list[int] = []
             cost = 0
@@ -282,11 +294,15 @@ class BatchQueue:
                 more = shared_prompt_cost(seqs[i]) if item else seqs[i].num_tokens
                 if item and (cost + more > self.max_batch_tokens or len(item) == self.max_batch_sequences):
                     items.append(item)
+                    costs.append(cost)
                     item, cost, more = [], 0, seqs[i].num_tokens
                 item.append(i)
                 cost += more
+                if budget.spent(SEQUENCE_STEPS):
+                    yield
             items.append(item)
-        return items
+            costs.append(cost)
+        return items, costs
 
     def discard(self, request: Request) -> int:
         """Take ``request``'s units out of the queue (it is over); returns its share of the planned

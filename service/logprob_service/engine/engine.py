@@ -199,10 +199,15 @@ class LogprobEngine:
 
     # -- scoring -------------------------------------------------------------------------------
 
-    def check_counts(self, counts: RequestCounts, limits: RequestLimits | None = None) -> None:
-        """Refuse a request by its counts (``InvalidArgument`` naming the limit), before an edge
-        builds any of it; ``limits``: an edge's own, tighter ones (default: the engine's)."""
+    def check_counts(self, counts: RequestCounts, limits: RequestLimits | None = None, *, client: str) -> None:
+        """Refuse a request by its counts before an edge builds any of it: ``InvalidArgument`` naming
+        the limit it passes (``limits``: an edge's own, tighter ones; default: the engine's), or
+        ``Overloaded`` as admission refuses it when its tokens would pass the queue's budget or
+        ``client``'s fair share as the queue holds now. Advisory for the queue: what passes here
+        is admitted, or not, by its planned cost when it is scored."""
         check_counts(counts, limits or self.limits)
+        tokens = counts.tokens
+        self.scheduler.admission.check_room(client, tokens, lambda: f"{tokens} tokens (counted before it was read)")
 
     async def score(self, job: ScoreJob) -> ScoreResult:
         """``job``'s log-probs: checked against its model and the limits (``InvalidArgument`` naming

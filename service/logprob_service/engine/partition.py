@@ -11,13 +11,16 @@ Unlike verl, k is raised until every part actually fits the budget.
 KK costs O(n k log k), and the plan runs on the event loop before admission, refused requests
 included: 4,096 sequences in 1,021 parts took 8 s on the 2-core CPU machine, every other caller
 waiting. Past ``KK_MAX_WORK`` (n x k) the parts come from longest-first instead (LPT, O(n log n)),
-whose many small items in many parts balance nearly as well.
+whose many small items in many parts balance nearly as well. Either is computed in slices
+(``slices.Steps``): the scheduler hands the event loop back between them.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+
+from logprob_service.engine.slices import Budget, Steps, finish
 
 # A part: (sum of its weights, indices of its items). A partial partition: k parts sorted by
 # decreasing sum (ties: more items first, then by indices), so [0] is the largest, [-1] the smallest.
@@ -55,16 +58,28 @@ def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:
     Deterministic: ties in spread go to the partition built first (single items by index).
     Parts come out by decreasing sum, each as sorted indices; with n < k some are empty.
     """
+    return finish(karmarkar_karp_steps(weights, k))
+
+
+def karmarkar_karp_steps(weights: Sequence[int], k: int) -> Steps[list[list[int]]]:
+    """``karmarkar_karp`` as ``slices.Steps``, a slice ending every few merges."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     empty: WeightedSubset = (0, ())
-    heap = [_entry([(w, (i,))] + [empty] * (k - 1), i) for i, w in enumerate(weights)]
+    budget = Budget()
+    heap = []
+    for i, w in enumerate(weights):
+        heap.append(_entry([(w, (i,))] + [empty] * (k - 1), i))
+        if budget.spent(k):
+            yield
     heapq.heapify(heap)
     for order in range(len(heap), 2 * len(heap) - 1):
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
         merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
         heapq.heappush(heap, _entry(merged, order))
+        if budget.spent(2 * k):  # a merge: its k parts joined, sorted and their spread taken
+            yield
     parts = heap[0][2] if heap else (empty,) * k
     return [sorted(indices) for _, indices in parts]
 
@@ -75,14 +90,22 @@ def longest_first(weights: Sequence[int], k: int) -> list[list[int]]:
     so that items of no weight spread too). Graham's LPT,
     O(n log n + n log k), at most (4/3 - 1/(3k)) * OPT. Deterministic; parts come out by
     decreasing sum, each as sorted indices; with n < k some are empty."""
+    return finish(longest_first_steps(weights, k))
+
+
+def longest_first_steps(weights: Sequence[int], k: int) -> Steps[list[list[int]]]:
+    """``longest_first`` as ``slices.Steps``, a slice ending every few hundred items."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    budget = Budget()
     parts: list[list[int]] = [[] for _ in range(k)]
     loads = [(0, 0, j) for j in range(k)]
     for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
         load, count, j = heapq.heappop(loads)
         parts[j].append(i)
         heapq.heappush(loads, (load + weights[i], count + 1, j))
+        if budget.spent(2):
+            yield
     by_sum = sorted(loads, key=lambda entry: (-entry[0], -entry[1], entry[2]))
     return [sorted(parts[j]) for _, _, j in by_sum]
 
@@ -109,6 +132,13 @@ def plan_micro_batches(
 
     Returns lists of indices, each sorted, none empty, ordered by their first index.
     """
+    return finish(plan_micro_batches_steps(lengths, max_tokens=max_tokens, max_sequences=max_sequences, sizes=sizes))
+
+
+def plan_micro_batches_steps(
+    lengths: Sequence[int], *, max_tokens: int, max_sequences: int, sizes: Sequence[int] | None = None
+) -> Steps[list[list[int]]]:
+    """``plan_micro_batches`` as ``slices.Steps``: a slice ends every few hundred items or merges."""
     if max_tokens < 1 or max_sequences < 1:
         raise ValueError(f"max_tokens and max_sequences must be >= 1, got {max_tokens} and {max_sequences}")
     sizes = [1] * len(lengths) if sizes is None else sizes
@@ -118,8 +148,9 @@ def plan_micro_batches(
     counts = [sizes[i] for i in rest]
     k0 = max(-(-sum(weights) // max_tokens), -(-sum(counts) // max_sequences), 1)
     for k in range(k0, len(rest)):
-        split = karmarkar_karp if len(weights) * k <= KK_MAX_WORK else longest_first
-        parts = [p for p in split(weights, k) if p]
+        split = karmarkar_karp_steps if len(weights) * k <= KK_MAX_WORK else longest_first_steps
+        parts = [p for p in (yield from split(weights, k)) if p]
+        yield
         if all(sum(counts[j] for j in p) <= max_sequences and sum(weights[j] for j in p) <= max_tokens for p in parts):
             batches += [[rest[j] for j in p] for p in parts]
             break

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from logprob_service.domain import ScoreJob, ScoreResult, SequenceScores, Timings
+from logprob_service.engine import slices
 from logprob_service.engine.admission import Admission
 from logprob_service.engine.batch_queue import TAIL_FRACTION, BatchQueue, Request, RequestSlice, owners_of, requests_of
 from logprob_service.engine.interfaces import Executor, Launch
@@ -256,7 +257,7 @@ class Scheduler:
         await self._wait_for_version(job)
         future: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
         request = _request(job, future)
-        units = self.queue.plan(request)
+        units = await slices.run(self.queue.plan_steps(request))  # handing the loop back between slices
         self.admission.admit(job, request.cost, time.monotonic())
         self.queue.add(units)
         self._last_arrival_ns = request.arrived_ns

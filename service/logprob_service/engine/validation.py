@@ -160,6 +160,34 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> Score
     if not job.sequences:
         raise InvalidArgument("sequences: the request has no sequences and no groups; at least 1 sequence is required")
     check_counts(RequestCounts(len(job.sequences), tokens_run(job.sequences), job.answer_bytes), limits)
+    if not _all_valid(job.sequences, info):
+        _refuse_first_invalid(job, info)
+    if temperature == options.temperature:
+        return job
+    return dataclasses.replace(job, options=dataclasses.replace(options, temperature=temperature))
+
+
+def _all_valid(sequences: list[TokenSequence], info: ModelInfo) -> bool:
+    """Whether every sequence's ids, candidates and length are valid, checked over all of them at
+    once (a request of thousands of sequences in a few numpy passes, not a few per sequence)."""
+    arrays, cap = [], min(MAX_TOP_K, info.vocab_size)
+    for seq in sequences:
+        prompt, completion, candidates = seq.prompt_ids, seq.completion_ids, seq.candidate_ids
+        if not len(prompt) or not len(completion):
+            return False
+        if info.max_positions is not None and len(prompt) + len(completion) > info.max_positions:
+            return False
+        arrays += (prompt, completion)
+        if candidates is not None:
+            if candidates.ndim != 2 or candidates.shape[0] != len(completion) or not 1 <= candidates.shape[1] <= cap:
+                return False
+            arrays.append(candidates.ravel())
+    ids = np.concatenate(arrays)
+    return not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < info.vocab_size)
+
+
+def _refuse_first_invalid(job: ScoreJob, info: ModelInfo) -> None:
+    """``InvalidArgument`` naming the first invalid sequence of ``job`` as the request named it."""
     for seq, (name, prompt_field) in zip(job.sequences, _names(job), strict=True):
         if prompt_field is not None:
             _check_ids(prompt_field, seq.prompt_ids, info)
@@ -170,6 +198,3 @@ def validate_job(job: ScoreJob, info: ModelInfo, limits: RequestLimits) -> Score
                 f"{name}: {len(seq.prompt_ids)} prompt + {len(seq.completion_ids)} completion = "
                 f"{seq.num_tokens} tokens exceed the {info.max_positions} positions of model {info.name!r}"
             )
-    if temperature == options.temperature:
-        return job
-    return dataclasses.replace(job, options=dataclasses.replace(options, temperature=temperature))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreOptions, ScoreResult, SequenceScores, TokenSequence
-from logprob_service.engine import RequestCounts, distinct_prompt_tokens
+from logprob_service.engine import SEQUENCE_STEPS, Budget, RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import RouteRequest
 from logprob_service.http.errors import CallerGone, Naming
@@ -113,11 +113,12 @@ def check_counts(
     call: RouteRequest, batch_field: str, prompts: Sequence[int], completions: Sequence[int], answer_bytes: int
 ) -> None:
     """Refuse a request whose counts pass a limit (``InvalidArgument`` naming ``batch_field``, the
-    count and the limit) before any of its items is built. ``prompts``, ``completions``: the
-    lengths of each sequence to score, as sent; ``answer_bytes``: the peer's ``AnswerSize`` of it."""
+    count and the limit) or the queue's room for its client (``Overloaded``) before any of its items
+    is built. ``prompts``, ``completions``: the lengths of each sequence to score, as sent;
+    ``answer_bytes``: the peer's ``AnswerSize`` of it."""
     counts = RequestCounts(len(completions), distinct_prompt_tokens(prompts, sum(completions)), answer_bytes)
     try:
-        call.engine.check_counts(counts)
+        call.engine.check_counts(counts, client=call.client)
     except InvalidArgument as err:
         raise Naming([], batch_field).renamed(err) from None
 
@@ -167,10 +168,14 @@ async def score_items(
     scored = [item for item in items if item.scored]
     if not scored:
         raise InvalidArgument(f"{batch_field}: no position to score (every sequence is all prompt)")
+    sequences, budget = [], Budget()
+    for item in scored:
+        sequences.append(TokenSequence(item.ids[: item.start], item.ids[item.start :], item.candidates))
+        await budget.pause(SEQUENCE_STEPS)
     job = ScoreJob(
         request_id=call.request_id,
         model=model,
-        sequences=[TokenSequence(item.ids[: item.start], item.ids[item.start :], item.candidates) for item in scored],
+        sequences=sequences,
         options=ScoreOptions(temperature=_as_float32(temperature), top_k=top_k, return_ranks=return_ranks),
         deadline=call.deadline,
         client=call.client,

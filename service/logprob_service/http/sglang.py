@@ -21,6 +21,7 @@ from typing import TypeVar
 import numpy as np
 
 from logprob_service.domain import SequenceScores
+from logprob_service.engine import Budget, sequence_steps
 from logprob_service.errors import InvalidArgument
 from logprob_service.http import encoding
 from logprob_service.http.app import RouteAnswer, RouteRequest
@@ -104,7 +105,9 @@ async def generate(call: RouteRequest) -> RouteAnswer:
     prompts, completions, answer_bytes = _counted(request, batch, single)
     check_counts(call, "input_ids", prompts, completions, answer_bytes)
     items, starts, rids, temperatures, tops = [], [], [], set(), set()
+    budget = Budget()  # thousands of inputs: the event loop handed back between slices of them
     for i in range(len(batch)):
+        await budget.pause(sequence_steps(len(batch[i])))
         where = "" if single else f"[{i}]"
         field = f"input_ids{where}"
         ids = ids_of(batch[i], field)
@@ -146,10 +149,10 @@ async def generate(call: RouteRequest) -> RouteAnswer:
         answer_bytes=answer_bytes,
     )
     latency = time.perf_counter() - begun
-    answers = [
-        input_answer(item, start, rid, scores, k, latency)
-        for item, start, rid, scores in zip(items, starts, rids, scored.scores)
-    ]
+    answers = []
+    for item, start, rid, scores in zip(items, starts, rids, scored.scores):
+        answers.append(input_answer(item, start, rid, scores, k, latency))
+        await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
     return RouteAnswer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
 
 

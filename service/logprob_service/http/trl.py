@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 
 from logprob_service.domain import SequenceScores
+from logprob_service.engine import SEQUENCE_STEPS, Budget, sequence_steps
 from logprob_service.errors import InvalidArgument
 from logprob_service.http.app import RouteAnswer, RouteRequest
 from logprob_service.http.bodies import Strict, parse, served_model
@@ -90,8 +91,9 @@ async def sequence_logprobs(call: RouteRequest) -> RouteAnswer:
     prompts = [start for start, n in starts if start < n]
     completions = [n - start for start, n in starts if start < n]
     check_counts(call, "sequences", prompts, completions, _answer_bytes(request, completions))
-    items = []
+    items, budget = [], Budget()  # thousands of sequences: the event loop handed back between slices of them
     for i, (sequence, prompt_length) in enumerate(zip(request.sequences, request.prompt_lengths)):
+        await budget.pause(sequence_steps(len(sequence)))
         ids = ids_of(sequence, f"sequences[{i}]")
         check_start(prompt_length, len(ids), f"prompt_lengths[{i}]", f"the length of sequences[{i}]")
         items.append(Item(ids, max(prompt_length, 1), f"sequences[{i}]"))
@@ -115,6 +117,7 @@ async def sequence_logprobs(call: RouteRequest) -> RouteAnswer:
             lps, ids = _by_rank(item, scores, k)
             logprobs.append(empty + lps)
             token_ids.append(empty + ids)
+            await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
         return RouteAnswer({"logprobs": logprobs, "logprob_token_ids": token_ids}, scored.model, scored.result)
     longest = max(lengths, default=0)
     actual = np.full((len(items), longest, 1), -np.inf, dtype=np.float32)
@@ -129,6 +132,7 @@ async def sequence_logprobs(call: RouteRequest) -> RouteAnswer:
             if k:
                 top[i, first:length] = scores.top_logprobs
                 top_ids[i, first:length] = scores.top_ids
+        await budget.pause(SEQUENCE_STEPS)
     payload = {
         "logprobs_b64": _b64(top),
         "token_ids_b64": _b64(top_ids),

@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 
 from logprob_service.domain import MAX_TOP_K, SequenceScores
-from logprob_service.engine import Phase
+from logprob_service.engine import Budget, Phase, sequence_steps
 from logprob_service.errors import InvalidArgument, Unavailable
 from logprob_service.http import encoding
 from logprob_service.http.app import RouteAnswer, RouteRequest
@@ -161,7 +161,10 @@ async def completions(call: RouteRequest) -> RouteAnswer:
     answer_bytes = ANSWER.of(len(batch), sum(completions) * (top_k_counted(k) + 1))
     check_counts(call, "prompt", [1] * len(completions), completions, answer_bytes)
     names = ["prompt"] if single else [f"prompt[{i}]" for i in range(len(batch))]
-    items = [Item(ids_of(ids, name), 1, name) for ids, name in zip(batch, names)]
+    items, budget = [], Budget()  # thousands of prompts: the event loop handed back between slices of them
+    for ids, name in zip(batch, names):
+        items.append(Item(ids_of(ids, name), 1, name))
+        await budget.pause(sequence_steps(len(ids)))
     scored = await _score(
         call, items, request.model, request.temperature, "prompt", "temperature", k, "prompt_logprobs", answer_bytes
     )

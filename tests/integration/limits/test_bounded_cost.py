@@ -8,11 +8,13 @@ import asyncio
 import time
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from logprob_proto import logprob_pb2 as pb
 from logprob_proto import logprob_pb2_grpc as pb_grpc
+from logprob_service.api import wire
 
 from tests.helpers.calls import expect
 from tests.helpers.server import settings, start, stop
@@ -152,5 +154,93 @@ async def test_a_stream_that_is_read_gets_every_answer(rng):
         assert sorted(int(a.request_id) for a in answers) == list(range(12))
         assert all(not a.HasField("error") and len(a.scores[0].logprobs) == 64 for a in answers)
         assert np.isfinite(answers[0].scores[0].logprobs).all()
+    finally:
+        await stop(running)
+
+
+async def test_a_request_past_its_clients_share_is_refused_by_its_counts_before_its_job_is_built(rng, monkeypatch):
+    """A client 10 tokens short of its fair share: an 80-token call is refused on each edge
+    (RESOURCE_EXHAUSTED and HTTP 429, with the admission's message and retry hint) from the
+    request's counts, before any job is built or checked; a 4-token call is answered. (Before:
+    the whole job built and validated, then refused by the admission.)"""
+    from logprob_service.engine import engine as engine_module
+    from logprob_service.http import sglang
+
+    running = await start(settings({"default": "builtin:tiny-llama"}))
+    try:
+        http_port = await running.service.start_http("127.0.0.1", 0)
+        admission = running.service.engine.scheduler.admission
+        admission.client_tokens["127.0.0.1"] = admission.max_queued_tokens_per_client - 10  # both edges' caller
+        built: list[str] = []
+        for module, name in ((wire, "job_from_request"), (engine_module, "validate_job"), (sglang, "ids_of")):
+            original = getattr(module, name)
+
+            def spy(*args, _original=original, _name=name, **keywords):
+                built.append(_name)
+                return _original(*args, **keywords)
+
+            monkeypatch.setattr(module, name, spy)
+        ids = rng.integers(3, VOCAB, (4, 20))
+        big = pb.ScoreRequest(sequences=[pb.Sequence(prompt_ids=row[:4], completion_ids=row[4:]) for row in ids])
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            stub = pb_grpc.LogprobServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ScoreTokens(big)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_queued_tokens_per_client" in refused.value.details(), refused.value.details()
+            assert "grpc-retry-pushback-ms" in dict(refused.value.trailing_metadata())
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as http:
+                body = {
+                    "input_ids": ids.tolist(),
+                    "sampling_params": {"max_new_tokens": 0},
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                }
+                answer = await http.post("/generate", json=body)
+                assert answer.status_code == 429, answer.text
+                assert "max_queued_tokens_per_client" in answer.text and "retry-after" in answer.headers
+                assert not built, built
+                small = pb.ScoreRequest(sequences=[pb.Sequence(prompt_ids=ids[0, :2], completion_ids=ids[0, 2:4])])
+                assert len((await stub.ScoreTokens(small)).scores[0].logprobs) == 2
+                body["input_ids"] = ids[0, :4].tolist()
+                assert (await http.post("/generate", json=body)).status_code == 200
+        assert built.count("validate_job") == 2, built
+    finally:
+        await stop(running)
+
+
+async def test_a_stream_message_of_too_many_sequences_is_answered_with_its_error_unparsed(rng, monkeypatch):
+    """max_sequences_per_request 4: a ScoreTokensStream message of 5 sequences between two of 1 is
+    answered with its error (INVALID_ARGUMENT, its request id) counted from its bytes, protobuf
+    parsing only its head, and the stream goes on. (Before: parsed whole, then refused by its
+    counts.)"""
+    parsed: list[int] = []
+    parse = pb.ScoreRequest.FromString
+
+    def spy(raw: bytes) -> pb.ScoreRequest:
+        parsed.append(len(raw))
+        return parse(raw)
+
+    monkeypatch.setattr(pb.ScoreRequest, "FromString", spy)  # before the server registers its deserializers
+    running = await start(settings({"default": "builtin:tiny-llama"}, max_sequences_per_request=4))
+    try:
+
+        def request(request_id: str, sequences: int) -> pb.ScoreRequest:
+            ids = rng.integers(3, VOCAB, (sequences, 12))
+            return pb.ScoreRequest(
+                request_id=request_id,
+                sequences=[pb.Sequence(prompt_ids=row[:4], completion_ids=row[4:]) for row in ids],
+            )
+
+        requests = [request("a", 1), request("many", 5), request("b", 1)]
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            answers = {
+                a.request_id: a async for a in pb_grpc.LogprobServiceStub(channel).ScoreTokensStream(iter(requests))
+            }
+        assert sorted(answers) == ["a", "b", "many"]
+        assert answers["many"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "more than 4 sequences" in answers["many"].error.message, answers["many"].error.message
+        assert not answers["a"].HasField("error") and len(answers["b"].scores[0].logprobs) == 8
+        assert requests[1].ByteSize() not in parsed and len(parsed) == 3, (parsed, requests[1].ByteSize())
     finally:
         await stop(running)
