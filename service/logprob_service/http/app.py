@@ -212,9 +212,9 @@ class _Refusal(NamedTuple):
     gone: Callable[[], Awaitable[None]] | None = None  # returns once the caller has hung up
 
 
-async def _hung_up(request: Request) -> None:
+async def until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
     """Once the body is read, only a disconnect comes on the ASGI ``receive`` channel."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -283,7 +283,9 @@ class Edge:
                 # Only a caller whose body was read to its end is watched for hanging up while held:
                 # watching reads what comes, which would otherwise be the rest of a body not wanted.
                 read = call is not None and call.body.whole
-                return response, _Refusal(err.code, deadline, functools.partial(_hung_up, request) if read else None)
+                return response, _Refusal(
+                    err.code, deadline, functools.partial(until_disconnect, request.receive) if read else None
+                )
             except CallerGone as err:  # nobody to answer: the response goes nowhere
                 error = err
                 return Response(status_code=499), None

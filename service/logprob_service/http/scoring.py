@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from logprob_service.domain import MAX_TOP_K, ScoreJob, ScoreOptions, ScoreResult, SequenceScores, TokenSequence
 from logprob_service.engine import SEQUENCE_STEPS, Budget, RequestCounts, distinct_prompt_tokens
 from logprob_service.errors import InvalidArgument
-from logprob_service.http.app import RouteRequest
+from logprob_service.http.app import RouteRequest, until_disconnect
 from logprob_service.http.errors import CallerGone, Naming
 
 
@@ -141,12 +141,6 @@ def _as_float32(value: float) -> float:
         return float(np.float32(value))
 
 
-async def _until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
-    """Once the body is read, only a disconnect comes on the ASGI ``receive`` channel."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def score_items(
     call: RouteRequest,
     items: Sequence[Item],
@@ -188,7 +182,7 @@ async def score_items(
         top_k_field,
     )
     work = asyncio.ensure_future(call.engine.score(job))
-    gone = asyncio.ensure_future(_until_disconnect(call.request.receive))
+    gone = asyncio.ensure_future(until_disconnect(call.request.receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
