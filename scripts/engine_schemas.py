@@ -77,8 +77,7 @@ def install(target: Path) -> None:
 
 def vllm_schemas() -> dict[str, Any]:
     return {
-        name: getattr(importlib.import_module(module), name).model_json_schema()
-        for name, module in VLLM_MODELS.items()
+        name: getattr(importlib.import_module(module), name).model_json_schema() for name, module in VLLM_MODELS.items()
     }
 
 
