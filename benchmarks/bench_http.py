@@ -599,7 +599,9 @@ def encode_cost(sequences: int, tokens: int, k: int, runs: int = 5) -> str:
         inputs.append((Item(ids, 1, "input_ids"), scores))
     total = sum(len(item.ids) for item, _ in inputs)
     writers = {
-        "SGLang /generate": lambda item, scores, top: sglang.input_answer(item, 0, "rid", scores, top, 0.25),
+        "SGLang /generate": lambda item, scores, top: sglang.input_answer(
+            item, 0, "rid", scores, top, version=1, latency=0.25, sent=1795664900.5
+        ),
         "vLLM prompt_logprobs": lambda item, scores, top: vllm.prompt_logprobs(item, scores, top),
     }
     rows = []

@@ -152,23 +152,25 @@ def sglang_answer_as_objects(item: Item, start: int, scores: SequenceScores | No
 
     head = [None]  # position start's, whatever it is (SGLang's [None] + values[:-1])
     tokens = [[None, int(item.ids[start]), None]]
-    meta = {"input_token_logprobs": tokens + (triples(scores.logprobs, item.ids[item.start :]) if scores else [])}
+    meta = {"id": "rid", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(item.ids),
+            "weight_version": "7", "num_retractions": 0}  # fmt: skip
+    meta["input_token_logprobs"] = tokens + (triples(scores.logprobs, item.ids[item.start :]) if scores else [])
+    meta |= {"output_token_logprobs": [], "output_token_logprobs_length": 0}
     if k:
         rows = [triples(*row) for row in zip(scores.top_logprobs, scores.top_ids)] if scores else []
-        meta["input_top_logprobs"] = head + rows if scores else [None]
+        meta |= {"input_top_logprobs": head + rows if scores else [None], "output_top_logprobs": []}
     if item.candidates is not None:
         rows = [triples(*row) for row in zip(scores.candidate_logprobs, item.candidates)] if scores else []
-        meta["input_token_ids_logprobs"] = head + rows if scores else [None]
+        meta |= {"input_token_ids_logprobs": head + rows if scores else [None], "output_token_ids_logprobs": []}
     meta |= {
-        "id": "rid",
-        "finish_reason": {"type": "length", "length": 0},
-        "prompt_tokens": len(item.ids),
+        "reasoning_tokens": 0,
         "completion_tokens": 0,
         "cached_tokens": 0,
+        "weight_versions": [{"version": "7", "start": 0, "end": 0}],
+        "cached_tokens_details": None,
+        "dp_rank": 0,
         "e2e_latency": 0.25,
-        "output_token_logprobs": [],
-        **({"output_top_logprobs": []} if k else {}),
-        **({"output_token_ids_logprobs": []} if item.candidates is not None else {}),
+        "response_sent_to_client_ts": 1795664900.5,
     }
     return pydantic_core.to_json({"text": "", "output_ids": [], "meta_info": meta})
 
@@ -189,7 +191,7 @@ def test_sglang_answer_equals_it_built_as_objects(rng, length, start, k, candida
             top_logprobs=random_logprobs(rng, (rows, k)),
             candidate_logprobs=random_logprobs(rng, (rows, 4)),
         )
-    written = sglang.input_answer(item, start, "rid", scores, k, 0.25)
+    written = sglang.input_answer(item, start, "rid", scores, k, version=7, latency=0.25, sent=1795664900.5)
     assert written == sglang_answer_as_objects(item, start, scores, k)
 
 

@@ -71,9 +71,11 @@ def array(items: Sequence[bytes]) -> bytes:
 
 def with_raw(value: dict, **raw: bytes) -> bytes:
     """``value`` as JSON with each of ``raw``'s values (JSON text already written) as the value of
-    its key, which ``value`` must hold as None among its first keys (so no string value before
-    them can hold the text replaced). One join, so the raw texts are copied once."""
-    assert list(value)[: len(raw)] == list(raw) and all(value[key] is None for key in raw)
+    its key, which ``value`` must hold as None, in ``raw``'s order. The text replaced is the first
+    ``"<key>":null`` after the one before: no string value can hold it (each of a string's quotes
+    is escaped), and no key written before does unless it holds a quote (the answers' keys are
+    the peers' own names). One join, so the raw texts are copied once."""
+    assert [key for key in value if key in raw] == list(raw) and all(value[key] is None for key in raw)
     rest = pydantic_core.to_json(value)
     parts = []
     for key, written in raw.items():

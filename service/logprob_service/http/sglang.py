@@ -8,6 +8,10 @@ input position from ``logprob_start_len`` = s on, the first ``[null, x_s, null]`
 (SGLang drops the last position's log-prob and puts ``None`` first, ``[None] + values[:-1]``, so
 the tokens scored are s + 1 ..), and a ``null`` first row of ``input_top_logprobs`` and
 ``input_token_ids_logprobs`` likewise; a batch (``input_ids`` a list of lists) gets a list of them.
+``meta_info`` has SGLang 0.5.23's keys in its order, with the values of a prefill-only request on
+one data-parallel rank: nothing generated, retracted or cached, the model's version as
+``weight_version`` (``/get_model_info``'s too), the time from the body's parsing to the scores as
+``e2e_latency``.
 ``/generate`` names no model: it scores with the first one served.
 """
 
@@ -67,8 +71,8 @@ def _each(value: T | list[T] | None, i: int, batch: int, field: str) -> T | None
 
 
 # The answer's bytes (``scoring.AnswerSize``): each log-prob a ``[<lp>,<id>,null],`` triple of at
-# most 43 bytes (a log-prob of 24 characters, an int32 id), an input's meta_info 400 and its rid.
-ANSWER = AnswerSize(request=64, sequence=400, entry=43)
+# most 43 bytes (a log-prob of 24 characters, an int32 id), an input's meta_info 700 and its rid.
+ANSWER = AnswerSize(request=64, sequence=700, entry=43)
 
 
 def _counted(request: GenerateRequest, batch: list[list[int]], single: bool) -> tuple[list[int], list[int], int]:
@@ -92,6 +96,7 @@ def _counted(request: GenerateRequest, batch: list[list[int]], single: bool) -> 
 
 
 async def generate(call: RouteRequest) -> RouteAnswer:
+    begun = time.perf_counter()
     request = parse(call.body, GenerateRequest, call.engine.limits, "input_ids")
     if request.text is not None:
         raise text_refused("text")
@@ -136,7 +141,6 @@ async def generate(call: RouteRequest) -> RouteAnswer:
     if len(tops) > 1:
         raise InvalidArgument("top_logprobs_num: inputs of one request must share it; send them apart")
     k = tops.pop()
-    begun = time.perf_counter()
     scored = await score_items(
         call,
         items,
@@ -148,17 +152,29 @@ async def generate(call: RouteRequest) -> RouteAnswer:
         top_k_field="top_logprobs_num",
         answer_bytes=answer_bytes,
     )
-    latency = time.perf_counter() - begun
+    latency, sent, version = time.perf_counter() - begun, time.time(), scored.result.model_version
     answers = []
     for item, start, rid, scores in zip(items, starts, rids, scored.scores):
-        answers.append(input_answer(item, start, rid, scores, k, latency))
+        answers.append(input_answer(item, start, rid, scores, k, version=version, latency=latency, sent=sent))
         await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
     return RouteAnswer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
 
 
-def input_answer(item: Item, start: int, rid: str, scores: SequenceScores | None, k: int, latency: float) -> bytes:
+def input_answer(
+    item: Item,
+    start: int,
+    rid: str,
+    scores: SequenceScores | None,
+    k: int,
+    *,
+    version: int,
+    latency: float,
+    sent: float,
+) -> bytes:
     """SGLang's answer to one input, as JSON (``start``: its ``logprob_start_len``; ``k``: its
-    ``top_logprobs_num``): position ``start``'s entries null, then the scored positions'."""
+    ``top_logprobs_num``; ``version``: the model's; ``latency``: seconds from its body's parsing
+    to its scores, SGLang's ``e2e_latency``; ``sent``: the answer's wall-clock time, SGLang's
+    ``response_sent_to_client_ts``): position ``start``'s entries null, then the scored positions'."""
     first = b"[null,%d,null]" % item.ids[start]
     raw = {}
     if scores is None:  # only position start, which SGLang answers null
@@ -171,17 +187,26 @@ def input_answer(item: Item, start: int, rid: str, scores: SequenceScores | None
             raw["input_top_logprobs"] = _positions(scores.top_ids, scores.top_logprobs)
         if item.candidates is not None:
             raw["input_token_ids_logprobs"] = _positions(item.candidates, scores.candidate_logprobs)
+    # SGLang's keys in its order (its tokenizer manager fills meta_info key by key: docs/http.md)
     meta = {
-        **dict.fromkeys(raw),
         "id": rid,
         "finish_reason": {"type": "length", "length": 0},
         "prompt_tokens": len(item.ids),
+        "weight_version": str(version),
+        "num_retractions": 0,
+        "input_token_logprobs": None,
+        "output_token_logprobs": [],
+        "output_token_logprobs_length": 0,
+        **({"input_top_logprobs": None, "output_top_logprobs": []} if k else {}),
+        **({"input_token_ids_logprobs": None, "output_token_ids_logprobs": []} if item.candidates is not None else {}),
+        "reasoning_tokens": 0,
         "completion_tokens": 0,
         "cached_tokens": 0,
+        "weight_versions": [{"version": str(version), "start": 0, "end": 0}],
+        "cached_tokens_details": None,
+        "dp_rank": 0,
         "e2e_latency": latency,
-        "output_token_logprobs": [],
-        **({"output_top_logprobs": []} if k else {}),
-        **({"output_token_ids_logprobs": []} if item.candidates is not None else {}),
+        "response_sent_to_client_ts": sent,
     }
     return b'{"text":"","output_ids":[],"meta_info":%b}' % encoding.with_raw(meta, **raw)
 

@@ -5,7 +5,8 @@ and server-distillation trainers call it; TRL 1.16's client asks ``/v1/completio
 The request: full sequences, each with its prompt length; log-probs of the completion positions
 ``prompt_lengths[i]..n-1``. Sequences with the same prompt run it once. The answer is TRL's
 server's (docs/http.md quotes both): ``response_format: "json"``, per position the entries sorted
-by rank (the top ``top_logprobs`` and the token's own); ``"binary"``, base64 float32/int32 arrays
+by rank (the top ``top_logprobs`` and the token's own), the binary fields null (FastAPI writes
+every field of TRL's ``SequenceLogprobsResponse``); ``"binary"``, base64 float32/int32 arrays
 ``[batch, max completion, top_logprobs]`` padded with -inf / 0, the token's own as ``actual_*``
 ``[batch, max completion, 1]``. A prompt length 0 answers its first position empty (-inf / 0),
 as TRL's server does for the token without context.
@@ -40,6 +41,19 @@ class SequenceLogprobsRequest(Strict):
     top_logprobs: int = 100
     temperature: float = 1.0
     response_format: Literal["json", "binary"] = "json"
+
+
+# The fields of TRL's SequenceLogprobsResponse, in its order.
+RESPONSE_FIELDS = (
+    "logprobs",
+    "logprob_token_ids",
+    "logprobs_b64",
+    "token_ids_b64",
+    "actual_logprobs_b64",
+    "actual_token_ids_b64",
+    "shape",
+    "completion_lengths",
+)
 
 
 def _b64(array: np.ndarray) -> str:
@@ -118,7 +132,9 @@ async def sequence_logprobs(call: RouteRequest) -> RouteAnswer:
             logprobs.append(empty + lps)
             token_ids.append(empty + ids)
             await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
-        return RouteAnswer({"logprobs": logprobs, "logprob_token_ids": token_ids}, scored.model, scored.result)
+        # TRL's server answers through FastAPI's response_model, which writes every field of it
+        payload = dict.fromkeys(RESPONSE_FIELDS, None) | {"logprobs": logprobs, "logprob_token_ids": token_ids}
+        return RouteAnswer(payload, scored.model, scored.result)
     longest = max(lengths, default=0)
     actual = np.full((len(items), longest, 1), -np.inf, dtype=np.float32)
     actual_ids = np.zeros((len(items), longest, 1), dtype=np.int32)

@@ -124,7 +124,13 @@ def check_prompt_logprobs(k: int | None, field: str) -> int:
 
 
 def usage(tokens: int) -> dict:
-    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+    return {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
 
 
 # --------------------------------------------------------------------------- /v1/completions
@@ -168,18 +174,26 @@ async def completions(call: RouteRequest) -> RouteAnswer:
     scored = await _score(
         call, items, request.model, request.temperature, "prompt", "temperature", k, "prompt_logprobs", answer_bytes
     )
+    # vLLM's CompletionResponseChoice and CompletionResponse, every field in the model's order
+    # (vLLM answers ``model_dump()``)
     choices = [
-        b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":%b}'
+        b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,'
+        b'"prompt_logprobs":%b,"prompt_token_ids":null,"routed_experts":null,"weight_versions":null}'
         % (i, prompt_logprobs(item, scores, k))
         for i, (item, scores) in enumerate(zip(items, scored.scores))
     ]
     payload = {
-        "choices": None,
         "id": f"cmpl-{call.request_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": scored.model,
+        "choices": None,
+        "service_tier": None,
+        "system_fingerprint": None,
         "usage": usage(sum(len(item.ids) for item in items)),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
     return RouteAnswer(encoding.with_raw(payload, choices=encoding.array(choices)), scored.model, scored.result)
 
@@ -287,12 +301,12 @@ async def generate(call: RouteRequest) -> RouteAnswer:
     matrix = None
     if wanted is not None and scores is not None and scores.candidate_logprobs is not None:
         matrix = npy_base64(scores.candidate_logprobs[first_row:].astype(np.float32))
-    payload = {
-        "prompt_logprobs": None,
+    payload = {  # vLLM's GenerateTokensResponse, every field in the model's order
         "request_id": request.request_id or call.request_id or str(uuid.uuid4()),
         "model": scored.model,
         "created": int(time.time()),
         "usage": usage(len(ids)),
+        "prompt_logprobs": None,
         "prompt_token_id_logprobs": matrix,
         "prompt_token_ids": None,
         "mm_placeholders": None,
@@ -304,6 +318,7 @@ async def generate(call: RouteRequest) -> RouteAnswer:
             {
                 "index": 0,
                 "finish_reason": "length",
+                "stop_reason": None,
                 "token_ids": [],
                 "routed_experts": None,
                 "sampling_mask": None,
