@@ -21,18 +21,26 @@ from one shared queue, 8 clients:
 ``--top-k K`` asks every method for the top K too: gRPC's ``top_k``, TRL's ``top_logprobs``,
 SGLang's ``top_logprobs_num``, vLLM's ``prompt_logprobs``.
 
-Each client is a process of its own (a trainer's clients are), so that reading the answers (JSON,
-by pydantic-core) does not share the server's interpreter; ``--in-process-clients`` makes them
-threads of the server's process instead.
+Each client is a process of its own (a trainer's clients are), so that reading the answers does
+not share the server's interpreter; ``--in-process-clients`` makes them threads of the server's
+process instead. The untimed first pass of each method (the warm-up) is the check: every answer
+read as its caller reads it (JSON by pydantic-core), its values kept. The timed passes read each
+HTTP answer's bytes without parsing them: a caller's parsing is its own process's time, and at
+top-k 20 a vLLM answer (1,700 bytes of JSON a token, an object per entry) took the clients longer
+to parse than the server to write.
 
 Reported per method: tokens/s (real prompt + completion tokens of a pass over its median time), the
 ratio to the gRPC method scoring the same positions, p50/p99 ms of one request as its client sees
-it, and whether every request's values of the last pass (log-probs, and with top-k the ids and
+it, and whether every request's values of the check pass (log-probs, and with top-k the ids and
 their log-probs, as the route's caller reads them) equal that gRPC method's bit for bit.
 
 ``--asgi`` instead measures the ASGI stacks' own overhead: a JSON echo route of 1,000 token ids
 called in-process (no sockets), Starlette (what the edge runs) against FastAPI with a pydantic
 request model, microseconds per call.
+
+``--route-cost`` measures each route's whole call in-process on the CPU, over an engine that answers
+at once: microseconds per token of request parsing, checks, job, answer and response (what the event
+loop spends of the GIL the device thread needs), gRPC's edge beside them, at top-k 0 and 20.
 
 ``--encode`` measures the writing of the JSON answers alone: SGLang's ``/generate`` answer and
 vLLM's ``prompt_logprobs`` for 8 inputs of ~2,700 tokens, without and with top-20, microseconds per
@@ -48,6 +56,7 @@ Smoke test on a CPU (tiny Qwen2, float32, 16 short sequences, 2 clients):
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_http.py --smoke
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_http.py --asgi
     PYTHONPATH=service:client .venv/bin/python benchmarks/bench_http.py --encode
+    PYTHONPATH=service:client .venv/bin/python benchmarks/bench_http.py --route-cost
 
 The table is printed last, and also written to ``$OUT/bench_http.md`` when ``OUT`` is set.
 """
@@ -58,13 +67,14 @@ import argparse
 import asyncio
 import base64
 import functools
+import gc
 import hashlib
 import multiprocessing
 import queue
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -85,7 +95,10 @@ from bench_batching import (
 from common import SHAPES, TINY, LoopbackServer, add_scoring_arguments, build_model, scoring_options
 from harness import publish, run_environment, synchronize
 from logprob_client import LogprobClient
-from logprob_service.domain import TokenSequence
+from logprob_client import wire as client_wire
+from logprob_service import host_malloc
+from logprob_service.domain import ModelInfo, ScoreJob, ScoreResult, SequenceScores, TokenSequence
+from logprob_service.engine import Phase, RequestCounts, RequestLimits, check_counts
 from logprob_service.engine.registry import ModelRegistry
 from logprob_service.models.served import serve_model
 from logprob_service.offline import OfflineScorer
@@ -287,18 +300,23 @@ class Caller:
         self.results: dict[int, list[Scores]] = {}
         self._sends = ThreadPoolExecutor(workload.group_size, thread_name_prefix="bench-send")
 
-    def drain(self, method: str, work: Any) -> list[float]:
-        """Score groups from ``work`` by ``method`` until a None; each request's milliseconds."""
+    def drain(self, method: str, work: Any, check: bool) -> list[float]:
+        """Score groups from ``work`` by ``method`` until a None; each request's milliseconds.
+        ``check``: read every answer as its caller does, its values kept for ``digests``; else an
+        HTTP answer's bytes are read and not parsed (its caller's parsing is its own process's
+        time, not the server's: at top-k 20 a vLLM answer is 1,700 bytes of JSON a token)."""
         self.results = {}
         latencies = []
         while (index := work.get()) is not None:
             group = self.groups[index]
             begun = time.perf_counter()
-            self.results[index] = self._one(method, group)
+            scores = self._one(method, group, check)
             latencies.append((time.perf_counter() - begun) * 1e3)
+            if check:
+                self.results[index] = scores
         return latencies
 
-    def _one(self, method: str, group: list[TokenSequence]) -> list[Scores]:
+    def _one(self, method: str, group: list[TokenSequence], check: bool) -> list[Scores]:
         if method in (GRPC, GRPC_WHOLE):
             if method == GRPC_WHOLE:
                 prompts, completions = [_whole(s)[:1] for s in group], [_whole(s)[1:] for s in group]
@@ -311,13 +329,22 @@ class Caller:
         route = ROUTES[method.removeprefix("HTTP ")]
         requests = route.request(group, self.k)
         answers = list(self._sends.map(self._post, requests)) if len(requests) > 1 else [self._post(requests[0])]
-        return route.decode(answers, group, self.k)
+        if not check:
+            return []
+        # Python's cyclic collector off while the answers become Python objects (millions of
+        # lists and dicts at top-k 20, none in a cycle): with it on, their parsing took 3-9x longer.
+        gc.disable()
+        try:
+            parsed = [pydantic_core.from_json(answer, allow_inf_nan=True) for answer in answers]
+            return route.decode(parsed, group, self.k)
+        finally:
+            gc.enable()
 
-    def _post(self, request: tuple[str, bytes]) -> Any:
+    def _post(self, request: tuple[str, bytes]) -> bytes:
         path, body = request
         response = self.http.post(path, content=body, headers={"content-type": "application/json"})
         response.raise_for_status()
-        return pydantic_core.from_json(response.content, allow_inf_nan=True)
+        return response.content
 
     def digests(self) -> dict[int, str]:
         return {index: digest(scores) for index, scores in self.results.items()}
@@ -333,7 +360,11 @@ def _caller_process(connection: Any, work: Any, target: str, http_base: str, wor
     caller = Caller(target, http_base, workload, k)
     try:
         while (command := connection.recv()) is not None:
-            connection.send(caller.drain(command, work) if command != "digests" else caller.digests())
+            if command == "digests":
+                connection.send(caller.digests())
+            else:
+                method, check = command
+                connection.send(caller.drain(method, work, check))
     finally:
         caller.close()
 
@@ -364,19 +395,20 @@ class Callers:
             self.pool = ThreadPoolExecutor(count, thread_name_prefix="bench-client")
         self.in_processes = processes
 
-    def run_pass(self, method: str) -> list[float]:
-        """One pass of ``method`` over the workload; every request's milliseconds."""
+    def run_pass(self, method: str, check: bool = False) -> list[float]:
+        """One pass of ``method`` over the workload (``check``: ``Caller.drain``'s); every
+        request's milliseconds."""
         for item in [*range(self.groups), *[None] * self.count]:
             self.work.put(item)
         if self.in_processes:
             for pipe in self.pipes:
-                pipe.send(method)
+                pipe.send((method, check))
             return [ms for pipe in self.pipes for ms in pipe.recv()]
-        futures = [self.pool.submit(caller.drain, method, self.work) for caller in self.callers]
+        futures = [self.pool.submit(caller.drain, method, self.work, check) for caller in self.callers]
         return [ms for future in futures for ms in future.result()]
 
     def digests(self) -> dict[int, str]:
-        """Every request's values of the last pass, by group."""
+        """Every request's values of the last pass that checked them, by group."""
         if not self.in_processes:
             return {i: d for caller in self.callers for i, d in caller.digests().items()}
         for pipe in self.pipes:
@@ -424,8 +456,11 @@ def run(args: argparse.Namespace) -> str:
             http_base = f"http://127.0.0.1:{server.http_port}"
             callers = Callers(args.clients, args.client_processes, target, http_base, workload, args.top_k)
             try:
-                for method in methods:  # warm-up: compiled layers, allocator, connections
-                    callers.run_pass(method)
+                # warm-up (compiled layers, allocator, connections), and the check: every answer
+                # read as its caller reads it, its values kept; the timed passes read the bytes
+                for method in methods:
+                    callers.run_pass(method, check=True)
+                    digests[method] = callers.digests()
                 for i in range(args.repeats):
                     for method in methods:
                         synchronize(device)
@@ -433,7 +468,6 @@ def run(args: argparse.Namespace) -> str:
                         latencies[method] += callers.run_pass(method)
                         synchronize(device)
                         seconds[method].append(time.perf_counter() - start)
-                        digests[method] = callers.digests()
                         print(f"pass {i + 1}/{args.repeats} {method}: {seconds[method][-1]:.2f} s", file=sys.stderr)
             finally:
                 callers.close()
@@ -452,7 +486,8 @@ def report(args, device, shape, workload, methods, seconds, latencies, digests) 
         f"max_batch_tokens {args.max_batch_tokens}",
         f"workload: {len(workload.sequences)} sequences, prompts {args.prompt_range}, completions "
         f"{args.completion_range}, {tokens} tokens a pass; {args.clients} clients ({clients}), requests of "
-        f"{args.group_size}; top-k {args.top_k}; {args.repeats} timed passes per method, methods alternating",
+        f"{args.group_size}; top-k {args.top_k}; {args.repeats} timed passes per method, methods alternating; "
+        "values checked on an untimed pass, the timed passes reading HTTP answers unparsed",
         f"{GRPC_WHOLE}: gRPC scoring every position from the second (each sequence split after its first token), "
         "as vLLM's prompt log-probs do: what the vLLM routes are compared with",
         "",
@@ -568,6 +603,155 @@ def asgi_overhead(calls: int) -> str:
     )
 
 
+# ----------------------------------------------------------------------------- --route-cost
+
+
+class InstantEngine:
+    """The engine facade as the HTTP edge calls it, answering at once with seeded scores of the
+    shapes asked (views of one pool: no work a token), so that a route's call costs only the edge:
+    parsing, checks, the job, the answer's writing and its response."""
+
+    phase = Phase.SERVING
+
+    def __init__(self, vocab: int, k: int, pool: int = 1 << 16) -> None:
+        rng = np.random.default_rng(0)
+        self.limits = RequestLimits(max_sequences_per_request=256, max_tokens_per_request=1 << 22)
+        self.info = ModelInfo(MODEL_NAME, "random", "Qwen2", vocab, 1 << 16, "bfloat16", "cpu", 1, "")
+        self.logprobs = -rng.exponential(2.0, pool).astype(np.float32)
+        self.ranks = rng.integers(k + 1, vocab, pool).astype(np.int32)  # outside the top k, as a token's is
+        self.top_ids = rng.integers(0, vocab, (pool, max(k, 1))).astype(np.int32)
+        self.top_logprobs = -np.sort(rng.exponential(2.0, (pool, max(k, 1))), axis=1).astype(np.float32)
+
+    def models(self) -> list[ModelInfo]:
+        return [self.info]
+
+    def check_counts(self, counts: RequestCounts, limits: RequestLimits | None = None) -> None:
+        check_counts(counts, limits or self.limits)
+
+    async def score(self, job: ScoreJob) -> ScoreResult:
+        k = job.options.top_k
+        scores = []
+        for sequence in job.sequences:
+            c = len(sequence.completion_ids)
+            scores.append(
+                SequenceScores(
+                    logprobs=self.logprobs[:c],
+                    top_ids=self.top_ids[:c, :k] if k else None,
+                    top_logprobs=self.top_logprobs[:c, :k] if k else None,
+                    ranks=self.ranks[:c] if job.options.return_ranks else None,
+                )
+            )
+        return ScoreResult(job.request_id, job.model, 1, scores, job.num_tokens)
+
+
+async def _asgi_post(app: Any, path: str, body: bytes) -> int:
+    """One POST of ``body`` to ``app`` in-process; the answer's bytes. The caller stays connected."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "scheme": "http",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    connected = asyncio.Event()  # never set: no disconnect comes
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await connected.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[Any] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message.get("status", len(message.get("body", b""))))
+
+    await app(scope, receive, send)
+    assert sent[0] == 200, sent
+    return sum(sent[1:])
+
+
+def route_cost(sequences: int, k: int, runs: int = 5) -> str:
+    """Microseconds per token of each route's whole call in-process (the edge's ASGI app over
+    ``InstantEngine``: request parsing, checks, job, answer and response, no device, no sockets),
+    and of gRPC's edge (the request parsed, its job built, the response written), for a request of
+    ``sequences`` of the GRPO-like workload, at top-k 0 and ``k``. Best of ``runs``, in the
+    thread's CPU time: what the event loop spends of the GIL the device thread needs."""
+    from logprob_proto import logprob_pb2 as pb
+    from logprob_service.api import wire
+    from logprob_service.http.app import BodyLimits, Edge
+    from logprob_service.http.server import routes
+
+    workload = make_workload(sequences, (256, 1024), (64, 4096), 151_936, sequences, 1)
+    group = workload.groups[0]
+    tokens = sum(s.num_tokens for s in group)
+    host_malloc.keep_freed_blocks()  # as the server's start-up does
+    rows = []
+    for top in (0, k):
+        engine = InstantEngine(151_936, top)
+        edge = Edge(engine, None, BodyLimits(1 << 30, 600.0, 1 << 32))  # type: ignore[arg-type]
+        app = edge.app(routes(edge))
+
+        async def grpc_call(raw: bytes, engine: InstantEngine = engine) -> int:
+            job = wire.job_from_request(pb.ScoreRequest.FromString(raw), None, "", engine.limits)
+            result = await engine.score(job)
+            return len(wire.response_from_result(result, scores_f32=True).SerializeToString())
+
+        for whole in (False, True):
+            prompts = [_whole(s)[:1] if whole else s.prompt_ids for s in group]
+            completions = [_whole(s)[1:] if whole else s.completion_ids for s in group]
+            request = client_wire.score_request(
+                list(zip(prompts, completions)), client_wire.Options(MODEL_NAME, 1.0, False, 0, top_k=top)
+            )
+            raw = request.SerializeToString()
+            rows.append(_best(GRPC_WHOLE if whole else GRPC, top, tokens, runs, functools.partial(grpc_call, raw)))
+        for name, route in ROUTES.items():
+            requests = route.request(group, top)
+
+            async def calls(requests: list[tuple[str, bytes]] = requests, app: Any = app) -> int:
+                return sum([await _asgi_post(app, path, body) for path, body in requests])
+
+            rows.append(_best(f"HTTP {name}", top, tokens, runs, calls))
+    return (
+        "\n".join(
+            [
+                f"# bench_http --route-cost: each route's call in-process, {sequences} sequences, {tokens:,} tokens, "
+                "an engine that answers at once",
+                "",
+                *run_environment(torch.device("cpu")),
+                f"best of {runs} runs, the thread's CPU time",
+                "",
+                "| method | top-k | us per token | answer bytes per token |",
+                "|---|---:|---:|---:|",
+                *rows,
+            ]
+        )
+        + "\n"
+    )
+
+
+def _best(name: str, k: int, tokens: int, runs: int, call: Callable[[], Awaitable[int]]) -> str:
+    async def measure() -> tuple[float, int]:
+        await call()  # warm: caches, the allocator
+        best, size = float("inf"), 0
+        for _ in range(runs):
+            begun = time.thread_time()
+            size = await call()
+            best = min(best, time.thread_time() - begun)
+        return best, size
+
+    best, size = asyncio.run(measure())
+    return f"| {name} | {k} | {best / tokens * 1e6:.3f} | {size / tokens:.0f} |"
+
+
 # ----------------------------------------------------------------------------- --encode
 
 
@@ -602,7 +786,7 @@ def encode_cost(sequences: int, tokens: int, k: int, runs: int = 5) -> str:
         "SGLang /generate": lambda item, scores, top: sglang.input_answer(
             item, 0, "rid", scores, top, version=1, latency=0.25, sent=1795664900.5
         ),
-        "vLLM prompt_logprobs": lambda item, scores, top: vllm.prompt_logprobs(item, scores, top),
+        "vLLM prompt_logprobs": lambda item, scores, top: b"".join(vllm.prompt_logprobs(item, scores, top)),
     }
     rows = []
     for name, write in writers.items():
@@ -642,6 +826,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--asgi", action="store_true", help="only the ASGI stacks' overhead (CPU)")
     add("--asgi-calls", type=int, default=2000, help="calls per timed run of --asgi")
     add("--encode", action="store_true", help="only the cost of writing the JSON answers (CPU)")
+    add("--route-cost", action="store_true", help="only each route's whole call in-process, no device (CPU)")
     add("--shape", default="0.5b", choices=sorted(SHAPES), help="the model shape (ignored with --smoke)")
     add("--routes", default="all", help=f"HTTP routes to run: all, or some of {', '.join(ROUTES)}")
     add("--top-k", type=int, default=0, help="top-k asked of every method, as each route's field names it")
@@ -677,6 +862,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.asgi:
         publish(asgi_overhead(args.asgi_calls), "bench_http_asgi.md")
+    elif args.route_cost:
+        publish(route_cost(args.group_size, 20), "bench_http_route_cost.md")
     elif args.encode:
         publish(encode_cost(8, 2700, 20), "bench_http_encode.md")
     else:

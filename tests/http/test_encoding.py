@@ -97,25 +97,44 @@ def test_prepend():
     assert encoding.prepend(b"[null,7,null]", b"[]") == b"[[null,7,null]]"
 
 
+def finite_logprobs(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 log-probs of ``shape`` from random bit patterns, every finite one possible (tiny,
+    subnormal, huge, -0.0), none -inf or NaN: what the compiled writer takes."""
+    bits = rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.where(np.isfinite(bits), bits, np.float32(-1.5))
+
+
+@pytest.mark.parametrize("values", ["special", "finite", "one -inf"])
 @pytest.mark.parametrize("k", [0, 1, 5, 20])
-@pytest.mark.parametrize("length,start", [(2, 1), (3, 2), (700, 1), (700, 350)])
-def test_prompt_logprobs_equal_the_writing_before(rng, length, start, k):
-    ids = rng.integers(0, 151_936, length)
+@pytest.mark.parametrize("length,start", [(2, 1), (3, 2), (700, 1), (700, 350), (2500, 1)])
+def test_prompt_logprobs_equal_the_writing_before(rng, length, start, k, values):
+    """Byte for byte, on ids near the vocabulary's end and log-probs of every kind: with the
+    non-finite among them (written by pydantic-core), without (by orjson), and one -inf among
+    2,500 (a block of each); answers past one block of entries."""
+    vocab = 151_936
+    low = vocab - 64 if values == "finite" else 0
+    ids = rng.integers(low, vocab, length)
     rows = length - start
-    top_ids = np.stack([rng.choice(151_936, k, replace=False) for _ in range(rows)]).astype(np.int32).reshape(rows, k)
+    # distinct ids, none the token's own (shifted past it)
+    top_ids = np.stack([rng.choice(vocab - 1 - low, k, replace=False) + low for _ in range(rows)]).reshape(rows, k)
+    top_ids = (top_ids + (top_ids >= ids[start:, None])).astype(np.int32)
     if k:  # the token itself among the top k at a third of the positions, at every rank
         hits = np.flatnonzero(rng.random(rows) < 1 / 3)
         hits = hits[hits != 0]  # row 0 has it at rank k, below: once, as a top-k's ids are distinct
         top_ids[hits, rng.integers(0, k, len(hits))] = ids[start:][hits]
         top_ids[0, k - 1] = ids[start]  # and at rank k
+    write = random_logprobs if values == "special" else finite_logprobs
+    logprobs, top_logprobs = write(rng, (rows,)), write(rng, (rows, k))
+    if values == "one -inf":
+        logprobs[rng.integers(rows)] = -np.inf
     scores = SequenceScores(
-        logprobs=random_logprobs(rng, (rows,)),
+        logprobs=logprobs,
         top_ids=top_ids if k else None,
-        top_logprobs=random_logprobs(rng, (rows, k)) if k else None,
-        ranks=rng.integers(k + 1, 151_936, rows).astype(np.int32),
+        top_logprobs=top_logprobs if k else None,
+        ranks=rng.integers(k + 1, vocab + 1, rows).astype(np.int32),
     )
     item = Item(ids, start, "prompt")
-    written = vllm.prompt_logprobs(item, scores, k)
+    written = b"".join(vllm.prompt_logprobs(item, scores, k))
     assert written == prompt_logprobs_before(item, scores, k)
     assert pydantic_core.from_json(written, allow_inf_nan=True)[start:][0] is not None
 
@@ -124,7 +143,7 @@ def test_prompt_logprobs_equal_the_writing_before(rng, length, start, k):
 def test_prompt_logprobs_of_nothing_scored(start):
     item = Item(np.arange(max(start, 1)), start, "prompt")
     assert (
-        vllm.prompt_logprobs(item, None, 0)
+        b"".join(vllm.prompt_logprobs(item, None, 0))
         == prompt_logprobs_before(item, None, 0)
         == pydantic_core.to_json([None] * start)
     )
@@ -132,15 +151,19 @@ def test_prompt_logprobs_of_nothing_scored(start):
 
 @pytest.mark.parametrize("rows", [1, 5000])
 def test_interleave(rows):
-    """Rows past one ``block`` of the join come out in order."""
-    numbers = [b"%d" % i for i in range(rows)]
-    written = encoding.interleave(numbers, b"-", numbers[::-1], b";", block=7)
-    assert written == b"".join(b"%d-%d;" % (i, rows - 1 - i) for i in range(rows))
+    """A constant, a number and a text a row; a column given twice; rows past one ``block`` of the
+    join come out in order."""
+    values = np.arange(rows)
+    texts = np.array([b"<%d>" % i for i in range(rows)], dtype=object)
+    chunks = encoding.interleave(values, b"-", values[::-1].copy(), texts, values, head=b"[", tail=b"]", block=7)
+    assert len(chunks) == 2 + -(-rows // 7)
+    expected = b"".join(b"%d-%d<%d>%d" % (i, rows - 1 - i, i, i) for i in range(rows))
+    assert b"".join(chunks) == b"[" + expected + b"]"
 
 
 def test_with_raw():
     value = {"a": None, "b": None, "c": '"a":null', "d": [1.5, None]}
-    written = encoding.with_raw(value, a=b"[1,-Infinity]", b=b"{}")
+    written = encoding.with_raw(value, a=b"[1,-Infinity]", b=[b"{", b"}"])
     assert written == b'{"a":[1,-Infinity],"b":{},"c":"\\"a\\":null","d":[1.5,null]}'
 
 
@@ -195,11 +218,16 @@ def test_sglang_answer_equals_it_built_as_objects(rng, length, start, k, candida
     assert written == sglang_answer_as_objects(item, start, scores, k)
 
 
-def test_integers_are_written_as_pydantic_core_writes_them(rng):
-    """From the kept texts (grown as larger ones are asked), and past them or below 0 written."""
-    for high in (10, 70_000, 151_936):
-        values = rng.integers(0, high, 500)
-        assert encoding.integers(values) == numbers(values)
-    outside = np.array([-1, 0, encoding.KEPT_INTEGERS, 2**40])
-    assert encoding.integers(outside) == numbers(outside)
-    assert encoding.integers(np.zeros(0, np.int64)) == []
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_numbers_are_written_as_pydantic_core_writes_them(rng, dtype):
+    """Floats of every bit pattern (finite ones by orjson, a list holding a non-finite one by
+    pydantic-core), and integers of every size an id or a rank has."""
+    width = np.dtype(dtype).itemsize * 8
+    bits = rng.integers(0, 2**width, 20_000, dtype=np.uint64).astype(f"u{width // 8}").view(dtype)
+    finite = bits[np.isfinite(bits)]
+    assert not np.isfinite(bits).all()
+    for values in (finite, bits, SPECIAL.astype(dtype), finite[:1], np.zeros(0, dtype)):
+        assert encoding.numbers(values) == (numbers(values) if len(values) else [])
+    for values in (rng.integers(0, 2**31, 1000), np.array([0, 151_935, 2**31 - 1, -(2**31), 2**62]), np.arange(3)):
+        assert encoding.numbers(values) == numbers(values)
+        assert encoding.numbers(values.astype(np.int32)) == numbers(values.astype(np.int32))

@@ -1,86 +1,96 @@
 """JSON written in pieces, for answers with an object per token (vLLM's ``prompt_logprobs``,
-SGLang's ``input_token_logprobs``), numbers written by pydantic-core as every other answer's are:
-the shortest text that reads back as the same float, ``-Infinity`` / ``NaN`` for the non-finite.
+SGLang's ``input_token_logprobs``), numbers written as every other answer's are: the shortest
+text that reads back as the same float, ``-Infinity`` / ``NaN`` for the non-finite.
 
 The edge writes these on the event loop's thread, holding the GIL that the device thread needs to
-launch kernels (handing them to another thread would not free it: this is Python and
-pydantic-core, neither lets go of the GIL), so what counts is the CPU time a token. Built as Python
-dicts and lists they cost 4 us a token on the 2-core CPU machine, as a formatted bytes object a
-token 0.27 (SGLang) and 0.39 us (vLLM); written as below, without a Python object per token,
-0.18 and 0.21 (``benchmarks/bench_http.py --encode``, docs/http.md has the top-20 figures)."""
+launch kernels (handing them to another thread would not free it: this is Python and compiled
+writers that keep the GIL), so what counts is the CPU time a token. Built as Python dicts and
+lists they cost 4 us a token on the 2-core CPU machine; written as below, without a Python object
+per token but the numbers' texts, a fraction of that (``benchmarks/bench_http.py --encode`` and
+``--route-cost``, docs/http.md has the figures)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+import orjson
 import pydantic_core
 
-
-def numbers(values: Sequence[float] | Sequence[int]) -> list[bytes]:
-    """Each number of ``values`` as JSON text."""
-    return pydantic_core.to_json(list(values))[1:-1].split(b",") if len(values) else []
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
-# The texts of the integers below this many are kept (``integers``): a vocabulary's ids and ranks.
-KEPT_INTEGERS = 1 << 22
-_texts = np.empty(0, dtype=object)
+def _written(values: np.ndarray) -> bytes:
+    """The 1-D array ``values`` as a JSON list. orjson writes a float64 as pydantic-core does (the
+    shortest text that reads back as it; float32 widened first, as a Python float is), at a third
+    of the cost and without a Python object a number, but writes the non-finite as ``null``:
+    a list holding one is written by pydantic-core."""
+    if values.dtype.kind != "f":
+        return orjson.dumps(np.ascontiguousarray(values, dtype=np.int64), option=_NUMPY)
+    if np.isfinite(values).all():
+        return orjson.dumps(np.ascontiguousarray(values, dtype=np.float64), option=_NUMPY)
+    return pydantic_core.to_json(values.tolist())
 
 
-def integers(values: np.ndarray) -> list[bytes]:
-    """Each integer of ``values`` as JSON text: token ids and ranks, taken from a table of their
-    texts kept from call to call (grown to the largest asked, up to ``KEPT_INTEGERS``), which costs
-    a reference a number instead of writing it and cutting it out of the list's text."""
-    global _texts
-    if not values.size:
-        return []
-    low, high = int(values.min()), int(values.max())
-    if low < 0 or high >= KEPT_INTEGERS:
-        return numbers(values.tolist())
-    if high >= len(_texts):
-        size = min(max(high + 1, 2 * len(_texts), 1 << 16), KEPT_INTEGERS)
-        _texts = np.array(numbers(range(size)), dtype=object)
-    return _texts[values].tolist()
+def numbers(values: np.ndarray) -> list[bytes]:
+    """Each number of the 1-D array ``values`` (integers or floats) as JSON text."""
+    return _written(values)[1:-1].split(b",") if len(values) else []
 
 
-def interleave(*columns: Sequence[bytes] | bytes, head: bytes = b"", tail: bytes = b"", block: int = 1024) -> bytes:
+# A column of ``interleave``: one text for every row (bytes), a number a row (a numeric array,
+# written by ``numbers``), or a text a row (an object array of bytes).
+Column = bytes | np.ndarray
+
+
+def interleave(*columns: Column, head: bytes = b"", tail: bytes = b"", block: int = 1024) -> list[bytes]:
     """The columns' items joined in turn (the first of each column, then the second of each, and
-    so on), with a lone ``bytes`` standing for a column of it, between ``head`` and ``tail``:
-    ``bytes.join`` of lists filled by slices, so no Python object per row.
+    so on), between ``head`` and ``tail``, as chunks to join: one a ``block`` of rows.
 
-    ``block`` rows a join, then one join of those: ``bytes.join`` allocates an 80-byte record per
-    part, and past 32 MiB (400,000 parts) glibc maps fresh pages on every call, which cost 4x the
-    join itself (a vLLM top-20 answer of 2,700 tokens, 2-core CPU machine). ``head`` and ``tail``
-    go into the last join because each copy of a top-20 answer's text costs ~0.7 us a token."""
+    A block at a time, from the numbers to its chunk, so that its numbers' texts and the list that
+    joins them stay in the CPU's caches and their memory is reused by the next block: written
+    whole, the texts of a top-20 answer of 2,700 tokens (55,000 entries) and their lists took half
+    again as long (``bench_http.py --encode``). A numeric array given twice is written once a block.
+    ``bytes.join`` allocates an 80-byte record per part, and a block's few thousand keep it in
+    the heap (past 32 MiB, glibc maps fresh pages on every call)."""
     rows = max(len(column) for column in columns if not isinstance(column, bytes))
     width = len(columns)
-    joined = [head]
+    chunks = [head]
     for begin in range(0, rows, block):
-        count = min(block, rows - begin)
-        parts = [b""] * (count * width)
+        end = min(begin + block, rows)
+        parts = [b""] * ((end - begin) * width)
+        written: dict[int, list[bytes]] = {}
         for i, column in enumerate(columns):
-            parts[i::width] = [column] * count if isinstance(column, bytes) else column[begin : begin + count]
-        joined.append(b"".join(parts))
-    joined.append(tail)
-    return b"".join(joined)
+            if isinstance(column, bytes):
+                parts[i::width] = [column] * (end - begin)
+            elif column.dtype == object:
+                parts[i::width] = column[begin:end].tolist()
+            else:
+                if id(column) not in written:
+                    written[id(column)] = numbers(column[begin:end])
+                parts[i::width] = written[id(column)]
+        chunks.append(b"".join(parts))
+    chunks.append(tail)
+    return chunks
 
 
 def array(items: Sequence[bytes]) -> bytes:
     return b"[" + b",".join(items) + b"]"
 
 
-def with_raw(value: dict, **raw: bytes) -> bytes:
-    """``value`` as JSON with each of ``raw``'s values (JSON text already written) as the value of
-    its key, which ``value`` must hold as None, in ``raw``'s order. The text replaced is the first
-    ``"<key>":null`` after the one before: no string value can hold it (each of a string's quotes
-    is escaped), and no key written before does unless it holds a quote (the answers' keys are
-    the peers' own names). One join, so the raw texts are copied once."""
+def with_raw(value: dict, **raw: bytes | Sequence[bytes]) -> bytes:
+    """``value`` as JSON with each of ``raw``'s values (JSON text already written, whole or as
+    chunks to join) as the value of its key, which ``value`` must hold as None, in ``raw``'s
+    order. The text replaced is the first ``"<key>":null`` after the one before: no string value
+    can hold it (each of a string's quotes is escaped), and no key written before does unless it
+    holds a quote (the answers' keys are the peers' own names). One join, so the raw texts are
+    copied once."""
     assert [key for key in value if key in raw] == list(raw) and all(value[key] is None for key in raw)
     rest = pydantic_core.to_json(value)
-    parts = []
+    parts: list[bytes] = []
     for key, written in raw.items():
         before, name, rest = rest.partition(pydantic_core.to_json(key) + b":null")
-        parts += [before, name[: -len(b"null")], written]
+        parts += [before, name[: -len(b"null")]]
+        parts += [written] if isinstance(written, bytes) else written
     return b"".join([*parts, rest])
 
 

@@ -49,26 +49,26 @@ from logprob_service.http.scoring import (
 OWNER = "logprob-service"
 
 
-def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
-    """vLLM's ``prompt_logprobs`` of one prompt, as JSON: null for each position not scored, then
-    for each scored token its own entry and the top ``k``'s (the own entry once, first, as vLLM's
-    dict has it): ``{"<id>":{"logprob":<lp>,"rank":<rank>,"decoded_token":"token_id:<id>"},...}``.
+def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> list[bytes]:
+    """vLLM's ``prompt_logprobs`` of one prompt, as JSON in chunks to join: null for each position
+    not scored, then for each scored token its own entry and the top ``k``'s (the own entry once,
+    first, as vLLM's dict has it):
+    ``{"<id>":{"logprob":<lp>,"rank":<rank>,"decoded_token":"token_id:<id>"},...}``.
 
     Ranks as vLLM's (``vllm/logprobs.py``, ``append_logprobs_for_next_position``): the top k's
     1..k by place, the token's own its place there when it is one of them (the dict's later
     entry), else its vocabulary rank (``SequenceScores.ranks``; over a split vocabulary, which
     does not count them, k + 1, a lower bound).
 
-    Written as one ``bytes.join`` of the entries' numbers (log-probs written by pydantic-core in
-    one call; ids and ranks, with top-k, taken from ``encoding.integers``' kept texts) between
-    constant texts, not as a formatted bytes object per entry."""
+    Written by ``encoding.interleave``: the entries' ids, log-probs and ranks as columns between
+    constant texts, a block of entries at a time, not as a formatted bytes object per entry."""
     nulls = b"null," * item.start
     if scores is None:
-        return b"[" + nulls[:-1] + b"]"
+        return [b"[" + nulls[:-1] + b"]"]
     own = item.ids[item.start :]
     vocab_rank = scores.ranks if scores.ranks is not None else np.full(len(own), k + 1)
     if not k:  # one entry a position
-        ids, lps, ranks, ends = own, scores.logprobs, vocab_rank, [b'"}},{"'] * len(own)
+        ids, lps, ranks, ends = own, scores.logprobs, vocab_rank, _ENDS[1]
     else:
         assert scores.top_ids is not None and scores.top_logprobs is not None
         among = scores.top_ids == own[:, None]
@@ -82,25 +82,29 @@ def prompt_logprobs(item: Item, scores: SequenceScores | None, k: int) -> bytes:
         lps = np.column_stack([scores.logprobs, scores.top_logprobs])[kept]
         ranks = table_ranks[kept]
         # what follows each entry: the next entry of its position, or (after its last) the next position
-        ends_array = np.full(len(ids), b'"},"', dtype=object)
-        ends_array[np.cumsum(kept.sum(axis=1)) - 1] = b'"}},{"'
-        ends = ends_array.tolist()
-    ends[-1] = b'"}}'  # the last position's
-    # At top-k the kept texts cost less than writing them; a table look-up a token, with its
-    # cache miss, costs more than writing one id and one rank (bench_http.py --encode).
-    write = encoding.integers if k else lambda values: encoding.numbers(values.tolist())
-    id_texts = write(ids)
-    columns = (
-        id_texts,
+        last = np.zeros(len(ids), dtype=np.intp)
+        last[np.cumsum(kept.sum(axis=1)) - 1] = 1
+        ends = _ENDS[last]
+    chunks = encoding.interleave(
+        ids,
         b'":{"logprob":',
-        encoding.numbers(lps.tolist()),
+        lps,
         b',"rank":',
-        write(ranks),
+        ranks,
         b',"decoded_token":"token_id:',
-        id_texts,
+        ids,
         ends,
+        head=b"[" + nulls + b'{"',
+        tail=b"]",
     )
-    return encoding.interleave(*columns, head=b"[" + nulls + b'{"', tail=b"]")
+    chunks[-2] = chunks[-2][: -len(_NEXT)]  # the last position has none after it
+    return chunks
+
+
+# What follows an entry: another of its position, or (after a position's last) the next position,
+# whose opening ``_NEXT`` the last position's does not have.
+_NEXT = b',{"'
+_ENDS = np.array([b'"},"', b'"}}' + _NEXT], dtype=object)
 
 
 # The answer's bytes (``scoring.AnswerSize``): a prompt_logprobs entry is at most 99 bytes
@@ -176,12 +180,13 @@ async def completions(call: RouteRequest) -> RouteAnswer:
     )
     # vLLM's CompletionResponseChoice and CompletionResponse, every field in the model's order
     # (vLLM answers ``model_dump()``)
-    choices = [
-        b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,'
-        b'"prompt_logprobs":%b,"prompt_token_ids":null,"routed_experts":null,"weight_versions":null}'
-        % (i, prompt_logprobs(item, scores, k))
-        for i, (item, scores) in enumerate(zip(items, scored.scores))
-    ]
+    choices: list[bytes] = [b"["]
+    for i, (item, scores) in enumerate(zip(items, scored.scores)):
+        head = b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,'
+        tail = b',"prompt_token_ids":null,"routed_experts":null,"weight_versions":null}'
+        choices += [b"," if i else b"", head % i, b'"prompt_logprobs":', *prompt_logprobs(item, scores, k), tail]
+        await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
+    choices.append(b"]")
     payload = {
         "id": f"cmpl-{call.request_id}",
         "object": "text_completion",
@@ -195,7 +200,7 @@ async def completions(call: RouteRequest) -> RouteAnswer:
         "ec_transfer_params": None,
         "metrics": None,
     }
-    return RouteAnswer(encoding.with_raw(payload, choices=encoding.array(choices)), scored.model, scored.result)
+    return RouteAnswer(encoding.with_raw(payload, choices=choices), scored.model, scored.result)
 
 
 async def _score(
