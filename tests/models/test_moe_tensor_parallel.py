@@ -90,6 +90,14 @@ def test_experts_that_do_not_split_over_the_ranks_are_refused(seed):
 
 
 def test_a_model_whose_plan_shards_none_of_its_layers_is_refused(seed):
-    config = make_moe_model("gpt_oss", seed=seed).config  # its plan: the embedding only
-    with pytest.raises(ModelLoadError, match="GptOssConfig has no tensor-parallel plan"):
+    config = make_moe_model("qwen3_moe", seed=seed).config
+    config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise"}  # as gpt-oss's own: the embedding only
+    with pytest.raises(ModelLoadError, match="Qwen3MoeConfig has no tensor-parallel plan"):
         body_plan(config, 2)
+
+
+def test_gpt_oss_gets_a_plan_for_its_attention(seed):
+    """Its config plans only the embedding; its attention splits by head as Llama's (the sinks
+    with the query heads: tests/models/test_quantized_tensor_parallel.py serves it so)."""
+    plan = body_plan(make_moe_model("gpt_oss", seed=seed).config, 2)
+    assert plan == {f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"} | {"layers.*.self_attn.o_proj": "rowwise"}

@@ -169,14 +169,6 @@ def test_a_lora_adapter_on_a_quantized_base_is_refused(tmp_path, dense):
         serve_lora_model("tuned", base, str(tmp_path / "adapter"))
 
 
-def test_tensor_parallel_refuses_a_quantized_checkpoint(tmp_path, dense):
-    from logprob_service.models.tensor_parallel import load_sharded_causal_lm
-
-    write_checkpoint(tmp_path, dense, "ct-channel")
-    with pytest.raises(ModelLoadError, match=r"tensor parallel: .* is quantized .*served on one GPU only"):
-        load_sharded_causal_lm(str(tmp_path), None, device=CPU, dtype=torch.float32)  # type: ignore[arg-type]
-
-
 def test_a_quantized_weight_takes_its_dense_tensor_or_its_quantized_ones_but_no_dense_delta(tmp_path, dense):
     write_checkpoint(tmp_path, dense, "fp8-blocks")
     served = load_served_model("ref", str(tmp_path), device=CPU, dtype=torch.float32, logprob_op=LogprobOp("eager"))

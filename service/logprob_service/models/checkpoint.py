@@ -67,6 +67,7 @@ class SafetensorsSource:
     expert weight is assembled from its experts' own tensors, a rank's experts only."""
 
     def __init__(self, directory: Path) -> None:
+        self.directory = directory
         index = directory / "model.safetensors.index.json"
         if index.exists():
             files = json.loads(index.read_text())["weight_map"]
@@ -91,6 +92,15 @@ class SafetensorsSource:
 
     def names(self) -> set[str]:
         return set(self._files) | set(self._experts)
+
+    def stored(self, name: str) -> torch.Tensor:
+        """A meta tensor of the dtype and shape a (not stacked) tensor is stored in; none of its bytes read."""
+        with safe_open(self._files[name], "pt") as f:
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            # An empty slice (or a 0-d tensor's one value) gives the dtype.
+            dtype = part[(slice(0, 0),) * len(shape)].dtype if shape else part[...].dtype
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
         if name in self._experts:

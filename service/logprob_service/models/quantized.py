@@ -179,7 +179,6 @@ class Fp8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, scale: torch.Tensor, fmt: WeightFormat) -> None:
         super().__init__()
         self.out_features, self.in_features = shape = (linear.out_features, linear.in_features)
-        self.block = fmt.block(shape)
         self.format = fmt
         self.scale_name = fmt.scale_name
         self.compute = fmt.compute
@@ -194,6 +193,12 @@ class Fp8Linear(nn.Module):
     @property
     def scale(self) -> torch.Tensor:
         return getattr(self, self.scale_name)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """The block of weight elements one scale covers: of the weight this module holds (a
+        tensor-parallel rank's shard computes with its own shard's, ``models.tensor_parallel``)."""
+        return self.format.block(tuple(self.weight.shape))  # type: ignore[arg-type]
 
     def take_dense(self, weight: torch.Tensor) -> None:
         """Serve ``weight`` [out, in] from now on, quantized as the checkpoint is (``ops.fp8.quantize``)."""
@@ -338,7 +343,7 @@ def _quantized_module(
     scale_name = f"{name}.{fmt.scale_name}"
     if type(module) is not nn.Linear or scale_name not in names:
         return None
-    scale = source.read(scale_name, None, 0, 0)
+    scale = source.stored(scale_name)
     shape = (module.out_features, module.in_features)
     block = fmt.block(shape)
     if not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
@@ -353,6 +358,29 @@ def _quantized_module(
     return Fp8Linear(module, scale, fmt)
 
 
+def quantized_skeleton(
+    source: SafetensorsSource, config: PretrainedConfig, fmt: WeightFormat, dtype: torch.dtype, attn_implementation: str
+) -> PreTrainedModel:
+    """The model of ``config`` on the meta device (``checkpoint.skeleton``) with the layers the
+    checkpoint in ``source`` stores quantized in place: ``Fp8Linear``, ``Fp8Experts``,
+    ``Mxfp4Experts``; every other parameter in ``dtype``."""
+    dense = copy.deepcopy(config)
+    if hasattr(dense, "quantization_config"):
+        del dense.quantization_config
+    model = skeleton(dense, dtype, attn_implementation)
+    names = source.names()
+    quantized = 0
+    for name, module in list(model.named_modules()):
+        if (replacement := _quantized_module(name, module, fmt, source, names)) is not None:
+            model.set_submodule(name, replacement)
+            quantized += 1
+    if not quantized:
+        raise ModelLoadError(
+            f"{source.directory}: {fmt.describe()} is declared, but no weight of the model is stored so"
+        )
+    return model
+
+
 def load_quantized_causal_lm(
     directory: Path,
     config: PretrainedConfig,
@@ -362,26 +390,15 @@ def load_quantized_causal_lm(
     dtype: torch.dtype,
     attn_implementation: str,
 ) -> PreTrainedModel:
-    """The checkpoint in ``directory`` on ``device``: its quantized linears as ``Fp8Linear`` (FP8
-    weights and float32 scales as stored), its MXFP4 expert banks as ``Mxfp4Experts``, every other
+    """The checkpoint in ``directory`` on ``device``: its quantized layers as ``quantized_skeleton``
+    makes them (FP8 weights and float32 scales, MXFP4 blocks and scales, as stored), every other
     weight in ``dtype``."""
     source = SafetensorsSource(directory)
-    dense = copy.deepcopy(config)
-    if hasattr(dense, "quantization_config"):
-        del dense.quantization_config
-    model = skeleton(dense, dtype, attn_implementation)
+    model = quantized_skeleton(source, config, fmt, dtype, attn_implementation)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    names = source.names()
-    quantized = 0
-    for name, module in list(model.named_modules()):
-        if (replacement := _quantized_module(name, module, fmt, source, names)) is not None:
-            model.set_submodule(name, replacement)
-            quantized += 1
-    if not quantized:
-        raise ModelLoadError(f"{directory}: {fmt.describe()} is declared, but no weight of the model is stored so")
     materialize(model, buffers, device)
     params = owned_parameters(model)
-    missing = sorted(set(params) - names)
+    missing = sorted(set(params) - source.names())
     if missing:
         raise ModelLoadError(f"{directory}: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
     with torch.no_grad():

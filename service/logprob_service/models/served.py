@@ -150,7 +150,12 @@ def load_served_model(
         )
     else:
         model = load_sharded_causal_lm(
-            source, tensor_parallel, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+            source,
+            tensor_parallel,
+            device=device,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            fp8_compute=fp8_compute,
         )
     scorer = CausalLMScorer(model, logprob_op=logprob_op, options=options, tensor_parallel=tensor_parallel)
     served = serve_model(name, source, scorer)

@@ -93,7 +93,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
+        # FP8 codes are gathered as their bytes: gloo has no 8-bit float type.
+        raw = DTensor.from_local(
+            tensor.to_local().view(torch.uint8),
+            tensor.device_mesh,
+            tensor.placements,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
+        return raw.full_tensor().view(tensor.dtype)
+    return tensor.full_tensor()
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
