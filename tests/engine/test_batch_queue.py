@@ -162,6 +162,26 @@ def test_a_clients_backlog_delays_anothers_call_by_a_turn_not_by_itself():
     assert described(queue.take()) == [("a1", [3]), ("a2", [0, 1, 2])]
 
 
+def test_a_sparse_clients_call_goes_next_ahead_of_every_backlog():
+    """a, b and c each keep a backlog of their own key (temperature); d, with nothing queued,
+    sends one sequence of a fourth key: its micro-batch is the next, not the one after a turn
+    of each backlog (three micro-batches, each client joining at the back). Sparse again once
+    its queue is empty, d's next call goes next too; a backlogged client never goes ahead of the
+    others' turns (clients that arrive together keep their order), and after d the round goes
+    on where it was."""
+    queue = queue_of(
+        *(job(f"{c}{i}", [100] * 4, client=c, temperature=t) for i in range(5) for c, t in zip("abc", (1.0, 0.5, 0.7)))
+    )
+    assert [described(queue.take())[0][0] for _ in range(4)] == ["a0", "b0", "c0", "a1"]
+    queue.push(Outcome().request(job("d0", [100], client="d", temperature=0.3)))
+    assert described(queue.take()) == [("d0", [0])]  # alone: nobody else has work of its key
+    assert described(queue.take())[0][0] == "b1"
+    queue.push(Outcome().request(job("d1", [100], client="d", temperature=0.3)))
+    queue.push(Outcome().request(job("a9", [100], client="a")))  # a is backlogged: not sparse
+    assert described(queue.take()) == [("d1", [0])]
+    assert [described(queue.take())[0][0] for _ in range(3)] == ["c1", "a2", "b2"]
+
+
 def test_clients_take_turns_whatever_their_keys():
     """a's backlog, then b's at another temperature: their micro-batches alternate. In arrival
     order, the oldest unit's key went first, so b's work waited for all of a's."""

@@ -5,19 +5,24 @@ unit when it fits a micro-batch, else balanced parts (``partition.plan_micro_bat
 Karmarkar-Karp), a part over the budget (a sequence longer than it) first. Each client
 (``ScoreJob.client``) has a queue of its units per ``BatchKey``, in arrival order.
 
-Clients share the device by deficit round-robin over their token-equivalents. They take turns in
-an order (a client with new work joins at the back, ahead of the client whose turn just ended if
-that one has not begun its next): a turn gives its client a quantum of ``max_batch_tokens`` (its
-*deficit*, with what its last turn left), which it spends on its units until it has no more work
-of the micro-batch's key or its deficit is spent (the last piece may overdraw it: the next turn
-pays); the client then goes to the back. ``take`` forms the next micro-batch: the first client in
-the order with eligible work names its key (its oldest eligible unit's), and the turns fill the
-micro-batch, one client after another, with work of that key under ``max_batch_tokens`` and
-``max_batch_sequences``, each client's first fit, in arrival order, among the first
-``FIT_WINDOW`` units of its queue; a unit too big for the room left gives the sequences that fit
-and keeps its place with the rest. So micro-batches fill up to the budget from many clients'
-work, one client alone gets full micro-batches, and a client that queued its whole share delays
-another's small call by about one turn (a micro-batch) and what is in flight, not by its backlog.
+Clients share the device by deficit round-robin over their token-equivalents, with sparse clients
+first, as Linux's fq_codel serves new flows (RFC 8290, section 4.1): they take turns in an order
+where a client whose work arrives while it has none queued (one call at a time, a trainer waiting
+for its answer) joins at the front, behind only other such clients still waiting for their first
+turn, and any other client at the back. A turn gives its client a quantum of ``max_batch_tokens``
+(its *deficit*, with what its last turn left), which it spends on its units until it has no more
+work of the micro-batch's key or its deficit is spent (the last piece may overdraw it: the next
+turn pays); the client then goes to the back. A backlogged client never comes first again until
+its queue has emptied, so what comes ahead of it is at most one quantum per sparse arrival.
+
+``take`` forms the next micro-batch: the first client in the order with eligible work names its
+key (its oldest eligible unit's), and the turns fill the micro-batch, one client after another,
+with work of that key under ``max_batch_tokens`` and ``max_batch_sequences``, each client's first
+fit, in arrival order, among the first ``FIT_WINDOW`` units of its queue; a unit too big for the
+room left gives the sequences that fit and keeps its place with the rest. So micro-batches fill
+up to the budget from many clients' work, one client alone gets full micro-batches, and clients
+that queued their whole shares delay another's small call by the micro-batches in flight and the
+one it runs in, not by their backlogs or their number.
 Forming one costs O(clients + units taken): nothing scans the queue.
 
 Work is counted as it runs, in token-equivalents (``costs.run_costs``): real tokens (no padding:
@@ -128,6 +133,7 @@ class _Client:
     cost: int = 0  # token-equivalents of its queued units (those of requests discarded not counted)
     deficit: int = 0  # what its turn may still take
     in_turn: bool = False  # its turn has begun (its quantum given) and is not over
+    sparse: bool = False  # its work came while it had none queued, and its first turn has not begun
 
 
 @dataclass
@@ -179,7 +185,6 @@ class BatchQueue:
         self._deadlines: list[tuple[float, int, Request]] = []  # a heap of queued requests' deadlines
         self._arrivals = itertools.count()  # breaks ties between equal deadlines
         self._dropped: list[tuple[Request, int]] = []  # discarded on meeting them, for drop_dead to report
-        self._last_turn: _Client | None = None  # whose turn ended last
 
     def tokens(self, sequences: list[TokenSequence]) -> int:
         """Real tokens a micro-batch of ``sequences`` runs (what the metrics count)."""
@@ -241,11 +246,12 @@ class BatchQueue:
             return
         request = units[0].request
         client = self._clients.get(request.job.client)
-        if client is None:  # new work: its turn comes after every other client's next one
-            client = self._clients[request.job.client] = _Client(request.job.client)
-            last = self._last_turn
-            if last is not None and self._clients.get(last.name) is last and not last.in_turn:
-                self._clients[last.name] = self._clients.pop(last.name)  # it just had its turn
+        if client is None:  # a sparse client: its turn comes next, after those of earlier sparse ones
+            client = _Client(request.job.client, sparse=True)
+            order = list(self._clients.values())
+            place = next((i for i, other in enumerate(order) if not other.sparse), len(order))
+            order.insert(place, client)
+            self._clients = {other.name: other for other in order}
         queue = client.queues.setdefault(request.key, deque())
         for unit in units:
             queue.append(unit)
@@ -458,6 +464,7 @@ class BatchQueue:
                 if not client.in_turn:
                     client.deficit += self.max_batch_tokens
                     client.in_turn = True
+                    client.sparse = False
                 taken = len(batch.units)
                 over = self._serve(client, key, batch, held)
                 if over:
@@ -507,7 +514,7 @@ class BatchQueue:
     def _end_turn(self, client: _Client) -> None:
         """``client``'s turn is over: it goes to the back of the order (if it has work left)."""
         client.in_turn = False
-        self._last_turn = client
+        client.sparse = False
         if self._clients.get(client.name) is client:
             self._clients[client.name] = self._clients.pop(client.name)
 
