@@ -122,6 +122,7 @@ SERVER_MODULES = (
     "peft",
     "starlette",
     "uvicorn",
+    "orjson",
 )
 # The exit code of a server whose tensor-parallel group lost a rank (a restart serves again).
 EXIT_GROUP_LOST = 3

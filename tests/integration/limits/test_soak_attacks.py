@@ -15,8 +15,9 @@ process of its own):
 Then SIGTERM, with the attack on. ``LOGPROB_SOAK_ONLY=hog,flood`` runs only those attacks (by
 their functions' names in ``tests/helpers/attacks.py``), to find which one moves a figure.
 
-Marked ``serial``: nothing else runs beside it (about 25 s of both cores); ``soak`` selects it alone
-(``make test PYTEST_ARGS="-m soak"``). Seen on the 2-core CPU machine, 2026-11-29: p99 ratios 0.95-1.35
+Marked ``soak``: the suite leaves it out, and CI runs it in a pytest of its own before the suite
+(``make test PYTEST_ARGS="-m soak"``, about 25 s of both cores), since it measures latency against
+an unloaded run (once, beside the suite's other worker, it gave 2.4x); ``serial`` as well. Seen on the 2-core CPU machine, 2026-11-29: p99 ratios 0.95-1.35
 over three runs on an idle machine, 1.5-1.67 with a third process spinning a core beside it.
 
 The server's micro-batch is 256 tokens (``--max-batch-tokens``): about 20 ms on this CPU, what a
