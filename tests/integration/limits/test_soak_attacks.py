@@ -17,8 +17,9 @@ their functions' names in ``tests/helpers/attacks.py``), to find which one moves
 
 Marked ``soak``: the suite leaves it out, and CI runs it in a pytest of its own before the suite
 (``make test PYTEST_ARGS="-m soak"``, about 25 s of both cores), since it measures latency against
-an unloaded run (once, beside the suite's other worker, it gave 2.4x); ``serial`` as well. Seen on the 2-core CPU machine, 2026-11-29: p99 ratios 0.95-1.35
-over three runs on an idle machine, 1.5-1.67 with a third process spinning a core beside it.
+an unloaded run (once, beside the suite's other worker, it gave 2.4x); ``serial`` as well. Seen
+on the 2-core CPU machine, 2026-11-29: p99 ratios 0.95-1.35 over three runs on an idle machine,
+1.5-1.67 with a third process spinning a core beside it.
 
 The server's micro-batch is 256 tokens (``--max-batch-tokens``): about 20 ms on this CPU, what a
 64 Ki-token micro-batch takes on a GPU, so "a few micro-batches" (what the fair share promises a
