@@ -33,6 +33,7 @@ from logprob_service.http.bodies import Strict, generates_none, no_streaming, pa
 from logprob_service.http.scoring import (
     AnswerSize,
     Item,
+    answer_steps,
     candidate_rows,
     check_counts,
     check_start,
@@ -156,7 +157,7 @@ async def generate(call: RouteRequest) -> RouteAnswer:
     answers = []
     for item, start, rid, scores in zip(items, starts, rids, scored.scores):
         answers.append(input_answer(item, start, rid, scores, k, version=version, latency=latency, sent=sent))
-        await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
+        await budget.pause(answer_steps(item, k))
     return RouteAnswer(answers[0] if single else encoding.array(answers), scored.model, scored.result)
 
 

@@ -27,6 +27,7 @@ from logprob_service.http.bodies import Strict, parse, served_model
 from logprob_service.http.scoring import (
     AnswerSize,
     Item,
+    answer_steps,
     check_counts,
     check_start,
     ids_of,
@@ -131,7 +132,7 @@ async def sequence_logprobs(call: RouteRequest) -> RouteAnswer:
             lps, ids = _by_rank(item, scores, k)
             logprobs.append(empty + lps)
             token_ids.append(empty + ids)
-            await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
+            await budget.pause(answer_steps(item, k))
         # TRL's server answers through FastAPI's response_model, which writes every field of it
         payload = dict.fromkeys(RESPONSE_FIELDS, None) | {"logprobs": logprobs, "logprob_token_ids": token_ids}
         return RouteAnswer(payload, scored.model, scored.result)

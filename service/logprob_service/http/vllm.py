@@ -38,6 +38,7 @@ from logprob_service.http.scoring import (
     AnswerSize,
     Item,
     Scored,
+    answer_steps,
     candidate_rows,
     check_counts,
     check_start,
@@ -185,7 +186,7 @@ async def completions(call: RouteRequest) -> RouteAnswer:
         head = b'{"index":%d,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,'
         tail = b',"prompt_token_ids":null,"routed_experts":null,"weight_versions":null}'
         choices += [b"," if i else b"", head % i, b'"prompt_logprobs":', *prompt_logprobs(item, scores, k), tail]
-        await budget.pause(sequence_steps(4 * len(item.ids) * (1 + k)))  # ~8 values of JSON a microsecond
+        await budget.pause(answer_steps(item, k))
     choices.append(b"]")
     payload = {
         "id": f"cmpl-{call.request_id}",
