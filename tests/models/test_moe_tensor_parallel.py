@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tests.helpers.models import VOCAB, reference_scores
 from tests.helpers.moe import EXPERTS, hf_router_choices, make_moe_model
+from tests.helpers.processes import leave_rank
 from tests.models.test_moe import grouped_sequences
 
 pytestmark = pytest.mark.numerical
@@ -53,6 +54,7 @@ def _rank(rank: int, directory: str, dtype: torch.dtype, sequences: list[list[To
             Path(out).write_bytes(pickle.dumps((print_, held, results)))
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def sharded_run(

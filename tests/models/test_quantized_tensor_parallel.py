@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tests.helpers.models import ScoreReference, make_model, random_sequences
+from tests.helpers.processes import leave_rank
 from tests.helpers.quantized import FP8_DIMS, LAYOUTS, write_checkpoint, write_mxfp4_checkpoint
 from tests.helpers.seeds import session_seed
 
@@ -75,6 +76,7 @@ def _rank(rank: int, directory: str, names: list[str], sequences: list, out: str
         Path(f"{out}.{rank}").write_bytes(pickle.dumps(report))
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

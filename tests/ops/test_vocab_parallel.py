@@ -26,7 +26,7 @@ from logprob_service.ops.vocab_parallel import vocab_parallel_logprobs
 
 from tests.helpers import tolerances
 from tests.helpers.op_reference import random_case, reference, transformed_logits
-from tests.helpers.processes import free_port
+from tests.helpers.processes import free_port, leave_rank
 from tests.helpers.seeds import session_seed
 
 pytestmark = pytest.mark.numerical
@@ -102,6 +102,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
             topk.append((scores.top_ids, scores.top_logprobs, scores.candidate_logprobs))
     torch.save((results, topk, unfinished_flags(rank, start, stop)), Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+    leave_rank()
 
 
 def unfinished_flags(rank: int, start: int, stop: int) -> list[bool]:
